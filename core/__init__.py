@@ -1,0 +1,27 @@
+"""padgraph: fixed-shape GPU programs, fast and safe.
+
+Declare a static program once (buffers, padded axes, a ladder of buckets, what each padded lane
+holds), then lower it onto a backend: "cuda" (CUDA-graph capture and replay) or "reference"
+(eager, the oracle). The padding contract is enforced for every runner; see spec/SPEC.md.
+"""
+from .axes import Affine, Axis
+from .buckets import Buckets
+from .capture import capturing
+from .check import CheckResult, Finding, check
+from .errors import (BucketOverflowError, CaptureError, ContractError, ContractRuntimeError,
+                     ContractTypeError, ContractValueError, StateStorageError)
+from .pads import Edge, Fill
+from .plan import Plan
+from .program import Input, Output, Program, State
+from .registry import backends, compile, register_backend
+from .runtime import Outputs, Runner, Stats
+from .view import PaddedView
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Affine", "Axis", "Buckets", "capturing", "check", "CheckResult", "Finding",
+    "BucketOverflowError", "CaptureError", "ContractError", "ContractRuntimeError", "ContractTypeError",
+    "ContractValueError", "StateStorageError", "Edge", "Fill", "Plan", "Input", "Output", "Program",
+    "State", "backends", "compile", "register_backend", "Outputs", "Runner", "Stats", "PaddedView",
+]

@@ -1,0 +1,109 @@
+"""Symbolic axes: the bucketed axis and further padded axes whose capacity is affine in it.
+
+`bs = Axis("bs")` is the bucketed axis: its capacity for bucket b is b. `Axis("tokens",
+capacity=bs * 4)` is padded too, with its own raw extent, and capacity 4*b for bucket b. A shape
+dimension is an int, an Axis, or an affine expression of one axis (`bs + 1`, `bs * k`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+
+@dataclass(frozen=True)
+class Affine:
+    """`scale * axis + offset`: a dimension or a capacity that moves with one axis."""
+
+    axis: "Axis"
+    scale: int = 1
+    offset: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.scale, int) or self.scale < 1:
+            raise ValueError(f"axis expression on {self.axis.name!r}: scale must be an int >= 1, got {self.scale!r}")
+        if not isinstance(self.offset, int):
+            raise ValueError(f"axis expression on {self.axis.name!r}: offset must be an int, got {self.offset!r}")
+
+    def __add__(self, c: int) -> "Affine":
+        return Affine(self.axis, self.scale, self.offset + _int(c, self))
+
+    __radd__ = __add__
+
+    def __mul__(self, k: int) -> "Affine":
+        k = _int(k, self)
+        return Affine(self.axis, self.scale * k, self.offset * k)
+
+    __rmul__ = __mul__
+
+    def at(self, n: int) -> int:
+        """The dimension's size when the axis has extent n."""
+        return self.scale * n + self.offset
+
+    def solve(self, size: int) -> int | None:
+        """The axis extent n with `at(n) == size`, or None when there is none."""
+        n, rem = divmod(size - self.offset, self.scale)
+        return n if rem == 0 and n >= 0 else None
+
+    def __repr__(self) -> str:
+        s = self.axis.name if self.scale == 1 else f"{self.axis.name}*{self.scale}"
+        return s if self.offset == 0 else f"{s}{self.offset:+d}"
+
+
+def _int(v, expr) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"axis expression {expr!r}: only int scales and offsets are allowed, got {v!r}")
+    return v
+
+
+@dataclass(frozen=True, eq=False)
+class Axis:
+    """A padded axis. No capacity: the bucketed axis. Else `capacity` is affine in that axis."""
+
+    name: str
+    capacity: Union[Affine, "Axis", None] = None
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise ValueError(f"Axis name must be an identifier, got {self.name!r}")
+        cap = self.capacity
+        if isinstance(cap, Axis):
+            object.__setattr__(self, "capacity", Affine(cap))
+        elif cap is not None and not isinstance(cap, Affine):
+            raise TypeError(
+                f"Axis {self.name!r}: capacity must be an expression of the bucketed axis "
+                f"(like bs * 4 or bs + 1), got {cap!r}")
+        if isinstance(self.capacity, Affine) and self.capacity.axis.capacity is not None:
+            raise ValueError(
+                f"Axis {self.name!r}: capacity must be affine in the bucketed axis (one without "
+                f"capacity), but {self.capacity.axis.name!r} has a capacity itself")
+
+    @property
+    def bucketed(self) -> bool:
+        return self.capacity is None
+
+    def cap(self, bucket: int) -> int:
+        """This axis's capacity for a bucket of the bucketed axis."""
+        return bucket if self.capacity is None else self.capacity.at(bucket)
+
+    def __add__(self, c):
+        return Affine(self) + c
+
+    __radd__ = __add__
+
+    def __mul__(self, k):
+        return Affine(self) * k
+
+    __rmul__ = __mul__
+
+    def __repr__(self) -> str:
+        return self.name if self.capacity is None else f"{self.name}(cap={self.capacity!r})"
+
+
+Dim = Union[int, Axis, Affine]
+
+
+def as_affine(d: Dim) -> Affine | None:
+    """The affine form of a padded dimension, or None for a fixed int dimension."""
+    if isinstance(d, Axis):
+        return Affine(d)
+    return d if isinstance(d, Affine) else None

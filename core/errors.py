@@ -1,0 +1,45 @@
+"""The ContractError family: every error padgraph raises about a program's contract.
+
+Each class also subclasses the builtin it refines, so `except ValueError` keeps working in
+caller code. Messages name the program, the buffer, what must hold and what was given.
+"""
+from __future__ import annotations
+
+
+class ContractError(Exception):
+    """Base of every padgraph contract error."""
+
+
+class ContractValueError(ContractError, ValueError):
+    """A value (shape, extent, ladder, option) breaks the declared contract."""
+
+
+class ContractTypeError(ContractError, TypeError):
+    """A value of the wrong kind: dtype, a non-tensor input, a bad declaration type."""
+
+
+class ContractRuntimeError(ContractError, RuntimeError):
+    """The contract cannot be kept at run time (state storage moved, capture failed, ...)."""
+
+
+class BucketOverflowError(ContractValueError):
+    """A raw extent is past the largest bucket and the runner was built with overflow="error"."""
+
+
+class StateStorageError(ContractRuntimeError):
+    """A bound state tensor no longer has the storage, shape or strides it was bound with."""
+
+
+class CaptureError(ContractRuntimeError):
+    """A backend could not capture the body for a bucket."""
+
+
+def where(program: str, buffer: str | None = None, kind: str = "input") -> str:
+    """The 'program ..., input ...' prefix every message starts with."""
+    head = f"program {program!r}"
+    return f"{head}, {kind} {buffer!r}" if buffer is not None else head
+
+
+def mismatch(program: str, buffer: str | None, what: str, expected, got, kind: str = "input") -> str:
+    """Uniform 'expected vs given' message: `<where>: <what> must be <expected>, got <got>`."""
+    return f"{where(program, buffer, kind)}: {what} must be {expected}, got {got}"

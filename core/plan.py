@@ -1,0 +1,162 @@
+"""The ladder resolved: per-bucket shapes, raw-input validation, extent inference, bucket lookup.
+
+Everything here is host-side and device-free: a Plan can be built and inspected with no GPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from .axes import Affine, as_affine
+from .errors import BucketOverflowError, ContractTypeError, ContractValueError, mismatch, where
+from .program import Program, padded_dims
+
+
+@dataclass(frozen=True)
+class _InputCheck:
+    """What a raw input must satisfy, precomputed once so validation is a short loop."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple
+    fixed: tuple          # (dim, size) of int dimensions
+    moving: tuple         # (dim, axis name, Affine) of padded dimensions
+
+
+def _min_bucket_table(caps: list[int]) -> list[int]:
+    """table[n] = index of the first bucket whose capacity holds n (caps are non-decreasing)."""
+    table, i = [], 0
+    for n in range(caps[-1] + 1):
+        while caps[i] < n:
+            i += 1
+        table.append(i)
+    return table
+
+
+class Plan:
+    """A Program with its ladder resolved. Built once per runner; every method is pure."""
+
+    def __init__(self, program: Program):
+        self.program = program
+        self.buckets = tuple(program.buckets)
+        self.axes = program.axes
+        self.bucket_axis = self.axes[0].name
+        self._checks = tuple(_input_check(n, s) for n, s in program.inputs.items())
+        self._names = frozenset(program.inputs)
+        # axis name -> [raw extent -> bucket index]; O(1) lookup on the call path.
+        self._tables = {a.name: _min_bucket_table([a.cap(b) for b in self.buckets]) for a in self.axes}
+        self._affine = {a.name: a.capacity for a in self.axes}
+
+    # ---- shapes -------------------------------------------------------------------------
+    def capacity(self, axis: str, bucket: int) -> int:
+        cap = self._affine[axis]
+        return bucket if cap is None else cap.at(bucket)
+
+    def shape(self, name: str, bucket: int) -> tuple[int, ...]:
+        """Padded shape of an input or output at a bucket."""
+        spec = self.program.inputs.get(name) or self.program.outputs[name]
+        return tuple(_dim(d, lambda a: self.capacity(a, bucket)) for d in spec.shape)
+
+    def raw_shape(self, name: str, extents: Mapping[str, int]) -> tuple[int, ...]:
+        spec = self.program.inputs.get(name) or self.program.outputs[name]
+        return tuple(_dim(d, extents.__getitem__) for d in spec.shape)
+
+    def largest_shape(self, name: str) -> tuple[int, ...]:
+        return self.shape(name, self.buckets[-1])
+
+    # ---- validation and extents ---------------------------------------------------------
+    def extents(self, raw: Mapping[str, object], device: torch.device | None = None,
+                allow_host: bool = False) -> dict[str, int]:
+        """Check raw inputs against the declaration and infer one raw extent per axis."""
+        if raw.keys() != self._names:
+            self._bad_names(raw)
+        ext: dict[str, int] = {}
+        seen_by: dict[str, str] = {}
+        for c in self._checks:
+            t = raw[c.name]
+            self._check_tensor(c, t, device, allow_host)
+            shp = t.shape
+            for d, size in c.fixed:
+                if shp[d] != size:
+                    raise ContractValueError(mismatch(self.program.name, c.name, f"dim {d} of shape {c.shape}", size, f"{tuple(shp)}"))
+            for d, axis, af in c.moving:
+                n = af.solve(shp[d])
+                if n is None:
+                    raise ContractValueError(mismatch(
+                        self.program.name, c.name, f"dim {d} ({af!r})", f"{af!r} for some {axis} >= 0",
+                        f"{shp[d]} in shape {tuple(shp)}"))
+                old = ext.setdefault(axis, n)
+                if old != n:
+                    raise ContractValueError(
+                        f"{where(self.program.name, c.name)}: raw extent of axis {axis!r} must agree across inputs; "
+                        f"input {seen_by[axis]!r} gives {axis}={old} but {c.name!r} gives {axis}={n} (shape {tuple(shp)})")
+                seen_by.setdefault(axis, c.name)
+        if ext[self.bucket_axis] < 1:
+            raise ContractValueError(mismatch(self.program.name, seen_by[self.bucket_axis],
+                                              f"raw extent of bucketed axis {self.bucket_axis!r}", ">= 1", 0))
+        return ext
+
+    def _check_tensor(self, c: _InputCheck, t, device, allow_host) -> None:
+        if not isinstance(t, torch.Tensor):
+            raise ContractTypeError(mismatch(self.program.name, c.name, "the value", "a torch.Tensor", type(t).__name__))
+        if t.dtype != c.dtype:
+            raise ContractTypeError(mismatch(self.program.name, c.name, "dtype", c.dtype, t.dtype))
+        if t.dim() != len(c.shape):
+            raise ContractValueError(mismatch(self.program.name, c.name, f"rank of {c.shape}", len(c.shape), f"{t.dim()} (shape {tuple(t.shape)})"))
+        if device is not None and t.device != device and not (allow_host and t.device.type == "cpu"):
+            exp = f"{device}" + (" or cpu" if allow_host else "")
+            raise ContractValueError(mismatch(self.program.name, c.name, "device", exp, t.device))
+
+    def _bad_names(self, raw: Mapping) -> None:
+        missing = sorted(self._names - raw.keys())
+        unknown = sorted(raw.keys() - self._names)
+        parts = []
+        if missing:
+            parts.append(f"missing {missing}")
+        if unknown:
+            parts.append(f"unknown {unknown}")
+        raise ContractTypeError(
+            f"{where(self.program.name)}: inputs must be exactly {sorted(self._names)}; {', '.join(parts)}")
+
+    # ---- buckets ------------------------------------------------------------------------
+    def bucket_for(self, extents: Mapping[str, int]) -> int | None:
+        """Smallest bucket whose capacity holds every axis's raw extent; None past the ladder."""
+        i = 0
+        for axis, n in extents.items():
+            table = self._tables[axis]
+            if n >= len(table):
+                return None
+            j = table[n]
+            if j > i:
+                i = j
+        return self.buckets[i]
+
+    def fit(self, extents: Mapping[str, int]) -> int:
+        """Smallest whole size of the bucketed axis that holds every extent (ladder or not)."""
+        n = 1
+        for axis, e in extents.items():
+            cap = self._affine[axis]
+            need = e if cap is None else -(-(e - cap.offset) // cap.scale)
+            n = max(n, need)
+        return n
+
+    def overflow_error(self, extents: Mapping[str, int]) -> BucketOverflowError:
+        largest = self.buckets[-1]
+        over = {a: n for a, n in extents.items() if n > self.capacity(a, largest)}
+        caps = {a: self.capacity(a, largest) for a in over}
+        return BucketOverflowError(
+            f"{where(self.program.name)}: raw extents must fit the largest bucket {largest} "
+            f"(capacities {caps}), got {over}; enlarge the ladder or compile with overflow='eager'")
+
+
+def _dim(d, extent_of) -> int:
+    af = as_affine(d)
+    return d if af is None else af.at(extent_of(af.axis.name))
+
+
+def _input_check(name: str, spec) -> _InputCheck:
+    fixed = tuple((i, d) for i, d in enumerate(spec.shape) if isinstance(d, int))
+    moving = tuple((i, a.axis.name, a) for i, a in padded_dims(spec.shape))
+    return _InputCheck(name, spec.dtype, spec.shape, fixed, moving)

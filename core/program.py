@@ -1,0 +1,194 @@
+"""The declaration: inputs, outputs and bound state of a static program, and its ladder.
+
+A Program is frozen data: it can be built, printed and validated with no GPU and runs nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
+
+import torch
+
+from .axes import Affine, Axis, Dim, as_affine
+from .buckets import Buckets
+from .errors import ContractTypeError, ContractValueError
+from .pads import Pad, as_pad
+
+
+def _check_shape(shape, owner: str) -> tuple:
+    if not isinstance(shape, tuple):
+        raise ContractTypeError(f"{owner}: shape must be a tuple of ints and axes, got {shape!r}")
+    for d in shape:
+        if isinstance(d, bool) or not isinstance(d, (int, Axis, Affine)):
+            raise ContractTypeError(f"{owner}: a dimension must be an int, an Axis or an axis expression, got {d!r}")
+        if isinstance(d, int) and d < 0:
+            raise ContractValueError(f"{owner}: a fixed dimension must be >= 0, got {d}")
+    return shape
+
+
+def padded_dims(shape: tuple) -> list[tuple[int, Affine]]:
+    """(dim index, affine) for each dimension that moves with an axis."""
+    return [(i, a) for i, d in enumerate(shape) if (a := as_affine(d)) is not None]
+
+
+@dataclass(frozen=True)
+class Input:
+    """A static input: shape over ints and axes, dtype, and the pad policy of its padded lanes."""
+
+    shape: tuple
+    dtype: torch.dtype
+    pad: Pad | int | float | bool | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "pad", as_pad(self.pad))
+
+    @property
+    def padded(self) -> bool:
+        return bool(padded_dims(self.shape))
+
+
+@dataclass(frozen=True)
+class Output:
+    """A static output; sliced to raw extents along its padded axes after each call."""
+
+    shape: tuple
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class State:
+    """A bound tensor (or list of tensors) the body reads and writes, e.g. a KV cache.
+
+    `sink`: the row(s) of dim 0 that padded lanes may write (slot 0, request row 0), or None.
+    """
+
+    sink: int | tuple[int, ...] | None = None
+
+    @property
+    def sink_rows(self) -> tuple[int, ...]:
+        if self.sink is None:
+            return ()
+        return (self.sink,) if isinstance(self.sink, int) else tuple(self.sink)
+
+
+def _freeze(d: Mapping | None) -> Mapping:
+    return MappingProxyType(dict(d or {}))
+
+
+@dataclass(frozen=True)
+class Program:
+    """A static program: named inputs, outputs, state, and the ladder of its bucketed axis."""
+
+    name: str
+    inputs: Mapping[str, Input]
+    outputs: Mapping[str, Output] = field(default_factory=dict)
+    state: Mapping[str, State] = field(default_factory=dict)
+    buckets: Buckets | None = None
+
+    def __post_init__(self):
+        for attr in ("inputs", "outputs", "state"):
+            object.__setattr__(self, attr, _freeze(getattr(self, attr)))
+        if self.buckets is None:
+            object.__setattr__(self, "buckets", Buckets.default())
+        elif not isinstance(self.buckets, Buckets):
+            object.__setattr__(self, "buckets", Buckets(self.buckets))
+        _validate(self)
+
+    @property
+    def axes(self) -> tuple[Axis, ...]:
+        """Every axis used by the inputs, the bucketed one first, in declaration order."""
+        seen: dict[int, Axis] = {}
+        for spec in self.inputs.values():
+            for _, a in padded_dims(spec.shape):
+                seen.setdefault(id(a.axis), a.axis)
+        return tuple(sorted(seen.values(), key=lambda a: not a.bucketed))
+
+    @property
+    def bucket_axis(self) -> Axis:
+        return self.axes[0]
+
+    def axis(self, name: str) -> Axis:
+        for a in self.axes:
+            if a.name == name:
+                return a
+        raise ContractValueError(f"program {self.name!r}: no axis {name!r}; axes are {[a.name for a in self.axes]}")
+
+    def __str__(self) -> str:
+        lines = [f"Program {self.name!r}  buckets={list(self.buckets)}"]
+        for n, s in self.inputs.items():
+            lines.append(f"  in    {n:<18} {_fmt(s.shape):<18} {str(s.dtype):<16} pad={s.pad!r}")
+        for n, s in self.outputs.items():
+            lines.append(f"  out   {n:<18} {_fmt(s.shape):<18} {s.dtype}")
+        for n, s in self.state.items():
+            lines.append(f"  state {n:<18} sink={s.sink!r}")
+        return "\n".join(lines)
+
+
+def _fmt(shape: tuple) -> str:
+    return "(" + ", ".join(repr(d) for d in shape) + ")"
+
+
+def _validate(p: Program) -> None:
+    if not isinstance(p.name, str) or not p.name:
+        raise ContractValueError(f"Program name must be a non-empty string, got {p.name!r}")
+    if not p.inputs:
+        raise ContractValueError(f"program {p.name!r}: declares no inputs; a static program needs at least one")
+    names = list(p.inputs) + list(p.outputs) + list(p.state)
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ContractValueError(f"program {p.name!r}: names must be unique across inputs, outputs and state, got {dup} twice")
+    reserved = {"bucket", "extent", "program", "raw_extents"}
+    for n in names:
+        if not n.isidentifier() or n.startswith("_") or n in reserved:
+            raise ContractValueError(f"program {p.name!r}: buffer name {n!r} must be an identifier, not start with '_' and not be one of {sorted(reserved)}")
+    for n, s in p.inputs.items():
+        _validate_buffer(p, n, s, Input, "input")
+        if s.padded and s.pad is None:
+            raise ContractValueError(
+                f"program {p.name!r}, input {n!r}: shape {_fmt(s.shape)} has a padded axis, so it must declare "
+                f"pad= (a number, pg.Fill(v) or pg.Edge()); there is no 'leave as is'")
+    for n, s in p.outputs.items():
+        _validate_buffer(p, n, s, Output, "output")
+    for n, s in p.state.items():
+        if not isinstance(s, State):
+            raise ContractTypeError(f"program {p.name!r}, state {n!r}: must be pg.State(...), got {type(s).__name__}")
+    _validate_axes(p)
+
+
+def _validate_buffer(p, n, s, cls, kind) -> None:
+    if not isinstance(s, cls):
+        raise ContractTypeError(f"program {p.name!r}, {kind} {n!r}: must be pg.{cls.__name__}(...), got {type(s).__name__}")
+    _check_shape(s.shape, f"program {p.name!r}, {kind} {n!r}")
+    if not isinstance(s.dtype, torch.dtype):
+        raise ContractTypeError(f"program {p.name!r}, {kind} {n!r}: dtype must be a torch.dtype, got {s.dtype!r}")
+
+
+def _validate_axes(p: Program) -> None:
+    axes = p.axes
+    if not axes:
+        raise ContractValueError(f"program {p.name!r}: no input has a padded axis, so there is nothing to bucket")
+    roots = [a for a in axes if a.bucketed]
+    if len(roots) != 1:
+        raise ContractValueError(
+            f"program {p.name!r}: exactly one bucketed axis (an Axis without capacity) must be used, got "
+            f"{[a.name for a in roots]}; give the others capacity=<expression of the bucketed axis>")
+    root = roots[0]
+    names = [a.name for a in axes]
+    if len(set(names)) != len(names):
+        raise ContractValueError(f"program {p.name!r}: two different axes share a name in {names}")
+    for a in axes:
+        if not a.bucketed and a.capacity.axis is not root:
+            raise ContractValueError(
+                f"program {p.name!r}, axis {a.name!r}: capacity must be an expression of the bucketed axis "
+                f"{root.name!r}, got {a.capacity!r}")
+        if a.cap(p.buckets[0]) < 1:
+            raise ContractValueError(
+                f"program {p.name!r}, axis {a.name!r}: capacity must be >= 1 at every bucket, got {a.cap(p.buckets[0])} at bucket {p.buckets[0]}")
+    known = {id(a) for a in axes}
+    for n, s in p.outputs.items():
+        for _, af in padded_dims(s.shape):
+            if id(af.axis) not in known:
+                raise ContractValueError(
+                    f"program {p.name!r}, output {n!r}: axis {af.axis.name!r} is used by no input, so its raw "
+                    f"extent cannot be known; axes of the inputs are {names}")

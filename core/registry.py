@@ -1,0 +1,51 @@
+"""Backend registry and `pg.compile`. Core names backends by import path; it never imports them."""
+from __future__ import annotations
+
+import importlib
+from typing import Callable, Mapping
+
+from .errors import ContractValueError
+from .program import Program
+
+_BACKENDS: dict[str, object] = {
+    "reference": "padgraph.reference:ReferenceRunner",
+    "cuda": "padgraph.backends.cuda:CudaGraphRunner",
+}
+
+
+def register_backend(name: str, runner_cls) -> None:
+    """Register a Runner subclass (or 'module:Class' path) under a backend name."""
+    _BACKENDS[name] = runner_cls
+
+
+def backends() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def _resolve(name: str):
+    try:
+        entry = _BACKENDS[name]
+    except KeyError:
+        raise ContractValueError(f"backend must be one of {backends()}, got {name!r}") from None
+    if isinstance(entry, str):
+        module, _, attr = entry.partition(":")
+        entry = getattr(importlib.import_module(module), attr)
+        _BACKENDS[name] = entry
+    return entry
+
+
+def compile(program: Program, body: Callable, backend: str = "reference", *, state: Mapping | None = None,
+            prepare: Callable | None = None, overflow: str = "eager", copy_outputs: bool = False,
+            **options):
+    """Lower a program and its body onto a backend; returns a callable Runner.
+
+    prepare: fn(x) run eagerly before each call on the same padded view (host-side metadata).
+    overflow: "eager" (run past the ladder eagerly, counted and warned once) or "error".
+    copy_outputs: False — outputs are views valid until the runner's next call; True — copies.
+    options: backend-specific (cuda: device, pool, progress, warmup).
+    """
+    if not isinstance(program, Program):
+        raise ContractValueError(f"compile: program must be a pg.Program, got {type(program).__name__}")
+    cls = _resolve(backend)
+    return cls(program, body, state=state, prepare=prepare, overflow=overflow,
+               copy_outputs=copy_outputs, **options)

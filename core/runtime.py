@@ -1,0 +1,158 @@
+"""What every backend's runner shares: the call path around the backend's own `_run`.
+
+validate → state guard → bucket lookup → (overflow policy) → backend `_run` → sliced outputs.
+A backend subclasses Runner and implements `_run(bucket, raw, extents)` returning the padded
+outputs at that bucket; it never re-implements validation, bucketing, slicing or stats.
+"""
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import torch
+
+from .errors import ContractTypeError, ContractValueError, mismatch, where
+from .plan import Plan
+from .program import Program, padded_dims
+from .state import BoundState
+
+log = logging.getLogger("padgraph")
+
+
+class Outputs(dict):
+    """The outputs of one call, by name: `out.logits` or `out["logits"]`."""
+
+    def __getattr__(self, name: str):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"no output {name!r}; outputs are {sorted(self)}") from None
+
+
+@dataclass
+class Stats:
+    """Per-bucket call and padding counts, eager fallbacks, and backend extras (capture)."""
+
+    calls: dict = field(default_factory=lambda: defaultdict(int))
+    padded_lanes: dict = field(default_factory=lambda: defaultdict(int))   # bucket -> lanes of the bucketed axis
+    raw_lanes: dict = field(default_factory=lambda: defaultdict(int))
+    eager_fallbacks: int = 0
+    capture: dict = field(default_factory=dict)                             # bucket -> {seconds, bytes}
+
+    def record(self, bucket: int, raw: int) -> None:
+        self.calls[bucket] += 1
+        self.raw_lanes[bucket] += raw
+        self.padded_lanes[bucket] += bucket - raw
+
+    @property
+    def padding_fraction(self) -> float:
+        total = sum(self.raw_lanes.values()) + sum(self.padded_lanes.values())
+        return sum(self.padded_lanes.values()) / total if total else 0.0
+
+    def table(self) -> str:
+        rows = ["bucket  calls  raw lanes  padded lanes"]
+        for b in sorted(self.calls):
+            rows.append(f"{b:>6}  {self.calls[b]:>5}  {self.raw_lanes[b]:>9}  {self.padded_lanes[b]:>12}")
+        rows.append(f"eager fallbacks: {self.eager_fallbacks}   padding: {self.padding_fraction:.1%}")
+        return "\n".join(rows)
+
+
+class Runner:
+    """A compiled program. Call it with raw-sized tensors; get outputs sliced to raw extents."""
+
+    backend = "abstract"
+    allow_host_inputs = False
+
+    def __init__(self, program: Program, body: Callable, *, state: Mapping | None = None,
+                 prepare: Callable | None = None, overflow: str = "eager", copy_outputs: bool = False,
+                 device: torch.device | str | None = None):
+        if overflow not in ("eager", "error"):
+            raise ContractValueError(mismatch(program.name, None, "overflow", "'eager' or 'error'", repr(overflow)))
+        if not callable(body):
+            raise ContractTypeError(mismatch(program.name, None, "body", "a callable", type(body).__name__))
+        self.program = program
+        self.plan = Plan(program)
+        self.body = body
+        self.prepare = prepare
+        self.overflow = overflow
+        self.copy_outputs = bool(copy_outputs)
+        self.state = BoundState(program, state)
+        self.device = torch.device(device) if device is not None else self.state.device()
+        self.stats = Stats()
+        self._warned_overflow = False
+        self._out_dims = {n: [d for d, _ in padded_dims(s.shape)] for n, s in program.outputs.items()}
+
+    def __call__(self, **raw: torch.Tensor) -> Outputs:
+        device = self.device
+        ext = self.plan.extents(raw, device, self.allow_host_inputs)
+        if device is None:
+            device = self.device = next(iter(raw.values())).device
+        self._check_aliasing(raw)
+        self.state.check()
+        bucket = self.plan.bucket_for(ext)
+        if bucket is None:
+            outs = self._overflow(raw, ext)
+        else:
+            outs = self._run(bucket, raw, ext)
+            self.stats.record(bucket, ext[self.plan.bucket_axis])
+        return self._finish(outs, ext)
+
+    # ---- backend hook ------------------------------------------------------------------
+    def _run(self, bucket: int, raw: Mapping[str, torch.Tensor], ext: Mapping[str, int]) -> Mapping[str, torch.Tensor]:
+        raise NotImplementedError(f"backend {self.backend!r} must implement _run")
+
+    def _run_eager(self, size: int, raw, ext) -> Mapping[str, torch.Tensor]:
+        """Run the body eagerly at a size off the ladder (overflow). Reference semantics."""
+        from .reference import run_padded  # local: reference imports this module
+        return run_padded(self, size, raw, ext, self.device)
+
+    # ---- shared steps ------------------------------------------------------------------
+    def _check_aliasing(self, raw: Mapping[str, torch.Tensor]) -> None:
+        for name, t in raw.items():
+            hit = self.state.overlaps(t)
+            if hit is not None:
+                raise ContractValueError(
+                    f"{where(self.program.name, name)}: an input must not share memory with bound state, "
+                    f"got a tensor overlapping state {hit!r}; the body may write that state while the "
+                    f"input is meant to be a snapshot. Pass a clone.")
+
+    def _overflow(self, raw, ext) -> Mapping[str, torch.Tensor]:
+        if self.overflow == "error":
+            raise self.plan.overflow_error(ext)
+        if not self._warned_overflow:
+            log.warning("program %r: raw extents %s are past the largest bucket %d; running eagerly "
+                        "(counted in stats.eager_fallbacks; warned once)", self.program.name, dict(ext),
+                        self.plan.buckets[-1])
+            self._warned_overflow = True
+        self.stats.eager_fallbacks += 1
+        return self._run_eager(self.plan.fit(ext), raw, ext)
+
+    def _finish(self, outs: Mapping[str, torch.Tensor], ext: Mapping[str, int]) -> Outputs:
+        res = Outputs()
+        for name, dims in self._out_dims.items():
+            t = outs[name]
+            if dims:
+                raw_shape = self.plan.raw_shape(name, ext)
+                for d in dims:
+                    t = t.narrow(d, 0, raw_shape[d])
+            res[name] = t.clone() if self.copy_outputs else t
+        return res
+
+    def check_outputs(self, outs, bucket: int) -> None:
+        """The body returned every declared output at the bucket's padded shape and dtype."""
+        if not isinstance(outs, Mapping) or set(outs) != set(self.program.outputs):
+            got = sorted(outs) if isinstance(outs, Mapping) else type(outs).__name__
+            raise ContractValueError(mismatch(self.program.name, None, "the body's return value",
+                                              f"a dict with keys {sorted(self.program.outputs)}", got))
+        for name, spec in self.program.outputs.items():
+            t = outs[name]
+            shape = self.plan.shape(name, bucket)
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != spec.dtype:
+                got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ContractValueError(mismatch(self.program.name, name, f"shape and dtype at bucket {bucket}",
+                                                  f"{shape} {spec.dtype}", got, kind="output"))
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.program.name!r} backend={self.backend} buckets={list(self.plan.buckets)}>"

@@ -1,0 +1,40 @@
+"""The padded view `x` a body and a prepare hook receive: one object per call, never raw tensors."""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+
+class PaddedView:
+    """`x.<input>` padded static tensors, `x.<state>` bound state, `x.bucket`, `x.extent(axis)`."""
+
+    __slots__ = ("_buffers", "_extents", "bucket", "program")
+
+    def __init__(self, program: str, bucket: int, buffers: Mapping[str, object],
+                 extents: Mapping[str, torch.Tensor]):
+        self.program = program
+        self.bucket = bucket
+        self._buffers = buffers
+        self._extents = extents
+
+    def __getattr__(self, name: str):
+        try:
+            return self._buffers[name]
+        except KeyError:
+            raise AttributeError(
+                f"program {self.program!r}: the padded view has no buffer {name!r}; "
+                f"it has {sorted(self._buffers)}") from None
+
+    def __getitem__(self, name: str):
+        return self._buffers[name]
+
+    def extent(self, axis: str) -> torch.Tensor:
+        """The raw extent of `axis` as a 0-d int32 device tensor (written on every call)."""
+        try:
+            return self._extents[axis]
+        except KeyError:
+            raise KeyError(f"program {self.program!r}: no axis {axis!r}; axes are {sorted(self._extents)}") from None
+
+    def __repr__(self) -> str:
+        return f"PaddedView({self.program!r}, bucket={self.bucket}, buffers={sorted(self._buffers)})"
