@@ -1,0 +1,17 @@
+"""Graph-safe paged attention kernels (decode, extend, tree verify) and their torch references.
+
+Every public function takes `impl="auto"|"triton"|"torch"`: "auto" runs Triton when the tensors
+are on CUDA, else the torch reference. `sm_scale=None` means `head_dim ** -0.5`; outputs have
+q's dtype and are accumulated in fp32. KV layout and sinks: see `kv.py`.
+"""
+from .attention_decode import (choose_num_splits, decode_attention,
+                               decode_attention_reference)
+from .attention_extend import extend_attention, extend_attention_reference
+from .attention_verify import tree_verify_attention, tree_verify_attention_reference
+
+__all__ = [
+    "decode_attention", "decode_attention_reference",
+    "extend_attention", "extend_attention_reference",
+    "tree_verify_attention", "tree_verify_attention_reference",
+    "choose_num_splits",
+]

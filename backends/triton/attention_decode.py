@@ -1,0 +1,304 @@
+"""Paged decode attention, split-KV (flash-decoding), graph-safe; torch reference beside it.
+
+One query per request attends to positions `0 .. seq_lens[r]-1` of its `req_to_token` row.
+
+The split count S is static: chosen on the host from (bs, n_kv_heads, max_context, SM count),
+never from `seq_lens` values, so one captured graph serves every length. On the device, program
+(r, kv_head, s) takes the s-th of S equal shares of request r's *own* length (rounded up to
+BLOCK_N): cost follows real lengths, and splits past the end exit without reading. A second
+kernel merges the splits' partial outputs by their log-sum-exp. With S = 1 the first kernel
+writes the output directly (one launch).
+
+The same kernel serves tree verification (`attention_verify.py`): NUM_Q queries per request and
+a tree mask over the last NUM_Q positions.
+"""
+from __future__ import annotations
+
+import functools
+
+import einops
+import torch
+import triton
+import triton.language as tl
+
+from .kv import resolve_impl
+
+# Split-count policy (see docs/notes/attention.md): aim for ~PROGRAMS_PER_SM programs per SM,
+# but never make a split shorter than MIN_SPLIT_TOKENS of the cache width, nor more than
+# MAX_SPLITS splits (the merge kernel loads all of them at once).
+PROGRAMS_PER_SM = 4
+MIN_SPLIT_TOKENS = 256
+MAX_SPLITS = 64
+CPU_SM_COUNT = 4  # under the interpreter: few programs keep tests fast
+
+
+# ----------------------------------------------------------------------------- reference
+
+def default_sm_scale(head_dim: int, sm_scale: float | None) -> float:
+    return head_dim ** -0.5 if sm_scale is None else float(sm_scale)
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 accumulation, or fp64 when the inputs are fp64 (for high-precision references)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def gather_kv(k_cache, v_cache, req_to_token, row: int, n: int):
+    """The first n positions of request row `row`: ([n, n_kv_heads, head_dim], [n, .., v_dim])."""
+    slots = req_to_token[row, :n].long()
+    return k_cache[slots], v_cache[slots]
+
+
+def attend_reference(q, k, v, visible, sm_scale: float):
+    """Masked softmax attention of one request, GQA by head grouping, in fp32 (or fp64).
+
+    q [n_q, n_q_heads, head_dim], k [n_k, n_kv_heads, head_dim], v [n_k, n_kv_heads, v_dim],
+    visible [n_q, n_k] bool -> [n_q, n_q_heads, v_dim]. A query that sees nothing gives 0.
+    """
+    acc = acc_dtype(q.dtype)
+    n_kv_heads = k.shape[1]
+    q_g = einops.rearrange(q.to(acc), "q (hk g) d -> hk g q d", hk=n_kv_heads)
+    k_h = einops.rearrange(k.to(acc), "k hk d -> hk k d")
+    v_h = einops.rearrange(v.to(acc), "k hk d -> hk k d")
+    scores = torch.einsum("hgqd,hkd->hgqk", q_g, k_h) * sm_scale  # [hk, g, n_q, n_k]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    p = torch.where(visible.any(dim=-1, keepdim=True), p, 0.0)  # all-masked rows: 0, not NaN
+    o = torch.einsum("hgqk,hkd->hgqd", p, v_h)
+    return einops.rearrange(o, "hk g q d -> q (hk g) d")
+
+
+def decode_attention_reference(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                               sm_scale=None):
+    """Torch reference (and CPU path) of `decode_attention`: gather each request's KV, softmax."""
+    sm_scale = default_sm_scale(q.shape[-1], sm_scale)
+    o = q.new_zeros(q.shape[0], q.shape[1], v_cache.shape[-1])
+    for r, (row, n) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
+        k, v = gather_kv(k_cache, v_cache, req_to_token, row, n)
+        visible = torch.ones(1, n, dtype=torch.bool, device=q.device)
+        o[r] = attend_reference(q[r:r + 1], k, v, visible, sm_scale)[0].to(q.dtype)
+    return o
+
+
+# ----------------------------------------------------------------------------- kernels
+
+@triton.jit
+def _split_len(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tokens per split for a request of seq_len: an equal share rounded up to BLOCK_N."""
+    share = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    return tl.maximum(share, BLOCK_N)
+
+
+@triton.jit
+def _split_kv_kernel(
+    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, TreeMask, Out, MidO, MidLse, sm_scale,
+    stride_q_t, stride_q_h, stride_k_s, stride_k_h, stride_v_s, stride_v_h, stride_rt,
+    stride_o_t, stride_o_h, stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
+    head_dim, v_head_dim,
+    GROUP: tl.constexpr, NUM_Q: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HAS_TREE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    # program (r, kv_head, split): rows m = (query i, head g) of request r's NUM_Q * GROUP
+    # query heads sharing kv_head, against one split of r's positions.
+    r = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + r)
+    split_len = _split_len(seq_len, NUM_SPLITS, BLOCK_N)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    if start < end:  # empty splits read nothing and write nothing (the merge skips them)
+        row = tl.load(ReqPoolIdx + r).to(tl.int64)
+        offs_m = tl.arange(0, BLOCK_M)
+        qi = offs_m // GROUP  # query index within the request
+        qh = kvh * GROUP + offs_m % GROUP  # query head
+        m_ok = offs_m < NUM_Q * GROUP
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        d_ok = offs_d < head_dim
+        dv_ok = offs_dv < v_head_dim
+        q_row = (r * NUM_Q + qi).to(tl.int64)
+        q = tl.load(Q + q_row[:, None] * stride_q_t + qh[:, None] * stride_q_h + offs_d[None, :],
+                    mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+        prefix = tl.maximum(seq_len - NUM_Q, 0)  # positions every query sees (tree mode)
+
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: all-masked rows stay 0
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < end
+            slot = tl.load(ReqToToken + row * stride_rt + offs_n, mask=n_ok, other=0).to(tl.int64)
+            k = tl.load(K + slot[None, :] * stride_k_s + kvh * stride_k_h + offs_d[:, None],
+                        mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+            s = tl.dot(q, k) * sm_scale  # [BLOCK_M, BLOCK_N] fp32
+            visible = n_ok[None, :] & m_ok[:, None]
+            if HAS_TREE:
+                j = offs_n - (seq_len - NUM_Q)  # draft index of key position (>= 0 in the tail)
+                in_tail = (offs_n >= prefix)[None, :] & visible
+                tm = tl.load(TreeMask + r * NUM_Q * NUM_Q + qi[:, None] * NUM_Q + j[None, :],
+                             mask=in_tail, other=0)
+                visible = visible & ((offs_n < prefix)[None, :] | (tm != 0))
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + slot[:, None] * stride_v_s + kvh * stride_v_h + offs_dv[None, :],
+                        mask=n_ok[:, None] & dv_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+
+        has_any = l_i > 0.0
+        o = acc / tl.where(has_any, l_i, 1.0)[:, None]
+        o_mask = m_ok[:, None] & dv_ok[None, :]
+        if NUM_SPLITS == 1:
+            tl.store(Out + q_row[:, None] * stride_o_t + qh[:, None] * stride_o_h
+                     + offs_dv[None, :], o.to(Out.dtype.element_ty), mask=o_mask)
+        else:
+            tl.store(MidO + q_row[:, None] * stride_mo_t + qh[:, None] * stride_mo_h
+                     + split * stride_mo_s + offs_dv[None, :], o, mask=o_mask)
+            lse = tl.where(has_any, m_i + tl.log(tl.where(has_any, l_i, 1.0)), float("-inf"))
+            tl.store(MidLse + q_row * stride_ml_t + qh * stride_ml_h + split, lse, mask=m_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    MidO, MidLse, SeqLens, Out,
+    stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, stride_o_t, stride_o_h,
+    v_head_dim,
+    NUM_Q: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    # program (query row, q head): log-sum-exp merge of the non-empty splits
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    seq_len = tl.load(SeqLens + t // NUM_Q)
+    n_used = tl.cdiv(seq_len, _split_len(seq_len, NUM_SPLITS, BLOCK_N))
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    s_ok = offs_s < n_used
+    lse = tl.load(MidLse + t * stride_ml_t + h * stride_ml_h + offs_s, mask=s_ok,
+                  other=float("-inf"))  # [BLOCK_S]
+    m = tl.max(lse, 0)
+    w = tl.exp(lse - tl.where(m > float("-inf"), m, 0.0))  # 0 for empty / all-masked splits
+    o_s = tl.load(MidO + t * stride_mo_t + h * stride_mo_h + offs_s[:, None] * stride_mo_s
+                  + offs_dv[None, :], mask=s_ok[:, None] & (offs_dv < v_head_dim)[None, :],
+                  other=0.0)  # [BLOCK_S, BLOCK_DV]
+    l = tl.sum(w, 0)
+    o = tl.sum(w[:, None] * o_s, 0) / tl.where(l > 0.0, l, 1.0)
+    tl.store(Out + t * stride_o_t + h * stride_o_h + offs_dv, o.to(Out.dtype.element_ty),
+             mask=offs_dv < v_head_dim)
+
+
+# ----------------------------------------------------------------------------- host side
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return CPU_SM_COUNT
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(bs: int, n_kv_heads: int, max_context: int, n_sm: int) -> int:
+    """Static split count from shapes only: ~PROGRAMS_PER_SM programs per SM, bounded splits."""
+    want = triton.cdiv(PROGRAMS_PER_SM * n_sm, max(1, bs * n_kv_heads))
+    cap = max(1, max_context // MIN_SPLIT_TOKENS)
+    return max(1, min(want, cap, MAX_SPLITS))
+
+
+def kernel_blocks(head_dim: int, v_head_dim: int, n_rows: int) -> dict:
+    """Tile sizes: BLOCK_M >= 16 rows for tl.dot; BLOCK_D padded to a power of two (masked)."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_dv = max(16, triton.next_power_of_2(v_head_dim))
+    block_n = 64 if max(block_d, block_dv) <= 128 else 32
+    return dict(BLOCK_M=max(16, triton.next_power_of_2(n_rows)), BLOCK_N=block_n,
+                BLOCK_D=block_d, BLOCK_DV=block_dv)
+
+
+def check_paged_args(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, bs: int):
+    """Shape and dtype checks shared by the paged kernels (no value reads: graph-safe)."""
+    if q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() != 3:
+        raise ValueError(f"q, k_cache, v_cache must be 3-d [tokens|slots, heads, dim]; got "
+                         f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    n_q_heads, head_dim = q.shape[1:]
+    n_kv_heads = k_cache.shape[1]
+    if k_cache.shape[2] != head_dim or v_cache.shape[:2] != k_cache.shape[:2]:
+        raise ValueError(f"k_cache must be [n_slots, n_kv_heads, {head_dim}] and v_cache "
+                         f"[n_slots, n_kv_heads, v_head_dim]; got {tuple(k_cache.shape)}, "
+                         f"{tuple(v_cache.shape)}")
+    if n_q_heads % n_kv_heads:
+        raise ValueError(f"n_q_heads={n_q_heads} must be a multiple of n_kv_heads={n_kv_heads}")
+    if req_to_token.dim() != 2:
+        raise ValueError(f"req_to_token must be [n_req_rows, max_context]; "
+                         f"got {tuple(req_to_token.shape)}")
+    for name, t in (("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens)):
+        if tuple(t.shape) != (bs,) or t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be [bs={bs}] int32/int64; "
+                             f"got {tuple(t.shape)} {t.dtype}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
+                    ("req_to_token", req_to_token)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim; strides {t.stride()}")
+
+
+def split_kv_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                       tree_mask, num_q: int, sm_scale: float, num_splits: int | None):
+    """Launch the split-KV kernel (+ merge): q [bs * num_q, n_q_heads, head_dim] -> o."""
+    n_rows, n_q_heads, head_dim = q.shape
+    bs, n_kv_heads, v_head_dim = n_rows // num_q, k_cache.shape[1], v_cache.shape[2]
+    group = n_q_heads // n_kv_heads
+    if num_splits is None:
+        num_splits = choose_num_splits(bs, n_kv_heads, req_to_token.shape[1], sm_count(q.device))
+    blocks = kernel_blocks(head_dim, v_head_dim, num_q * group)
+    o = q.new_empty(n_rows, n_q_heads, v_head_dim)
+    if n_rows == 0:
+        return o
+    if num_splits > 1:
+        mid_o = torch.empty(n_rows, n_q_heads, num_splits, v_head_dim, dtype=torch.float32,
+                            device=q.device)
+        mid_lse = torch.empty(n_rows, n_q_heads, num_splits, dtype=torch.float32,
+                              device=q.device)
+    else:  # never touched by the one-split kernel
+        mid_o, mid_lse = o.new_empty(1, 1, 1, 1), o.new_empty(1, 1, 1)
+    tree = tree_mask.view(torch.uint8) if tree_mask is not None else req_pool_indices
+    _split_kv_kernel[(bs, n_kv_heads, num_splits)](
+        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, tree, o, mid_o, mid_lse,
+        sm_scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
+        o.stride(0), o.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        head_dim, v_head_dim,
+        GROUP=group, NUM_Q=num_q, NUM_SPLITS=num_splits, HAS_TREE=tree_mask is not None,
+        num_warps=4, num_stages=2, **blocks,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(n_rows, n_q_heads)](
+            mid_o, mid_lse, seq_lens, o,
+            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
+            mid_lse.stride(1), o.stride(0), o.stride(1), v_head_dim,
+            NUM_Q=num_q, NUM_SPLITS=num_splits, BLOCK_N=blocks["BLOCK_N"],
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_DV=blocks["BLOCK_DV"],
+            num_warps=4,
+        )
+    return o
+
+
+def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                     sm_scale=None, num_splits=None, impl="auto"):
+    """Paged decode attention: q [bs, n_q_heads, head_dim] -> [bs, n_q_heads, v_head_dim].
+
+    Request r attends to positions 0 .. seq_lens[r]-1 of row req_pool_indices[r]; padded lanes
+    (seq_lens 1, row 0) read only the sink slot. `num_splits` overrides the static split count.
+    """
+    bs = q.shape[0]
+    check_paged_args(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, bs)
+    sm_scale = default_sm_scale(q.shape[-1], sm_scale)
+    if resolve_impl(impl, q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens) \
+            == "torch":
+        return decode_attention_reference(q, k_cache, v_cache, req_to_token, req_pool_indices,
+                                          seq_lens, sm_scale)
+    return split_kv_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                              None, 1, sm_scale, num_splits)
