@@ -15,6 +15,7 @@ a tree mask over the last NUM_Q positions.
 from __future__ import annotations
 
 import functools
+import os
 
 import einops
 import torch
@@ -82,6 +83,20 @@ def decode_attention_reference(q, k_cache, v_cache, req_to_token, req_pool_indic
 
 # ----------------------------------------------------------------------------- kernels
 
+def upcast_dots(dtype: torch.dtype) -> bool:
+    """Triton's CPU interpreter computes bf16 `tl.dot` wrongly: upcast there (GPU: native)."""
+    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def mma(a, b, UPCAST: tl.constexpr):
+    """a @ b accumulated in fp32 (UPCAST: operands to fp32 first, for the interpreter)."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b)
+
+
 @triton.jit
 def _split_len(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Tokens per split for a request of seq_len: an equal share rounded up to BLOCK_N."""
@@ -96,8 +111,8 @@ def _split_kv_kernel(
     stride_o_t, stride_o_h, stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
     head_dim, v_head_dim,
     GROUP: tl.constexpr, NUM_Q: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    HAS_TREE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_TREE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     # program (r, kv_head, split): rows m = (query i, head g) of request r's NUM_Q * GROUP
     # query heads sharing kv_head, against one split of r's positions.
@@ -132,7 +147,7 @@ def _split_kv_kernel(
             slot = tl.load(ReqToToken + row * stride_rt + offs_n, mask=n_ok, other=0).to(tl.int64)
             k = tl.load(K + slot[None, :] * stride_k_s + kvh * stride_k_h + offs_d[:, None],
                         mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-            s = tl.dot(q, k) * sm_scale  # [BLOCK_M, BLOCK_N] fp32
+            s = mma(q, k, UPCAST) * sm_scale  # [BLOCK_M, BLOCK_N] fp32
             visible = n_ok[None, :] & m_ok[:, None]
             if HAS_TREE:
                 j = offs_n - (seq_len - NUM_Q)  # draft index of key position (>= 0 in the tail)
@@ -147,7 +162,7 @@ def _split_kv_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V + slot[:, None] * stride_v_s + kvh * stride_v_h + offs_dv[None, :],
                         mask=n_ok[:, None] & dv_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST)
             m_i = m_new
 
         has_any = l_i > 0.0
@@ -243,14 +258,28 @@ def check_paged_args(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
             raise ValueError(f"{name} must be contiguous in its last dim; strides {t.stride()}")
 
 
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_kernel_dtypes(q, k_cache, v_cache):
+    """The Triton kernels take q and the caches in one dtype among KERNEL_DTYPES."""
+    if q.dtype not in KERNEL_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"impl='triton' needs q, k_cache, v_cache all of one dtype in "
+                         f"{KERNEL_DTYPES}; got {q.dtype}, {k_cache.dtype}, {v_cache.dtype} "
+                         f"(impl='torch' accepts mixed dtypes and float64)")
+
+
 def split_kv_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                        tree_mask, num_q: int, sm_scale: float, num_splits: int | None):
     """Launch the split-KV kernel (+ merge): q [bs * num_q, n_q_heads, head_dim] -> o."""
+    check_kernel_dtypes(q, k_cache, v_cache)
     n_rows, n_q_heads, head_dim = q.shape
     bs, n_kv_heads, v_head_dim = n_rows // num_q, k_cache.shape[1], v_cache.shape[2]
     group = n_q_heads // n_kv_heads
     if num_splits is None:
         num_splits = choose_num_splits(bs, n_kv_heads, req_to_token.shape[1], sm_count(q.device))
+    if not 1 <= num_splits <= 4 * MAX_SPLITS:
+        raise ValueError(f"num_splits must be in 1 .. {4 * MAX_SPLITS}; got {num_splits}")
     blocks = kernel_blocks(head_dim, v_head_dim, num_q * group)
     o = q.new_empty(n_rows, n_q_heads, v_head_dim)
     if n_rows == 0:
@@ -272,7 +301,7 @@ def split_kv_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_
         mid_lse.stride(0), mid_lse.stride(1),
         head_dim, v_head_dim,
         GROUP=group, NUM_Q=num_q, NUM_SPLITS=num_splits, HAS_TREE=tree_mask is not None,
-        num_warps=4, num_stages=2, **blocks,
+        UPCAST=upcast_dots(q.dtype), num_warps=4, num_stages=2, **blocks,
     )
     if num_splits > 1:
         _merge_splits_kernel[(n_rows, n_q_heads)](

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .attention_decode import (attend_reference, check_paged_args, default_sm_scale,
-                               gather_kv)
+                               check_kernel_dtypes, gather_kv, mma, upcast_dots)
 from .kv import resolve_impl
 
 
@@ -42,8 +42,8 @@ def _extend_kernel(
     stride_q_t, stride_q_h, stride_k_s, stride_k_h, stride_v_s, stride_v_h, stride_rt,
     stride_o_t, stride_o_h,
     head_dim, v_head_dim,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    GROUP: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     r = tl.program_id(0)
     tile = tl.program_id(1)
@@ -75,7 +75,7 @@ def _extend_kernel(
             slot = tl.load(ReqToToken + row * stride_rt + offs_n, mask=n_ok, other=0).to(tl.int64)
             k = tl.load(K + slot[None, :] * stride_k_s + kvh * stride_k_h + offs_d[:, None],
                         mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-            s = tl.dot(q, k) * sm_scale  # [BLOCK_M, BLOCK_N]
+            s = mma(q, k, UPCAST) * sm_scale  # [BLOCK_M, BLOCK_N]
             visible = n_ok[None, :] & (offs_n[None, :] <= pos_q[:, None]) & m_ok[:, None]
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -84,7 +84,7 @@ def _extend_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V + slot[:, None] * stride_v_s + kvh * stride_v_h + offs_dv[None, :],
                         mask=n_ok[:, None] & dv_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST)
             m_i = m_new
 
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -113,6 +113,7 @@ def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
                     qo_indptr) == "torch":
         return extend_attention_reference(q, k_cache, v_cache, req_to_token, req_pool_indices,
                                           seq_lens, qo_indptr, sm_scale)
+    check_kernel_dtypes(q, k_cache, v_cache)
     n_tok, n_q_heads, head_dim = q.shape
     v_head_dim = v_cache.shape[2]
     o = q.new_zeros(n_tok, n_q_heads, v_head_dim)  # zeros: padding tokens are never visited
@@ -125,6 +126,7 @@ def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0), o.stride(0), o.stride(1),
         head_dim, v_head_dim,
-        GROUP=n_q_heads // k_cache.shape[1], num_warps=4, num_stages=2, **blocks,
+        GROUP=n_q_heads // k_cache.shape[1], UPCAST=upcast_dots(q.dtype),
+        num_warps=4, num_stages=2, **blocks,
     )
     return o

@@ -1,0 +1,245 @@
+"""Paged attention kernels (interpreted on CPU) against their torch references, at awkward sizes.
+
+Sizes exercise the masks: head_dim 96 (BLOCK_D 128), lengths not multiples of BLOCK_N (64),
+batches mixing length-1 and long requests, padded lanes (seq_lens 1, row 0 -> sink slot 0), GQA
+ratios 1 and 4. The sink tests poison slot 0 and every slot past each request's length with NaN:
+a kernel that reads outside a real lane's own positions turns its output NaN.
+"""
+import pytest
+import torch
+
+from padgraph.backends.triton.attention import (
+    choose_num_splits, decode_attention, decode_attention_reference, extend_attention,
+    extend_attention_reference, tree_verify_attention, tree_verify_attention_reference)
+
+N_KV_HEADS = 2
+MAX_CONTEXT = 160
+PAD = None  # marks a padded lane in a list of lengths
+
+
+def make_paged(lens, head_dim, v_head_dim=None, dtype=torch.float32, seed=0, poison=False):
+    """Random paged cache for requests of `lens` (PAD = padded lane: length 1, row 0).
+
+    Slots are shuffled. With poison, slot 0 and a dedicated slot that every position past a
+    request's length maps to hold NaN. Returns (k_cache, v_cache, req_to_token, rows, seq_lens).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    v_head_dim = v_head_dim or head_dim
+    n_real = sum(n for n in lens if n is not PAD)
+    n_slots = n_real + 2  # + sink slot 0 + the past-the-end slot
+    k_cache = torch.randn(n_slots, N_KV_HEADS, head_dim, generator=gen)
+    v_cache = torch.randn(n_slots, N_KV_HEADS, v_head_dim, generator=gen)
+    past_end = n_slots - 1
+    req_to_token = torch.full((len(lens) + 1, MAX_CONTEXT), past_end, dtype=torch.int32)
+    req_to_token[0] = 0  # the sink row maps everything to the sink slot
+    free = (torch.randperm(n_real, generator=gen) + 1).tolist()
+    rows, seq_lens = [], []
+    for r, n in enumerate(lens):
+        if n is PAD:
+            rows.append(0)
+            seq_lens.append(1)
+            continue
+        req_to_token[r + 1, :n] = torch.tensor(free[:n], dtype=torch.int32)
+        free = free[n:]
+        rows.append(r + 1)
+        seq_lens.append(n)
+    if poison:
+        for cache in (k_cache, v_cache):
+            cache[0] = float("nan")
+            cache[past_end] = float("nan")
+    return (k_cache.to(dtype), v_cache.to(dtype), req_to_token,
+            torch.tensor(rows, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32))
+
+
+def unpoisoned(cache):
+    return torch.nan_to_num(cache, nan=0.0)
+
+
+def rand_q(n, n_q_heads, head_dim, dtype=torch.float32, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, n_q_heads, head_dim, generator=gen).to(dtype)
+
+
+def assert_close(out, ref, dtype):
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+
+
+# ----------------------------------------------------------------------------- decode
+
+DECODE_LENS = [130, PAD, 1, 67, 64]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("head_dim", [64, 96])
+def test_decode_matches_reference(head_dim, group, num_splits):
+    k_cache, v_cache, r2t, rows, lens = make_paged(DECODE_LENS, head_dim)
+    q = rand_q(len(DECODE_LENS), N_KV_HEADS * group, head_dim)
+    out = decode_attention(q, k_cache, v_cache, r2t, rows, lens, num_splits=num_splits,
+                           impl="triton")
+    ref = decode_attention_reference(q, k_cache, v_cache, r2t, rows, lens)
+    assert out.shape == (len(DECODE_LENS), N_KV_HEADS * group, head_dim)
+    assert_close(out, ref, torch.float32)
+
+
+def test_decode_bf16_and_v_head_dim():
+    lens = [100, PAD, 3]
+    k_cache, v_cache, r2t, rows, lens = make_paged(lens, 96, v_head_dim=64, dtype=torch.bfloat16)
+    q = rand_q(3, 8, 96, torch.bfloat16)
+    out = decode_attention(q, k_cache, v_cache, r2t, rows, lens, num_splits=2, impl="triton")
+    ref = decode_attention_reference(q, k_cache, v_cache, r2t, rows, lens)
+    assert out.dtype == torch.bfloat16 and out.shape == (3, 8, 64)
+    assert_close(out, ref, torch.bfloat16)
+
+
+def test_decode_sinks_and_past_the_end_are_never_read():
+    k_cache, v_cache, r2t, rows, lens = make_paged(DECODE_LENS, 64, poison=True)
+    q = rand_q(len(DECODE_LENS), 8, 64)
+    real = [i for i, n in enumerate(DECODE_LENS) if n is not PAD]
+    ref = decode_attention_reference(q, unpoisoned(k_cache), unpoisoned(v_cache), r2t, rows,
+                                     lens)
+    for num_splits in (1, 4):
+        out = decode_attention(q, k_cache, v_cache, r2t, rows, lens, num_splits=num_splits,
+                               impl="triton")
+        assert torch.isfinite(out[real]).all(), f"a real lane read a poisoned slot ({num_splits=})"
+        assert_close(out[real], ref[real], torch.float32)
+
+
+def test_decode_auto_on_cpu_is_the_reference():
+    k_cache, v_cache, r2t, rows, lens = make_paged([5, PAD], 64)
+    q = rand_q(2, 4, 64)
+    out = decode_attention(q, k_cache, v_cache, r2t, rows, lens, sm_scale=0.3)
+    ref = decode_attention_reference(q, k_cache, v_cache, r2t, rows, lens, sm_scale=0.3)
+    assert torch.equal(out, ref)
+
+
+def test_choose_num_splits_uses_shapes_only():
+    # bs=1 on an H200: many splits; large batches: one; never shorter than 256-token splits
+    assert choose_num_splits(1, 8, 32768, 132) == 64
+    assert choose_num_splits(128, 8, 32768, 132) == 1
+    assert choose_num_splits(1, 8, 512, 132) == 2
+    assert choose_num_splits(1, 8, 100, 132) == 1
+    for bs in (1, 8, 32, 128):
+        assert 1 <= choose_num_splits(bs, 8, 4096, 132) <= 16
+
+
+def test_decode_checks_shapes():
+    k_cache, v_cache, r2t, rows, lens = make_paged([5, 3], 64)
+    with pytest.raises(ValueError, match="multiple of n_kv_heads"):
+        decode_attention(rand_q(2, 3, 64), k_cache, v_cache, r2t, rows, lens)
+    with pytest.raises(ValueError, match="seq_lens must be"):
+        decode_attention(rand_q(2, 4, 64), k_cache, v_cache, r2t, rows, lens[:1])
+    with pytest.raises(ValueError, match="one dtype"):
+        decode_attention(rand_q(2, 4, 64, torch.bfloat16), k_cache, v_cache, r2t, rows, lens,
+                         impl="triton")
+
+
+# ----------------------------------------------------------------------------- extend
+
+# (seq_len, new tokens) per request; PAD requests have seq_len 1, row 0 and no new tokens
+EXTEND_REQS = [(130, 70), (PAD, 0), (9, 9), (67, 0), (1, 1), (40, 3)]
+N_PAD_TOKENS = 5
+
+
+def extend_case(head_dim, dtype=torch.float32, poison=False, group=1):
+    lens = [n for n, _ in EXTEND_REQS]
+    k_cache, v_cache, r2t, rows, seq_lens = make_paged(lens, head_dim, dtype=dtype,
+                                                       poison=poison)
+    n_new = torch.tensor([m for _, m in EXTEND_REQS])
+    qo_indptr = torch.zeros(len(EXTEND_REQS) + 1, dtype=torch.int32)
+    qo_indptr[1:] = torch.cumsum(n_new, 0)
+    q = rand_q(int(qo_indptr[-1]) + N_PAD_TOKENS, N_KV_HEADS * group, head_dim, dtype)
+    return q, k_cache, v_cache, r2t, rows, seq_lens, qo_indptr
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("head_dim", [64, 96])
+def test_extend_matches_reference(head_dim, group):
+    args = extend_case(head_dim, group=group)
+    out = extend_attention(*args, impl="triton")
+    ref = extend_attention_reference(*args)
+    assert_close(out, ref, torch.float32)
+    assert out[-N_PAD_TOKENS:].abs().sum() == 0  # padding tokens give 0
+
+
+def test_extend_bf16():
+    args = extend_case(96, dtype=torch.bfloat16, group=4)
+    out = extend_attention(*args, impl="triton")
+    ref = extend_attention_reference(*args)
+    assert out.dtype == torch.bfloat16
+    assert_close(out, ref, torch.bfloat16)
+
+
+def test_extend_sinks_and_past_the_end_are_never_read():
+    q, k_cache, v_cache, r2t, rows, seq_lens, qo_indptr = extend_case(64, poison=True, group=4)
+    out = extend_attention(q, k_cache, v_cache, r2t, rows, seq_lens, qo_indptr, impl="triton")
+    ref = extend_attention_reference(q, unpoisoned(k_cache), unpoisoned(v_cache), r2t, rows,
+                                     seq_lens, qo_indptr)
+    assert torch.isfinite(out).all()
+    assert_close(out, ref, torch.float32)
+
+
+# ----------------------------------------------------------------------------- tree verify
+
+K_DRAFT = 4
+VERIFY_LENS = [70 + K_DRAFT, PAD, K_DRAFT, 1 + K_DRAFT]
+
+
+def tree_masks(bs, pad_rows):
+    """Request 0: a chain; others: a small tree (0 <- 1, 0 <- 2, 1 <- 3); padded rows: ones."""
+    chain = torch.tril(torch.ones(K_DRAFT, K_DRAFT, dtype=torch.bool))
+    tree = torch.eye(K_DRAFT, dtype=torch.bool)
+    for child, parent in ((1, 0), (2, 0), (3, 1), (3, 0)):
+        tree[child, parent] = True
+    masks = torch.stack([chain if r == 0 else tree for r in range(bs)])
+    masks[pad_rows] = True
+    return masks
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+@pytest.mark.parametrize("group,head_dim", [(1, 96), (4, 64)])
+def test_tree_verify_matches_reference(group, head_dim, num_splits):
+    k_cache, v_cache, r2t, rows, lens = make_paged(VERIFY_LENS, head_dim)
+    mask = tree_masks(len(VERIFY_LENS), pad_rows=[1])
+    q = rand_q(len(VERIFY_LENS) * K_DRAFT, N_KV_HEADS * group, head_dim)
+    out = tree_verify_attention(q, k_cache, v_cache, r2t, rows, lens, mask,
+                                num_splits=num_splits, impl="triton")
+    ref = tree_verify_attention_reference(q, k_cache, v_cache, r2t, rows, lens, mask)
+    assert torch.isfinite(out).all()
+    assert_close(out, ref, torch.float32)
+
+
+def test_tree_verify_chain_equals_extend():
+    # a chain mask is causal attention of the k drafts: the same as extend with n_r = k
+    k_cache, v_cache, r2t, rows, lens = make_paged([20 + K_DRAFT, 7 + K_DRAFT], 64)
+    mask = torch.tril(torch.ones(2, K_DRAFT, K_DRAFT, dtype=torch.bool))
+    q = rand_q(2 * K_DRAFT, 8, 64)
+    qo_indptr = torch.tensor([0, K_DRAFT, 2 * K_DRAFT], dtype=torch.int32)
+    out = tree_verify_attention(q, k_cache, v_cache, r2t, rows, lens, mask, impl="triton")
+    ext = extend_attention_reference(q, k_cache, v_cache, r2t, rows, lens, qo_indptr)
+    assert_close(out, ext, torch.float32)
+
+
+def test_tree_verify_sinks_and_past_the_end_are_never_read():
+    k_cache, v_cache, r2t, rows, lens = make_paged(VERIFY_LENS, 64, poison=True)
+    mask = tree_masks(len(VERIFY_LENS), pad_rows=[1])
+    q = rand_q(len(VERIFY_LENS) * K_DRAFT, 8, 64)
+    real = [r * K_DRAFT + i for r, n in enumerate(VERIFY_LENS) if n is not PAD
+            for i in range(K_DRAFT)]
+    ref = tree_verify_attention_reference(q, unpoisoned(k_cache), unpoisoned(v_cache), r2t,
+                                          rows, lens, mask)
+    out = tree_verify_attention(q, k_cache, v_cache, r2t, rows, lens, mask, num_splits=2,
+                                impl="triton")
+    assert torch.isfinite(out[real]).all()
+    assert_close(out[real], ref[real], torch.float32)
+
+
+def test_tree_verify_bf16():
+    k_cache, v_cache, r2t, rows, lens = make_paged(VERIFY_LENS, 96, dtype=torch.bfloat16)
+    mask = tree_masks(len(VERIFY_LENS), pad_rows=[1])
+    q = rand_q(len(VERIFY_LENS) * K_DRAFT, 8, 96, torch.bfloat16)
+    out = tree_verify_attention(q, k_cache, v_cache, r2t, rows, lens, mask, num_splits=2,
+                                impl="triton")
+    ref = tree_verify_attention_reference(q, k_cache, v_cache, r2t, rows, lens, mask)
+    assert_close(out, ref, torch.bfloat16)
