@@ -99,7 +99,7 @@ def test_decode_sinks_and_past_the_end_are_never_read():
     real = [i for i, n in enumerate(DECODE_LENS) if n is not PAD]
     ref = decode_attention_reference(q, unpoisoned(k_cache), unpoisoned(v_cache), r2t, rows,
                                      lens)
-    for num_splits in (1, 4):
+    for num_splits in (1, 4, 130):  # 130: most splits empty, 256-wide merge
         out = decode_attention(q, k_cache, v_cache, r2t, rows, lens, num_splits=num_splits,
                                impl="triton")
         assert torch.isfinite(out[real]).all(), f"a real lane read a poisoned slot ({num_splits=})"
@@ -115,9 +115,11 @@ def test_decode_auto_on_cpu_is_the_reference():
 
 
 def test_choose_num_splits_uses_shapes_only():
-    # bs=1 on an H200: many splits; large batches: one; never shorter than 256-token splits
-    assert choose_num_splits(1, 8, 32768, 132) == 64
-    assert choose_num_splits(128, 8, 32768, 132) == 1
+    # bs=1 on an H200: many splits; large batches: few; never shorter than 256-token splits
+    assert choose_num_splits(1, 8, 32768, 132) == 128
+    assert choose_num_splits(8, 8, 4096, 132) == 16
+    assert choose_num_splits(128, 8, 32768, 132) == 2
+    assert choose_num_splits(1024, 8, 32768, 132) == 1
     assert choose_num_splits(1, 8, 512, 132) == 2
     assert choose_num_splits(1, 8, 100, 132) == 1
     for bs in (1, 8, 32, 128):

@@ -24,12 +24,13 @@ import triton.language as tl
 
 from .kv import resolve_impl
 
-# Split-count policy (see docs/notes/attention.md): aim for ~PROGRAMS_PER_SM programs per SM,
-# but never make a split shorter than MIN_SPLIT_TOKENS of the cache width, nor more than
-# MAX_SPLITS splits (the merge kernel loads all of them at once).
-PROGRAMS_PER_SM = 4
+# Split-count policy (see docs/notes/attention.md): aim for ~PROGRAMS_PER_SM programs per SM
+# (about 3 fit at once, so >= 2.5 waves keep the tail short), but never make a split shorter
+# than MIN_SPLIT_TOKENS of the cache width, nor use more than MAX_SPLITS splits (the merge
+# kernel loads all of them at once).
+PROGRAMS_PER_SM = 8
 MIN_SPLIT_TOKENS = 256
-MAX_SPLITS = 64
+MAX_SPLITS = 128
 CPU_SM_COUNT = 4  # under the interpreter: few programs keep tests fast
 
 
@@ -98,9 +99,9 @@ def mma(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _split_len(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
     """Tokens per split for a request of seq_len: an equal share rounded up to BLOCK_N."""
-    share = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    share = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     return tl.maximum(share, BLOCK_N)
 
 
@@ -109,8 +110,8 @@ def _split_kv_kernel(
     Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, TreeMask, Out, MidO, MidLse, sm_scale,
     stride_q_t, stride_q_h, stride_k_s, stride_k_h, stride_v_s, stride_v_h, stride_rt,
     stride_o_t, stride_o_h, stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
-    head_dim, v_head_dim,
-    GROUP: tl.constexpr, NUM_Q: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    head_dim, v_head_dim, num_splits,
+    GROUP: tl.constexpr, NUM_Q: tl.constexpr, DIRECT: tl.constexpr,
     HAS_TREE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -120,7 +121,7 @@ def _split_kv_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + r)
-    split_len = _split_len(seq_len, NUM_SPLITS, BLOCK_N)
+    split_len = _split_len(seq_len, num_splits, BLOCK_N)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     if start < end:  # empty splits read nothing and write nothing (the merge skips them)
@@ -168,7 +169,7 @@ def _split_kv_kernel(
         has_any = l_i > 0.0
         o = acc / tl.where(has_any, l_i, 1.0)[:, None]
         o_mask = m_ok[:, None] & dv_ok[None, :]
-        if NUM_SPLITS == 1:
+        if DIRECT:  # one split: write the normalized output, no merge
             tl.store(Out + q_row[:, None] * stride_o_t + qh[:, None] * stride_o_h
                      + offs_dv[None, :], o.to(Out.dtype.element_ty), mask=o_mask)
         else:
@@ -182,15 +183,15 @@ def _split_kv_kernel(
 def _merge_splits_kernel(
     MidO, MidLse, SeqLens, Out,
     stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, stride_o_t, stride_o_h,
-    v_head_dim,
-    NUM_Q: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+    v_head_dim, num_splits,
+    NUM_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     # program (query row, q head): log-sum-exp merge of the non-empty splits
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     seq_len = tl.load(SeqLens + t // NUM_Q)
-    n_used = tl.cdiv(seq_len, _split_len(seq_len, NUM_SPLITS, BLOCK_N))
+    n_used = tl.cdiv(seq_len, _split_len(seq_len, num_splits, BLOCK_N))
     offs_s = tl.arange(0, BLOCK_S)
     offs_dv = tl.arange(0, BLOCK_DV)
     s_ok = offs_s < n_used
@@ -223,11 +224,12 @@ def choose_num_splits(bs: int, n_kv_heads: int, max_context: int, n_sm: int) -> 
     return max(1, min(want, cap, MAX_SPLITS))
 
 
-def kernel_blocks(head_dim: int, v_head_dim: int, n_rows: int) -> dict:
+def kernel_blocks(head_dim: int, v_head_dim: int, n_rows: int, block_n: int | None = None):
     """Tile sizes: BLOCK_M >= 16 rows for tl.dot; BLOCK_D padded to a power of two (masked)."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_dv = max(16, triton.next_power_of_2(v_head_dim))
-    block_n = 64 if max(block_d, block_dv) <= 128 else 32
+    if block_n is None:
+        block_n = 64 if max(block_d, block_dv) <= 128 else 32
     return dict(BLOCK_M=max(16, triton.next_power_of_2(n_rows)), BLOCK_N=block_n,
                 BLOCK_D=block_d, BLOCK_DV=block_dv)
 
@@ -270,17 +272,21 @@ def check_kernel_dtypes(q, k_cache, v_cache):
 
 
 def split_kv_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-                       tree_mask, num_q: int, sm_scale: float, num_splits: int | None):
-    """Launch the split-KV kernel (+ merge): q [bs * num_q, n_q_heads, head_dim] -> o."""
+                       tree_mask, num_q: int, sm_scale: float, num_splits: int | None,
+                       block_n: int | None = None, num_warps: int = 4, num_stages: int = 2):
+    """Launch the split-KV kernel (+ merge): q [bs * num_q, n_q_heads, head_dim] -> o.
+
+    block_n / num_warps / num_stages are tuning knobs for benchmarks; the defaults are the policy.
+    """
     check_kernel_dtypes(q, k_cache, v_cache)
     n_rows, n_q_heads, head_dim = q.shape
     bs, n_kv_heads, v_head_dim = n_rows // num_q, k_cache.shape[1], v_cache.shape[2]
     group = n_q_heads // n_kv_heads
     if num_splits is None:
         num_splits = choose_num_splits(bs, n_kv_heads, req_to_token.shape[1], sm_count(q.device))
-    if not 1 <= num_splits <= 4 * MAX_SPLITS:
-        raise ValueError(f"num_splits must be in 1 .. {4 * MAX_SPLITS}; got {num_splits}")
-    blocks = kernel_blocks(head_dim, v_head_dim, num_q * group)
+    if not 1 <= num_splits <= 2 * MAX_SPLITS:
+        raise ValueError(f"num_splits must be in 1 .. {2 * MAX_SPLITS}; got {num_splits}")
+    blocks = kernel_blocks(head_dim, v_head_dim, num_q * group, block_n)
     o = q.new_empty(n_rows, n_q_heads, v_head_dim)
     if n_rows == 0:
         return o
@@ -299,18 +305,18 @@ def split_kv_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_
         v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
         o.stride(0), o.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
-        head_dim, v_head_dim,
-        GROUP=group, NUM_Q=num_q, NUM_SPLITS=num_splits, HAS_TREE=tree_mask is not None,
-        UPCAST=upcast_dots(q.dtype), num_warps=4, num_stages=2, **blocks,
+        head_dim, v_head_dim, num_splits,
+        GROUP=group, NUM_Q=num_q, DIRECT=num_splits == 1, HAS_TREE=tree_mask is not None,
+        UPCAST=upcast_dots(q.dtype), num_warps=num_warps, num_stages=num_stages, **blocks,
     )
     if num_splits > 1:
         _merge_splits_kernel[(n_rows, n_q_heads)](
             mid_o, mid_lse, seq_lens, o,
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
-            mid_lse.stride(1), o.stride(0), o.stride(1), v_head_dim,
-            NUM_Q=num_q, NUM_SPLITS=num_splits, BLOCK_N=blocks["BLOCK_N"],
+            mid_lse.stride(1), o.stride(0), o.stride(1), v_head_dim, num_splits,
+            NUM_Q=num_q, BLOCK_N=blocks["BLOCK_N"],
             BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_DV=blocks["BLOCK_DV"],
-            num_warps=4,
+            num_warps=8 if num_splits * blocks["BLOCK_DV"] > 8192 else 4,
         )
     return o
 
