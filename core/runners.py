@@ -1,0 +1,137 @@
+"""The standard LLM runner programs, declared once with their pad values.
+
+decode, target verify (k tree tokens per request), EAGLE multi-step draft (`steps`, `topk`) and
+EAGLE draft-extend (up to `steps + 1` tokens per request, packed along their own axis). The pad
+values are the contract every runner of this family shares (DESIGN.md): `seq_lens` 1,
+`out_cache_loc` the sink slot 0, `req_pool_indices` the reserved row 0, token ids, positions,
+top-k and hidden states 0, accept lengths 1, tree mask all ones, `qo_indptr` repeats its last
+value (padded requests own no tokens). No runner writes padding code of its own.
+
+Model-specific parts are parameters: `outputs` is a mapping of `pg.Output`s, or a function of the
+program's axes (`RunnerAxes`) returning one, since output shapes name the same axis objects.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Union
+
+import torch
+
+from .axes import Axis
+from .buckets import Buckets
+from .pads import Edge
+from .program import Input, Output, Program, State
+
+
+@dataclass(frozen=True)
+class RunnerAxes:
+    """The axes a runner program's outputs may use: `bs` (bucketed) and, for draft-extend,
+    `tokens` (capacity `bs * (steps + 1)`)."""
+
+    bs: Axis
+    tokens: Axis | None = None
+
+
+OutputsSpec = Union[Mapping[str, Output], Callable[[RunnerAxes], Mapping[str, Output]]]
+
+
+def kv_state() -> dict[str, State]:
+    """Default bound state: per-layer K/V pools (sink slot 0) and req_to_token (sink row 0)."""
+    return {"k_cache": State(sink=0), "v_cache": State(sink=0), "req_to_token": State(sink=0)}
+
+
+def _program(name, inputs, outputs: OutputsSpec, axes: RunnerAxes, state, buckets) -> Program:
+    outs = outputs(axes) if callable(outputs) else outputs
+    return Program(name, inputs=inputs, outputs=dict(outs),
+                   state=kv_state() if state is None else state, buckets=buckets)
+
+
+def _per_request(bs: Axis) -> dict[str, Input]:
+    return {
+        "seq_lens": Input((bs,), torch.int32, pad=1),
+        "req_pool_indices": Input((bs,), torch.int32, pad=0),   # reserved row 0
+    }
+
+
+def _check_pos(**kw) -> None:
+    for n, v in kw.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"runner program: {n} must be an int >= 1, got {v!r}")
+
+
+def decode_program(outputs: OutputsSpec, *, buckets: Buckets | None = None,
+                   state: Mapping[str, State] | None = None, name: str = "decode") -> Program:
+    """One new token per request: its id, position, KV length after it, row, and target slot."""
+    bs = Axis("bs")
+    inputs = {
+        "input_ids": Input((bs,), torch.int64, pad=0),
+        "positions": Input((bs,), torch.int64, pad=0),
+        **_per_request(bs),
+        "out_cache_loc": Input((bs,), torch.int64, pad=0),      # sink slot 0
+    }
+    return _program(name, inputs, outputs, RunnerAxes(bs), state, buckets)
+
+
+def verify_program(k: int, outputs: OutputsSpec, *, buckets: Buckets | None = None,
+                   state: Mapping[str, State] | None = None, name: str = "verify") -> Program:
+    """Target verify: k tree tokens per request (request-major on `bs * k`) and the tree mask.
+
+    `seq_lens` is the prefix length before the tree (the tree occupies positions
+    seq_lens .. seq_lens + k - 1 of the request's row).
+    """
+    _check_pos(k=k)
+    bs = Axis("bs")
+    inputs = {
+        "input_ids": Input((bs * k,), torch.int64, pad=0),
+        "positions": Input((bs * k,), torch.int64, pad=0),
+        "out_cache_loc": Input((bs * k,), torch.int64, pad=0),
+        **_per_request(bs),
+        "tree_mask": Input((bs, k, k), torch.bool, pad=True),
+    }
+    return _program(name, inputs, outputs, RunnerAxes(bs), state, buckets)
+
+
+def draft_program(steps: int, topk: int, hidden_size: int, hidden_dtype: torch.dtype,
+                  outputs: OutputsSpec, *, buckets: Buckets | None = None,
+                  state: Mapping[str, State] | None = None, name: str = "eagle_draft") -> Program:
+    """EAGLE multi-step draft from the last draft-extend's top-k and hidden state.
+
+    `out_cache_loc` holds `steps * topk` draft slots per request, laid out per request, so a
+    padded request's slots are a tail of sink slots.
+    """
+    _check_pos(steps=steps, topk=topk, hidden_size=hidden_size)
+    bs = Axis("bs")
+    inputs = {
+        "topk_p": Input((bs, topk), torch.float32, pad=0),
+        "topk_index": Input((bs, topk), torch.int64, pad=0),
+        "hidden_states": Input((bs, hidden_size), hidden_dtype, pad=0),
+        "positions": Input((bs,), torch.int64, pad=0),
+        **_per_request(bs),
+        "out_cache_loc": Input((bs * (steps * topk),), torch.int64, pad=0),
+    }
+    return _program(name, inputs, outputs, RunnerAxes(bs), state, buckets)
+
+
+def draft_extend_program(steps: int, hidden_size: int, hidden_dtype: torch.dtype,
+                         outputs: OutputsSpec, *, buckets: Buckets | None = None,
+                         state: Mapping[str, State] | None = None,
+                         name: str = "eagle_draft_extend") -> Program:
+    """EAGLE draft-extend: each request's accepted tokens (1 .. steps + 1), packed.
+
+    Requests and tokens are padded separately: `tokens` has its own raw extent (the sum of the
+    accept lengths) and capacity `bs * (steps + 1)`; `qo_indptr` repeats its last value, so a
+    padded request owns no tokens.
+    """
+    _check_pos(steps=steps, hidden_size=hidden_size)
+    bs = Axis("bs")
+    tokens = Axis("tokens", capacity=bs * (steps + 1))
+    inputs = {
+        "input_ids": Input((tokens,), torch.int64, pad=0),
+        "positions": Input((tokens,), torch.int64, pad=0),
+        "out_cache_loc": Input((tokens,), torch.int64, pad=0),
+        "hidden_states": Input((tokens, hidden_size), hidden_dtype, pad=0),
+        **_per_request(bs),
+        "accept_lens": Input((bs,), torch.int32, pad=1),
+        "qo_indptr": Input((bs + 1,), torch.int32, pad=Edge()),
+    }
+    return _program(name, inputs, outputs, RunnerAxes(bs, tokens), state, buckets)
