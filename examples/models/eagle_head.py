@@ -6,12 +6,11 @@ output at p predicts token p+2 and its (normed) hidden stands in for the target 
 """
 from __future__ import annotations
 
-import copy
 
 import torch
 from torch import Tensor, nn
 
-from .llama import (DecoderLayer, LlamaModel, RMSNorm, extend_batch, init_weights, tree_batch)
+from .llama import (DecoderLayer, LlamaModel, PagedBatch, RMSNorm, extend_batch, init_weights)
 
 
 class EagleHead(nn.Module):
@@ -25,6 +24,31 @@ class EagleHead(nn.Module):
         init_weights(self, cfg.init_std, torch.Generator().manual_seed(seed))
         # Shared with the target, kept out of this module's parameters (and state_dict).
         object.__setattr__(self, "target", target)
+        self.register_buffer("hot_ids", None)      # [n_hot] draft vocabulary (None: all)
+        self.register_buffer("hot_weight", None)   # [n_hot, H] the target lm_head's rows
+
+    def set_draft_vocab(self, token_ids: Tensor | None) -> None:
+        """Draft over a subset of the vocabulary (EAGLE-3's "hot" tokens): the draft's lm_head is
+        the target's rows for those ids, so a draft step reads n_hot rows instead of V."""
+        if token_ids is None:
+            self.hot_ids = self.hot_weight = None
+            return
+        ids = token_ids.to(self.target.lm_head.weight.device).long()
+        self.hot_ids = ids
+        self.hot_weight = self.target.lm_head.weight.detach()[ids].contiguous()
+
+    def logits(self, h: Tensor) -> Tensor:
+        """Full-vocabulary logits [n, V] fp32 (training, checks)."""
+        return self.target.logits(h)
+
+    def topk(self, h: Tensor, topk: int):
+        """Draft distribution's top-k: (probs [n, topk] fp32, token ids [n, topk] int64)."""
+        if self.hot_ids is None:
+            probs = torch.softmax(self.target.logits(h), dim=-1)
+            return probs.topk(topk, dim=-1)
+        probs = torch.softmax((h @ self.hot_weight.t()).float(), dim=-1)   # [n, n_hot]
+        p, i = probs.topk(topk, dim=-1)
+        return p, self.hot_ids[i]
 
     @classmethod
     def copy_of_target(cls, target: LlamaModel) -> "EagleHead":
@@ -47,25 +71,41 @@ class EagleHead(nn.Module):
         emb = self.target.embed(input_ids)                            # [n, H]
         return self.fc(torch.cat([emb, hidden.to(emb.dtype)], dim=-1))
 
-    def _run(self, input_ids, hidden, positions, batch, kv):
+    def _run(self, input_ids, hidden, positions, batch: PagedBatch, kv) -> Tensor:
         x = self.layer(self._inputs(input_ids, hidden), positions, self.target.rope, batch,
                        kv.k[0], kv.v[0])
-        h = self.norm(x)                                             # [n, H]
-        return self.target.logits(h), h
+        return self.norm(x)                                          # [n, H]
 
     def forward_extend(self, input_ids, hidden, positions, kv, req_to_token, req_pool_indices,
-                       seq_lens, qo_indptr, out_cache_loc, impl="auto"):
-        """Packed [n_tok] pairs → (logits [n_tok, V] fp32, hidden [n_tok, H])."""
+                       seq_lens, qo_indptr, out_cache_loc, impl="auto") -> Tensor:
+        """Packed [n_tok] pairs → the head's hidden [n_tok, H] (logits: `topk`/`logits`)."""
         batch = extend_batch(req_to_token, req_pool_indices, seq_lens, qo_indptr, out_cache_loc,
                              impl)
         return self._run(input_ids, hidden, positions, batch, kv)
 
-    def forward_tree(self, input_ids, hidden, positions, kv, req_to_token, req_pool_indices,
-                     seq_lens, tree_mask, out_cache_loc, impl="auto"):
-        """[bs*n] draft-tree nodes (seq_lens = prefix + n, tree_mask [bs,n,n]) → (logits, hidden)."""
-        batch = tree_batch(req_to_token, req_pool_indices, seq_lens, tree_mask, out_cache_loc,
-                           impl)
-        return self._run(input_ids, hidden, positions, batch, kv)
+    def forward_draft_step(self, step: int, input_ids, hidden, positions, kv, req_to_token,
+                           req_pool_indices, seq_lens, tree_mask, out_cache_loc,
+                           impl="auto") -> Tensor:
+        """The `topk` nodes of draft step `step` per request ([bs*topk] tokens) → hidden.
+
+        The draft tree's n nodes sit at positions seq_lens-n .. seq_lens-1 of each row (node
+        step*topk + j is this step's j-th); tree_mask [bs, n, n] says which ancestors each sees.
+        Queries of the other steps' nodes are zeros whose outputs are dropped.
+        """
+        from padgraph.backends.triton.attention import tree_verify_attention
+        bs, n = tree_mask.shape[:2]
+        topk = input_ids.shape[0] // bs
+        lo = step * topk
+
+        def attend(q, k_cache, v_cache):                             # q [bs*topk, Hq, D]
+            q_all = q.new_zeros(bs, n, *q.shape[1:])
+            q_all[:, lo:lo + topk] = q.view(bs, topk, *q.shape[1:])
+            o = tree_verify_attention(q_all.view(bs * n, *q.shape[1:]), k_cache, v_cache,
+                                      req_to_token, req_pool_indices, seq_lens, tree_mask,
+                                      impl=impl)
+            return o.view(bs, n, *o.shape[1:])[:, lo:lo + topk].reshape(bs * topk, *o.shape[1:])
+
+        return self._run(input_ids, hidden, positions, PagedBatch(out_cache_loc, attend), kv)
 
     def forward_dense(self, input_ids: Tensor, hidden: Tensor):
         """Teacher-forced [B, T] pairs (token p+1, target hidden p) → (logits, hidden), no cache."""
@@ -73,4 +113,4 @@ class EagleHead(nn.Module):
         positions = torch.arange(T, device=input_ids.device).expand(B, T)
         x = self.layer.forward_dense(self._inputs(input_ids, hidden), positions, self.target.rope)
         h = self.norm(x)
-        return self.target.logits(h), h
+        return self.logits(h), h

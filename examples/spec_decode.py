@@ -1,0 +1,387 @@
+"""EAGLE speculative decoding (and plain greedy decoding) over padgraph's four runner programs.
+
+Every step of the loop is a call of a compiled program (backend "cuda" on a GPU, "reference" on
+the CPU): draft → verify → draft-extend for EAGLE, decode for greedy. Prefill runs eagerly. The
+batch shrinks as requests finish (EOS or max tokens), so raw batch sizes are odd; a finished
+request's KV slots and req_to_token row go back to the allocators at once.
+
+Per-request KV: a request owns one req_to_token row and, from admission, the slots for its whole
+budget (prompt + max_new_tokens + tree scratch), so draft and verify tokens use the slots of the
+positions they occupy; verify commits the accepted path by permuting the row (no KV copies).
+Draft position p holds (token p+1, target hidden p), so the draft cache is one position behind.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+
+import padgraph as pg
+from padgraph.backends.triton import eagle as ops
+from padgraph.backends.triton.kv import KVCache, RowAllocator, SlotAllocator
+from padgraph.runners import (decode_program, draft_extend_program, draft_program,
+                              verify_program)
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    steps: int = 4          # draft depth (steps - 1 draft forwards)
+    topk: int = 4           # expansion width per step
+    num_draft_tokens: int = 8   # k: tree nodes verified per request, root included
+
+    @property
+    def n_path(self) -> int:
+        return self.steps + 1
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    output: list[int] = field(default_factory=list)
+    row: int = 0
+    slots: list[int] = field(default_factory=list)
+    done: bool = False
+    gaps: list[float] = field(default_factory=list)   # greedy: target's top-1 minus top-2 logit
+
+
+def _kv(x):
+    return SimpleNamespace(k=x.k_cache, v=x.v_cache)
+
+
+# ------------------------------------------------------------------------------------ bodies
+
+def decode_body(target):
+    def body(x):
+        logits, _ = target.forward_decode(x.input_ids, x.positions, _kv(x), x.req_to_token,
+                                          x.req_pool_indices, x.seq_lens, x.out_cache_loc)
+        top2 = logits.topk(2, dim=-1).values                         # [bs, 2]
+        return {"next_token": logits.argmax(-1), "top2_gap": top2[:, 0] - top2[:, 1]}
+    return body
+
+
+def verify_body(target, spec: SpecConfig):
+    k, steps = spec.num_draft_tokens, spec.steps
+
+    def body(x):
+        bs = x.bucket
+        logits, hidden = target.forward_verify(
+            x.input_ids, x.positions, _kv(x), x.req_to_token, x.req_pool_indices,
+            x.seq_lens + k, x.tree_mask, x.out_cache_loc)           # [bs*k, V], [bs*k, H]
+        predict = logits.argmax(-1).view(bs, k)
+        acc_len, acc_idx, out_tokens = ops.verify_greedy(
+            x.input_ids.view(bs, k), x.tree_mask, predict, x.req_to_token,
+            x.req_pool_indices, x.seq_lens, steps)
+        ids, pos, loc, hid, qo, new_lens = ops.pack_draft_extend(
+            acc_len, acc_idx, out_tokens, hidden, x.seq_lens, x.req_to_token,
+            x.req_pool_indices, x.extent("bs"))
+        bonus = out_tokens.gather(1, (acc_len.long() - 1)[:, None])[:, 0]
+        return {"accept_len": acc_len, "out_tokens": out_tokens, "bonus": bonus,
+                "de_input_ids": ids, "de_positions": pos, "de_out_cache_loc": loc,
+                "de_hidden": hid, "de_qo_indptr": qo, "de_seq_lens": new_lens}
+    return body
+
+
+def draft_body(head, spec: SpecConfig):
+    steps, topk, k = spec.steps, spec.topk, spec.num_draft_tokens
+    n = (steps - 1) * topk                                           # nodes run through the head
+
+    def body(x):
+        bs = x.bucket
+        loc = x.out_cache_loc.view(bs, steps * topk)
+        mask = torch.eye(max(n, 1), dtype=torch.bool, device=loc.device).expand(bs, -1, -1)
+        p, idx, hid, scores, prev = x.topk_p, x.topk_index, x.hidden_states, None, None
+        levels = []
+        for step in range(steps):
+            ids, hid, scores, lv_s, lv_t, expanded, parent_slot = ops.select_top_k(
+                step, p, idx, hid, scores, topk)
+            par = torch.full_like(lv_t, -1) if step == 0 else ops.level_parents(prev, topk)
+            levels.append((lv_s, lv_t, par))
+            prev = ops.level_offset(step, topk) + expanded
+            if step == steps - 1:
+                break
+            mask = ops.expand_draft_mask(mask, step, topk, parent_slot)
+            positions = (x.positions[:, None] + step).expand(bs, topk).reshape(-1)
+            hid = head.forward_draft_step(
+                step, ids, hid, positions, _kv(x), x.req_to_token, x.req_pool_indices,
+                x.seq_lens + n, mask, loc[:, step * topk:(step + 1) * topk].reshape(-1))
+            p, idx = head.topk(hid, topk)                            # [bs*topk, topk]
+        s, t, par = (torch.cat(c, dim=1) for c in zip(*levels))
+        draft_tokens, tree_mask, depth, _ = ops.build_tree(s, t, par, k, topk, steps)
+        return {"draft_tokens": draft_tokens, "tree_mask": tree_mask, "depth": depth}
+    return body
+
+
+def draft_extend_body(head, spec: SpecConfig):
+    steps, topk = spec.steps, spec.topk
+
+    def body(x):
+        h = head.forward_extend(x.input_ids, x.hidden_states, x.positions, _kv(x),
+                                x.req_to_token, x.req_pool_indices, x.seq_lens, x.qo_indptr,
+                                x.out_cache_loc)                     # [tokens, H]
+        last = (x.qo_indptr[:-1] + x.accept_lens - 1).clamp(0, h.shape[0] - 1).long()
+        h_last = h[last]                                             # [bs, H]
+        p, idx = head.topk(h_last, topk)
+        loc = ops.assign_cache_locs(x.req_to_token, x.req_pool_indices, x.seq_lens,
+                                    steps * topk)
+        return {"topk_p": p, "topk_index": idx, "next_hidden": h_last,
+                "draft_out_cache_loc": loc}
+    return body
+
+
+# ---------------------------------------------------------------------------------- programs
+
+def programs(cfg, spec: SpecConfig, hidden_dtype, buckets=None) -> dict[str, pg.Program]:
+    """The four runner programs with this model's outputs."""
+    H, k, S, topk = cfg.hidden_size, spec.num_draft_tokens, spec.steps, spec.topk
+    O = pg.Output
+    return {
+        "decode": decode_program(lambda a: {
+            "next_token": O((a.bs,), torch.int64), "top2_gap": O((a.bs,), torch.float32)},
+            buckets=buckets),
+        "verify": verify_program(k, lambda a: {
+            "accept_len": O((a.bs,), torch.int32), "out_tokens": O((a.bs, S + 1), torch.int64),
+            "bonus": O((a.bs,), torch.int64),
+            "de_input_ids": O((a.bs * (S + 1),), torch.int64),
+            "de_positions": O((a.bs * (S + 1),), torch.int64),
+            "de_out_cache_loc": O((a.bs * (S + 1),), torch.int64),
+            "de_hidden": O((a.bs * (S + 1), H), hidden_dtype),
+            "de_qo_indptr": O((a.bs + 1,), torch.int32),
+            "de_seq_lens": O((a.bs,), torch.int32)}, buckets=buckets),
+        "draft": draft_program(S, topk, H, hidden_dtype, lambda a: {
+            "draft_tokens": O((a.bs, k - 1), torch.int64),
+            "tree_mask": O((a.bs, k, k), torch.bool),
+            "depth": O((a.bs, k), torch.int64)}, buckets=buckets),
+        "draft_extend": draft_extend_program(S, H, hidden_dtype, lambda a: {
+            "topk_p": O((a.bs, topk), torch.float32), "topk_index": O((a.bs, topk), torch.int64),
+            "next_hidden": O((a.bs, H), hidden_dtype),
+            "draft_out_cache_loc": O((a.bs * (S * topk),), torch.int64)}, buckets=buckets),
+    }
+
+
+def bodies(target, head, spec: SpecConfig) -> dict:
+    return {"decode": decode_body(target), "verify": verify_body(target, spec),
+            "draft": draft_body(head, spec), "draft_extend": draft_extend_body(head, spec)}
+
+
+# ------------------------------------------------------------------------------------ worker
+
+def to_host(*tensors) -> list[list]:
+    """Device → host lists with one synchronisation (the loop's only one per step)."""
+    if tensors[0].is_cuda:
+        outs = [t.to("cpu", non_blocking=True) for t in tensors]
+        torch.cuda.current_stream().synchronize()
+    else:
+        outs = [t.cpu() for t in tensors]
+    return [o.tolist() for o in outs]
+
+
+@dataclass
+class RunStats:
+    tokens: int = 0
+    seconds: float = 0.0
+    rounds: int = 0            # verify rounds (EAGLE) or decode steps (greedy)
+    accepted: int = 0          # tokens emitted by verify rounds (accept lengths summed)
+    request_rounds: int = 0    # request-rounds, for the mean accept length
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def accept_len(self) -> float:
+        return self.accepted / self.request_rounds if self.request_rounds else 0.0
+
+
+class Worker:
+    """Serves one batch of requests with EAGLE (`generate_spec`) or greedy (`generate_greedy`).
+
+    backend: "cuda" | "reference"; runners are compiled on first use and kept, so repeated
+    calls replay the same graphs.
+    """
+
+    def __init__(self, target, head, spec: SpecConfig, *, backend: str = "reference",
+                 max_bs: int = 16, max_context: int = 512, eos_id: int | None = None,
+                 buckets=None, compile_options: dict | None = None):
+        cfg, p = target.cfg, target.lm_head.weight
+        self.target, self.head, self.spec, self.eos_id = target, head, spec, eos_id
+        self.backend, self.max_bs, self.max_context = backend, max_bs, max_context
+        self.margin = max(spec.num_draft_tokens, spec.steps * spec.topk) + 1
+        n_slots = max_bs * max_context + 1
+        self.kv = KVCache(cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim, max_context,
+                          max_bs + 1, p.dtype, p.device)
+        self.dkv = KVCache(1, n_slots, cfg.n_kv_heads, cfg.head_dim, 2, 2, p.dtype, p.device)
+        self.slots, self.rows = SlotAllocator(n_slots), RowAllocator(max_bs + 1)
+        self.programs = programs(cfg, spec, p.dtype, buckets or pg.Buckets.default(max_bs))
+        self.bodies = bodies(target, head, spec) if head is not None else {
+            "decode": decode_body(target)}
+        self.compile_options = compile_options or {}
+        self._runners: dict = {}
+
+    def state(self, name: str) -> dict:
+        kv = self.kv if name in ("decode", "verify") else self.dkv
+        return {"k_cache": kv.k, "v_cache": kv.v, "req_to_token": self.kv.req_to_token}
+
+    def runner(self, name: str):
+        if name not in self._runners:
+            self._runners[name] = pg.compile(self.programs[name], self.bodies[name],
+                                             self.backend, state=self.state(name),
+                                             **self.compile_options)
+        return self._runners[name]
+
+    # ---- request lifecycle -------------------------------------------------------------
+    def admit(self, prompts, max_new_tokens) -> list[Request]:
+        if len(prompts) > self.max_bs:
+            raise ValueError(f"at most max_bs={self.max_bs} requests per batch; got {len(prompts)}")
+        reqs = []
+        for i, (prompt, n_new) in enumerate(zip(prompts, max_new_tokens)):
+            need = len(prompt) + n_new + self.margin
+            if need > self.max_context:
+                raise ValueError(f"request {i}: prompt {len(prompt)} + max_new_tokens {n_new} + "
+                                 f"tree margin {self.margin} must fit max_context "
+                                 f"{self.max_context}")
+            r = Request(i, list(prompt), n_new, row=self.rows.alloc(1)[0],
+                        slots=self.slots.alloc(need))
+            self.kv.req_to_token[r.row, :need] = torch.tensor(r.slots, dtype=torch.int32)
+            reqs.append(r)
+        return reqs
+
+    def release(self, req: Request) -> None:
+        self.kv.req_to_token[req.row].zero_()
+        self.slots.free(req.slots)
+        self.rows.free([req.row])
+        req.slots, req.row = [], 0
+
+    def emit(self, req: Request, tokens) -> bool:
+        """Append tokens up to EOS / max_new_tokens; True when the request finished."""
+        for t in tokens:
+            req.output.append(t)
+            if t == self.eos_id or len(req.output) >= req.max_new_tokens:
+                req.done = True
+                break
+        return req.done
+
+    # ---- prefill (eager) ---------------------------------------------------------------
+    def prefill(self, reqs):
+        """Target extend over the prompts; (last logits [bs, V], hidden, packed batch)."""
+        dev = self.target.lm_head.weight.device
+        lens = [len(r.prompt) for r in reqs]
+        b = SimpleNamespace(
+            ids=torch.tensor([t for r in reqs for t in r.prompt], device=dev),
+            positions=torch.cat([torch.arange(n) for n in lens]).to(dev),
+            rows=torch.tensor([r.row for r in reqs], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            qo=torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32,
+                            device=dev))
+        b.loc = self.kv.req_to_token[b.rows.long().repeat_interleave(b.seq_lens.long()),
+                                     b.positions].long()
+        logits, hidden = self.target.forward_extend(b.ids, b.positions, self.kv,
+                                                    self.kv.req_to_token, b.rows, b.seq_lens,
+                                                    b.qo, b.loc)
+        return logits, hidden, b
+
+    def draft_prefill(self, first, hidden, b):
+        """The head over (prompt[1:] + first token, target hidden): the first draft inputs."""
+        last = (b.qo[1:] - 1).long()
+        shifted = torch.cat([b.ids[1:], b.ids[:1]])
+        shifted[last] = first
+        h = self.head.forward_extend(shifted, hidden, b.positions, self.dkv,
+                                     self.kv.req_to_token, b.rows, b.seq_lens, b.qo, b.loc)
+        p, idx = self.head.topk(h[last], self.spec.topk)
+        loc = ops.assign_cache_locs(self.kv.req_to_token, b.rows, b.seq_lens,
+                                    self.spec.steps * self.spec.topk)
+        return SimpleNamespace(rows=b.rows, seq_lens=b.seq_lens, verified_id=first, topk_p=p,
+                               topk_index=idx, hidden=h[last], draft_loc=loc)
+
+    # ---- EAGLE -------------------------------------------------------------------------
+    def spec_round(self, st):
+        """draft → verify → draft-extend for the batch in `st`; (new state, accept lens, tokens)."""
+        rt = self.kv.req_to_token
+        d = self.runner("draft")(
+            topk_p=st.topk_p, topk_index=st.topk_index, hidden_states=st.hidden,
+            positions=st.seq_lens.long(), seq_lens=st.seq_lens, req_pool_indices=st.rows,
+            out_cache_loc=st.draft_loc)
+        ids, pos, loc = ops.verify_inputs(st.verified_id, d.draft_tokens, d.depth, st.seq_lens,
+                                          rt, st.rows)
+        v = self.runner("verify")(input_ids=ids, positions=pos, out_cache_loc=loc,
+                                  seq_lens=st.seq_lens, req_pool_indices=st.rows,
+                                  tree_mask=d.tree_mask)
+        acc, toks = to_host(v.accept_len, v.out_tokens)
+        n = sum(acc)
+        e = self.runner("draft_extend")(
+            input_ids=v.de_input_ids[:n], positions=v.de_positions[:n],
+            out_cache_loc=v.de_out_cache_loc[:n], hidden_states=v.de_hidden[:n],
+            seq_lens=v.de_seq_lens, req_pool_indices=st.rows, accept_lens=v.accept_len,
+            qo_indptr=v.de_qo_indptr)
+        new = SimpleNamespace(rows=st.rows, seq_lens=v.de_seq_lens, verified_id=v.bonus,
+                              topk_p=e.topk_p, topk_index=e.topk_index, hidden=e.next_hidden,
+                              draft_loc=e.draft_out_cache_loc)
+        return new, acc, toks
+
+    def generate_spec(self, prompts, max_new_tokens) -> tuple[list[Request], RunStats]:
+        stats, t0 = RunStats(), _now(self)
+        reqs = self.admit(prompts, max_new_tokens)
+        logits, hidden, b = self.prefill(reqs)
+        first = logits.argmax(-1)
+        st = self.draft_prefill(first, hidden, b)
+        active, st = self._retire(reqs, st, [[t] for t in to_host(first)[0]])
+        while active:
+            st, acc, toks = self.spec_round(st)
+            stats.rounds += 1
+            stats.accepted += sum(acc)
+            stats.request_rounds += len(acc)
+            active, st = self._retire(active, st, [t[:a] for t, a in zip(toks, acc)])
+        stats.seconds = _now(self) - t0
+        stats.tokens = sum(len(r.output) for r in reqs)
+        return reqs, stats
+
+    def _retire(self, active, st, new_tokens):
+        """Emit each request's tokens; release finished ones and shrink the batch state."""
+        keep = [i for i, (r, t) in enumerate(zip(active, new_tokens)) if not self.emit(r, t)]
+        if len(keep) == len(active):
+            return active, st
+        for i, r in enumerate(active):
+            if i not in keep:
+                self.release(r)
+        idx = torch.tensor(keep, dtype=torch.long, device=st.rows.device)
+        bs = len(active)
+        st = SimpleNamespace(**{
+            name: (t.view(bs, -1)[idx].reshape(-1) if name == "draft_loc" else t[idx])
+            for name, t in vars(st).items()})
+        return [active[i] for i in keep], st
+
+    # ---- greedy ------------------------------------------------------------------------
+    def generate_greedy(self, prompts, max_new_tokens) -> tuple[list[Request], RunStats]:
+        stats, t0 = RunStats(), _now(self)
+        reqs = self.admit(prompts, max_new_tokens)
+        logits, _, b = self.prefill(reqs)
+        first, top2 = logits.argmax(-1), logits.topk(2, dim=-1).values
+        st = SimpleNamespace(rows=b.rows, seq_lens=b.seq_lens, cur=first)
+        toks, gaps = to_host(first, top2[:, 0] - top2[:, 1])
+        for r, g in zip(reqs, gaps):
+            r.gaps = [g]
+        active, st = self._retire(reqs, st, [[t] for t in toks])
+        decode, rt = self.runner("decode"), self.kv.req_to_token
+        while active:
+            s1 = st.seq_lens + 1
+            out = decode(input_ids=st.cur, positions=st.seq_lens.long(), seq_lens=s1,
+                         req_pool_indices=st.rows,
+                         out_cache_loc=ops.assign_cache_locs(rt, st.rows, st.seq_lens, 1))
+            toks, gaps = to_host(out.next_token, out.top2_gap)
+            for r, g in zip(active, gaps):
+                r.gaps.append(g)
+            st = SimpleNamespace(rows=st.rows, seq_lens=s1, cur=out.next_token)
+            stats.rounds += 1
+            active, st = self._retire(active, st, [[t] for t in toks])
+        stats.seconds = _now(self) - t0
+        stats.tokens = sum(len(r.output) for r in reqs)
+        return reqs, stats
+
+
+def _now(worker) -> float:
+    if worker.kv.req_to_token.is_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter()
