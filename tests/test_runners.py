@@ -1,0 +1,112 @@
+"""The four runner programs: declared pad values, axes, and pg.check with the example model's
+bodies (no pad leakage, no state writes outside raw targets and sinks, deterministic)."""
+import os
+import sys
+
+import pytest
+import torch
+
+import padgraph as pg
+from padgraph.runners import (decode_program, draft_extend_program, draft_program,
+                              verify_program)
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+
+from models.eagle_head import EagleHead  # noqa: E402
+from models.llama import LlamaConfig, LlamaModel  # noqa: E402
+from spec_decode import SpecConfig, Worker  # noqa: E402
+
+
+def pads(p):
+    return {n: s.pad for n, s in p.inputs.items()}
+
+
+def test_declared_pad_values():
+    out = lambda a: {"y": pg.Output((a.bs,), torch.int64)}  # noqa: E731
+    d = pads(decode_program(out))
+    assert d == {"input_ids": pg.Fill(0), "positions": pg.Fill(0), "seq_lens": pg.Fill(1),
+                 "req_pool_indices": pg.Fill(0), "out_cache_loc": pg.Fill(0)}
+    v = verify_program(6, out)
+    assert pads(v)["tree_mask"] == pg.Fill(True) and pads(v)["seq_lens"] == pg.Fill(1)
+    assert pg.Plan(v).shape("input_ids", 4) == (24,)
+    dr = draft_program(3, 4, 32, torch.float16, out)
+    assert pg.Plan(dr).shape("out_cache_loc", 2) == (2 * 12,)
+    assert pads(dr)["topk_p"] == pg.Fill(0) and dr.inputs["hidden_states"].dtype == torch.float16
+    de = draft_extend_program(3, 32, torch.float32, out)
+    assert pads(de)["qo_indptr"] == pg.Edge() and pads(de)["accept_lens"] == pg.Fill(1)
+    plan = pg.Plan(de)
+    assert [a.name for a in de.axes] == ["bs", "tokens"]
+    assert plan.capacity("tokens", 8) == 32 and plan.shape("qo_indptr", 8) == (9,)
+
+
+def test_tokens_axis_is_decided_separately():
+    de = draft_extend_program(3, 8, torch.float32, lambda a: {
+        "y": pg.Output((a.bs,), torch.int32)}, buckets=pg.Buckets([1, 2, 4, 8]))
+    plan = pg.Plan(de)
+    ext = {"bs": 3, "tokens": 5}
+    assert plan.bucket_for(ext) == 4
+    assert plan.bucket_for({"bs": 1, "tokens": 7}) == 2     # tokens need more than bs does
+
+
+SPEC = SpecConfig(steps=3, topk=2, num_draft_tokens=5)
+
+
+@pytest.fixture(scope="module")
+def worker():
+    torch.manual_seed(0)
+    target = LlamaModel(LlamaConfig.tiny()).eval()
+    head = EagleHead(target).eval()
+    w = Worker(target, head, SPEC, max_bs=8, max_context=48, buckets=pg.Buckets([1, 2, 4, 8]))
+    rt = w.kv.req_to_token                                   # every row but 0 owns 48 slots
+    rt[1:] = torch.randperm(w.slots.n - 1)[: 8 * 48].int().view(8, 48) + 1
+    return w
+
+
+def _requests(gen, max_bs=6):
+    bs = int(torch.randint(1, max_bs + 1, (), generator=gen))
+    rows = (torch.randperm(8, generator=gen)[:bs] + 1).int()
+    return bs, rows
+
+
+def sample_for(name, w):
+    rt, V, H = w.kv.req_to_token, w.target.cfg.vocab_size, w.target.cfg.hidden_size
+    k, S, topk = SPEC.num_draft_tokens, SPEC.steps, SPEC.topk
+
+    def sample(gen):
+        bs, rows = _requests(gen)
+        L = torch.randint(S + 2, 30, (bs,), generator=gen).int()     # >= any accept length
+        ids = lambda n: torch.randint(0, V, (n,), generator=gen)  # noqa: E731
+        slots = lambda pos: rt[rows.long()[:, None], pos].long().reshape(-1)  # noqa: E731
+        if name == "decode":
+            return dict(input_ids=ids(bs), positions=(L - 1).long(), seq_lens=L,
+                        req_pool_indices=rows, out_cache_loc=slots((L - 1).long()[:, None]))
+        if name == "verify":
+            mask = torch.tril(torch.ones(k, k, dtype=torch.bool)).repeat(bs, 1, 1)
+            mask[:, 2, 1] = False                            # node 2 is a sibling of node 1
+            pos = L.long()[:, None] + torch.arange(k)
+            return dict(input_ids=ids(bs * k), positions=pos.reshape(-1), out_cache_loc=slots(pos),
+                        seq_lens=L, req_pool_indices=rows, tree_mask=mask)
+        if name == "draft":
+            p = torch.rand(bs, topk, generator=gen).sort(1, descending=True).values
+            pos = L.long()[:, None] + torch.arange(S * topk)
+            return dict(topk_p=p, topk_index=torch.randint(0, V, (bs, topk), generator=gen),
+                        hidden_states=torch.randn(bs, H, generator=gen), positions=L.long(),
+                        seq_lens=L, req_pool_indices=rows, out_cache_loc=slots(pos))
+        acc = torch.randint(1, S + 2, (bs,), generator=gen).int()
+        qo = torch.cat([torch.zeros(1, dtype=torch.int32), acc.cumsum(0).int()])
+        n = int(qo[-1])
+        pos = torch.cat([torch.arange(int(l) - int(a), int(l)) for l, a in zip(L, acc)])
+        row_of = rows.long().repeat_interleave(acc.long())
+        return dict(input_ids=ids(n), positions=pos, out_cache_loc=rt[row_of, pos].long(),
+                    hidden_states=torch.randn(n, H, generator=gen), seq_lens=L,
+                    req_pool_indices=rows, accept_lens=acc, qo_indptr=qo)
+    return sample
+
+
+@pytest.mark.parametrize("name", ["decode", "verify", "draft", "draft_extend"])
+def test_check_runner_programs(worker, name):
+    with torch.no_grad():
+        res = pg.check(worker.programs[name], worker.bodies[name], state=worker.state(name),
+                       sample=sample_for(name, worker), trials=4, sizes_per_trial=2,
+                       rtol=1e-5, atol=1e-5)
+    assert res.ok, str(res)
