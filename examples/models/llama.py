@@ -186,12 +186,16 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_norm(x))
 
 
-def init_weights(module: nn.Module, std: float, generator: torch.Generator | None = None):
-    """Normal(0, std) for every matrix, ones for norms: a deterministic random model."""
+def init_weights(module: nn.Module, std: float, generator: torch.Generator | None = None,
+                 n_layers: int = 1):
+    """Normal(0, std) for every matrix, std / sqrt(2 * n_layers) for the projections back into
+    the residual stream (GPT-2's scaled init), ones for norms: a deterministic random model."""
     with torch.no_grad():
         for name, p in module.named_parameters():
             if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=generator) * std)
+                s = std / (2 * n_layers) ** 0.5 if name.endswith(("o_proj.weight", "down.weight")) \
+                    else std
+                p.copy_(torch.randn(p.shape, generator=generator) * s)
 
 
 # ----------------------------------------------------------------------------------------- model
@@ -208,7 +212,7 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = Rotary(cfg.head_dim, cfg.max_position, cfg.rope_theta)
         gen = torch.Generator().manual_seed(seed)
-        init_weights(self, cfg.init_std, gen)
+        init_weights(self, cfg.init_std, gen, cfg.n_layers)
         with torch.no_grad():  # a larger embedding keeps the residual stream token-dependent
             self.embed.weight.copy_(torch.randn(self.embed.weight.shape, generator=gen))
 

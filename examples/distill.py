@@ -1,0 +1,125 @@
+"""Distil an EAGLE head from its target: the target's own greedy continuations and hidden states.
+
+Data: random prompts continued greedily by the target (dense forward, no cache), then one dense
+pass for the hidden states h_p and argmax labels. The head sees (token p+1, h_p) and learns the
+target's argmax at p+1 (cross-entropy) and h_p+1 (smooth L1), as EAGLE does; then its draft
+vocabulary is set to the tokens the target emitted most. Weights are saved locally only.
+
+    python examples/distill.py --model tiny --out /tmp/eagle_tiny.pt
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+
+import torch
+import torch.nn.functional as F
+
+from models.eagle_head import EagleHead
+from models.llama import LlamaConfig, LlamaModel
+
+
+@torch.no_grad()
+def greedy_corpus(target: LlamaModel, n_seq: int, prompt_len: int, gen_len: int, batch: int,
+                  seed: int = 1234):
+    """(tokens [N, T], hidden [N, T, H], labels [N, T]) with T = prompt_len + gen_len."""
+    dev = target.lm_head.weight.device
+    g = torch.Generator().manual_seed(seed)
+    toks, hids, labs = [], [], []
+    for lo in range(0, n_seq, batch):
+        b = min(batch, n_seq - lo)
+        seq = torch.randint(1, target.cfg.vocab_size, (b, prompt_len), generator=g).to(dev)
+        for _ in range(gen_len):
+            logits, _ = target.forward_dense(seq)
+            seq = torch.cat([seq, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        logits, hidden = target.forward_dense(seq)
+        toks.append(seq)
+        hids.append(hidden)
+        labs.append(logits.argmax(-1))
+    return torch.cat(toks), torch.cat(hids), torch.cat(labs)
+
+
+def train_head(head: EagleHead, tokens, hidden, labels, *, steps: int, batch: int, lr: float,
+               hidden_weight: float = 0.1, log=print):
+    """Teacher-forced EAGLE training on pairs (token p+1, h_p) → (label p+1, h_p+1)."""
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
+    ids, h_in = tokens[:, 1:], hidden[:, :-1]
+    y, h_out = labels[:, 1:], hidden[:, 1:].float()
+    g = torch.Generator().manual_seed(0)
+    cuda = tokens.is_cuda
+    for step in range(steps):
+        sel = torch.randint(0, ids.shape[0], (batch,), generator=g).to(ids.device)
+        amp = torch.autocast("cuda", torch.bfloat16) if cuda else contextlib.nullcontext()
+        with amp:
+            logits, h = head.forward_dense(ids[sel], h_in[sel])
+            ce = F.cross_entropy(logits.float().flatten(0, 1), y[sel].flatten())
+            reg = F.smooth_l1_loss(h.float(), h_out[sel])
+            loss = ce + hidden_weight * reg
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        if step % max(1, steps // 5) == 0 or step == steps - 1:
+            acc = (logits.argmax(-1) == y[sel]).float().mean().item()
+            log(f"  distill step {step:4d}  ce {ce.item():.3f}  hidden {reg.item():.4f}  "
+                f"top1 {acc:.3f}")
+
+
+def hot_vocab(labels, n_hot: int) -> torch.Tensor:
+    """The n_hot tokens the target emits most (all emitted ones if fewer)."""
+    counts = torch.bincount(labels.flatten(), minlength=1)
+    n = min(n_hot, int((counts > 0).sum()))
+    return counts.topk(n).indices.sort().values
+
+
+def distill(target: LlamaModel, head: EagleHead, *, n_seq=64, prompt_len=16, gen_len=48,
+            gen_batch=64, steps=300, batch=32, lr=1e-3, n_hot=None, log=print) -> dict:
+    """Data + training + draft vocabulary; returns timings and the final training accuracy."""
+    t0 = time.perf_counter()
+    tokens, hidden, labels = greedy_corpus(target, n_seq, prompt_len, gen_len, gen_batch)
+    t1 = time.perf_counter()
+    head.float().train()
+    for p in head.parameters():
+        p.requires_grad_(True)
+    train_head(head, tokens, hidden, labels, steps=steps, batch=min(batch, n_seq), lr=lr, log=log)
+    head.eval().to(target.lm_head.weight.dtype)
+    for p in head.parameters():
+        p.requires_grad_(False)
+    if n_hot:
+        head.set_draft_vocab(hot_vocab(labels, n_hot))
+    t2 = time.perf_counter()
+    info = {"data_s": t1 - t0, "train_s": t2 - t1, "n_seq": n_seq,
+            "seq_len": prompt_len + gen_len, "steps": steps,
+            "draft_vocab": None if head.hot_ids is None else int(head.hot_ids.numel())}
+    log(f"distilled in {t2 - t0:.1f}s (data {t1 - t0:.1f}s, train {t2 - t1:.1f}s)")
+    return info
+
+
+PRESETS = {
+    "tiny": dict(cfg=LlamaConfig.tiny, n_seq=32, prompt_len=8, gen_len=24, steps=80, lr=3e-3),
+    "1b": dict(cfg=LlamaConfig.llama_1b, n_seq=128, prompt_len=16, gen_len=64, steps=400,
+               lr=1e-3, n_hot=32768),
+}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=sorted(PRESETS), default="tiny")
+    ap.add_argument("--out", default=None, help="where to save the head (local only)")
+    args = ap.parse_args()
+    pre = dict(PRESETS[args.model])
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    target = LlamaModel(pre.pop("cfg")()).to(dev, dtype).eval()
+    head = EagleHead(target).to(dev)
+    distill(target, head, **pre)
+    if args.out:
+        torch.save(head.state_dict(), args.out)
+        print(f"saved {args.out}")
+
+
+if __name__ == "__main__":
+    main()
