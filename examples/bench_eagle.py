@@ -1,0 +1,111 @@
+"""Benchmark: plain greedy (graphs), EAGLE (graphs), EAGLE (eager) on the 1B-shaped target.
+
+One GPU call, distillation included:  python examples/bench_eagle.py
+Writes $OUT/eagle.md and $OUT/eagle.json (date, GPU, torch/triton versions, command).
+Targets: EAGLE graphs >= 2.0x greedy graphs at bs=1; EAGLE graphs >= 3x EAGLE eager at bs=1.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+
+import padgraph as pg
+from eagle import setup
+from spec_decode import SpecConfig, Worker
+
+BATCHES = (1, 4, 16)
+NEW_TOKENS = 128
+
+
+def prompts_for(bs: int, vocab: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(8, 40, (bs,), generator=g).tolist()
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def measure(worker: Worker, mode: str, prompts, new_tokens: int):
+    gen = worker.generate_greedy if mode == "greedy" else worker.generate_spec
+    with torch.no_grad():
+        gen(prompts, [8] * len(prompts))                 # capture / JIT / warm caches
+        reqs, st = gen(prompts, [new_tokens] * len(prompts))
+    return reqs, st
+
+
+def main():
+    out_dir = os.environ.get("OUT", ".")
+    t_start = time.perf_counter()
+    spec = SpecConfig(steps=int(os.environ.get("EAGLE_STEPS", 5)),
+                      topk=int(os.environ.get("EAGLE_TOPK", 4)),
+                      num_draft_tokens=int(os.environ.get("EAGLE_K", 8)))
+    target, head, dinfo = setup("1b", "cuda")
+    buckets = pg.Buckets.default(max(BATCHES))
+    max_context = 40 + NEW_TOKENS + 32
+    workers = {
+        "greedy_graphs": Worker(target, head, spec, backend="cuda", max_bs=max(BATCHES),
+                                max_context=max_context, buckets=buckets),
+        "eagle_graphs": Worker(target, head, spec, backend="cuda", max_bs=max(BATCHES),
+                               max_context=max_context, buckets=buckets),
+        "eagle_eager": Worker(target, head, spec, backend="reference", max_bs=max(BATCHES),
+                              max_context=max_context, buckets=buckets),
+    }
+    rows = []
+    for bs in BATCHES:
+        prompts = prompts_for(bs, target.cfg.vocab_size, seed=bs)
+        res = {}
+        for name, w in workers.items():
+            reqs, st = measure(w, "greedy" if name.startswith("greedy") else "spec", prompts,
+                               NEW_TOKENS)
+            res[name] = (reqs, st)
+        greedy_reqs = res["greedy_graphs"][0]
+        match = sum(a.output == b.output for a, b in zip(greedy_reqs, res["eagle_graphs"][0]))
+        g, e, ee = (res[n][1] for n in ("greedy_graphs", "eagle_graphs", "eagle_eager"))
+        rows.append({
+            "bs": bs, "greedy_graphs_tok_s": g.tokens_per_s, "eagle_graphs_tok_s": e.tokens_per_s,
+            "eagle_eager_tok_s": ee.tokens_per_s, "accept_len": e.accept_len,
+            "speedup_vs_greedy": e.tokens_per_s / g.tokens_per_s,
+            "graphs_vs_eager": e.tokens_per_s / ee.tokens_per_s,
+            "greedy_match": f"{match}/{bs}"})
+        print(rows[-1], flush=True)
+    write(out_dir, rows, spec, dinfo, time.perf_counter() - t_start)
+
+
+def write(out_dir, rows, spec, dinfo, seconds):
+    import triton
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "triton": triton.__version__, "command": " ".join([sys.executable] + sys.argv),
+        "model": "Llama-3.2-1B shape, random init (scaled residual), bf16",
+        "spec": vars(spec) if hasattr(spec, "__dict__") else str(spec),
+        "new_tokens": NEW_TOKENS, "distill": dinfo, "wall_s": seconds,
+        "targets": {"eagle_vs_greedy_bs1": ">= 2.0", "graphs_vs_eager_bs1": ">= 3.0"},
+    }
+    meta["spec"] = {"steps": spec.steps, "topk": spec.topk, "k": spec.num_draft_tokens}
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "eagle.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=2)
+    lines = [f"# EAGLE benchmark ({meta['date']})", "",
+             f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}; {meta['model']}; "
+             f"steps={spec.steps} topk={spec.topk} k={spec.num_draft_tokens}; "
+             f"{NEW_TOKENS} new tokens per request; distillation {dinfo['data_s'] + dinfo['train_s']:.0f}s",
+             "", f"command: `{meta['command']}`", "",
+             "| bs | greedy graphs tok/s | EAGLE graphs tok/s | EAGLE eager tok/s | accept len | "
+             "speedup vs greedy | graphs vs eager | greedy match |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['bs']} | {r['greedy_graphs_tok_s']:.0f} | {r['eagle_graphs_tok_s']:.0f} | "
+                     f"{r['eagle_eager_tok_s']:.0f} | {r['accept_len']:.2f} | "
+                     f"{r['speedup_vs_greedy']:.2f}x | {r['graphs_vs_eager']:.2f}x | "
+                     f"{r['greedy_match']} |")
+    with open(os.path.join(out_dir, "eagle.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
