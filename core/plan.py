@@ -21,8 +21,9 @@ class _InputCheck:
     name: str
     dtype: torch.dtype
     shape: tuple
+    rank: int
     fixed: tuple          # (dim, size) of int dimensions
-    moving: tuple         # (dim, axis name, Affine) of padded dimensions
+    moving: tuple         # (dim, axis name, scale, offset) of padded dimensions
 
 
 def _min_bucket_table(caps: list[int]) -> list[int]:
@@ -73,30 +74,38 @@ class Plan:
         if raw.keys() != self._names:
             self._bad_names(raw)
         ext: dict[str, int] = {}
-        seen_by: dict[str, str] = {}
         for c in self._checks:
             t = raw[c.name]
-            self._check_tensor(c, t, device, allow_host)
+            if not isinstance(t, torch.Tensor) or t.dtype != c.dtype or t.dim() != c.rank \
+                    or (device is not None and t.device != device):
+                self._check_tensor(c, t, device, allow_host)   # raises, or accepts a host input
             shp = t.shape
             for d, size in c.fixed:
                 if shp[d] != size:
                     raise ContractValueError(mismatch(self.program.name, c.name, f"dim {d} of shape {c.shape}", size, f"{tuple(shp)}"))
-            for d, axis, af in c.moving:
-                n = af.solve(shp[d])
-                if n is None:
+            for d, axis, scale, offset in c.moving:
+                m = shp[d] - offset
+                n = m // scale
+                if n < 0 or n * scale != m:
                     raise ContractValueError(mismatch(
-                        self.program.name, c.name, f"dim {d} ({af!r})", f"{af!r} for some {axis} >= 0",
+                        self.program.name, c.name, f"dim {d}", f"{c.shape[d]!r} for some {axis} >= 0",
                         f"{shp[d]} in shape {tuple(shp)}"))
-                old = ext.setdefault(axis, n)
-                if old != n:
-                    raise ContractValueError(
-                        f"{where(self.program.name, c.name)}: raw extent of axis {axis!r} must agree across inputs; "
-                        f"input {seen_by[axis]!r} gives {axis}={old} but {c.name!r} gives {axis}={n} (shape {tuple(shp)})")
-                seen_by.setdefault(axis, c.name)
+                old = ext.get(axis)
+                if old is None:
+                    ext[axis] = n
+                elif old != n:
+                    self._disagree(raw, axis, c.name, n, old)
         if ext[self.bucket_axis] < 1:
-            raise ContractValueError(mismatch(self.program.name, seen_by[self.bucket_axis],
+            giver = next(c.name for c in self._checks for m in c.moving if m[1] == self.bucket_axis)
+            raise ContractValueError(mismatch(self.program.name, giver,
                                               f"raw extent of bucketed axis {self.bucket_axis!r}", ">= 1", 0))
         return ext
+
+    def _disagree(self, raw, axis: str, name: str, n: int, old: int):
+        first = next(c.name for c in self._checks for m in c.moving if m[1] == axis)
+        raise ContractValueError(
+            f"{where(self.program.name, name)}: raw extent of axis {axis!r} must agree across inputs; "
+            f"input {first!r} gives {axis}={old} but {name!r} gives {axis}={n} (shape {tuple(raw[name].shape)})")
 
     def _check_tensor(self, c: _InputCheck, t, device, allow_host) -> None:
         if not isinstance(t, torch.Tensor):
@@ -146,9 +155,11 @@ class Plan:
         largest = self.buckets[-1]
         over = {a: n for a, n in extents.items() if n > self.capacity(a, largest)}
         caps = {a: self.capacity(a, largest) for a in over}
+        carriers = sorted({c.name for c in self._checks for m in c.moving if m[1] in over})
         return BucketOverflowError(
             f"{where(self.program.name)}: raw extents must fit the largest bucket {largest} "
-            f"(capacities {caps}), got {over}; enlarge the ladder or compile with overflow='eager'")
+            f"(capacities {caps}), got {over} from inputs {carriers}; enlarge the ladder or compile "
+            f"with overflow='eager'")
 
 
 def _dim(d, extent_of) -> int:
@@ -158,5 +169,5 @@ def _dim(d, extent_of) -> int:
 
 def _input_check(name: str, spec) -> _InputCheck:
     fixed = tuple((i, d) for i, d in enumerate(spec.shape) if isinstance(d, int))
-    moving = tuple((i, a.axis.name, a) for i, a in padded_dims(spec.shape))
-    return _InputCheck(name, spec.dtype, spec.shape, fixed, moving)
+    moving = tuple((i, a.axis.name, a.scale, a.offset) for i, a in padded_dims(spec.shape))
+    return _InputCheck(name, spec.dtype, spec.shape, len(spec.shape), fixed, moving)

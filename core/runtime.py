@@ -83,12 +83,16 @@ class Runner:
         self.stats = Stats()
         self._warned_overflow = False
         self._out_dims = {n: [d for d, _ in padded_dims(s.shape)] for n, s in program.outputs.items()}
+        # output -> ((dim, axis name, affine), ...): slicing without re-deriving shapes per call
+        self._out_slices = {n: tuple((d, a.axis.name, a) for d, a in padded_dims(s.shape))
+                            for n, s in program.outputs.items()}
 
     def __call__(self, **raw: torch.Tensor) -> Outputs:
         device = self.device
+        if device is None:  # no device= and no state: the first input's, checked for every input
+            device = next((t.device for t in raw.values() if isinstance(t, torch.Tensor)), None)
         ext = self.plan.extents(raw, device, self.allow_host_inputs)
-        if device is None:
-            device = self.device = next(iter(raw.values())).device
+        self.device = device
         self._check_aliasing(raw)
         self.state.check()
         bucket = self.plan.bucket_for(ext)
@@ -110,6 +114,8 @@ class Runner:
 
     # ---- shared steps ------------------------------------------------------------------
     def _check_aliasing(self, raw: Mapping[str, torch.Tensor]) -> None:
+        if not self.state.values:
+            return
         for name, t in raw.items():
             hit = self.state.overlaps(t)
             if hit is not None:
@@ -127,16 +133,16 @@ class Runner:
                         self.plan.buckets[-1])
             self._warned_overflow = True
         self.stats.eager_fallbacks += 1
-        return self._run_eager(self.plan.fit(ext), raw, ext)
+        outs = self._run_eager(self.plan.fit(ext), raw, ext)
+        # fresh tensors: a body may return (a view of) bound state, which an output must not alias
+        return {name: t.clone() for name, t in outs.items()}
 
     def _finish(self, outs: Mapping[str, torch.Tensor], ext: Mapping[str, int]) -> Outputs:
         res = Outputs()
-        for name, dims in self._out_dims.items():
+        for name, dims in self._out_slices.items():
             t = outs[name]
-            if dims:
-                raw_shape = self.plan.raw_shape(name, ext)
-                for d in dims:
-                    t = t.narrow(d, 0, raw_shape[d])
+            for d, axis, af in dims:
+                t = t.narrow(d, 0, af.scale * ext[axis] + af.offset)
             res[name] = t.clone() if self.copy_outputs else t
         return res
 

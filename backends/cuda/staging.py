@@ -98,11 +98,13 @@ class Packer:
         # Two pinned slots: the host writes one while the previous call's copy may still read the other.
         self.slots = [torch.empty(total, dtype=torch.uint8, pin_memory=pin) for _ in range(n_slots)]
         self.events = [None] * n_slots
+        self.slot_bytes = [s.numpy() for s in self.slots]
         self.tables = [s[: self.n_jobs * tpack.DESC_WIDTH * 8].view(torch.int64).numpy().reshape(self.n_jobs, -1)
                        for s in self.slots]
         self.device_buf = torch.empty(total, dtype=torch.uint8, device=static.device)
         self.device_table = self.device_buf[: self.n_jobs * tpack.DESC_WIDTH * 8].view(torch.int64).view(self.n_jobs, -1)
         self._turn = 0
+        self._spans: dict = {}
         self._base = {b: self._static_table(b, program) for b in static.plan.buckets}
         self.max_total = {b: int(self._base[b][:, tpack.COL_N_TOTAL].max()) for b in static.plan.buckets}
 
@@ -129,18 +131,17 @@ class Packer:
         self._turn = (i + 1) % len(self.slots)
         if self.events[i] is not None:
             self.events[i].synchronize()  # normally long done: it guards the slot we reuse
-        slot, tbl, st = self.slots[i], self.tables[i], self.static
+        tbl, st = self.tables[i], self.static
         tbl[:] = self._base[bucket]
         keep, used = [], self.table_bytes
         dev_base = self.device_buf.data_ptr()
         for f in st.flat:
             t = raw[f.name]
             n = t.numel()
-            if t.device.type == "cpu":
-                nbytes = n * t.element_size()
-                slot[self.table_bytes + f.host_offset: self.table_bytes + f.host_offset + nbytes].view(t.dtype).view(t.shape).copy_(t)
-                src = dev_base + self.table_bytes + f.host_offset
-                used = max(used, self.table_bytes + f.host_offset + nbytes)
+            if not t.is_cuda:
+                off = self.table_bytes + f.host_offset
+                used = max(used, self._stage(i, off, t))
+                src = dev_base + off
             else:
                 if not t.is_contiguous():
                     t = t.contiguous()
@@ -154,15 +155,22 @@ class Packer:
             tbl[base + j, tpack.COL_FILL] = ext[axis]
         for name, off, _ in st.other:
             t = raw[name]
-            if t.device.type == "cpu":
-                nbytes = t.numel() * t.element_size()
-                slot[self.table_bytes + off: self.table_bytes + off + nbytes].view(t.dtype).view(t.shape).copy_(t)
-                used = max(used, self.table_bytes + off + nbytes)
+            if not t.is_cuda:
+                used = max(used, self._stage(i, self.table_bytes + off, t))
         return i, used, keep
+
+    def _stage(self, i: int, off: int, t: torch.Tensor) -> int:
+        """Copy a host tensor's bytes into pinned slot i at `off` (numpy: no torch dispatch)."""
+        b = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+        self.slot_bytes[i][off: off + b.size] = b
+        return off + b.size
 
     def send(self, i: int, used: int) -> None:
         """One async host-to-device copy of the table and the host-staged inputs."""
-        self.device_buf[:used].copy_(self.slots[i][:used], non_blocking=True)
+        pair = self._spans.get((i, used))
+        if pair is None:  # sliced views cached: `used` takes few distinct values
+            pair = self._spans[(i, used)] = (self.device_buf[:used], self.slots[i][:used])
+        pair[0].copy_(pair[1], non_blocking=True)
         ev = self.events[i] = self.events[i] or torch.cuda.Event()
         ev.record()
 

@@ -148,7 +148,7 @@ def _split_kv_kernel(
             slot = tl.load(ReqToToken + row * stride_rt + offs_n, mask=n_ok, other=0).to(tl.int64)
             k = tl.load(K + slot[None, :] * stride_k_s + kvh * stride_k_h + offs_d[:, None],
                         mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-            s = mma(q, k, UPCAST) * sm_scale  # [BLOCK_M, BLOCK_N] fp32
+            s = (mma(q, k, UPCAST) * sm_scale).to(tl.float32)  # [BLOCK_M, BLOCK_N]; inductor may pass a fp64 scale
             visible = n_ok[None, :] & m_ok[:, None]
             if HAS_TREE:
                 j = offs_n - (seq_len - NUM_Q)  # draft index of key position (>= 0 in the tail)

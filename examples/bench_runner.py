@@ -1,0 +1,281 @@
+"""Benchmark: padgraph's CUDA runner against its peers on a Llama-3.2-1B-shaped decode step.
+
+All variants run side by side in one process on the same body, weights and KV cache:
+  eager            the body called at the raw batch size, no graphs
+  handwritten      an SGLang-style runner: per-buffer copy_/fill_, bisect, one graph per bucket
+  compile-ro       torch.compile(mode="reduce-overhead") at the raw sizes (its own cudagraphs)
+  padgraph         pg.compile(backend="cuda") with the eager body
+  padgraph+compile pg.compile(backend="cuda") with a torch.compile'd body (no cudagraphs inside)
+Per raw batch size: step time (CUDA events, median), host time per call (median), a
+correctness check of next tokens against eager, and the floor: (weight bytes + KV bytes read) /
+measured device-to-device copy bandwidth. For the ladder: capture seconds and pool bytes.
+Writes bench_runner.{md,json,png} under $OUT (or results/local).
+
+    python examples/bench_runner.py [--variants a,b] [--sizes 1,3,8] [--tiny]
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import padgraph as pg  # noqa: E402
+from bench.common import copy_bandwidth, env_info, out_dir  # noqa: E402
+from models.llama import LlamaConfig, LlamaModel  # noqa: E402
+from padgraph.backends.triton.kv import KVCache  # noqa: E402
+
+SIZES = [1, 3, 8, 27, 64, 200]
+MAX_BS, MAX_CTX = 256, 1024
+
+
+def decode_program(hidden_dtype=torch.bfloat16) -> pg.Program:
+    """8 inputs: the five of every decode step plus temperature, stop token and a done mask."""
+    bs = pg.Axis("bs")
+    return pg.Program(
+        "llama_decode",
+        inputs={
+            "input_ids": pg.Input((bs,), torch.int64, pad=0),
+            "positions": pg.Input((bs,), torch.int64, pad=0),
+            "seq_lens": pg.Input((bs,), torch.int32, pad=1),
+            "req_pool_indices": pg.Input((bs,), torch.int32, pad=0),
+            "out_cache_loc": pg.Input((bs,), torch.int64, pad=0),
+            "temperature": pg.Input((bs,), torch.float32, pad=1.0),
+            "stop_token": pg.Input((bs,), torch.int64, pad=0),
+            "done": pg.Input((bs,), torch.bool, pad=True),
+        },
+        outputs={"next_token": pg.Output((bs,), torch.int64), "finished": pg.Output((bs,), torch.bool)},
+        buckets=pg.Buckets.default(MAX_BS),
+    )
+
+
+class Step:
+    """The decode body: model forward, temperature-scaled greedy pick, stop handling."""
+
+    def __init__(self, model: LlamaModel, kv: KVCache):
+        self.model, self.kv = model, kv
+
+    def __call__(self, input_ids, positions, seq_lens, req_pool_indices, out_cache_loc,
+                 temperature, stop_token, done):
+        logits, _ = self.model.forward_decode(input_ids, positions, self.kv, self.kv.req_to_token,
+                                              req_pool_indices, seq_lens, out_cache_loc)
+        nxt = (logits / temperature[:, None]).argmax(-1)                        # [bs]
+        nxt = torch.where(done, stop_token, nxt)
+        return nxt, done | (nxt == stop_token)
+
+    def body(self, x):
+        nxt, fin = self(x.input_ids, x.positions, x.seq_lens, x.req_pool_indices, x.out_cache_loc,
+                        x.temperature, x.stop_token, x.done)
+        return {"next_token": nxt, "finished": fin}
+
+
+class HandwrittenRunner:
+    """What engines write by hand: a static buffer per input, copy_ + fill_ per buffer, bisect."""
+
+    PADS = {"input_ids": 0, "positions": 0, "seq_lens": 1, "req_pool_indices": 0,
+            "out_cache_loc": 0, "temperature": 1.0, "stop_token": 0, "done": True}
+
+    def __init__(self, step: Step, program: pg.Program, device):
+        self.step, self.buckets = step, list(program.buckets)
+        self.bufs = {n: torch.zeros(MAX_BS, dtype=s.dtype, device=device) for n, s in program.inputs.items()}
+        for n, v in self.PADS.items():
+            self.bufs[n].fill_(v)
+        self.graphs, self.outs = {}, {}
+        self.pool = torch.cuda.graph_pool_handle()
+        t0 = time.perf_counter()
+        for b in reversed(self.buckets):
+            args = {n: t[:b] for n, t in self.bufs.items()}
+            for _ in range(2):
+                step(**args)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                self.outs[b] = step(**args)
+            self.graphs[b] = g
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - t0
+
+    def __call__(self, **raw):
+        n = raw["input_ids"].shape[0]
+        b = self.buckets[bisect.bisect_left(self.buckets, n)]
+        for name, t in raw.items():
+            self.bufs[name][:n].copy_(t)
+            if b != n:
+                self.bufs[name][n:b].fill_(self.PADS[name])
+        self.graphs[b].replay()
+        nxt, fin = self.outs[b]
+        return nxt[:n], fin[:n]
+
+
+def make_batch(n: int, kv: KVCache, cfg, gen: torch.Generator, device) -> dict:
+    """n requests with random context lengths; their KV rows and slots are laid out in kv."""
+    ctx = torch.randint(256, MAX_CTX - 1, (n,), generator=gen)
+    rows = torch.arange(1, n + 1)
+    slots = torch.stack([1 + r * MAX_CTX + torch.arange(MAX_CTX) for r in range(n)])   # [n, MAX_CTX]
+    kv.req_to_token[1:n + 1] = slots.to(device, torch.int32)
+    return {
+        "input_ids": torch.randint(1, cfg.vocab_size, (n,), generator=gen).to(device),
+        "positions": (ctx - 1).to(device),
+        "seq_lens": ctx.to(device, torch.int32),
+        "req_pool_indices": rows.to(device, torch.int32),
+        "out_cache_loc": slots[torch.arange(n), ctx - 1].to(device),
+        "temperature": torch.full((n,), 0.7).to(device),
+        "stop_token": torch.full((n,), 2, dtype=torch.int64).to(device),
+        "done": torch.zeros(n, dtype=torch.bool).to(device),
+    }
+
+
+def time_calls(fn, raw: dict, iters: int) -> tuple[float, float]:
+    """(median step µs by CUDA events, median host µs per call), after warm-up."""
+    for _ in range(3):
+        fn(**raw)
+    torch.cuda.synchronize()
+    steps, hosts = [], []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(iters):
+        start.record()
+        t0 = time.perf_counter()
+        fn(**raw)
+        hosts.append((time.perf_counter() - t0) * 1e6)
+        end.record()
+        end.synchronize()
+        steps.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(steps), statistics.median(hosts)
+
+
+def next_tokens(out):
+    return out["next_token"] if isinstance(out, dict) else out[0]
+
+
+def build_variants(names, step, program, device):
+    variants, setup = {}, {}
+    if "eager" in names:
+        variants["eager"] = lambda **r: step(**r)
+    if "handwritten" in names:
+        hw = HandwrittenRunner(step, program, device)
+        variants["handwritten"] = hw
+        setup["handwritten"] = {"capture_seconds": hw.capture_seconds}
+    if "padgraph" in names:
+        t0 = time.perf_counter()
+        r = pg.compile(program, step.body, backend="cuda", progress=False)
+        setup["padgraph"] = {"capture_seconds": time.perf_counter() - t0, "pool_bytes": r.pool_bytes()}
+        variants["padgraph"] = r
+    if "padgraph+compile" in names:
+        cstep = torch.compile(step, dynamic=True)          # default mode: no cudagraphs inside
+        def cbody(x):
+            nxt, fin = cstep(x.input_ids, x.positions, x.seq_lens, x.req_pool_indices, x.out_cache_loc,
+                             x.temperature, x.stop_token, x.done)
+            return {"next_token": nxt, "finished": fin}
+        t0 = time.perf_counter()
+        r = pg.compile(program, cbody, backend="cuda", progress=False)
+        setup["padgraph+compile"] = {"warmup_seconds": time.perf_counter() - t0, "pool_bytes": r.pool_bytes()}
+        variants["padgraph+compile"] = r
+    if "compile-ro" in names:
+        variants["compile-ro"] = torch.compile(step, mode="reduce-overhead")
+    return variants, setup
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", default="eager,handwritten,padgraph,padgraph+compile,compile-ro")
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--tiny", action="store_true", help="tiny model (smoke test)")
+    args = ap.parse_args()
+    names, sizes = args.variants.split(","), [int(s) for s in args.sizes.split(",")]
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    cfg = LlamaConfig.tiny() if args.tiny else LlamaConfig.llama_1b()
+    model = LlamaModel(cfg).to(device, torch.bfloat16).eval()
+    kv = KVCache(cfg.n_layers, MAX_BS * MAX_CTX + 1, cfg.n_kv_heads, cfg.head_dim, MAX_CTX, MAX_BS + 1,
+                 torch.bfloat16, device)
+    for t in kv.k + kv.v:
+        t.normal_()                                     # never time on zeros
+    step = Step(model, kv)
+    program = decode_program()
+    bw = copy_bandwidth(device)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    gen = torch.Generator().manual_seed(0)
+    batches = {n: make_batch(n, kv, cfg, gen, device) for n in sizes}
+    with torch.inference_mode():
+        variants, setup = build_variants(names, step, program, device)
+        rows = run_all(variants, setup, batches, sizes, args.iters, cfg, weight_bytes, bw)
+    report(rows, setup, names, sizes, bw, weight_bytes, cfg, args)
+
+
+def run_all(variants, setup, batches, sizes, iters, cfg, weight_bytes, bw):
+    rows = []
+    for n in sizes:
+        raw = batches[n]
+        ref = next_tokens(next(iter(variants.values()))(**raw)).clone()   # the first variant (eager)
+        kv_bytes = int(raw["seq_lens"].sum()) * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 2
+        floor_us = (weight_bytes + kv_bytes) / bw * 1e6
+        for name, fn in variants.items():
+            t0 = time.perf_counter()
+            got = next_tokens(fn(**raw))
+            first = time.perf_counter() - t0
+            if name == "compile-ro":
+                setup.setdefault("compile-ro", {"warmup_seconds": 0.0})["warmup_seconds"] += first
+            match = float((got == ref).float().mean())
+            step_us, host_us = time_calls(fn, raw, iters)
+            rows.append({"bs": n, "variant": name, "step_us": step_us, "host_us": host_us,
+                         "floor_us": floor_us, "token_match_vs_eager": match})
+            print(f"bs={n:>3} {name:<17} step {step_us:9.1f} µs  host {host_us:8.1f} µs  "
+                  f"floor {floor_us:8.1f} µs  match {match:.3f}", flush=True)
+    return rows
+
+
+def report(rows, setup, names, sizes, bw, weight_bytes, cfg, args):
+    out = out_dir()
+    info = env_info(" ".join(["python"] + sys.argv))
+    data = {"env": info, "copy_bandwidth_GBps": bw / 1e9, "weight_bytes": weight_bytes,
+            "config": cfg.__dict__, "setup": setup, "rows": rows}
+    (out / "bench_runner.json").write_text(json.dumps(data, indent=1, default=str))
+    by = {(r["bs"], r["variant"]): r for r in rows}
+    lines = [f"# bench_runner — {info['date']}, {info['gpu']}, torch {info['torch']}, triton {info['triton']}",
+             f"command: `{info['command']}`; copy bandwidth {bw / 1e9:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB", "",
+             "step time µs (median, CUDA events) / host µs per call (median)", "",
+             "| bs | floor | " + " | ".join(names) + " | padgraph/handwritten |",
+             "|---|---|" + "---|" * len(names) + "---|"]
+    for n in sizes:
+        cells = [f"{by[(n, v)]['step_us']:.0f} / {by[(n, v)]['host_us']:.0f}" if (n, v) in by else "-" for v in names]
+        ratio = (by[(n, "padgraph")]["step_us"] / by[(n, "handwritten")]["step_us"]
+                 if (n, "padgraph") in by and (n, "handwritten") in by else float("nan"))
+        lines.append(f"| {n} | {by[(n, names[0])]['floor_us']:.0f} | " + " | ".join(cells) + f" | {ratio:.3f} |")
+    lines += ["", "setup (capture / warm-up seconds, pool bytes):", "", "```", json.dumps(setup, indent=1), "```"]
+    (out / "bench_runner.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    plot(rows, names, sizes, out / "bench_runner.png")
+
+
+def plot(rows, names, sizes, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for v in names:
+        pts = [(r["bs"], r["step_us"]) for r in rows if r["variant"] == v]
+        ax.plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], marker="o", label=v)
+    pts = [(r["bs"], r["floor_us"]) for r in rows if r["variant"] == names[0]]
+    ax.plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], "k--", label="bandwidth floor")
+    ax.set_xscale("log")
+    ax.set_xlabel("raw batch size")
+    ax.set_ylabel("step time (ms)")
+    ax.set_title("Llama-3.2-1B-shaped decode step")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
