@@ -19,7 +19,7 @@ class Fill:
 
     def __repr__(self):
         v = self.value
-        return f"Fill({'nan' if isinstance(v, float) and math.isnan(v) else v!r})"
+        return f"Fill({'nan' if isinstance(v, float) and math.isnan(v) else repr(v)})"
 
 
 @dataclass(frozen=True)
