@@ -15,6 +15,10 @@ from padgraph.backends.triton.pack import CONST, DESC_WIDTH, EDGE, FILL, PackJob
 
 needs_triton = pytest.mark.skipif(not P.triton_available(), reason="triton not importable")
 
+# Without a GPU, conftest sets TRITON_INTERPRET=1 and the kernel runs on CPU tensors; with one,
+# the same cases run compiled on it.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 # (dtype, fill value): every element size; NaN and -0.0 must survive bit for bit
@@ -42,6 +46,7 @@ SHAPES = [
     (0, 96 * 3, 96),  # rows, nothing raw: EDGE falls back to the fill value
     (1823, 2600, 1),  # a whole raw block, then raw meets pad inside a block, then a partial one
     (700, 4200, 1),  # whole blocks of pad only
+    (1030, 2049, 1),  # the last block holds a single element
     (96 * 12, 96 * 40, 96),  # EDGE across several blocks
 ]
 
@@ -54,15 +59,15 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def random_values(n: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
     """Arbitrary bit patterns (NaN payloads, -0.0, denormals); bools stay 0/1."""
     if dtype == torch.bool:
-        return torch.randint(0, 2, (n,), generator=gen).bool()
+        return torch.randint(0, 2, (n,), generator=gen).bool().to(DEVICE)
     size = torch.empty(0, dtype=dtype).element_size()
     raw = torch.randint(0, 256, (n * size,), dtype=torch.uint8, generator=gen)
-    return raw.view(dtype)
+    return raw.view(dtype).to(DEVICE)
 
 
 def poisoned(n: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
     size = torch.empty(0, dtype=dtype).element_size()
-    return torch.randint(0, 256, (n * size,), dtype=torch.uint8, generator=gen).view(dtype)
+    return torch.randint(0, 256, (n * size,), dtype=torch.uint8, generator=gen).view(dtype).to(DEVICE)
 
 
 def make_job(dtype, mode, n_raw, n_total, row, fill, gen, offset=0) -> PackJob:
@@ -73,16 +78,17 @@ def make_job(dtype, mode, n_raw, n_total, row, fill, gen, offset=0) -> PackJob:
 
 
 def expected_dst(job: PackJob, before: torch.Tensor) -> torch.Tensor:
-    """What dst must hold, built independently of pack_reference."""
-    out = before.clone()
+    """What dst must hold, built independently of pack_reference (on the CPU, element by element)."""
+    out = bits(before.cpu()).clone().view(before.dtype)  # a bool clone() would normalise poison
+    src = None if job.src is None else job.src.cpu()
     fill = torch.empty(1, dtype=out.dtype).fill_(job.fill_value)
     if job.mode == CONST:
         out[: job.n_total] = fill
         return out
-    out[: job.n_raw] = job.src[: job.n_raw]
+    out[: job.n_raw] = src[: job.n_raw]
     for i in range(job.n_raw, job.n_total):
         if job.mode == EDGE and job.n_raw > 0:
-            out[i] = job.src[job.n_raw - job.row_elems + (i - job.n_raw) % job.row_elems]
+            out[i] = src[job.n_raw - job.row_elems + (i - job.n_raw) % job.row_elems]
         else:
             out[i] = fill[0]
     return out
@@ -93,7 +99,8 @@ def clone_misaligned(t: torch.Tensor) -> torch.Tensor:
     shift = (t.data_ptr() % 16) // t.element_size()
     out = torch.empty(t.numel() + shift, dtype=t.dtype, device=t.device)[shift:]  # fresh: 16-aligned
     assert out.data_ptr() % 16 == t.data_ptr() % 16
-    return out.copy_(t)
+    out.view(torch.uint8).copy_(t.view(torch.uint8))  # a bool copy_ would normalise poison bytes
+    return out
 
 
 def clone_jobs(jobs: list[PackJob]) -> list[PackJob]:
@@ -102,10 +109,10 @@ def clone_jobs(jobs: list[PackJob]) -> list[PackJob]:
 
 
 def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    if not torch.equal(bits(got), bits(want)):
-        bad = (bits(got) != bits(want)).nonzero().flatten()[:8].tolist()
-        raise AssertionError(f"{what}: differs at {bad}, got {bits(got)[bad].tolist()}, "
-                             f"should be {bits(want)[bad].tolist()}")
+    got, want = bits(got.cpu()), bits(want.cpu())
+    if not torch.equal(got, want):
+        bad = (got != want).nonzero().flatten()[:8].tolist()
+        raise AssertionError(f"{what}: differs at {bad}, got {got[bad].tolist()}, should be {want[bad].tolist()}")
 
 
 def check_kernel_equals_reference(jobs: list[PackJob], max_total: int | None = None) -> None:
@@ -118,7 +125,7 @@ def check_kernel_equals_reference(jobs: list[PackJob], max_total: int | None = N
     else:
         table = torch.zeros((len(jobs), DESC_WIDTH), dtype=torch.int64)
         P.encode_jobs(tri_jobs, table)
-        P.pack_launch(table, len(jobs), max_total, impl="triton")
+        P.pack_launch(table.to(DEVICE), len(jobs), max_total, impl="triton")
     for i, (job, ref, tri, src) in enumerate(zip(jobs, ref_jobs, tri_jobs, src_before)):
         case = f"job {i} {job.dst.dtype} {P.MODES[job.mode]} n_raw={job.n_raw} n_total={job.n_total} row={job.row_elems}"
         assert_same_bits(ref.dst, expected_dst(job, job.dst), f"reference, {case}")
@@ -169,6 +176,7 @@ def test_only_the_first_n_jobs_run():
     before = [j.dst.clone() for j in jobs]
     table = torch.zeros((3, DESC_WIDTH), dtype=torch.int64)
     P.encode_jobs(jobs, table)
+    table = table.to(DEVICE)
     P.pack_launch(table, 2, 10, impl="triton")
     assert_same_bits(jobs[2].dst, before[2], "job 2 is past n_jobs")
     assert_same_bits(jobs[1].dst, expected_dst(jobs[1], before[1]), "job 1")
