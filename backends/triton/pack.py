@@ -273,7 +273,9 @@ def pack_launch(table: torch.Tensor, n_jobs: int, max_total: int, impl: str = "a
     """Run every job of `table[:n_jobs]` ([n, DESC_WIDTH] int64, on the device) in one launch.
 
     `max_total` (host-known, >= every job's n_total) only sizes the grid: programs loop, so a job
-    longer than it is still written in full. No host sync, no recompilation between calls.
+    longer than it is still written in full. No host sync, no recompilation between calls; it
+    launches on the current device and stream (so it can be captured into a CUDA graph: every
+    address and size is read from the table at run time, patch the table and replay).
     `impl`: "auto" or "triton" (a table of raw addresses can only be run by the kernel; without
     Triton, pack the `PackJob`s with `pack_reference`).
     """
