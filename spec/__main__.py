@@ -1,0 +1,16 @@
+"""`python -m padgraph.spec --backend NAME [pytest args]`: run the conformance suite on a backend."""
+import os
+import sys
+
+import pytest
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every case in this folder under pytest with the suite's plugin; returns pytest's exit code."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return int(pytest.main([here, "-p", "padgraph.spec.plugin", "-p", "no:cacheprovider", *argv]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
