@@ -1,0 +1,231 @@
+"""MLA over a latent cache (interpreted on CPU): the absorbed kernels against the non-absorbed
+reference (per-head K/V up-projected from the latent cache), at non-power-of-two latent widths
+(kv_lora_rank 96 + rope 32 = 128 columns of which V uses 96; 48 + 16 = 64 of which V uses 48),
+with padded lanes (seq_lens 1, row 0) and a NaN-poisoned sink slot 0 and past-the-end slot.
+"""
+import pytest
+import torch
+
+from padgraph.backends.triton.attention_mla import (
+    absorb_query, head_groups, mla_decode_attention, mla_extend_attention, mla_reference,
+    mla_sm_scale, mla_tree_verify_attention, project_output, store_latent)
+
+N_HEADS, NOPE, V_DIM = 4, 16, 24
+MAX_CONTEXT = 96
+PAD = None  # a padded lane in a list of lengths: seq_len 1, row 0
+WIDTHS = [(96, 32), (48, 16)]  # (kv_lora_rank, rope_dim)
+
+
+class MLACase:
+    """Random latent cache, weights and request rows for `lens` (slots shuffled)."""
+
+    def __init__(self, lens, kv_lora_rank, rope_dim, n_heads=N_HEADS, dtype=torch.float32,
+                 poison=False, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        self.gen, self.n_heads, self.dtype = gen, n_heads, dtype
+        self.kv_lora_rank, self.rope_dim = kv_lora_rank, rope_dim
+        n_real = sum(n for n in lens if n is not PAD)
+        n_slots = n_real + 2  # + sink slot 0 + the past-the-end slot
+        latent = torch.randn(n_slots, 1, kv_lora_rank + rope_dim, generator=gen)
+        past_end = n_slots - 1
+        self.req_to_token = torch.full((len(lens) + 1, MAX_CONTEXT), past_end, dtype=torch.int32)
+        self.req_to_token[0] = 0
+        free = (torch.randperm(n_real, generator=gen) + 1).tolist()
+        rows, seq_lens = [], []
+        for r, n in enumerate(lens):
+            if n is PAD:
+                rows.append(0)
+                seq_lens.append(1)
+                continue
+            self.req_to_token[r + 1, :n] = torch.tensor(free[:n], dtype=torch.int32)
+            free = free[n:]
+            rows.append(r + 1)
+            seq_lens.append(n)
+        self.rows = torch.tensor(rows, dtype=torch.int32)
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+        self.clean = latent.to(dtype)
+        if poison:
+            latent[0] = float("nan")
+            latent[past_end] = float("nan")
+        self.latent = latent.to(dtype)
+        # [H, nope, r], [H, r, v]: scaled so up-projected K and V have unit variance
+        self.W_UK = torch.randn(n_heads, NOPE, kv_lora_rank, generator=gen) / kv_lora_rank ** 0.5
+        self.W_UV = torch.randn(n_heads, kv_lora_rank, V_DIM, generator=gen) / kv_lora_rank ** 0.5
+        self.sm_scale = mla_sm_scale(NOPE, rope_dim)
+
+    def queries(self, n):
+        """(q_nope [n, H, nope], q_rope [n, H, rope], q_latent [n, H, r + rope])."""
+        q_nope = torch.randn(n, self.n_heads, NOPE, generator=self.gen).to(self.dtype)
+        q_rope = torch.randn(n, self.n_heads, self.rope_dim, generator=self.gen).to(self.dtype)
+        return q_nope, q_rope, absorb_query(q_nope, q_rope, self.W_UK.to(self.dtype))
+
+    def paged(self):
+        return self.latent, self.req_to_token, self.rows, self.seq_lens
+
+    def reference(self, q_nope, q_rope, **kw):
+        """Non-absorbed MLA on the unpoisoned cache, in fp64."""
+        return mla_reference(q_nope.double(), q_rope.double(), self.clean.double(),
+                             self.W_UK.double(), self.W_UV.double(), self.req_to_token,
+                             self.rows, self.seq_lens, self.sm_scale, **kw)
+
+    def output(self, o_latent):
+        return project_output(o_latent, self.W_UV.to(o_latent.dtype))
+
+
+def assert_close(out, ref, dtype=torch.float32):
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(out.double(), ref.double(), **tol)
+
+
+# ----------------------------------------------------------------------------- reference
+
+def test_absorbed_torch_equals_non_absorbed_fp64():
+    case = MLACase([40, PAD, 1, 17], 48, 16, dtype=torch.float64)
+    q_nope, q_rope, q_latent = case.queries(4)
+    o_latent = mla_decode_attention(q_latent, *case.paged(), case.kv_lora_rank, case.sm_scale,
+                                    impl="torch")
+    assert o_latent.shape == (4, N_HEADS, case.kv_lora_rank)
+    torch.testing.assert_close(case.output(o_latent), case.reference(q_nope, q_rope),
+                               rtol=1e-10, atol=1e-10)
+
+
+def test_head_groups():
+    assert head_groups(16, 1) == 1  # decode, 16 heads: one program per request
+    assert head_groups(16, 4) == 2  # 4 drafts x 8 heads = 32 rows
+    assert head_groups(16, 8) == 4
+    assert head_groups(128, 1) == 4
+    assert head_groups(6, 4) == 1  # 24 rows fit
+    assert head_groups(6, 16) == 3  # 2 heads x 16 drafts = 32 rows
+    assert head_groups(4, 64) == 4  # even one head is past max_rows: one head per program
+
+
+# ----------------------------------------------------------------------------- decode
+
+DECODE_LENS = [70, PAD, 1, 33, 32]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("kv_lora_rank,rope_dim", WIDTHS)
+def test_decode_matches_non_absorbed(kv_lora_rank, rope_dim, num_splits):
+    case = MLACase(DECODE_LENS, kv_lora_rank, rope_dim)
+    q_nope, q_rope, q_latent = case.queries(len(DECODE_LENS))
+    o_latent = mla_decode_attention(q_latent, *case.paged(), kv_lora_rank, case.sm_scale,
+                                    num_splits=num_splits, impl="triton")
+    assert o_latent.shape == (len(DECODE_LENS), N_HEADS, kv_lora_rank)
+    assert_close(case.output(o_latent), case.reference(q_nope, q_rope))
+
+
+def test_decode_sinks_and_past_the_end_are_never_read():
+    case = MLACase(DECODE_LENS, 96, 32, poison=True)
+    q_nope, q_rope, q_latent = case.queries(len(DECODE_LENS))
+    real = [i for i, n in enumerate(DECODE_LENS) if n is not PAD]
+    ref = case.reference(q_nope, q_rope)
+    for num_splits in (1, 4, 70):
+        o_latent = mla_decode_attention(q_latent, *case.paged(), 96, case.sm_scale,
+                                        num_splits=num_splits, impl="triton")
+        assert torch.isfinite(o_latent[real]).all(), f"a real lane read a poisoned slot " \
+                                                     f"({num_splits=})"
+        assert_close(case.output(o_latent)[real], ref[real])
+
+
+def test_decode_bf16_head_groups():
+    # 40 heads > MAX_ROWS: the heads are spread over 2 programs per request
+    case = MLACase([50, PAD, 3], 48, 16, n_heads=40, dtype=torch.bfloat16)
+    q_nope, q_rope, q_latent = case.queries(3)
+    o_latent = mla_decode_attention(q_latent, *case.paged(), 48, case.sm_scale, num_splits=2,
+                                    impl="triton")
+    assert o_latent.dtype == torch.bfloat16
+    assert_close(case.output(o_latent), case.reference(q_nope, q_rope), torch.bfloat16)
+
+
+def test_decode_auto_on_cpu_is_torch():
+    case = MLACase([9, PAD], 48, 16)
+    _, _, q_latent = case.queries(2)
+    args = (q_latent, *case.paged(), 48, case.sm_scale)
+    assert torch.equal(mla_decode_attention(*args), mla_decode_attention(*args, impl="torch"))
+
+
+def test_checks():
+    case = MLACase([5, 3], 48, 16)
+    _, _, q_latent = case.queries(2)
+    with pytest.raises(ValueError, match="kv_lora_rank must be"):
+        mla_decode_attention(q_latent, *case.paged(), 64, case.sm_scale)
+    with pytest.raises(ValueError, match="q_latent must be"):
+        mla_decode_attention(q_latent[..., :48], *case.paged(), 48, case.sm_scale)
+    two_heads = case.latent.expand(-1, 2, -1)
+    with pytest.raises(ValueError, match="one latent head"):
+        mla_decode_attention(q_latent, two_heads, *case.paged()[1:], 48, case.sm_scale)
+    with pytest.raises(ValueError, match="tree_mask must be"):
+        mla_tree_verify_attention(q_latent, *case.paged(), torch.ones(2, 1, 2, dtype=torch.bool),
+                                  48, case.sm_scale)
+
+
+# ----------------------------------------------------------------------------- extend
+
+EXTEND_REQS = [(70, 40), (PAD, 0), (9, 9), (33, 0), (1, 1), (40, 3)]  # (seq_len, new tokens)
+N_PAD_TOKENS = 3
+
+
+def extend_case(kv_lora_rank, rope_dim, poison=False):
+    case = MLACase([n for n, _ in EXTEND_REQS], kv_lora_rank, rope_dim, poison=poison)
+    qo_indptr = torch.zeros(len(EXTEND_REQS) + 1, dtype=torch.int32)
+    qo_indptr[1:] = torch.cumsum(torch.tensor([m for _, m in EXTEND_REQS]), 0)
+    return case, qo_indptr, case.queries(int(qo_indptr[-1]) + N_PAD_TOKENS)
+
+
+@pytest.mark.parametrize("kv_lora_rank,rope_dim", WIDTHS)
+def test_extend_matches_non_absorbed(kv_lora_rank, rope_dim):
+    case, qo_indptr, (q_nope, q_rope, q_latent) = extend_case(kv_lora_rank, rope_dim,
+                                                              poison=True)
+    latent, r2t, rows, seq_lens = case.paged()
+    o_latent = mla_extend_attention(q_latent, latent, r2t, rows, seq_lens, qo_indptr,
+                                    kv_lora_rank, case.sm_scale, impl="triton")
+    assert torch.isfinite(o_latent).all()
+    assert o_latent[-N_PAD_TOKENS:].abs().sum() == 0  # padding tokens give 0
+    assert_close(case.output(o_latent), case.reference(q_nope, q_rope, qo_indptr=qo_indptr))
+
+
+# ----------------------------------------------------------------------------- tree verify
+
+K_DRAFT = 4
+VERIFY_LENS = [40 + K_DRAFT, PAD, K_DRAFT, 1 + K_DRAFT]
+
+
+def tree_masks(bs, pad_rows):
+    """Request 0: a chain; others: a small tree (0 <- 1, 0 <- 2, 1 <- 3); padded rows: ones."""
+    chain = torch.tril(torch.ones(K_DRAFT, K_DRAFT, dtype=torch.bool))
+    tree = torch.eye(K_DRAFT, dtype=torch.bool)
+    for child, parent in ((1, 0), (2, 0), (3, 1), (3, 0)):
+        tree[child, parent] = True
+    masks = torch.stack([chain if r == 0 else tree for r in range(bs)])
+    masks[pad_rows] = True
+    return masks
+
+
+@pytest.mark.parametrize("n_heads", [4, 16])  # 16 heads x 4 drafts: 2 head groups
+@pytest.mark.parametrize("kv_lora_rank,rope_dim", WIDTHS)
+def test_tree_verify_matches_non_absorbed(kv_lora_rank, rope_dim, n_heads):
+    case = MLACase(VERIFY_LENS, kv_lora_rank, rope_dim, n_heads=n_heads, poison=True)
+    mask = tree_masks(len(VERIFY_LENS), pad_rows=[1])
+    q_nope, q_rope, q_latent = case.queries(len(VERIFY_LENS) * K_DRAFT)
+    real = [r * K_DRAFT + i for r, n in enumerate(VERIFY_LENS) if n is not PAD
+            for i in range(K_DRAFT)]
+    o_latent = mla_tree_verify_attention(q_latent, *case.paged(), mask, kv_lora_rank,
+                                         case.sm_scale, num_splits=2, impl="triton")
+    assert torch.isfinite(o_latent[real]).all()
+    ref = case.reference(q_nope, q_rope, tree_mask=mask)
+    assert_close(case.output(o_latent)[real], ref[real])
+
+
+# ----------------------------------------------------------------------------- store
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_store_latent(impl):
+    latent = torch.zeros(10, 1, 96 + 32)
+    loc = torch.tensor([3, 7, 0, 0], dtype=torch.int32)  # two padded lanes write the sink
+    c_kv, k_rope = torch.randn(4, 96), torch.randn(4, 32)
+    store_latent(latent, loc, c_kv, k_rope, impl=impl)
+    assert torch.equal(latent[3, 0], torch.cat([c_kv[0], k_rope[0]]))
+    assert torch.equal(latent[7, 0], torch.cat([c_kv[1], k_rope[1]]))
+    untouched = [s for s in range(10) if s not in (0, 3, 7)]
+    assert latent[untouched].abs().sum() == 0
