@@ -89,10 +89,9 @@ class Runner:
 
     def __call__(self, **raw: torch.Tensor) -> Outputs:
         device = self.device
-        if device is None:  # no device= and no state: the first input's, checked for every input
-            device = next((t.device for t in raw.values() if isinstance(t, torch.Tensor)), None)
+        if device is None or (device.index is None and device.type != "cpu"):
+            device = self.device = self._resolve_device(raw, device)
         ext = self.plan.extents(raw, device, self.allow_host_inputs)
-        self.device = device
         self._check_aliasing(raw)
         self.state.check()
         bucket = self.plan.bucket_for(ext)
@@ -102,6 +101,13 @@ class Runner:
             outs = self._run(bucket, raw, ext)
             self.stats.record(bucket, ext[self.plan.bucket_axis])
         return self._finish(outs, ext)
+
+    def _resolve_device(self, raw, device):
+        """No device yet: the first input's. A bare "cuda": the index of the first such input."""
+        for t in raw.values():
+            if isinstance(t, torch.Tensor) and (device is None or t.device.type == device.type):
+                return t.device
+        return device
 
     # ---- backend hook ------------------------------------------------------------------
     def _run(self, bucket: int, raw: Mapping[str, torch.Tensor], ext: Mapping[str, int]) -> Mapping[str, torch.Tensor]:

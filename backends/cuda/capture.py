@@ -77,7 +77,7 @@ def _capture_one(runner, bucket, warmup, stream):
             graph.capture_begin(pool=runner.pool)
             try:
                 runner.packs_in_graph(bucket)
-                outs = _run_body(runner, bucket)
+                outs = runner.own_outputs(_run_body(runner, bucket))
             finally:
                 graph.capture_end()
     except Exception as e:

@@ -79,6 +79,13 @@ class CudaGraphRunner(Runner):
             empty[name] = t
         self._pack(bucket, empty, zero_ext, launch=True)
 
+    def own_outputs(self, outs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Outputs that alias a static input or bound state get their own copy in the graph
+        (rule 6.3): otherwise the next pack, or the body's next state write, would change them."""
+        shared = {t.untyped_storage().data_ptr() for t in self.static.storage.values()}
+        shared |= {t.untyped_storage().data_ptr() for _, t in self.state.named()}
+        return {n: t.clone() if t.untyped_storage().data_ptr() in shared else t for n, t in outs.items()}
+
     def packs_in_graph(self, bucket: int) -> None:
         if self.pack_in_graph:
             self.packer.launch(bucket)

@@ -189,45 +189,32 @@ if triton is not None:
     _CONST: tl.constexpr = tl.constexpr(CONST)
 
     @triton.jit
-    def _pack_job(dst, src, n_raw, n_total, row_elems, mode, fill,
-                  dst_aligned, src_aligned, BLOCK: tl.constexpr):
-        """Loop this program over its blocks of one job; dst/src are typed element pointers."""
+    def _pack_job(dst, src, n_raw, n_total, row_elems, mode, fill, BLOCK: tl.constexpr):
+        """Loop this program over its blocks of one job; dst/src are typed element pointers.
+
+        Every access is masked. (An earlier version took unmasked 16-byte vector paths for whole
+        blocks; on the H200 the alignment hints leaked into the masked path and single-element
+        jobs came out wrong, so it was removed: metadata jobs are tiny and launch-bound anyway.)
+        """
         pid = tl.program_id(0)
         n_progs = tl.num_programs(0)
         lane = tl.arange(0, BLOCK)  # [BLOCK]
         n_raw = tl.where(mode == _CONST, 0, n_raw)  # CONST reads no source, whatever n_raw says
         row = tl.maximum(row_elems, 1)
         take_edge = (mode == _EDGE) & (n_raw >= row)  # EDGE with no whole raw row falls back to fill
-        pad_is_fill = (mode != _EDGE) | (n_raw < row)  # == not take_edge
         first = pid.to(tl.int64) * BLOCK
         step = n_progs.to(tl.int64) * BLOCK
         for start in range(first, n_total, step):
-            offs = start + lane  # [BLOCK] element offsets; start is a multiple of BLOCK
-            end = start + BLOCK
-            # Whole blocks need no masks; with 16-byte aligned bases (a hint Triton cannot infer
-            # from an address read out of memory, so branched on at run time) they use vector
-            # loads and stores. The hints must sit in this function, not in a helper.
-            if (end <= n_raw) & dst_aligned & src_aligned:  # all raw: the bulk of a long job
-                vals = tl.load(tl.multiple_of(src + offs, 16))
-                tl.store(tl.multiple_of(dst + offs, 16), vals)
-            elif end <= n_raw:
-                tl.store(dst + offs, tl.load(src + offs))
-            elif (start >= n_raw) & (end <= n_total) & pad_is_fill:  # all pad value
-                pad = tl.full([BLOCK], fill, fill.dtype)
-                if dst_aligned:
-                    tl.store(tl.multiple_of(dst + offs, 16), pad)
-                else:
-                    tl.store(dst + offs, pad)
-            else:  # the block where raw meets pad, the last block, and EDGE tails
-                in_total = offs < n_total
-                if take_edge:  # padded lane i reads src[n_raw - row + (i - n_raw) % row]
-                    idx = tl.where(offs < n_raw, offs, n_raw - row + (offs - n_raw) % row)
-                    read = in_total
-                else:
-                    idx = offs
-                    read = in_total & (offs < n_raw)
-                vals = tl.load(src + idx, mask=read, other=fill)
-                tl.store(dst + offs, vals, mask=in_total)
+            offs = start + lane  # [BLOCK] element offsets
+            in_total = offs < n_total
+            if take_edge:  # padded lane i reads src[n_raw - row + (i - n_raw) % row]
+                idx = tl.where(offs < n_raw, offs, n_raw - row + (offs - n_raw) % row)
+                read = in_total
+            else:
+                idx = offs
+                read = in_total & (offs < n_raw)
+            vals = tl.load(src + idx, mask=read, other=fill)
+            tl.store(dst + offs, vals, mask=in_total)
 
     @triton.jit
     def _pack_kernel(table, BLOCK: tl.constexpr, DESC: tl.constexpr):
@@ -243,26 +230,20 @@ if triton is not None:
         elem_bytes = tl.load(desc + 5)
         mode = tl.load(desc + 6)
         bits = tl.load(desc + 7)
-        dst_al = dst % 16 == 0
-        src_al = src % 16 == 0
         # Bit patterns only: the element size picks the pointer type, the dtype never matters,
         # so NaN payloads and -0.0 survive and one compiled kernel serves every dtype.
         if elem_bytes == 1:
             i8 = tl.pointer_type(tl.int8)
-            _pack_job(dst.to(i8), src.to(i8), n_raw, n_total, row, mode, bits.to(tl.int8),
-                      dst_al, src_al, BLOCK)
+            _pack_job(dst.to(i8), src.to(i8), n_raw, n_total, row, mode, bits.to(tl.int8), BLOCK)
         elif elem_bytes == 2:
             i16 = tl.pointer_type(tl.int16)
-            _pack_job(dst.to(i16), src.to(i16), n_raw, n_total, row, mode, bits.to(tl.int16),
-                      dst_al, src_al, BLOCK)
+            _pack_job(dst.to(i16), src.to(i16), n_raw, n_total, row, mode, bits.to(tl.int16), BLOCK)
         elif elem_bytes == 4:
             i32 = tl.pointer_type(tl.int32)
-            _pack_job(dst.to(i32), src.to(i32), n_raw, n_total, row, mode, bits.to(tl.int32),
-                      dst_al, src_al, BLOCK)
+            _pack_job(dst.to(i32), src.to(i32), n_raw, n_total, row, mode, bits.to(tl.int32), BLOCK)
         else:
             i64 = tl.pointer_type(tl.int64)
-            _pack_job(dst.to(i64), src.to(i64), n_raw, n_total, row, mode, bits,
-                      dst_al, src_al, BLOCK)
+            _pack_job(dst.to(i64), src.to(i64), n_raw, n_total, row, mode, bits, BLOCK)
 
 
 def triton_available() -> bool:
