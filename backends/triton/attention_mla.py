@@ -12,7 +12,7 @@ needed: the paged kernels take K = the cache and V = a column view of the same c
 kv_lora_rank + rope_dim, masks cover the non-power-of-two widths).
 
 - decode and tree verify reuse the split-KV kernel (`attention_decode.split_kv_attention`), with
-  8 warps for these wide rows (4 spill registers at 576 columns) and the query heads spread over
+  8 warps for these wide rows (with 4, registers spill at 576 columns) and the query heads spread over
   `head_groups` programs per request through a zero-stride head axis of the cache, so that no
   program holds more than MAX_ROWS query rows (k=8 drafts x 16 heads in one program would need
   ~320 KB of shared memory).
@@ -33,7 +33,7 @@ from .kv import resolve_impl
 from .store import store_kv
 
 MAX_ROWS = 32  # query rows (queries x heads) per split-KV program at MLA widths
-NUM_WARPS = 8  # 255 registers, no spills at 576 columns (H100/H200, BLOCK_M <= 32)
+NUM_WARPS = 8  # sm_90 ptxas, 576 columns, BLOCK_M <= 32: no spills (4 warps: ~440 B spilled)
 
 
 # ----------------------------------------------------------------------------- reference
