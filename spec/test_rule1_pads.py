@@ -39,6 +39,10 @@ def test_r1_3_no_stale_tails(compile, device, seed):
     calls = {"n": 0}
 
     def prepare(x):
+
+        if pg.capturing():  # warm-up/capture of a graph backend: not a call
+
+            return
         calls["n"] += 1
         if calls["n"] % 2 == 1:
             return

@@ -39,6 +39,10 @@ def test_r4_view_hook_and_body(compile, device, label, n):
     hook_saw = []
 
     def prepare(x):
+
+        if pg.capturing():  # warm-up/capture of a graph backend: not a call
+
+            return
         S.assert_equal("x.extent('bs') dtype/shape", (x.extent("bs").dtype, tuple(x.extent("bs").shape)),
                        (torch.int32, ()), label)
         S.assert_equal("x.extent('bs') device type", x.extent("bs").device.type, torch.device(device).type, label)
@@ -74,6 +78,10 @@ def test_r4_2_hook_runs_every_call_before_body(compile, device):
     order = []
 
     def prepare(x):
+
+        if pg.capturing():  # warm-up/capture of a graph backend: not a call
+
+            return
         order.append("prepare")
         x.meta[1].fill_(len(order))            # the body of this call reads it
 

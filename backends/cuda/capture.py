@@ -49,11 +49,13 @@ def _progress(buckets, enabled):
     return tqdm(buckets, desc="padgraph capture", unit="bucket", leave=False)
 
 
-def _run_body(runner, bucket):
-    x = runner.view(bucket)
+def _run_prepare(runner, bucket):
     if runner.prepare is not None:
-        runner.prepare(x)
-    outs = runner.body(x)
+        runner.prepare(runner.view(bucket))
+
+
+def _run_body(runner, bucket):
+    outs = runner.body(runner.view(bucket))
     runner.check_outputs(outs, bucket)
     return outs
 
@@ -65,6 +67,7 @@ def _capture_one(runner, bucket, warmup, stream):
         with torch.cuda.stream(stream):
             runner.pack_all_pad(bucket)
             for _ in range(warmup):
+                _run_prepare(runner, bucket)
                 _run_body(runner, bucket)
         stream.synchronize()
     except Exception as e:
@@ -73,7 +76,8 @@ def _capture_one(runner, bucket, warmup, stream):
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.stream(stream):
-            runner.pack_all_pad(bucket)   # eager: the prepare hook (if any) sees pad values
+            runner.pack_all_pad(bucket)
+            _run_prepare(runner, bucket)  # eager, outside the graph: it runs before every replay
             graph.capture_begin(pool=runner.pool)
             try:
                 runner.packs_in_graph(bucket)
