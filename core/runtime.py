@@ -92,8 +92,8 @@ class Runner:
         if device is None or (device.index is None and device.type != "cpu"):
             device = self.device = self._resolve_device(raw, device)
         ext = self.plan.extents(raw, device, self.allow_host_inputs)
+        self.state.check()          # first: a moved state's old range means nothing to aliasing
         self._check_aliasing(raw)
-        self.state.check()
         bucket = self.plan.bucket_for(ext)
         if bucket is None:
             outs = self._overflow(raw, ext)
