@@ -13,7 +13,7 @@ from .errors import (BucketOverflowError, CaptureError, ContractError, ContractR
 from .pads import Edge, Fill
 from .plan import Plan
 from .program import Input, Output, Program, State
-from .registry import backends, compile, register_backend
+from .registry import backend_names, compile, register_backend
 from .runtime import Outputs, Runner, Stats
 from .view import PaddedView
 
@@ -23,5 +23,5 @@ __all__ = [
     "Affine", "Axis", "Buckets", "capturing", "check", "CheckResult", "Finding",
     "BucketOverflowError", "CaptureError", "ContractError", "ContractRuntimeError", "ContractTypeError",
     "ContractValueError", "StateStorageError", "Edge", "Fill", "Plan", "Input", "Output", "Program",
-    "State", "backends", "compile", "register_backend", "Outputs", "Runner", "Stats", "PaddedView",
+    "State", "backend_names", "compile", "register_backend", "Outputs", "Runner", "Stats", "PaddedView",
 ]

@@ -18,7 +18,8 @@ def register_backend(name: str, runner_cls) -> None:
     _BACKENDS[name] = runner_cls
 
 
-def backends() -> list[str]:
+def backend_names() -> list[str]:
+    """Registered backend names. (Not `backends`: that is the padgraph.backends subpackage.)"""
     return sorted(_BACKENDS)
 
 
@@ -26,7 +27,7 @@ def _resolve(name: str):
     try:
         entry = _BACKENDS[name]
     except KeyError:
-        raise ContractValueError(f"backend must be one of {backends()}, got {name!r}") from None
+        raise ContractValueError(f"backend must be one of {backend_names()}, got {name!r}") from None
     if isinstance(entry, str):
         module, _, attr = entry.partition(":")
         entry = getattr(importlib.import_module(module), attr)

@@ -15,7 +15,7 @@ import padgraph as pg
 def pytest_addoption(parser):
     group = parser.getgroup("padgraph", "padgraph conformance suite")
     group.addoption("--backend", default="reference",
-                    help="backend to test: a registered name (pg.backends()) or module:RunnerClass")
+                    help="backend to test: a registered name (pg.backend_names()) or module:RunnerClass")
     group.addoption("--device", default=None,
                     help="device the cases build tensors on (default: cuda for the cuda backend, else cpu)")
     group.addoption("--xfails", default=None,
@@ -25,7 +25,7 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line("markers", "needs_cuda: the case only means something on a CUDA device")
     backend = config.getoption("--backend")
-    if ":" in backend and backend not in pg.backends():
+    if ":" in backend and backend not in pg.backend_names():
         pg.register_backend(backend, backend)   # a third party's Runner, by import path
 
 

@@ -115,7 +115,7 @@ def test_run_at_and_register_backend():
         backend = "mine"
 
     pg.register_backend("mine-test", Mine)
-    assert "mine-test" in pg.backends() and isinstance(pg.compile(_prog(), lambda x: {"y": x.a}, backend="mine-test"), Mine)
+    assert "mine-test" in pg.backend_names() and isinstance(pg.compile(_prog(), lambda x: {"y": x.a}, backend="mine-test"), Mine)
 
 
 def test_pad_repr_nan():
