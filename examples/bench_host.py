@@ -68,6 +68,30 @@ def host_us(fn, calls):
     return statistics.median(ts)
 
 
+def stage_breakdown(runner, raw, calls):
+    """Each step of the call path timed alone (host µs, median), to show where the time goes."""
+    ext = runner.plan.extents(raw, runner.device)
+    bucket = runner.plan.bucket_for(ext)
+    g = runner._graphs[bucket]
+    pk = runner.packer
+    encoded = {}
+
+    def encode():
+        encoded["slot"] = pk.encode(bucket, raw, ext)
+
+    encode()
+    return {
+        "validate+extents": host_us(lambda: runner.plan.extents(raw, runner.device, True), calls),
+        "state guard": host_us(runner.state.check, calls),
+        "bucket lookup": host_us(lambda: runner.plan.bucket_for(ext), calls),
+        "encode descriptors": host_us(encode, calls),
+        "H2D copy + event": host_us(lambda: pk.send(encoded["slot"][0], encoded["slot"][1]), calls),
+        "graph.replay": host_us(g.graph.replay, calls),
+        "slice outputs": host_us(lambda: runner._finish(g.outputs, ext), calls),
+        "whole call": host_us(lambda: runner(**raw), calls),
+    }
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--calls", type=int, default=2000)
@@ -92,6 +116,8 @@ def main():
                "replay_only_us": host_us(g.replay, args.calls)}
         rows.append(row)
         print(json.dumps(row), flush=True)
+    stages = stage_breakdown(runner, raw_batch(27, device), args.calls)
+    print("stages (µs, median):", json.dumps(stages), flush=True)
     prof = cProfile.Profile()
     raw = raw_batch(27, device)
     prof.enable()
@@ -107,8 +133,10 @@ def main():
              "| bs | padgraph | padgraph (host inputs) | handwritten | bare replay |", "|---|---|---|---|---|"]
     lines += [f"| {r['bs']} | {r['padgraph_us']:.1f} | {r['padgraph_host_inputs_us']:.1f} | "
               f"{r['handwritten_us']:.1f} | {r['replay_only_us']:.1f} |" for r in rows]
+    lines += ["", "call path at bs=27, each step timed alone (host µs, median):", "",
+              "| step | µs |", "|---|---|"] + [f"| {k} | {v:.1f} |" for k, v in stages.items()]
     (out_dir() / "bench_host.md").write_text("\n".join(lines) + "\n")
-    (out_dir() / "bench_host.json").write_text(json.dumps({"env": info, "rows": rows}, indent=1))
+    (out_dir() / "bench_host.json").write_text(json.dumps({"env": info, "rows": rows, "stages": stages}, indent=1))
     print("\n".join(lines))
 
 
