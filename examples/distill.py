@@ -6,6 +6,10 @@ target's argmax at p+1 (cross-entropy) and h_p+1 (smooth L1), as EAGLE does; the
 vocabulary is set to the tokens the target emitted most. Weights are saved locally only.
 
     python examples/distill.py --model tiny --out /tmp/eagle_tiny.pt
+
+The same script distils the DeepSeek MTP-style head (`--model ds-tiny | ds-lite`): any target
+with `forward_dense(tokens) -> (logits, hidden)` and any head with `forward_dense(tokens, hidden)`
+and `set_draft_vocab`.
 """
 from __future__ import annotations
 
@@ -16,8 +20,12 @@ import time
 import torch
 import torch.nn.functional as F
 
+from models.deepseek import DeepSeekConfig, DeepSeekModel
 from models.eagle_head import EagleHead
 from models.llama import LlamaConfig, LlamaModel
+from models.mtp_head import MTPHead
+
+FAMILIES = {"llama": (LlamaModel, EagleHead), "deepseek": (DeepSeekModel, MTPHead)}
 
 
 @torch.no_grad()
@@ -102,7 +110,21 @@ PRESETS = {
     "tiny": dict(cfg=LlamaConfig.tiny, n_seq=32, prompt_len=8, gen_len=24, steps=80, lr=3e-3),
     "1b": dict(cfg=LlamaConfig.llama_1b, n_seq=128, prompt_len=16, gen_len=64, steps=400,
                lr=1e-3, n_hot=32768),
+    "ds-tiny": dict(family="deepseek", cfg=DeepSeekConfig.tiny, n_seq=32, prompt_len=8,
+                    gen_len=24, steps=80, lr=3e-3),
+    "ds-lite": dict(family="deepseek", cfg=DeepSeekConfig.lite, n_seq=128, prompt_len=16,
+                    gen_len=64, steps=400, lr=1e-3, n_hot=32768),
 }
+
+
+def build(preset: str, device, dtype):
+    """(frozen target, untrained head, the preset's `distill` keyword arguments)."""
+    pre = dict(PRESETS[preset])
+    target_cls, head_cls = FAMILIES[pre.pop("family", "llama")]
+    target = target_cls(pre.pop("cfg")()).to(device, dtype).eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    return target, head_cls(target).to(device), pre
 
 
 def main():
@@ -110,11 +132,9 @@ def main():
     ap.add_argument("--model", choices=sorted(PRESETS), default="tiny")
     ap.add_argument("--out", default=None, help="where to save the head (local only)")
     args = ap.parse_args()
-    pre = dict(PRESETS[args.model])
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-    target = LlamaModel(pre.pop("cfg")()).to(dev, dtype).eval()
-    head = EagleHead(target).to(dev)
+    target, head, pre = build(args.model, dev, dtype)
     distill(target, head, **pre)
     if args.out:
         torch.save(head.state_dict(), args.out)

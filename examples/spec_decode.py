@@ -9,6 +9,13 @@ Per-request KV: a request owns one req_to_token row and, from admission, the slo
 budget (prompt + max_new_tokens + tree scratch), so draft and verify tokens use the slots of the
 positions they occupy; verify commits the accepted path by permuting the row (no KV copies).
 Draft position p holds (token p+1, target hidden p), so the draft cache is one position behind.
+
+Model protocol (Llama-like and DeepSeek-like targets alike): `forward_decode / forward_extend /
+forward_verify` return `(logits, hidden)` and read their cache from `kv` (`kv.k[i]`/`kv.v[i]`
+K/V pools, or `kv.latent[i]` MLA latent rows); a target with `new_cache(n_layers, n_slots,
+max_context, n_req_rows)` allocates its own cache (an object with `req_to_token` and `state()`,
+the bound tensors by state name), otherwise K/V pools of its `cfg` are used. Draft heads:
+`forward_extend`, `forward_draft_step`, `topk` (EagleHead, MTPHead).
 """
 from __future__ import annotations
 
@@ -48,8 +55,27 @@ class Request:
     gaps: list[float] = field(default_factory=list)   # greedy: target's top-1 minus top-2 logit
 
 
+_CACHE_NAMES = {"k_cache": "k", "v_cache": "v", "latent_cache": "latent"}   # state -> kv.<attr>
+
+
 def _kv(x):
-    return SimpleNamespace(k=x.k_cache, v=x.v_cache)
+    """The bound caches as the models read them (`kv.k`, `kv.v` or `kv.latent`)."""
+    return SimpleNamespace(**{attr: getattr(x, name) for name, attr in _CACHE_NAMES.items()
+                              if hasattr(x, name)})
+
+
+def new_cache(target, n_layers: int, n_slots: int, max_context: int, n_req_rows: int):
+    """The target's paged cache: its own `new_cache` (e.g. a latent cache), else K/V pools."""
+    if hasattr(target, "new_cache"):
+        return target.new_cache(n_layers, n_slots, max_context, n_req_rows)
+    cfg, p = target.cfg, target.lm_head.weight
+    return KVCache(n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim, max_context, n_req_rows,
+                   p.dtype, p.device)
+
+
+def cache_state(cache) -> dict:
+    """A cache's bound state by name, req_to_token aside: its `state()`, or K/V pools."""
+    return cache.state() if hasattr(cache, "state") else {"k_cache": cache.k, "v_cache": cache.v}
 
 
 # ------------------------------------------------------------------------------------ bodies
@@ -134,14 +160,16 @@ def draft_extend_body(head, spec: SpecConfig):
 
 # ---------------------------------------------------------------------------------- programs
 
-def programs(cfg, spec: SpecConfig, hidden_dtype, buckets=None) -> dict[str, pg.Program]:
-    """The four runner programs with this model's outputs."""
+def programs(cfg, spec: SpecConfig, hidden_dtype, buckets=None,
+             cache_names=("k_cache", "v_cache")) -> dict[str, pg.Program]:
+    """The four runner programs with this model's outputs and cache state names."""
     H, k, S, topk = cfg.hidden_size, spec.num_draft_tokens, spec.steps, spec.topk
     O = pg.Output
+    state = {**{n: pg.State(sink=0) for n in cache_names}, "req_to_token": pg.State(sink=0)}
     return {
         "decode": decode_program(lambda a: {
             "next_token": O((a.bs,), torch.int64), "top2_gap": O((a.bs,), torch.float32)},
-            buckets=buckets),
+            buckets=buckets, state=state),
         "verify": verify_program(k, lambda a: {
             "accept_len": O((a.bs,), torch.int32), "out_tokens": O((a.bs, S + 1), torch.int64),
             "bonus": O((a.bs,), torch.int64),
@@ -150,15 +178,16 @@ def programs(cfg, spec: SpecConfig, hidden_dtype, buckets=None) -> dict[str, pg.
             "de_out_cache_loc": O((a.bs * (S + 1),), torch.int64),
             "de_hidden": O((a.bs * (S + 1), H), hidden_dtype),
             "de_qo_indptr": O((a.bs + 1,), torch.int32),
-            "de_seq_lens": O((a.bs,), torch.int32)}, buckets=buckets),
+            "de_seq_lens": O((a.bs,), torch.int32)}, buckets=buckets, state=state),
         "draft": draft_program(S, topk, H, hidden_dtype, lambda a: {
             "draft_tokens": O((a.bs, k - 1), torch.int64),
             "tree_mask": O((a.bs, k, k), torch.bool),
-            "depth": O((a.bs, k), torch.int64)}, buckets=buckets),
+            "depth": O((a.bs, k), torch.int64)}, buckets=buckets, state=state),
         "draft_extend": draft_extend_program(S, H, hidden_dtype, lambda a: {
             "topk_p": O((a.bs, topk), torch.float32), "topk_index": O((a.bs, topk), torch.int64),
             "next_hidden": O((a.bs, H), hidden_dtype),
-            "draft_out_cache_loc": O((a.bs * (S * topk),), torch.int64)}, buckets=buckets),
+            "draft_out_cache_loc": O((a.bs * (S * topk),), torch.int64)}, buckets=buckets,
+            state=state),
     }
 
 
@@ -206,16 +235,16 @@ class Worker:
     def __init__(self, target, head, spec: SpecConfig, *, backend: str = "reference",
                  max_bs: int = 16, max_context: int = 512, eos_id: int | None = None,
                  buckets=None, compile_options: dict | None = None):
-        cfg, p = target.cfg, target.lm_head.weight
+        p = target.lm_head.weight
         self.target, self.head, self.spec, self.eos_id = target, head, spec, eos_id
         self.backend, self.max_bs, self.max_context = backend, max_bs, max_context
         self.margin = max(spec.num_draft_tokens, spec.steps * spec.topk) + 1
         n_slots = max_bs * max_context + 1
-        self.kv = KVCache(cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim, max_context,
-                          max_bs + 1, p.dtype, p.device)
-        self.dkv = KVCache(1, n_slots, cfg.n_kv_heads, cfg.head_dim, 2, 2, p.dtype, p.device)
+        self.kv = new_cache(target, target.cfg.n_layers, n_slots, max_context, max_bs + 1)
+        self.dkv = new_cache(target, 1, n_slots, 2, 2)   # the head's layer; rows: self.kv's
         self.slots, self.rows = SlotAllocator(n_slots), RowAllocator(max_bs + 1)
-        self.programs = programs(cfg, spec, p.dtype, buckets or pg.Buckets.default(max_bs))
+        self.programs = programs(target.cfg, spec, p.dtype, buckets or pg.Buckets.default(max_bs),
+                                 cache_names=tuple(cache_state(self.kv)))
         self.bodies = bodies(target, head, spec) if head is not None else {
             "decode": decode_body(target)}
         self.compile_options = compile_options or {}
@@ -223,7 +252,7 @@ class Worker:
 
     def state(self, name: str) -> dict:
         kv = self.kv if name in ("decode", "verify") else self.dkv
-        return {"k_cache": kv.k, "v_cache": kv.v, "req_to_token": self.kv.req_to_token}
+        return {**cache_state(kv), "req_to_token": self.kv.req_to_token}
 
     def runner(self, name: str):
         if name not in self._runners:
