@@ -2,6 +2,8 @@
 
 One GPU call, distillation included:  python examples/bench_eagle.py
 Writes $OUT/eagle.md and $OUT/eagle.json (date, GPU, torch/triton versions, command).
+EAGLE_MODEL=deepseek: the DeepSeek-like target (MLA + MoE, "ds-lite") with the MTP-style head,
+written to $OUT/eagle_deepseek.{md,json}.
 Targets: EAGLE graphs >= 2.0x greedy graphs at bs=1; EAGLE graphs >= 3x EAGLE eager at bs=1.
 """
 from __future__ import annotations
@@ -15,11 +17,16 @@ import time
 import torch
 
 import padgraph as pg
-from eagle import setup
+from eagle import MODELS, setup
 from spec_decode import SpecConfig, Worker
 
 BATCHES = (1, 4, 16)
 NEW_TOKENS = 128
+MODEL = os.environ.get("EAGLE_MODEL", "llama")
+DESCRIPTION = {"llama": "Llama-3.2-1B shape, random init (scaled residual), bf16",
+               "deepseek": "DeepSeek-like (MLA + dense masked MoE), V2-Lite widths, 6 layers, "
+                           "16 experts top-6, MTP-style head, random init, bf16"}
+RESULT = "eagle" if MODEL == "llama" else f"eagle_{MODEL}"
 
 
 def prompts_for(bs: int, vocab: int, seed: int):
@@ -42,7 +49,7 @@ def main():
     spec = SpecConfig(steps=int(os.environ.get("EAGLE_STEPS", 5)),
                       topk=int(os.environ.get("EAGLE_TOPK", 4)),
                       num_draft_tokens=int(os.environ.get("EAGLE_K", 8)))
-    target, head, dinfo = setup("1b", "cuda")
+    target, head, dinfo = setup(MODELS[MODEL][0], "cuda")
     buckets = pg.Buckets.default(max(BATCHES))
     max_context = 40 + NEW_TOKENS + 32
     workers = {
@@ -80,14 +87,14 @@ def write(out_dir, rows, spec, dinfo, seconds):
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "triton": triton.__version__, "command": " ".join([sys.executable] + sys.argv),
-        "model": "Llama-3.2-1B shape, random init (scaled residual), bf16",
+        "model": DESCRIPTION[MODEL],
         "spec": vars(spec) if hasattr(spec, "__dict__") else str(spec),
         "new_tokens": NEW_TOKENS, "distill": dinfo, "wall_s": seconds,
         "targets": {"eagle_vs_greedy_bs1": ">= 2.0", "graphs_vs_eager_bs1": ">= 3.0"},
     }
     meta["spec"] = {"steps": spec.steps, "topk": spec.topk, "k": spec.num_draft_tokens}
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "eagle.json"), "w") as f:
+    with open(os.path.join(out_dir, f"{RESULT}.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=2)
     lines = [f"# EAGLE benchmark ({meta['date']})", "",
              f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}; {meta['model']}; "
@@ -102,7 +109,7 @@ def write(out_dir, rows, spec, dinfo, seconds):
                      f"{r['eagle_eager_tok_s']:.0f} | {r['accept_len']:.2f} | "
                      f"{r['speedup_vs_greedy']:.2f}x | {r['graphs_vs_eager']:.2f}x | "
                      f"{r['greedy_match']} |")
-    with open(os.path.join(out_dir, "eagle.md"), "w") as f:
+    with open(os.path.join(out_dir, f"{RESULT}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
 
