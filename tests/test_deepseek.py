@@ -34,15 +34,18 @@ def _dense_logits(target, seq):
     return logits[0], hidden[0]
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])   # triton: interpreted on the CPU
 @torch.no_grad()
-def test_absorbed_paged_forwards_match_non_absorbed_dense(target):
+def test_absorbed_paged_forwards_match_non_absorbed_dense(target, impl):
     """Prefill (extend), one decode step and a chain verify of 3 tokens, all absorbed over the
     latent cache, equal the non-absorbed dense forward (per-head K/V) of the same weights."""
     w = Worker(target, None, SpecConfig(), max_bs=4, max_context=32)
     ps, rt = [[3, 9, 4, 1, 7], [5, 2, 8]], w.kv.req_to_token
     close = dict(rtol=1e-4, atol=1e-4)
     reqs = w.admit(ps, [8, 8])
-    logits, hidden, b = w.prefill(reqs)
+    _, _, b = w.prefill(reqs)
+    logits, hidden = target.forward_extend(b.ids, b.positions, w.kv, rt, b.rows, b.seq_lens,
+                                           b.qo, b.loc, impl=impl)
     for r, p in enumerate(ps):
         dl, dh = _dense_logits(target, p)
         torch.testing.assert_close(logits[r], dl[-1], **close)
@@ -52,13 +55,13 @@ def test_absorbed_paged_forwards_match_non_absorbed_dense(target):
     nxt, lens = [11, 12], torch.tensor([6, 4], dtype=torch.int32)
     pos = (lens - 1).long()
     dl_dec, _ = target.forward_decode(torch.tensor(nxt), pos, w.kv, rt, b.rows, lens,
-                                      rt[b.rows.long(), pos].long())
+                                      rt[b.rows.long(), pos].long(), impl=impl)
     k, chain = 3, [[21, 22, 23], [31, 32, 33]]
     pos = lens.long()[:, None] + torch.arange(k)                      # [bs, k]
     mask = torch.tril(torch.ones(k, k, dtype=torch.bool)).repeat(2, 1, 1)
     dl_ver, _ = target.forward_verify(torch.tensor(chain).view(-1), pos.view(-1), w.kv, rt,
                                       b.rows, lens + k, mask, rt[b.rows.long()[:, None], pos]
-                                      .view(-1).long())
+                                      .view(-1).long(), impl=impl)
     for r, p in enumerate(ps):
         dl, _ = _dense_logits(target, p + [nxt[r]] + chain[r])
         torch.testing.assert_close(dl_dec[r], dl[len(p)], **close)
