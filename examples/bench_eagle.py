@@ -17,7 +17,7 @@ import time
 import torch
 
 import padgraph as pg
-from eagle import MODELS, setup
+from eagle import MODELS, TIE_TOL, compare, setup
 from spec_decode import SpecConfig, Worker
 
 BATCHES = (1, 4, 16)
@@ -69,14 +69,16 @@ def main():
                                NEW_TOKENS)
             res[name] = (reqs, st)
         greedy_reqs = res["greedy_graphs"][0]
-        match = sum(a.output == b.output for a, b in zip(greedy_reqs, res["eagle_graphs"][0]))
+        exact, ties, other = compare(greedy_reqs, res["eagle_graphs"][0], TIE_TOL)
         g, e, ee = (res[n][1] for n in ("greedy_graphs", "eagle_graphs", "eagle_eager"))
         rows.append({
             "bs": bs, "greedy_graphs_tok_s": g.tokens_per_s, "eagle_graphs_tok_s": e.tokens_per_s,
             "eagle_eager_tok_s": ee.tokens_per_s, "accept_len": e.accept_len,
             "speedup_vs_greedy": e.tokens_per_s / g.tokens_per_s,
             "graphs_vs_eager": e.tokens_per_s / ee.tokens_per_s,
-            "greedy_match": f"{match}/{bs}"})
+            "greedy_match": f"{exact + len(ties)}/{bs} ({exact} exact, {len(ties)} tie, "
+                            f"{len(other)} other)",
+            "first_divergences": {"near_tie": ties, "other": other}})
         print(rows[-1], flush=True)
     write(out_dir, rows, spec, dinfo, time.perf_counter() - t_start)
 
@@ -102,7 +104,8 @@ def write(out_dir, rows, spec, dinfo, seconds):
              f"{NEW_TOKENS} new tokens per request; distillation {dinfo['data_s'] + dinfo['train_s']:.0f}s",
              "", f"command: `{meta['command']}`", "",
              "| bs | greedy graphs tok/s | EAGLE graphs tok/s | EAGLE eager tok/s | accept len | "
-             "speedup vs greedy | graphs vs eager | greedy match |",
+             "speedup vs greedy | graphs vs eager | greedy match (first divergence: exact / top-2 gap "
+             f"<= {TIE_TOL} / other) |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['bs']} | {r['greedy_graphs_tok_s']:.0f} | {r['eagle_graphs_tok_s']:.0f} | "

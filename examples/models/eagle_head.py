@@ -13,6 +13,11 @@ from torch import Tensor, nn
 from .llama import (DecoderLayer, LlamaModel, PagedBatch, RMSNorm, extend_batch, init_weights)
 
 
+def _temperature(head: nn.Module, logits: Tensor) -> Tensor:
+    s = getattr(head, "log_scale", None)        # heads borrowing EagleHead's methods may have none
+    return logits if s is None else logits * s.float().exp()
+
+
 class EagleHead(nn.Module):
     def __init__(self, target: LlamaModel, seed: int = 1):
         super().__init__()
@@ -22,6 +27,11 @@ class EagleHead(nn.Module):
         self.layer = DecoderLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         init_weights(self, cfg.init_std, torch.Generator().manual_seed(seed))
+        # Draft temperature: the head borrows the target's lm_head, whose logits are as flat as
+        # the target's (top-1 probability ~0.03 on a random 1B), while the head's top-1 is right
+        # far more often than that. EAGLE-2's tree keeps the k-1 best nodes by the product of
+        # these probabilities, so uncalibrated ones make it wide and shallow. Trained (distill).
+        self.log_scale = nn.Parameter(torch.zeros(()))
         # Shared with the target, kept out of this module's parameters (and state_dict).
         object.__setattr__(self, "target", target)
         self.register_buffer("hot_ids", None)      # [n_hot] draft vocabulary (None: all)
@@ -37,16 +47,29 @@ class EagleHead(nn.Module):
         self.hot_ids = ids
         self.hot_weight = self.target.lm_head.weight.detach()[ids].contiguous()
 
+    def init_passthrough(self) -> None:
+        """Start from the target's own bigram path: fc = [I, 0] passes the token embedding
+        through, so before any training the head predicts lm_head(norm(embed(token))) — for a
+        target whose residual stream is dominated by the token embedding, most of its next-token
+        map. Training then only has to learn the context correction, and the head generalises to
+        tokens it never saw in its (small) distillation corpus instead of memorising a table."""
+        H = self.cfg.hidden_size
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            self.fc.weight[:, :H].copy_(torch.eye(H))
+            self.norm.load_state_dict(self.target.norm.state_dict())
+
     def logits(self, h: Tensor) -> Tensor:
-        """Full-vocabulary logits [n, V] fp32 (training, checks)."""
-        return self.target.logits(h)
+        """Full-vocabulary draft logits [n, V] fp32, temperature applied (training, checks)."""
+        return _temperature(self, self.target.logits(h))
 
     def topk(self, h: Tensor, topk: int):
         """Draft distribution's top-k: (probs [n, topk] fp32, token ids [n, topk] int64)."""
         if self.hot_ids is None:
-            probs = torch.softmax(self.target.logits(h), dim=-1)
+            probs = torch.softmax(self.logits(h), dim=-1)
             return probs.topk(topk, dim=-1)
-        probs = torch.softmax((h @ self.hot_weight.t()).float(), dim=-1)   # [n, n_hot]
+        logits = _temperature(self, (h @ self.hot_weight.t()).float())
+        probs = torch.softmax(logits, dim=-1)                              # [n, n_hot]
         p, i = probs.topk(topk, dim=-1)
         return p, self.hot_ids[i]
 
