@@ -130,8 +130,9 @@ PRESETS = {
                lr=3e-4),
     "ds-tiny": dict(family="deepseek", cfg=DeepSeekConfig.tiny, n_seq=32, prompt_len=8,
                     gen_len=24, steps=80, lr=3e-3),
-    "ds-lite": dict(family="deepseek", cfg=DeepSeekConfig.lite, n_seq=128, prompt_len=16,
-                    gen_len=64, steps=400, lr=1e-3, n_hot=32768),
+    # as "1b": no reduced draft vocabulary for a random target, lr 3e-4
+    "ds-lite": dict(family="deepseek", cfg=DeepSeekConfig.lite, n_seq=256, prompt_len=16,
+                    gen_len=48, steps=300, lr=3e-4),
 }
 
 

@@ -75,7 +75,8 @@ class DeepSeekConfig:
                     q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                     qk_rope_head_dim=64, v_head_dim=128, ffn_size=10944, moe_ffn_size=1408,
                     n_routed_experts=16, top_k=6, n_shared_experts=2, score_func="softmax",
-                    norm_topk_prob=False, routed_scaling_factor=1.0, max_position=8192)
+                    norm_topk_prob=False, routed_scaling_factor=1.0, max_position=8192,
+                    init_std=0.008)   # as LlamaConfig.llama_1b: 0.02 at 2048 wide is undraftable
         return cls(**{**base, **kw})
 
     @property
