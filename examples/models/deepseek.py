@@ -350,12 +350,13 @@ class DeepSeekModel(nn.Module):
         hidden = self._run(input_ids, positions, batch, kv)
         return self.logits(hidden), hidden
 
-    def forward_dense(self, input_ids: Tensor):
-        """[B, T] → (logits [B, T, V], hidden [B, T, hidden]), non-absorbed MLA, no cache."""
+    def forward_dense(self, input_ids: Tensor, last_only: bool = False):
+        """[B, T] → (logits [B, T, V] (or [B, V] with last_only), hidden [B, T, hidden]),
+        non-absorbed MLA, no cache."""
         B, T = input_ids.shape
         positions = torch.arange(T, device=input_ids.device).expand(B, T)
         x = self.embed(input_ids)
         for layer in self.layers:
             x = layer.forward_dense(x, positions, self.rope)
         hidden = self.norm(x)
-        return self.logits(hidden), hidden
+        return self.logits(hidden[:, -1] if last_only else hidden), hidden
