@@ -8,6 +8,8 @@ a kernel that reads outside a real lane's own positions turns its output NaN.
 import pytest
 import torch
 
+from attention_cases import K_DRAFT, tree_masks
+
 from padgraph.backends.triton.attention import (
     choose_num_splits, decode_attention, decode_attention_reference, extend_attention,
     extend_attention_reference, tree_verify_attention, tree_verify_attention_reference)
@@ -184,19 +186,7 @@ def test_extend_sinks_and_past_the_end_are_never_read():
 
 # ----------------------------------------------------------------------------- tree verify
 
-K_DRAFT = 4
 VERIFY_LENS = [70 + K_DRAFT, PAD, K_DRAFT, 1 + K_DRAFT]
-
-
-def tree_masks(bs, pad_rows):
-    """Request 0: a chain; others: a small tree (0 <- 1, 0 <- 2, 1 <- 3); padded rows: ones."""
-    chain = torch.tril(torch.ones(K_DRAFT, K_DRAFT, dtype=torch.bool))
-    tree = torch.eye(K_DRAFT, dtype=torch.bool)
-    for child, parent in ((1, 0), (2, 0), (3, 1), (3, 0)):
-        tree[child, parent] = True
-    masks = torch.stack([chain if r == 0 else tree for r in range(bs)])
-    masks[pad_rows] = True
-    return masks
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])

@@ -6,6 +6,8 @@ with padded lanes (seq_lens 1, row 0) and a NaN-poisoned sink slot 0 and past-th
 import pytest
 import torch
 
+from attention_cases import K_DRAFT, tree_masks
+
 from padgraph.backends.triton.attention_mla import (
     absorb_query, head_groups, mla_decode_attention, mla_extend_attention, mla_reference,
     mla_sm_scale, mla_tree_verify_attention, project_output, store_latent)
@@ -187,19 +189,7 @@ def test_extend_matches_non_absorbed(kv_lora_rank, rope_dim):
 
 # ----------------------------------------------------------------------------- tree verify
 
-K_DRAFT = 4
 VERIFY_LENS = [40 + K_DRAFT, PAD, K_DRAFT, 1 + K_DRAFT]
-
-
-def tree_masks(bs, pad_rows):
-    """Request 0: a chain; others: a small tree (0 <- 1, 0 <- 2, 1 <- 3); padded rows: ones."""
-    chain = torch.tril(torch.ones(K_DRAFT, K_DRAFT, dtype=torch.bool))
-    tree = torch.eye(K_DRAFT, dtype=torch.bool)
-    for child, parent in ((1, 0), (2, 0), (3, 1), (3, 0)):
-        tree[child, parent] = True
-    masks = torch.stack([chain if r == 0 else tree for r in range(bs)])
-    masks[pad_rows] = True
-    return masks
 
 
 @pytest.mark.parametrize("n_heads", [4, 16])  # 16 heads x 4 drafts: 2 head groups
