@@ -11,6 +11,7 @@ import torch
 
 from .axes import Affine, as_affine
 from .errors import BucketOverflowError, ContractTypeError, ContractValueError, mismatch, where
+from .pack import PackTable, pack_table
 from .program import Program, padded_dims
 
 
@@ -49,6 +50,14 @@ class Plan:
         # axis name -> [raw extent -> bucket index]; O(1) lookup on the call path.
         self._tables = {a.name: _min_bucket_table([a.cap(b) for b in self.buckets]) for a in self.axes}
         self._affine = {a.name: a.capacity for a in self.axes}
+        self._packs: dict[int, PackTable] = {}
+
+    def pack_table(self, bucket: int) -> PackTable:
+        """What a backend writes into every input's padded buffer at `bucket` (any size >= 1)."""
+        t = self._packs.get(bucket)
+        if t is None:
+            t = self._packs[bucket] = pack_table(self.program, bucket, self.capacity)
+        return t
 
     # ---- shapes -------------------------------------------------------------------------
     def capacity(self, axis: str, bucket: int) -> int:

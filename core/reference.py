@@ -10,33 +10,8 @@ from typing import Mapping
 
 import torch
 
-from .padding import padded_copy
-from .program import padded_dims
+from .eager import run_padded
 from .runtime import Runner
-from .view import PaddedView
-
-
-def make_view(runner: Runner, size: int, raw: Mapping[str, torch.Tensor], ext: Mapping[str, int],
-              device: torch.device) -> PaddedView:
-    """Fresh padded tensors of every input at `size`, bound state, and device extents."""
-    plan, program = runner.plan, runner.program
-    buffers: dict[str, object] = {}
-    for name, spec in program.inputs.items():
-        dims = [d for d, _ in padded_dims(spec.shape)]
-        buffers[name] = padded_copy(raw[name].to(device), plan.shape(name, size), spec.pad, dims, device)
-    buffers.update(runner.state.values)
-    extents = {a: torch.tensor(n, dtype=torch.int32, device=device) for a, n in ext.items()}
-    return PaddedView(program.name, size, buffers, extents)
-
-
-def run_padded(runner: Runner, size: int, raw, ext, device) -> Mapping[str, torch.Tensor]:
-    """prepare + body on one padded view at `size`; outputs checked against the declaration."""
-    x = make_view(runner, size, raw, ext, device)
-    if runner.prepare is not None:
-        runner.prepare(x)
-    outs = runner.body(x)
-    runner.check_outputs(outs, size)
-    return outs
 
 
 class ReferenceRunner(Runner):

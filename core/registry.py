@@ -23,6 +23,11 @@ def backend_names() -> list[str]:
     return sorted(_BACKENDS)
 
 
+def resolve(name: str):
+    """The Runner class registered under `name` (imported on first use)."""
+    return _resolve(name)
+
+
 def _resolve(name: str):
     try:
         entry = _BACKENDS[name]

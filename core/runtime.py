@@ -3,6 +3,9 @@
 validate → state guard → bucket lookup → (overflow policy) → backend `_run` → sliced outputs.
 A backend subclasses Runner and implements `_run(bucket, raw, extents)` returning the padded
 outputs at that bucket; it never re-implements validation, bucketing, slicing or stats.
+Runners are for inference: bodies run under `torch.no_grad()`, outputs never require grad, and
+nothing of a call's inputs is kept by the runner once the call's work has run.
+A call that raises changes nothing: not the runner's device, stats, state or the caller's tensors.
 """
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ from typing import Callable, Mapping
 
 import torch
 
-from .errors import ContractTypeError, ContractValueError, mismatch, where
+from .eager import run_padded
+from .errors import ContractRuntimeError, ContractTypeError, ContractValueError, mismatch, where
 from .plan import Plan
 from .program import Program, padded_dims
 from .state import BoundState
@@ -65,6 +69,16 @@ class Runner:
     backend = "abstract"
     allow_host_inputs = False
 
+    @classmethod
+    def default_device(cls) -> torch.device:
+        """The device this backend's runners (and the conformance suite) use when none is given."""
+        return torch.device("cpu")
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        """Why this backend cannot run on this machine, or None when it can."""
+        return None
+
     def __init__(self, program: Program, body: Callable, *, state: Mapping | None = None,
                  prepare: Callable | None = None, overflow: str = "eager", copy_outputs: bool = False,
                  device: torch.device | str | None = None):
@@ -79,7 +93,7 @@ class Runner:
         self.overflow = overflow
         self.copy_outputs = bool(copy_outputs)
         self.state = BoundState(program, state)
-        self.device = torch.device(device) if device is not None else self.state.device()
+        self.device = _device(program, device) if device is not None else self.state.device()
         self.stats = Stats()
         self._warned_overflow = False
         self._out_dims = {n: [d for d, _ in padded_dims(s.shape)] for n, s in program.outputs.items()}
@@ -90,8 +104,9 @@ class Runner:
     def __call__(self, **raw: torch.Tensor) -> Outputs:
         device = self.device
         if device is None or (device.index is None and device.type != "cpu"):
-            device = self.device = self._resolve_device(raw, device)
+            device = self._resolve_device(raw, device)
         ext = self.plan.extents(raw, device, self.allow_host_inputs)
+        self.device = device        # only once the call is valid: a rejected call pins nothing
         self.state.check()          # first: a moved state's old range means nothing to aliasing
         self._check_aliasing(raw)
         bucket = self.plan.bucket_for(ext)
@@ -115,7 +130,6 @@ class Runner:
 
     def _run_eager(self, size: int, raw, ext) -> Mapping[str, torch.Tensor]:
         """Run the body eagerly at a size off the ladder (overflow). Reference semantics."""
-        from .reference import run_padded  # local: reference imports this module
         return run_padded(self, size, raw, ext, self.device)
 
     # ---- shared steps ------------------------------------------------------------------
@@ -168,3 +182,16 @@ class Runner:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.program.name!r} backend={self.backend} buckets={list(self.plan.buckets)}>"
+
+
+def _device(program: Program, device) -> torch.device:
+    """The runner's device from the `device=` option; a CUDA device needs CUDA on this machine."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ContractValueError(mismatch(program.name, None, "device", "a torch.device or a device string",
+                                          repr(device))) from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ContractRuntimeError(mismatch(program.name, None, "device", "a device this machine has",
+                                            f"{dev} (torch.cuda.is_available() is False)"))
+    return dev

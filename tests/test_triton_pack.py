@@ -1,8 +1,9 @@
-"""The one-launch pack: kernel (under TRITON_INTERPRET=1 on CPU) == torch reference, bitwise.
+"""The pack table (core) and the one-launch pack kernel (Triton, interpreted on the CPU).
 
-Every case poisons dst with random bytes first, so a lane the pack should have written but did
-not, or one past n_total it should have left alone, shows up; and every case compares the source
-against a clone taken before, so a write into the caller's tensor shows up too.
+The kernel must write, bit for bit, what `padgraph.pack.apply` (its torch reference) writes, for
+every layout the Plan emits: leading padded dim ("rows"), a padded dim behind fixed dims or two
+padded dims ("grid"), affine dims (bs + 1, bs * k), EDGE with empty levels, every element size.
+The reference itself is checked against an independent dim-by-dim clamp (`expected`).
 """
 import math
 
@@ -10,249 +11,159 @@ import numpy as np
 import pytest
 import torch
 
-from padgraph.backends.triton import pack as P
-from padgraph.backends.triton.pack import CONST, DESC_WIDTH, EDGE, FILL, PackJob
+import padgraph as pg
+from padgraph import pack as P
+from padgraph.backends.triton import pack as TP
 
-needs_triton = pytest.mark.skipif(not P.triton_available(), reason="triton not importable")
+needs_triton = pytest.mark.skipif(not TP.triton_available(), reason="triton not importable")
 
-# Without a GPU, conftest sets TRITON_INTERPRET=1 and the kernel runs on CPU tensors; with one,
-# the same cases run compiled on it.
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+bs = pg.Axis("bs")
+tok = pg.Axis("tokens", capacity=bs * 3)
 
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-# (dtype, fill value): every element size; NaN and -0.0 must survive bit for bit
-DTYPE_FILLS = [
-    (torch.bool, True),
-    (torch.int8, -7),  # 0xF9: sign bits must not leak into the int64 descriptor
-    (torch.int32, -123456),
-    (torch.int64, -(2**62) - 5),
-    (torch.float16, math.nan),
-    (torch.float16, -0.0),
-    (torch.bfloat16, math.nan),
-    (torch.bfloat16, -0.0),
-    (torch.float32, -0.0),
-    (torch.float64, math.nan),
-]
-
-# (n_raw, n_total, row_elems): awkward sizes around BLOCK = 1024
-SHAPES = [
-    (0, 37, 1),  # nothing raw
-    (37, 37, 1),  # nothing padded
-    (1, 37, 1),  # one raw element
-    (0, 0, 1),  # an empty job
-    (96 * 2, 96 * 5, 96),  # rows of 96
-    (96, 96 * 4, 96),  # a single raw row
-    (0, 96 * 3, 96),  # rows, nothing raw: EDGE falls back to the fill value
-    (1823, 2600, 1),  # a whole raw block, then raw meets pad inside a block, then a partial one
-    (700, 4200, 1),  # whole blocks of pad only
-    (1030, 2049, 1),  # the last block holds a single element
-    (96 * 12, 96 * 40, 96),  # EDGE across several blocks
-]
+SHAPES = {                                   # name -> (shape, expected layout)
+    "leading": ((bs,), "rows"),
+    "rows2d": ((bs, 5), "rows"),
+    "plus1": ((bs + 1,), "rows"),
+    "times3": ((bs * 3, 2), "rows"),
+    "trailing": ((4, bs), "grid"),
+    "middle": ((3, bs, 2), "grid"),
+    "bs_tokens": ((bs, tok), "grid"),
+    "bs_3_tok_2": ((bs, 3, tok, 2), "grid"),
+    "fixed": ((7,), "rows"),
+    "nd": ((2, bs, tok), "nd"),
+}
+DTYPE_PADS = [(torch.int64, 0), (torch.int32, -3), (torch.int16, 7), (torch.uint8, 200), (torch.bool, True),
+              (torch.float32, float("nan")), (torch.bfloat16, -0.0), (torch.float16, 2.5), (torch.float64, 1e300)]
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """`t` reinterpreted as integers of its element size, for bitwise comparison."""
-    return t.view(_INT_OF_SIZE[t.element_size()])
+def program(dtype, pad):
+    inputs = {n: pg.Input(s, dtype, pad=(pad if any(not isinstance(d, int) for d in s) else None))
+              for n, (s, _) in SHAPES.items()}
+    inputs["edge_lens"] = pg.Input((bs + 1,), torch.int32, pad=pg.Edge(default=-1))
+    inputs["edge_grid"] = pg.Input((bs, tok), torch.int16, pad=pg.Edge(default=9))
+    return pg.Program("pack", inputs=inputs, buckets=pg.Buckets([1, 2, 4, 8]))
 
 
-def random_values(n: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    """Arbitrary bit patterns (NaN payloads, -0.0, denormals); bools stay 0/1."""
-    if dtype == torch.bool:
-        return torch.randint(0, 2, (n,), generator=gen).bool().to(DEVICE)
-    size = torch.empty(0, dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (n * size,), dtype=torch.uint8, generator=gen)
-    return raw.view(dtype).to(DEVICE)
-
-
-def poisoned(n: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    size = torch.empty(0, dtype=dtype).element_size()
-    return torch.randint(0, 256, (n * size,), dtype=torch.uint8, generator=gen).view(dtype).to(DEVICE)
-
-
-def make_job(dtype, mode, n_raw, n_total, row, fill, gen, offset=0) -> PackJob:
-    """A job whose dst and src are views `offset` elements into larger buffers (0: aligned)."""
-    dst = poisoned(offset + n_total + 5, dtype, gen)[offset:]  # 5 lanes past n_total must survive
-    src = None if mode == CONST else random_values(offset + n_raw + 3, dtype, gen)[offset:]
-    return PackJob(dst, src, n_raw, n_total, row, mode, fill)
-
-
-def expected_dst(job: PackJob, before: torch.Tensor) -> torch.Tensor:
-    """What dst must hold, built independently of pack_reference (on the CPU, element by element)."""
-    out = bits(before.cpu()).clone().view(before.dtype)  # a bool clone() would normalise poison
-    src = None if job.src is None else job.src.cpu()
-    fill = torch.empty(1, dtype=out.dtype).fill_(job.fill_value)
-    if job.mode == CONST:
-        out[: job.n_total] = fill
-        return out
-    out[: job.n_raw] = src[: job.n_raw]
-    for i in range(job.n_raw, job.n_total):
-        if job.mode == EDGE and job.n_raw > 0:
-            out[i] = src[job.n_raw - job.row_elems + (i - job.n_raw) % job.row_elems]
-        else:
-            out[i] = fill[0]
+def raw_inputs(prog, n, t, gen):
+    plan = pg.Plan(prog)
+    out = {}
+    for name, spec in prog.inputs.items():
+        shape = plan.raw_shape(name, {"bs": n, "tokens": t})
+        vals = torch.randint(-100, 100, shape, generator=gen)
+        if spec.dtype == torch.bool:
+            vals = vals > 0
+        out[name] = vals.to(spec.dtype)
     return out
 
 
-def clone_misaligned(t: torch.Tensor) -> torch.Tensor:
-    """A copy of flat `t` with the same address modulo 16 (`clone()` would align it)."""
-    shift = (t.data_ptr() % 16) // t.element_size()
-    out = torch.empty(t.numel() + shift, dtype=t.dtype, device=t.device)[shift:]  # fresh: 16-aligned
-    assert out.data_ptr() % 16 == t.data_ptr() % 16
-    out.view(torch.uint8).copy_(t.view(torch.uint8))  # a bool copy_ would normalise poison bytes
+def expected(raw, shape, mode, fill, dims):
+    """Independent of core: clamp each padded dim's index (EDGE) or fill outside the raw box."""
+    if not dims:
+        return raw.clone()
+    if mode == P.EDGE:
+        if any(raw.shape[d] == 0 for d in dims):
+            return torch.full(shape, fill, dtype=raw.dtype)
+        idx = [torch.arange(s).clamp(max=raw.shape[d] - 1) if d in dims else torch.arange(s)
+               for d, s in enumerate(shape)]
+        return raw[torch.meshgrid(*idx, indexing="ij")]
+    out = torch.full(shape, fill, dtype=raw.dtype)
+    out[tuple(slice(0, s) for s in raw.shape)] = raw
     return out
 
 
-def clone_jobs(jobs: list[PackJob]) -> list[PackJob]:
-    return [PackJob(clone_misaligned(j.dst), j.src, j.n_raw, j.n_total, j.row_elems, j.mode, j.fill_value)
-            for j in jobs]
+def bits(t):
+    return t.view(torch.uint8) if t.dtype != torch.bool else t.view(torch.uint8)
 
 
-def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    got, want = bits(got.cpu()), bits(want.cpu())
-    if not torch.equal(got, want):
-        bad = (got != want).nonzero().flatten()[:8].tolist()
-        raise AssertionError(f"{what}: differs at {bad}, got {got[bad].tolist()}, should be {want[bad].tolist()}")
+def test_layouts_are_the_documented_ones():
+    table = pg.Plan(program(torch.int32, 0)).pack_table(4)
+    got = {e.name: e.layout for e in table.entries}
+    for name, (_, layout) in SHAPES.items():
+        assert got[name] == layout, f"{name}: layout={got[name]}, but should be {layout}"
+    text = str(table)
+    assert "bs_tokens" in text and "grid" in text and "4<-bs" in text
 
 
-def check_kernel_equals_reference(jobs: list[PackJob], max_total: int | None = None) -> None:
-    """Run kernel and reference on copies of the same poisoned dsts; all must agree bitwise."""
-    src_before = [None if j.src is None else j.src.clone() for j in jobs]
-    ref_jobs, tri_jobs = clone_jobs(jobs), clone_jobs(jobs)
-    P.pack_reference(ref_jobs)
-    if max_total is None:
-        P.pack(tri_jobs, impl="triton")
-    else:
-        table = torch.zeros((len(jobs), DESC_WIDTH), dtype=torch.int64)
-        P.encode_jobs(tri_jobs, table)
-        P.pack_launch(table.to(DEVICE), len(jobs), max_total, impl="triton")
-    for i, (job, ref, tri, src) in enumerate(zip(jobs, ref_jobs, tri_jobs, src_before)):
-        case = f"job {i} {job.dst.dtype} {P.MODES[job.mode]} n_raw={job.n_raw} n_total={job.n_total} row={job.row_elems}"
-        assert_same_bits(ref.dst, expected_dst(job, job.dst), f"reference, {case}")
-        assert_same_bits(tri.dst, ref.dst, f"kernel vs reference, {case}")
-        if src is not None:
-            assert_same_bits(job.src, src, f"source written, {case}")
-
-
-# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n,t", [(1, 0), (3, 5), (4, 12), (2, 1)], ids=["t0", "n3t5", "full", "n2t1"])
+def test_reference_matches_an_independent_clamp(n, t):
+    prog = program(torch.int32, -5)
+    gen = torch.Generator().manual_seed(n * 10 + t)
+    raw = raw_inputs(prog, n, t, gen)
+    table = pg.Plan(prog).pack_table(4)
+    ext = {"bs": n, "tokens": t}
+    for e in table.entries:
+        dst = torch.full(e.shape, 123, dtype=raw[e.name].dtype)
+        P.apply(e, dst, raw[e.name], ext)
+        want = expected(raw[e.name], e.shape, e.mode, e.fill, e.dims)
+        assert torch.equal(dst, want), f"{e.name}: {dst.tolist()}, but should be {want.tolist()} [n={n} t={t}]"
 
 
 @needs_triton
-@pytest.mark.parametrize("mode", [FILL, EDGE, CONST], ids=["fill", "edge", "const"])
-@pytest.mark.parametrize("dtype,fill", DTYPE_FILLS, ids=[f"{d}-{v}".replace("torch.", "") for d, v in DTYPE_FILLS])
-def test_kernel_matches_reference_all_shapes_one_launch(dtype, fill, mode):
+@pytest.mark.parametrize("dtype,pad", DTYPE_PADS, ids=[str(d).replace("torch.", "") for d, _ in DTYPE_PADS])
+def test_kernel_equals_reference_every_layout_one_launch(dtype, pad):
+    prog = program(dtype, pad)
     gen = torch.Generator().manual_seed(1)
-    jobs = [make_job(dtype, mode, *shape, fill, gen, offset) for shape in SHAPES for offset in (0, 1)]
-    check_kernel_equals_reference(jobs)
+    table = pg.Plan(prog).pack_table(8)
+    for n, t in [(3, 7), (8, 24), (1, 0)]:
+        raw = raw_inputs(prog, n, t, gen)
+        ext = {"bs": n, "tokens": t}
+        want = {e.name: torch.zeros(e.shape, dtype=raw[e.name].dtype) for e in table.entries}
+        got = {e.name: torch.full(e.shape, 1, dtype=raw[e.name].dtype) for e in table.entries}  # poisoned
+        TP.pack(table, want, raw, ext, impl="reference")
+        TP.pack(table, got, raw, ext, impl="triton")
+        for e in table.entries:
+            assert torch.equal(bits(got[e.name]), bits(want[e.name])), \
+                f"{e.name} ({e.layout})={got[e.name].tolist()}, but should be {want[e.name].tolist()} [n={n} t={t}]"
 
 
 @needs_triton
-@pytest.mark.parametrize("offset", [0, 1, 3], ids=["aligned", "off1", "off3"])
-def test_mixed_dtypes_modes_and_alignments_in_one_launch(offset):
-    gen = torch.Generator().manual_seed(2)
-    jobs = []
-    for k, (dtype, fill) in enumerate(DTYPE_FILLS):
-        mode = (FILL, EDGE, CONST)[k % 3]
-        n_raw, n_total, row = SHAPES[(k * 3) % len(SHAPES)]
-        jobs.append(make_job(dtype, mode, n_raw, n_total, row, fill, gen, offset=offset + k % 2))
-    check_kernel_equals_reference(jobs)
+def test_long_jobs_loop_past_the_grid():
+    shape_bs = pg.Axis("bs")
+    prog = pg.Program("long", inputs={"h": pg.Input((shape_bs, 1100), torch.float32, pad=0.5),
+                                      "m": pg.Input((3, shape_bs), torch.int64, pad=pg.Edge())},
+                      buckets=pg.Buckets([4]))
+    table = pg.Plan(prog).pack_table(4)
+    raw = {"h": torch.randn(3, 1100), "m": torch.arange(9).view(3, 3)}
+    want = {e.name: torch.zeros(e.shape, dtype=raw[e.name].dtype) for e in table.entries}
+    got = {e.name: torch.zeros(e.shape, dtype=raw[e.name].dtype) for e in table.entries}
+    TP.pack(table, want, raw, {"bs": 3}, impl="reference")
+    rows = torch.from_numpy(TP.encode(table.entries, table.axes, [got[e.name] for e in table.entries]))
+    srcs = torch.tensor([raw["h"].data_ptr(), raw["m"].data_ptr()], dtype=torch.int64)
+    TP.launch(rows, srcs, torch.tensor([3], dtype=torch.int32), n_programs=1)   # one program per job
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    assert got["m"][:, 3].tolist() == [2, 5, 8]
 
 
-@needs_triton
-@pytest.mark.parametrize("max_total", [1, 1024, 2049])
-def test_max_total_below_n_total_only_shrinks_the_grid(max_total):
-    """Programs loop over blocks, so a small grid still writes every element of every job."""
-    gen = torch.Generator().manual_seed(3)
-    jobs = [make_job(torch.bfloat16, FILL, 3000, 5000, 1, -0.0, gen),
-            make_job(torch.int32, EDGE, 96 * 30, 96 * 50, 96, 1, gen, offset=1),
-            make_job(torch.int64, CONST, 0, 2100, 1, -1, gen)]
-    check_kernel_equals_reference(jobs, max_total=max_total)
+def test_encode_columns_are_the_documented_layout():
+    prog = program(torch.int32, -3)
+    table = pg.Plan(prog).pack_table(4)
+    entries = TP.kernel_entries(table)
+    dsts = [torch.zeros(e.shape, dtype=torch.int32) for e in entries]
+    rows = TP.encode(entries, table.axes, dsts)
+    by = {e.name: rows[i] for i, e in enumerate(entries)}
+    r = by["bs_3_tok_2"]
+    assert (r[TP.COL["r_total"]], r[TP.COL["r_axis"]], r[TP.COL["r_unit"]]) == (12, 0, 3)
+    assert (r[TP.COL["c_total"]], r[TP.COL["c_axis"]], r[TP.COL["c_scale"]], r[TP.COL["c_unit"]]) == (24, 1, 1, 2)
+    assert r[TP.COL["fill"]] == 2**32 - 3 and r[TP.COL["elem_bytes"]] == 4 and r[TP.COL["mode"]] == TP.MODE[P.FILL]
+    f = by["fixed"]
+    assert f[TP.COL["r_axis"]] == -1 and f[TP.COL["c_axis"]] == -1 and f[TP.COL["c_total"]] == 7
+    assert "r_total" in TP.describe(rows)
+    with pytest.raises(ValueError, match="nd"):
+        TP.encode([e for e in table.entries if e.layout == "nd"], table.axes, [torch.zeros(64, dtype=torch.int32)])
 
 
-@needs_triton
-def test_only_the_first_n_jobs_run():
-    gen = torch.Generator().manual_seed(4)
-    jobs = [make_job(torch.int32, FILL, 3, 10, 1, 9, gen) for _ in range(3)]
-    before = [j.dst.clone() for j in jobs]
-    table = torch.zeros((3, DESC_WIDTH), dtype=torch.int64)
-    P.encode_jobs(jobs, table)
-    table = table.to(DEVICE)
-    P.pack_launch(table, 2, 10, impl="triton")
-    assert_same_bits(jobs[2].dst, before[2], "job 2 is past n_jobs")
-    assert_same_bits(jobs[1].dst, expected_dst(jobs[1], before[1]), "job 1")
-    P.pack_launch(table, 0, 10, impl="triton")  # nothing to do, no launch
+@pytest.mark.parametrize("value,dtype,want", [(float("nan"), torch.float32, 0x7FC00000), (-0.0, torch.float32, 1 << 31),
+                                              (-1, torch.int64, -1), (200, torch.uint8, 200), (True, torch.bool, 1)])
+def test_fill_bits(value, dtype, want):
+    got = TP.fill_bits(value, dtype)
+    assert got == want or (dtype == torch.float32 and math.isnan(value) and (got & 0x7F800000) == 0x7F800000)
 
 
-def test_reference_edge_row_of_96_by_hand():
-    src = torch.arange(96 * 2, dtype=torch.int32)  # two raw rows
-    dst = torch.full((96 * 4,), -5, dtype=torch.int32)
-    P.pack_reference([PackJob(dst, src, 96 * 2, 96 * 4, 96, EDGE, 0)])
-    last = torch.arange(96, 96 * 2, dtype=torch.int32)
-    assert torch.equal(dst, torch.cat([src, last, last]))
-
-
-def test_auto_picks_reference_on_cpu(monkeypatch):
-    def no_kernel(*args, **kwargs):
-        raise AssertionError("auto must not launch the kernel for CPU tensors")
-
-    monkeypatch.setattr(P, "pack_launch", no_kernel)
-    dst = torch.zeros(4, dtype=torch.int64)
-    P.pack([PackJob(dst, torch.tensor([7]), 1, 4, 1, FILL, 2)])
-    assert dst.tolist() == [7, 2, 2, 2]
-
-
-@pytest.mark.parametrize("as_numpy", [False, True], ids=["torch", "numpy"])
-def test_encode_jobs_columns_and_fill_bits(as_numpy):
-    dst16, src16 = torch.zeros(8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16)
-    jobs = [
-        PackJob(dst16, src16, 3, 8, 1, FILL, math.nan),
-        PackJob(torch.zeros(4, dtype=torch.float16), None, 0, 4, 1, CONST, -0.0),
-        PackJob(torch.zeros(4, dtype=torch.bool), torch.ones(4, dtype=torch.bool), 2, 4, 2, EDGE, True),
-        PackJob(torch.zeros(4, dtype=torch.int8), torch.ones(4, dtype=torch.int8), 1, 4, 1, FILL, -1),
-        PackJob(torch.zeros(4, dtype=torch.int64), torch.ones(4, dtype=torch.int64), 1, 4, 1, FILL, -1),
-        PackJob(torch.zeros(4, dtype=torch.float32), torch.ones(4), 1, 4, 1, FILL, np.float32(-0.0)),
-    ]
-    out = np.zeros((7, DESC_WIDTH), np.int64) if as_numpy else torch.zeros((7, DESC_WIDTH), dtype=torch.int64)
-    P.encode_jobs(jobs, out)
-    rows = np.asarray(out).tolist()
-    assert rows[0] == [dst16.data_ptr(), src16.data_ptr(), 3, 8, 1, 2, FILL, 0x7FC0]
-    assert rows[1][1:] == [0, 0, 4, 1, 2, CONST, 0x8000]  # CONST: no source, nothing raw
-    assert rows[2][2:] == [2, 4, 2, 1, EDGE, 1]
-    assert rows[3][7] == 0xFF  # zero-extended, not sign-extended
-    assert rows[4][7] == -1  # all 64 bits set
-    assert rows[5][7] == 0x80000000  # numpy -0.0 keeps its sign through the cache
-    assert rows[6] == [0] * DESC_WIDTH  # rows past the jobs untouched
-
-
-@pytest.mark.parametrize(
-    "job, message",
-    [
-        (PackJob(torch.zeros(8), torch.zeros(8), 5, 4), "n_raw <= n_total"),
-        (PackJob(torch.zeros(8), torch.zeros(8), 2, 9), "n_total <= dst.numel()"),
-        (PackJob(torch.zeros(8), torch.zeros(2), 3, 8), "src has 2 elements"),
-        (PackJob(torch.zeros(8), None, 3, 8), "src=None"),
-        (PackJob(torch.zeros(8), torch.zeros(8, dtype=torch.float64), 3, 8), "dtype"),
-        (PackJob(torch.zeros(8), torch.zeros(8), 3, 8, 2, EDGE), "multiple of row_elems"),
-        (PackJob(torch.zeros(8), torch.zeros(8), 3, 8, 0), "row_elems must be >= 1"),
-        (PackJob(torch.zeros(8, dtype=torch.int8), torch.zeros(8, dtype=torch.int8), 3, 8, 1, FILL, 300), "fill value 300"),
-        (PackJob(torch.zeros(8, 2).t(), torch.zeros(8), 3, 8), "contiguous"),
-        (PackJob(torch.zeros(8), torch.zeros(8), 3, 8, 1, 7), "mode"),
-    ],
-)
-def test_bad_jobs_raise_before_anything_is_written(job, message):
-    dst_before = job.dst.clone()
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        P.pack_reference([job])
-    with pytest.raises(ValueError, match="pack job 0"):
-        P.encode_jobs([job], torch.zeros((1, DESC_WIDTH), dtype=torch.int64))
-    assert torch.equal(job.dst, dst_before)
-
-
-@needs_triton
-def test_pack_launch_rejects_a_malformed_table():
-    with pytest.raises(ValueError, match="int64"):
-        P.pack_launch(torch.zeros((2, DESC_WIDTH), dtype=torch.int32), 2, 8)
-    with pytest.raises(ValueError, match="n_jobs"):
-        P.pack_launch(torch.zeros((2, DESC_WIDTH), dtype=torch.int64), 3, 8)
-    with pytest.raises(ValueError, match="pack_reference"):
-        P.pack_launch(torch.zeros((2, DESC_WIDTH), dtype=torch.int64), 2, 8, impl="reference")
+def test_all_pad_writes_pads_and_zeros_fixed_inputs():
+    table = pg.Plan(program(torch.int32, -3)).pack_table(2)
+    for e in table.entries:
+        dst = torch.full(e.shape, 55, dtype=torch.int32)
+        P.all_pad(e, dst)
+        want = 0 if not e.dims else e.fill
+        assert bool((dst == want).all()), f"{e.name}={dst.tolist()}, but should be all {want}"

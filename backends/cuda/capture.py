@@ -1,12 +1,20 @@
-"""Capturing the ladder: largest bucket first, one pool, a side stream, GC frozen, no
-per-capture gc.collect/empty_cache. Failures name the program and bucket and chain the cause."""
+"""Capturing the ladder: largest bucket first, one pool, a side stream, Python's GC off, no
+per-capture gc.collect/empty_cache. It takes the runner's steps as closures, never the runner.
+
+Per bucket: (all-pad, warm-up run) x warmup, then all-pad + the eager pre-capture step, then
+capture of the in-graph step. Failures name program, bucket and cause, and chain the original;
+a failed capture is always ended, so the process (and the next compile) stays usable.
+"""
 from __future__ import annotations
 
 import gc
 import logging
 import sys
 import time
+import traceback
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Mapping
 
 import torch
 
@@ -22,17 +30,32 @@ _CAUSES = (
     "body (torch.tensor(...) or torch.arange(...) without device=); a kernel that is not capturable")
 
 
+@dataclass(frozen=True)
+class Steps:
+    """What capture needs of a runner, as closures over its buffers."""
+
+    reset: Callable[[int], None]              # every input lane its pad (before each run)
+    warm: Callable[[int], object]             # one eager run (hook + body) for warm-up
+    before_capture: Callable[[int], None]     # eager, outside the graph (the prepare hook)
+    record: Callable[[int], Mapping]          # what goes into the graph; returns its outputs
+
+
+@dataclass
+class Captured:
+    graph: torch.cuda.CUDAGraph
+    outputs: Mapping[str, torch.Tensor]
+
+
 @contextmanager
-def frozen_gc():
-    """Python's GC off during capture (a collection can free CUDA tensors mid-capture)."""
+def gc_disabled():
+    """No collection during capture (it could free CUDA tensors mid-capture). gc.freeze() is
+    left alone, so an application's frozen generation is as it was."""
     enabled = gc.isenabled()
-    gc.collect()       # once for the whole ladder, not per capture
-    gc.freeze()
+    gc.collect()        # once for the whole ladder, not per capture
     gc.disable()
     try:
         yield
     finally:
-        gc.unfreeze()
         if enabled:
             gc.enable()
 
@@ -49,45 +72,78 @@ def _progress(buckets, enabled):
     return tqdm(buckets, desc="padgraph capture", unit="bucket", leave=False)
 
 
-def _run_prepare(runner, bucket):
-    if runner.prepare is not None:
-        runner.prepare(runner.view(bucket))
+def _user_frame(err: BaseException) -> str:
+    """The innermost frame outside torch and padgraph: where the body did it."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if "/torch/" not in f.filename and "/padgraph/" not in f.filename
+              and "/backends/cuda/" not in f.filename and "/core/" not in f.filename]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" at {f.filename}:{f.lineno} ({f.line})"
 
 
-def _run_body(runner, bucket):
-    outs = runner.body(runner.view(bucket))
-    runner.check_outputs(outs, bucket)
-    return outs
-
-
-def _capture_one(runner, bucket, warmup, stream):
-    from .runner import _Bucket
-    name = runner.program.name
+def diagnose(steps: Steps, bucket: int, stream) -> str:
+    """Re-run the body eagerly with CUDA sync checks on: name a host sync and where it is."""
+    if not hasattr(torch.cuda, "set_sync_debug_mode"):
+        return ""
+    old = torch.cuda.get_sync_debug_mode()
     try:
         with torch.cuda.stream(stream):
-            runner.pack_all_pad(bucket)
+            steps.reset(bucket)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                steps.warm(bucket)
+            finally:
+                torch.cuda.set_sync_debug_mode(old)
+    except RuntimeError as e:
+        if "synchroniz" in str(e):
+            return f"cause: the body or hook makes a host-device sync{_user_frame(e)}: {e}"
+    except Exception:
+        return ""
+    return ""
+
+
+def _warm(steps: Steps, name: str, bucket: int, warmup: int, stream) -> None:
+    try:
+        with torch.cuda.stream(stream):
             for _ in range(warmup):
-                _run_prepare(runner, bucket)
-                _run_body(runner, bucket)
+                steps.reset(bucket)
+                steps.warm(bucket)
         stream.synchronize()
     except Exception as e:
         raise CaptureError(f"{where(name)}: the body failed in eager warm-up at bucket {bucket} "
                            f"(before capture): {type(e).__name__}: {e}") from e
-    graph = torch.cuda.CUDAGraph()
+
+
+def _end(graph) -> BaseException | None:
     try:
-        with torch.cuda.stream(stream):
-            runner.pack_all_pad(bucket)
-            _run_prepare(runner, bucket)  # eager, outside the graph: it runs before every replay
-            graph.capture_begin(pool=runner.pool)
-            try:
-                runner.packs_in_graph(bucket)
-                outs = runner.own_outputs(_run_body(runner, bucket))
-            finally:
-                graph.capture_end()
-    except Exception as e:
+        graph.capture_end()
+    except Exception as e:  # the capture was invalidated: ended anyway, the stream is usable
+        return e
+    return None
+
+
+def capture_one(steps: Steps, name: str, bucket: int, pool, stream, warmup: int) -> Captured:
+    _warm(steps, name, bucket, warmup, stream)
+    graph = torch.cuda.CUDAGraph()
+    failure = None
+    with torch.cuda.stream(stream):
+        steps.reset(bucket)
+        steps.before_capture(bucket)
+        graph.capture_begin(pool=pool)
+        try:
+            outs = steps.record(bucket)
+        except Exception as e:   # the body's own error, not capture_end's "previous error"
+            failure = e
+        ended = _end(graph)
+        failure = failure or ended
+    if failure is not None:
+        torch.cuda.synchronize()
+        cause = diagnose(steps, bucket, stream) or _CAUSES
         raise CaptureError(f"{where(name)}: CUDA graph capture failed at bucket {bucket}: "
-                           f"{type(e).__name__}: {e}; {_CAUSES}") from e
-    return _Bucket(graph, runner.view(bucket), dict(outs))
+                           f"{type(failure).__name__}: {failure}; {cause}") from failure
+    return Captured(graph, dict(outs))
 
 
 def pool_bytes(pool, device) -> int | None:
@@ -100,25 +156,22 @@ def pool_bytes(pool, device) -> int | None:
     return sum(s["total_size"] for s in segs if tuple(s.get("segment_pool_id", ())) == key)
 
 
-def capture_ladder(runner, warmup: int, progress):
-    """Capture every bucket, largest first, into runner.pool; record seconds and pool bytes."""
-    torch.cuda.synchronize(runner.device)
-    stream = torch.cuda.Stream(runner.device)
-    stream.wait_stream(torch.cuda.current_stream(runner.device))
+def capture_ladder(steps: Steps, buckets, *, name: str, pool, device, warmup: int, progress,
+                   stats: dict) -> dict[int, Captured]:
+    """Capture every bucket, largest first, into `pool`; stats[bucket] = seconds and pool bytes."""
+    torch.cuda.synchronize(device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
     graphs = {}
-    base = torch.cuda.memory_reserved(runner.device)
-    with frozen_gc(), capture_scope():
-        for bucket in _progress(sorted(runner.plan.buckets, reverse=True), progress):
+    base = torch.cuda.memory_reserved(device)
+    with gc_disabled(), capture_scope(), torch.no_grad():
+        for bucket in _progress(sorted(buckets, reverse=True), progress):
             t0 = time.perf_counter()
-            graphs[bucket] = _capture_one(runner, bucket, warmup, stream)
+            graphs[bucket] = capture_one(steps, name, bucket, pool, stream, warmup)
             stream.synchronize()
-            seconds = time.perf_counter() - t0
-            in_pool = pool_bytes(runner.pool, runner.device)
-            runner.stats.capture[bucket] = {
-                "seconds": seconds,
-                "pool_bytes": in_pool if in_pool is not None else torch.cuda.memory_reserved(runner.device) - base,
-            }
-    torch.cuda.current_stream(runner.device).wait_stream(stream)
-    log.info("program %r: captured %d buckets in %.2f s", runner.program.name, len(graphs),
-             sum(c["seconds"] for c in runner.stats.capture.values()))
+            in_pool = pool_bytes(pool, device)
+            stats[bucket] = {"seconds": time.perf_counter() - t0,
+                             "pool_bytes": in_pool if in_pool is not None else torch.cuda.memory_reserved(device) - base}
+    torch.cuda.current_stream(device).wait_stream(stream)
+    log.info("program %r: captured %d buckets in %.2f s", name, len(graphs), sum(c["seconds"] for c in stats.values()))
     return graphs

@@ -1,10 +1,9 @@
 """The CUDA-graph backend: one `torch.cuda.CUDAGraph` per bucket, replayed on every call.
 
-Call path (the shared Runner does validation, bucketing, overflow and slicing):
-    encode descriptors (+ host inputs) into pinned memory → one async H2D copy →
-    [pack launch + prepare hook, when there is a hook] → graph.replay() → static outputs.
-Without a prepare hook the pack kernel is captured INTO each graph, so a call launches nothing
-but the copy and the replay. With a hook the pack runs first so the hook sees the padded view.
+Call path (the shared Runner validates, buckets, handles overflow and slices):
+    pack.per_call (one async copy of srcs + extents + host inputs [+ eager pack]) →
+    prepare hook → graph.replay() → the bucket's static outputs.
+The pack strategy (in-graph, eager, torch) is chosen once here; see staging.Pack.
 """
 from __future__ import annotations
 
@@ -14,13 +13,13 @@ from typing import Mapping
 
 import torch
 
-from padgraph.errors import ContractRuntimeError, where
+from padgraph.errors import ContractRuntimeError, ContractValueError, where
 from padgraph.runtime import Runner
 from padgraph.view import PaddedView
 
 from ..triton import pack as tpack
-from .capture import capture_ladder
-from .staging import Packer, StaticInputs
+from .capture import Steps, capture_ladder
+from .staging import Pack, StaticInputs
 
 log = logging.getLogger("padgraph.cuda")
 
@@ -32,89 +31,117 @@ class _Bucket:
     outputs: Mapping[str, torch.Tensor]
 
 
+def _no_hook(x) -> None:
+    return None
+
+
 class CudaGraphRunner(Runner):
     """pg.compile(..., backend="cuda"). Options: device, pool (a graph pool handle, or another
     CudaGraphRunner to share its pool — opt-in: the runners' graphs must then never replay
     concurrently, and outputs of one may be overwritten by the other's replays), warmup (eager
-    runs per bucket before capture, default 2), progress (None = a bar when stderr is a tty)."""
+    runs per bucket before capture, default 2), progress (None = a bar when stderr is a tty),
+    restore_state (default True: bound state is copied before warm-up and capture and restored
+    after, so compile leaves it as it found it; False for state too large to copy twice)."""
 
     backend = "cuda"
     allow_host_inputs = True
 
-    def __init__(self, program, body, *, state=None, prepare=None, overflow="eager", copy_outputs=False,
-                 device=None, pool=None, warmup: int = 2, progress: bool | None = None):
+    @classmethod
+    def default_device(cls) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cuda")
+
+    @classmethod
+    def unavailable(cls) -> str | None:
         if not torch.cuda.is_available():
-            raise ContractRuntimeError(
-                f"{where(program.name)}: backend 'cuda' needs an NVIDIA GPU and a CUDA build of torch "
-                f"(torch.cuda.is_available() is False); use backend='reference' on this machine")
+            return ("backend 'cuda' needs an NVIDIA GPU and a CUDA build of torch "
+                    f"(torch {torch.__version__}: torch.cuda.is_available() is False); use backend='reference' here")
+        return None
+
+    def __init__(self, program, body, *, state=None, prepare=None, overflow="eager", copy_outputs=False,
+                 device=None, pool=None, warmup: int = 2, progress: bool | None = None, restore_state: bool = True):
+        reason = self.unavailable()
+        if reason is not None:
+            raise ContractRuntimeError(f"{where(program.name)}: {reason}")
         super().__init__(program, body, state=state, prepare=prepare, overflow=overflow,
                          copy_outputs=copy_outputs, device=device)
-        if self.device is None or self.device.type != "cuda":
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        if self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = self._cuda_device(self.device)
+        self._check_state_device()
         self.static = StaticInputs(self.plan, self.device)
-        self.packer = Packer(self.static)
-        self.use_triton = tpack.triton_available()
-        self.pack_in_graph = self.use_triton and prepare is None
-        if isinstance(pool, CudaGraphRunner):
-            pool = pool.pool
-        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        strategy = "torch" if not tpack.triton_available() else ("eager" if prepare is not None else "in-graph")
         with torch.cuda.device(self.device):
-            self._graphs: dict[int, _Bucket] = capture_ladder(self, warmup, progress)
+            self.pack = Pack(self.plan, self.static, self.device, strategy)
+            self._hook = prepare if prepare is not None else _no_hook
+            if isinstance(pool, CudaGraphRunner):
+                pool = pool.pool
+            self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+            self._graphs = self._capture(warmup, progress, restore_state)
 
-    # ---- what capture_ladder needs ------------------------------------------------------------
+    def _cuda_device(self, device) -> torch.device:
+        if device is None or device.type != "cuda":
+            if device is not None and self.state.device() is None:
+                raise ContractValueError(f"{where(self.program.name)}: backend 'cuda' runs on a CUDA device, got device={device}")
+            return self.default_device()
+        return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+    def _check_state_device(self) -> None:
+        for label, t in self.state.named():
+            if t.device != self.device:
+                raise ContractValueError(
+                    f"{where(self.program.name, label, 'state')}: bound state must live on the runner's device "
+                    f"{self.device} (graphs read it there), got a tensor on {t.device}; move it with .to({str(self.device)!r})")
+
+    # ---- compile -------------------------------------------------------------------------------
     def view(self, bucket: int) -> PaddedView:
         buffers = dict(self.static.views(bucket))
         buffers.update(self.state.values)
-        return PaddedView(self.program.name, bucket, buffers, self.static.extents)
+        return PaddedView(self.program.name, bucket, buffers, self.pack.extents)
 
-    def pack_all_pad(self, bucket: int) -> None:
-        """Before warm-up/capture: every lane holds its pad value (legal indices, lengths)."""
-        zero_ext = {a: 0 for a in self.static.axes}
-        empty = {}
-        for name, t in self.static.storage.items():
-            for d in self.static.pad_dims(name):
-                t = t.narrow(d, 0, 0)
-            empty[name] = t
-        self._pack(bucket, empty, zero_ext, launch=True)
+    def _steps(self) -> Steps:
+        def warm(bucket):
+            x = self.view(bucket)
+            self._hook(x)
+            return self.check_outputs(self.body(x), bucket)
 
-    def own_outputs(self, outs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        def record(bucket):
+            self.pack.in_graph(bucket)
+            outs = self.body(self.view(bucket))
+            self.check_outputs(outs, bucket)
+            return self._own_outputs(outs)
+
+        return Steps(reset=self.pack.all_pad, warm=warm,
+                     before_capture=lambda b: self._hook(self.view(b)), record=record)
+
+    def _capture(self, warmup: int, progress, restore_state: bool) -> dict[int, _Bucket]:
+        snap = self.state.snapshot() if restore_state else None
+        try:
+            captured = capture_ladder(self._steps(), self.plan.buckets, name=self.program.name, pool=self.pool,
+                                      device=self.device, warmup=warmup, progress=progress,
+                                      stats=self.stats.capture)
+        finally:
+            if snap is not None:
+                self.state.restore(snap)
+                del snap
+        return {b: _Bucket(c.graph, self.view(b), c.outputs) for b, c in captured.items()}
+
+    def _own_outputs(self, outs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Outputs that alias a static input or bound state get their own copy in the graph
         (rule 6.3): otherwise the next pack, or the body's next state write, would change them."""
         shared = {t.untyped_storage().data_ptr() for t in self.static.storage.values()}
         shared |= {t.untyped_storage().data_ptr() for _, t in self.state.named()}
+        shared.add(self.pack.block.device_buf.untyped_storage().data_ptr())
         return {n: t.clone() if t.untyped_storage().data_ptr() in shared else t for n, t in outs.items()}
 
-    def packs_in_graph(self, bucket: int) -> None:
-        if self.pack_in_graph:
-            self.packer.launch(bucket)
-
-    # ---- call path ----------------------------------------------------------------------------
-    def _pack(self, bucket: int, raw, ext, launch: bool) -> None:
-        pk = self.packer
-        slot, used, keep = pk.encode(bucket, raw, ext)
-        pk.send(slot, used)
-        if self.static.other:
-            pk.pad_others(bucket, raw)
-        if not launch:
-            return
-        if self.use_triton:
-            pk.launch(bucket)
-        else:
-            pk.reference_pack(bucket, raw, ext)
-
+    # ---- call path -----------------------------------------------------------------------------
     def _run(self, bucket, raw, ext):
         g = self._graphs[bucket]
-        self._pack(bucket, raw, ext, launch=not self.pack_in_graph)
-        if self.prepare is not None:
-            self.prepare(g.view)
+        self.pack.per_call(bucket, raw, ext)
+        self._hook(g.view)
         g.graph.replay()
         return g.outputs
 
     def capture_report(self) -> str:
         """Per bucket: capture seconds and pool bytes, as a table (data in stats.capture)."""
-        rows = ["bucket  capture s  pool MiB (cumulative)"]
+        rows = [f"pack: {self.pack.strategy}", "bucket  capture s  pool MiB (cumulative)"]
         for b in sorted(self.stats.capture):
             c = self.stats.capture[b]
             rows.append(f"{b:>6}  {c['seconds']:>9.3f}  {c['pool_bytes'] / 2**20:>10.1f}")

@@ -1,25 +1,31 @@
-"""Static input storage and the per-call pack: the Plan decided what to copy and fill; this
-module only carries it out.
+"""Static input storage and the per-call bytes: the Plan's pack table decided what to write;
+this module only carries it out.
 
-Per call: one descriptor table (plus any raw inputs that live on the host) is written into a
-pinned host buffer and sent to the device with ONE async copy; one pack launch (Triton) then
-writes every flat input's raw rows and pad lanes and every axis extent. Inputs whose padded dim
-is not the leading one (rare) are padded with torch ops instead.
+Storage: one dense buffer per input at the largest capacity; a bucket's view of it is a dense
+row-major prefix (`storage[:numel].view(shape)`), whichever dims are padded.
+
+Per call the host writes one small block into a pinned slot and sends it with ONE async copy:
+
+    [ src address per kernel job (int64) | raw extent per axis (int32) | host-resident raw inputs ]
+
+The body's `x.extent(axis)` tensors are views of the extents in the device copy of that block, so
+the copy itself writes them. Slots form a ring that never waits for the GPU: a slot whose copy has
+not run yet is skipped by inserting a fresh slot (the ring only grows while the GPU is behind).
 """
 from __future__ import annotations
 
+import logging
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from padgraph.padding import pad_into
-from padgraph.pads import Edge
+from padgraph import pack as P
 from padgraph.plan import Plan
-from padgraph.program import padded_dims
 
 from ..triton import pack as tpack
+
+log = logging.getLogger("padgraph.cuda")
 
 _ALIGN = 256
 
@@ -28,182 +34,187 @@ def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-@dataclass(frozen=True)
-class _Flat:
-    """An input whose padded bucket view is a contiguous prefix of its static storage."""
-
-    name: str
-    index: int          # row in the descriptor table
-    row_elems: int
-    host_offset: int    # byte offset of its host-staging slot
-    host_bytes: int     # capacity of that slot (largest raw size)
-
-
 class StaticInputs:
-    """One static storage per input at the largest capacity; per-bucket views; device extents."""
+    """One dense storage per input at the largest capacity, and its per-bucket views."""
 
     def __init__(self, plan: Plan, device: torch.device):
         self.plan, self.device = plan, device
-        program = plan.program
-        self.storage = {n: torch.empty(plan.largest_shape(n), dtype=s.dtype, device=device)
-                        for n, s in program.inputs.items()}
-        self.axes = [a.name for a in plan.axes]
-        self.extent_store = torch.zeros(len(self.axes), dtype=torch.int32, device=device)
-        self.extents = {a: self.extent_store[i] for i, a in enumerate(self.axes)}
-        self._pad_dims = {n: [d for d, _ in padded_dims(s.shape)] for n, s in program.inputs.items()}
-        self.flat, self.other = self._split(program)
-        self._views = {b: self._bucket_views(b) for b in plan.buckets}
-
-    def _split(self, program):
-        flat, other, host_off = [], [], 0
-        for name, spec in program.inputs.items():
-            dims = self._pad_dims[name]
-            nbytes = self.storage[name].numel() * self.storage[name].element_size()
-            if dims in ([], [0]):
-                row = math.prod(self.storage[name].shape[1:]) if self.storage[name].dim() else 1
-                flat.append(_Flat(name, len(flat), row, host_off, nbytes))
-            else:
-                other.append((name, host_off, nbytes))
-            host_off += _align(nbytes)
-        self.host_bytes = host_off
-        return flat, other
-
-    def _bucket_views(self, bucket: int) -> dict[str, torch.Tensor]:
-        views = {}
-        for name, t in self.storage.items():
-            shape = self.plan.shape(name, bucket)
-            v = t
-            for d in self._pad_dims[name]:
-                v = v.narrow(d, 0, shape[d])
-            views[name] = v
-        return views
+        largest = plan.pack_table(plan.buckets[-1])
+        # zeros, not empty: a fixed-shape input read before any call holds a defined value
+        self.storage = {e.name: torch.zeros(e.numel, dtype=plan.program.inputs[e.name].dtype, device=device)
+                        for e in largest.entries}
+        self._views = {b: {e.name: self.storage[e.name][: e.numel].view(e.shape)
+                           for e in plan.pack_table(b).entries} for b in plan.buckets}
 
     def views(self, bucket: int) -> dict[str, torch.Tensor]:
         return self._views[bucket]
 
-    def pad_dims(self, name: str) -> list[int]:
-        return self._pad_dims[name]
+
+class _Slot:
+    """One pinned copy of the per-call block, with the event of the copy that last read it."""
+
+    __slots__ = ("host", "srcs", "ext", "raw", "event", "pairs")
+
+    def __init__(self, layout: "CallBlock"):
+        self.host = torch.zeros(layout.nbytes, dtype=torch.uint8, pin_memory=True)
+        b = self.host.numpy()
+        self.raw = b
+        self.srcs = b[: layout.ext_off].view(np.int64)[: layout.n_jobs]
+        self.ext = b[layout.ext_off: layout.ext_off + 4 * layout.n_axes].view(np.int32)
+        self.event = None
+        self.pairs = {}
 
 
-class Packer:
-    """Builds per-bucket descriptor tables once; per call patches sources, sizes and extents."""
+class CallBlock:
+    """The per-call block: its layout, the device copy, and the ring of pinned host slots."""
 
-    def __init__(self, static: StaticInputs, n_slots: int = 2):
-        self.static = static
-        program = static.plan.program
-        self.n_jobs = len(static.flat) + len(static.axes)
-        self.table_bytes = _align(self.n_jobs * tpack.DESC_WIDTH * 8)
-        total = self.table_bytes + static.host_bytes
-        pin = static.device.type == "cuda"
-        # Two pinned slots: the host writes one while the previous call's copy may still read the other.
-        self.slots = [torch.empty(total, dtype=torch.uint8, pin_memory=pin) for _ in range(n_slots)]
-        self.events = [None] * n_slots
-        self.slot_bytes = [s.numpy() for s in self.slots]
-        self.tables = [s[: self.n_jobs * tpack.DESC_WIDTH * 8].view(torch.int64).numpy().reshape(self.n_jobs, -1)
-                       for s in self.slots]
-        self.device_buf = torch.empty(total, dtype=torch.uint8, device=static.device)
-        self.device_table = self.device_buf[: self.n_jobs * tpack.DESC_WIDTH * 8].view(torch.int64).view(self.n_jobs, -1)
+    def __init__(self, plan: Plan, device: torch.device, jobs: list[str]):
+        program = plan.program
+        self.jobs, self.n_jobs = jobs, len(jobs)
+        self.axes = [a.name for a in plan.axes]
+        self.n_axes = len(self.axes)
+        self.ext_off = _align(8 * max(self.n_jobs, 1))
+        off = _align(self.ext_off + 4 * self.n_axes)
+        self.header = off
+        self.staging: dict[str, int] = {}           # input -> byte offset of its host staging
+        for name, spec in program.inputs.items():
+            self.staging[name] = off
+            off += _align(math.prod(plan.largest_shape(name)) * spec.dtype.itemsize)
+        self.nbytes = off
+        self.device_buf = torch.zeros(off, dtype=torch.uint8, device=device)
+        self.device_srcs = self.device_buf[: self.ext_off].view(torch.int64)
+        self.device_ext = self.device_buf[self.ext_off: self.ext_off + 4 * self.n_axes].view(torch.int32)
+        self.extents = {a: self.device_ext[i] for i, a in enumerate(self.axes)}
+        self.slots = [_Slot(self), _Slot(self)]
         self._turn = 0
-        self._spans: dict = {}
-        self._streams: dict = {}
-        self._index = static.device.index
-        self._base = {b: self._static_table(b, program) for b in static.plan.buckets}
-        self.max_total = {b: int(self._base[b][:, tpack.COL_N_TOTAL].max()) for b in static.plan.buckets}
+        self.others = [n for n in program.inputs if n not in set(jobs)]   # packed by torch ops
+        self._dev_base = self.device_buf.data_ptr()
+        self._stream_of: dict = {}
+        self._index = device.index
 
-    def _static_table(self, bucket: int, program) -> np.ndarray:
-        """Columns fixed per bucket: dst, n_total, row, elem bytes, mode, fill bits."""
-        st = self.static
-        tbl = np.zeros((self.n_jobs, tpack.DESC_WIDTH), dtype=np.int64)
-        views = st.views(bucket)
-        for f in st.flat:
-            spec, v = program.inputs[f.name], views[f.name]
-            pad = spec.pad
-            edge = isinstance(pad, Edge)
-            value = (pad.default if edge else pad.value) if pad is not None else 0
-            tbl[f.index] = (v.data_ptr(), 0, 0, v.numel(), f.row_elems, v.element_size(),
-                            tpack.EDGE if edge else tpack.FILL, tpack.fill_bits(value, v.dtype))
-        for i, axis in enumerate(st.axes):
-            e = st.extents[axis]
-            tbl[len(st.flat) + i] = (e.data_ptr(), 0, 0, 1, 1, 4, tpack.CONST, 0)
-        return tbl
-
-    def encode(self, bucket: int, raw, ext) -> tuple[int, list]:
-        """Fill a pinned slot for this call; return (bytes to send, tensors to keep alive)."""
+    # ---- the ring -------------------------------------------------------------------------------
+    def _acquire(self) -> _Slot:
         i = self._turn
+        slot = self.slots[i]
+        if slot.event is not None and not slot.event.query():
+            slot = _Slot(self)                      # the GPU is behind: grow rather than wait
+            self.slots.insert(i, slot)
+            if len(self.slots) in (16, 256, 4096):
+                log.info("padgraph: %d pinned call slots (the GPU is many calls behind)", len(self.slots))
         self._turn = (i + 1) % len(self.slots)
-        if self.events[i] is not None:
-            self.events[i].synchronize()  # normally long done: it guards the slot we reuse
-        tbl, st = self.tables[i], self.static
-        tbl[:] = self._base[bucket]
-        keep, used = [], self.table_bytes
-        dev_base = self.device_buf.data_ptr()
-        for f in st.flat:
-            t = raw[f.name]
-            n = t.numel()
-            if not t.is_cuda:
-                off = self.table_bytes + f.host_offset
-                used = max(used, self._stage(i, off, t))
-                src = dev_base + off
-            else:
+        return slot
+
+    # ---- one call -------------------------------------------------------------------------------
+    def send(self, raw, ext) -> None:
+        """Write srcs, extents and host inputs into a free slot; one async copy to the device."""
+        slot = self._acquire()
+        used = self.header
+        srcs = []
+        for name in self.jobs:
+            t = raw[name]
+            if t.is_cuda:
                 if not t.is_contiguous():
-                    t = t.contiguous()
-                    keep.append(t)
-                src = t.data_ptr()
-            row = tbl[f.index]
-            row[tpack.COL_SRC] = src
-            row[tpack.COL_N_RAW] = n
-        base = len(st.flat)
-        for j, axis in enumerate(st.axes):
-            tbl[base + j, tpack.COL_FILL] = ext[axis]
-        for name, off, _ in st.other:
+                    t = t.contiguous()  # freed after the call: the stream-ordered allocator keeps it for the pack
+                srcs.append(t.data_ptr())
+            else:
+                used = max(used, self._stage(slot, name, t))
+                srcs.append(self._dev_base + self.staging[name])
+        for name in self.others:
             t = raw[name]
             if not t.is_cuda:
-                used = max(used, self._stage(i, self.table_bytes + off, t))
-        return i, used, keep
+                used = max(used, self._stage(slot, name, t))
+        slot.srcs[:] = srcs
+        slot.ext[:] = [ext[a] for a in self.axes]
+        pair = slot.pairs.get(used)
+        if pair is None:
+            pair = slot.pairs[used] = (self.device_buf[:used], slot.host[:used])
+        pair[0].copy_(pair[1], non_blocking=True)
+        ev = slot.event = slot.event or torch.cuda.Event()
+        torch._C._CudaEventBase.record(ev, self._stream())
 
-    def _stage(self, i: int, off: int, t: torch.Tensor) -> int:
-        """Copy a host tensor's bytes into pinned slot i at `off` (numpy: no torch dispatch)."""
+    def _stage(self, slot: _Slot, name: str, t: torch.Tensor) -> int:
         b = t.contiguous().reshape(-1).view(torch.uint8).numpy()
-        self.slot_bytes[i][off: off + b.size] = b
+        off = self.staging[name]
+        slot.raw[off: off + b.size] = b
         return off + b.size
 
-    def send(self, i: int, used: int) -> None:
-        """One async host-to-device copy of the table and the host-staged inputs."""
-        pair = self._spans.get((i, used))
-        if pair is None:  # sliced views cached: `used` takes few distinct values
-            pair = self._spans[(i, used)] = (self.device_buf[:used], self.slots[i][:used])
-        pair[0].copy_(pair[1], non_blocking=True)
-        ev = self.events[i] = self.events[i] or torch.cuda.Event()
-        torch._C._CudaEventBase.record(ev, self._current_stream())
+    def staged(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """The device copy of host input `name` (valid after this call's send)."""
+        off = self.staging[name]
+        n = t.numel() * t.element_size()
+        return self.device_buf[off: off + n].view(t.dtype).view(t.shape)
 
-    def _current_stream(self) -> torch.cuda.Stream:
+    def _stream(self) -> torch.cuda.Stream:
         """The current stream, cached by its raw handle: torch.cuda.current_stream() costs µs."""
-        raw = torch._C._cuda_getCurrentRawStream(self._index)
-        s = self._streams.get(raw)
+        handle = torch._C._cuda_getCurrentRawStream(self._index)
+        s = self._stream_of.get(handle)
         if s is None:
-            s = self._streams[raw] = torch.cuda.current_stream(self.static.device)
+            s = self._stream_of[handle] = torch.cuda.current_stream()
         return s
 
-    def launch(self, bucket: int) -> None:
-        tpack.pack_launch(self.device_table, self.n_jobs, self.max_total[bucket])
 
-    def pad_others(self, bucket: int, raw) -> None:
-        """Torch-op padding for inputs whose padded dim is not the leading one."""
-        st = self.static
-        views = st.views(bucket)
-        for name, off, _ in st.other:
-            t = raw[name]
-            if t.device.type == "cpu":
-                t = self.device_buf[self.table_bytes + off:].narrow(0, 0, t.numel() * t.element_size()).view(t.dtype).view(t.shape)
-            pad_into(views[name], t, st.plan.program.inputs[name].pad, st.pad_dims(name))
+class Pack:
+    """The pack of one runner, its strategy chosen once at compile:
 
-    def reference_pack(self, bucket: int, raw, ext) -> None:
-        """The torch path for flat inputs (no Triton): same result, a few launches per input."""
-        st = self.static
-        views = st.views(bucket)
-        for f in st.flat:
-            t = raw[f.name]
-            if t.device.type == "cpu":
-                t = self.device_buf[self.table_bytes + f.host_offset:].narrow(0, 0, t.numel() * t.element_size()).view(t.dtype).view(t.shape)
-            pad_into(views[f.name], t, st.plan.program.inputs[f.name].pad, st.pad_dims(f.name))
-        st.extent_store.copy_(self.device_table[len(st.flat):, tpack.COL_FILL].to(torch.int32))
+    "in-graph"  Triton, no prepare hook: the kernel is captured into each bucket's graph, so a
+                call is one async copy + replay;
+    "eager"     Triton with a prepare hook (the hook must see the packed view): the kernel runs
+                before the hook, outside the graph;
+    "torch"     no Triton: torch ops per input (the reference of the table), outside the graph.
+    Inputs whose layout is "nd" always take torch ops, outside the graph.
+    """
+
+    def __init__(self, plan: Plan, static: StaticInputs, device: torch.device, strategy: str):
+        self.plan, self.static, self.strategy = plan, static, strategy
+        last = plan.pack_table(plan.buckets[-1])
+        kernel = [e.name for e in last.entries if e.layout != "nd"] if strategy != "torch" else []
+        self.torch_names = {b: [e for e in plan.pack_table(b).entries if e.name not in kernel] for b in plan.buckets}
+        self.block = CallBlock(plan, device, kernel)
+        self.tables, self.programs, self._self_srcs = {}, {}, {}
+        for b in plan.buckets:
+            entries = [e for e in plan.pack_table(b).entries if e.name in kernel]
+            views = static.views(b)
+            rows = tpack.encode(entries, plan.pack_table(b).axes, [views[e.name] for e in entries])
+            self.tables[b] = torch.from_numpy(rows).to(device)
+            self.programs[b] = tpack.grid_programs(entries)
+            self._self_srcs[b] = torch.tensor([views[e.name].data_ptr() for e in entries], dtype=torch.int64,
+                                              device=device)
+        self.extents = self.block.extents
+        # the strategy, bound once: no flag is tested on the call path
+        self.in_graph = self._launch if strategy == "in-graph" else _nothing
+        self._after_send = self._launch if strategy == "eager" else _nothing
+
+    def describe(self, bucket: int) -> str:
+        return f"strategy {self.strategy}\n{self.plan.pack_table(bucket)}"
+
+    # ---- compile ------------------------------------------------------------------------------
+    def all_pad(self, bucket: int) -> None:
+        """Every lane its pad, fixed inputs 0, every extent 0 (before each warm-up and capture)."""
+        views = self.static.views(bucket)
+        for e in self.plan.pack_table(bucket).entries:
+            P.all_pad(e, views[e.name])
+        self.block.device_ext.zero_()
+        if self.block.n_jobs:
+            # the kernel too (compiled here, never first inside a capture): every job's source is
+            # its own buffer, so fixed inputs copy onto themselves and padded ones read nothing
+            self.block.device_srcs[: self.block.n_jobs].copy_(self._self_srcs[bucket])
+            self._launch(bucket)
+
+    # ---- call ---------------------------------------------------------------------------------
+    def per_call(self, bucket: int, raw, ext) -> None:
+        self.block.send(raw, ext)
+        self._after_send(bucket)
+        torch_entries = self.torch_names[bucket]
+        if torch_entries:
+            views = self.static.views(bucket)
+            for e in torch_entries:
+                t = raw[e.name]
+                src = t if t.is_cuda else self.block.staged(e.name, t)
+                P.apply(e, views[e.name], src.contiguous(), ext)
+
+    def _launch(self, bucket: int) -> None:
+        tpack.launch(self.tables[bucket], self.block.device_srcs, self.block.device_ext, self.programs[bucket])
+
+
+def _nothing(bucket: int) -> None:
+    return None

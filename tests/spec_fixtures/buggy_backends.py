@@ -6,7 +6,7 @@ values only when a buffer is first made: a later, smaller call leaves the earlie
 """
 import torch
 
-from padgraph.padding import pad_into
+from padgraph import pack
 from padgraph.program import padded_dims
 from padgraph.reference import ReferenceRunner
 from padgraph.view import PaddedView
@@ -26,7 +26,8 @@ class StaleTailRunner(ReferenceRunner):
             shape = self.plan.shape(name, bucket)
             if name not in self._static:
                 big = torch.empty(self.plan.largest_shape(name), dtype=spec.dtype, device=self.device)
-                pad_into(big, raw[name], spec.pad, dims)          # padded once, at "capture"
+                entry = self.plan.pack_table(self.plan.buckets[-1]).entries[list(self.program.inputs).index(name)]
+                pack.apply(entry, big, raw[name].contiguous(), ext)   # padded once, at "capture"
                 self._static[name] = big
             view = self._static[name]
             for d in dims:
