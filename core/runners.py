@@ -2,7 +2,7 @@
 
 decode, target verify (k tree tokens per request), EAGLE multi-step draft (`steps`, `topk`) and
 EAGLE draft-extend (up to `steps + 1` tokens per request, packed along their own axis). The pad
-values are the contract every runner of this family shares (DESIGN.md): `seq_lens` 1,
+values are the contract every runner of this family shares (spec/SPEC.md): `seq_lens` 1,
 `out_cache_loc` the sink slot 0, `req_pool_indices` the reserved row 0, token ids, positions,
 top-k and hidden states 0, accept lengths 1, tree mask all ones, `qo_indptr` repeats its last
 value (padded requests own no tokens). No runner writes padding code of its own.

@@ -1,4 +1,4 @@
-"""The hazards DESIGN.md lists, each as the case that would have caught it in the runners padgraph
+"""The hazards of hand-written runners, each as the case that would have caught it in the runners padgraph
 replaces (SGLang's, vLLM's, TensorRT-LLM's CUDA-graph runners, nano-vllm).
 
 Silent mismatch (wrong numbers or memory faults, no error):
