@@ -1,26 +1,65 @@
-"""`pg.check`: the debug tool. Runs a program on the reference backend over random raw extents
-and several sizes, and reports pad leakage, state writes outside raw targets and sinks, and
-nondeterminism. The baseline for each trial is the tightest size that fits (fewest pad lanes).
+"""`pg.check`: the debug tool. Runs a program on the reference backend over random raw inputs and
+several sizes, and reports pad leakage, state writes outside raw targets and sinks, nondeterminism,
+and bodies that raise on the default sampler's inputs.
+
+The baseline of a trial is the *exact* run: the body sees the raw tensors themselves (every axis's
+capacity equals its raw extent, `x.bucket` is the raw extent of the bucketed axis), so no lane of
+any axis is padded. What it writes to state are the raw lanes' targets; what it returns is what
+every padded size must return on the raw lanes. A body that cannot run exact (it shapes tensors
+from `x.bucket`, or fails on an empty dependent axis) falls back to the tightest size, noted in
+the result: padded lanes of dependent axes then count as raw there.
+
+Which rows a run writes is seen twice, so a padded lane that writes the value a row already held
+is still caught:
+  1. on the state as bound: rows whose contents changed;
+  2. on a poisoned copy: every floating-point state tensor is filled with POISON first, and rows
+     that no longer hold it were written.
+A row escapes only if its write leaves both backgrounds unchanged, i.e. the written value is the
+row's own old value (`kv[i] = kv[i]`, `kv[i] += 0`); such a write is a no-op anyway.
+
+Why poison state and not the pads: the body must see the declared pads, since they decide where
+padded lanes write (`out_cache_loc` = the sink slot) and what they compute; other "detection pads"
+would move the writes they are meant to observe. State contents are different for floating-point
+tensors: they are data (KV caches, hidden rows) that decide values, not addresses, so replacing
+them changes what a lane writes but not where. Integer and bool state (page tables such as
+`req_to_token`, counters) holds addresses and control, so it is never poisoned: there an
+equal-value write is seen only by 1. Outputs of poisoned runs are ignored; if a body raises on
+poisoned state, that trial keeps view 1 only and the result says so.
+
+Errors: a ContractError (wrong output shapes, bad inputs) always propagates. Any other exception
+from the body under the *default* sampler is a `body-error` finding that points to `sample=`: the
+default sampler draws integers in 0..3, which are often not valid indices for a real body. Under a
+caller's sampler the exception propagates, with a note naming the trial's extents and size.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 import torch
 
+from .errors import ContractError, ContractValueError, mismatch
 from .plan import Plan
 from .program import Program
 from .reference import ReferenceRunner
+from .view import PaddedView
+
+POISON = 7.3125          # exact in bf16/fp16/fp32; a value a body is unlikely to write by chance
+MAX_GROUPS = 12          # groups shown by str(CheckResult); every finding stays in .findings
 
 
 @dataclass(frozen=True)
 class Finding:
-    kind: str        # "pad-leakage" | "state-write" | "state-leakage" | "nondeterminism"
-    buffer: str
+    """One thing pg.check saw break the contract, at one trial's raw extents and one size."""
+
+    kind: str        # "pad-leakage" | "state-write" | "state-leakage" | "nondeterminism" | "body-error"
+    buffer: str      # "output 'y'", "state 'kv[3]'", "body"
     detail: str
     extents: dict
-    size: int
+    size: int        # the size of the bucketed axis the finding was seen at (raw extent: exact run)
+    trial: int | None = None
+    rows: tuple = ()  # state-write: the offending rows of dim 0
 
     def __str__(self):
         return f"[{self.kind}] {self.buffer}: {self.detail} (raw extents {self.extents}, size {self.size})"
@@ -28,22 +67,58 @@ class Finding:
 
 @dataclass
 class CheckResult:
+    """Every finding of a check (`findings`), what limited it (`notes`); str() groups by buffer."""
+
     program: str
     trials: int
     findings: list = field(default_factory=list)
+    notes: list = field(default_factory=list)      # what limited the check (not findings)
 
     @property
     def ok(self) -> bool:
         return not self.findings
 
+    def groups(self) -> dict[tuple[str, str], list[Finding]]:
+        """Findings by (kind, buffer), in order of first appearance."""
+        out: dict[tuple[str, str], list[Finding]] = {}
+        for f in self.findings:
+            out.setdefault((f.kind, f.buffer), []).append(f)
+        return out
+
     def __str__(self):
         head = f"pg.check({self.program!r}): {self.trials} trials, "
         if self.ok:
-            return head + "no findings"
+            return "\n".join([head + "no findings"] + [f"  note: {n}" for n in self.notes])
+        groups = self.groups()
         kinds = sorted({f.kind for f in self.findings})
-        lines = [head + f"{len(self.findings)} findings ({', '.join(kinds)})"]
-        lines += [f"  {f}" for f in self.findings[:20]]
+        lines = [head + f"{_n(len(self.findings), 'finding')} in {_n(len(groups), 'group')} ({', '.join(kinds)})"]
+        shown = list(groups.items())[:MAX_GROUPS]
+        lines += [f"  {_group_line(kind, buf, fs)}" for (kind, buf), fs in shown]
+        hidden = len(self.findings) - len(shown)
+        if len(groups) > len(shown):
+            rest = sum(len(fs) for fs in list(groups.values())[MAX_GROUPS:])
+            lines.append(f"  ... {len(groups) - len(shown)} more groups ({rest} findings) not shown")
+        lines.append(f"  (one example per group: {hidden} of {len(self.findings)} findings not shown; "
+                     f"all are in result.findings)")
+        lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def _group_line(kind: str, buffer: str, fs: list[Finding]) -> str:
+    first = fs[0]
+    n_trials = len({f.trial for f in fs})
+    rows = sorted({r for f in fs for r in f.rows})
+    also = f"; rows over all: {_rows(rows)}" if len(fs) > 1 and rows else ""
+    return (f"[{kind}] {buffer}: {_n(len(fs), 'finding')} over {_n(n_trials, 'trial')}, e.g. "
+            f"{first.detail} (raw extents {first.extents}, size {first.size}){also}")
+
+
+def _n(k: int, noun: str) -> str:
+    return f"{k} {noun}{'s' * (k != 1)}"
+
+
+def _rows(rows: list[int]) -> str:
+    return f"{rows[:8]}{'...' if len(rows) > 8 else ''}"
 
 
 def default_sample(program: Program, gen: torch.Generator, device=None) -> dict:
@@ -67,6 +142,66 @@ def default_sample(program: Program, gen: torch.Generator, device=None) -> dict:
     return raw
 
 
+# ---- state: labels, sinks, snapshots, poison --------------------------------------------------
+def _state_name(label: str) -> str:
+    """The declared state a label belongs to: 'kv[3]' -> 'kv', 'cache.k[0]' -> 'cache'."""
+    return re.split(r"[\[.]", label, maxsplit=1)[0]
+
+
+def _labels(named: list[tuple[str, torch.Tensor]]) -> list[str]:
+    """One label per state tensor; elements of a list state that share a name get '[i]'."""
+    names = [n for n, _ in named]
+    seen: dict[str, int] = {}
+    out = []
+    for n in names:
+        if names.count(n) > 1:
+            out.append(f"{n}[{seen.get(n, 0)}]")
+            seen[n] = seen.get(n, 0) + 1
+        else:
+            out.append(n)
+    return out
+
+
+@dataclass(frozen=True)
+class _State:
+    """The bound state as check sees it: flat tensors with their labels, sinks and poisonability."""
+
+    labels: tuple
+    tensors: tuple
+    sinks: tuple      # set of sink rows per tensor
+    poison: tuple     # bool per tensor: floating-point data, filled with POISON in view 2
+
+    @classmethod
+    def of(cls, st) -> "_State":
+        named = st.named()
+        tensors = tuple(t for _, t in named)
+        labels = tuple(_labels(named))
+        sinks = tuple(set(st.specs[_state_name(lb)].sink_rows) for lb in labels)
+        poison = tuple((t.is_floating_point() or t.is_complex()) and t.numel() > 0 for t in tensors)
+        return cls(labels, tensors, sinks, poison)
+
+    def snapshot(self) -> list[torch.Tensor]:
+        return [t.clone() for t in self.tensors]
+
+    def restore(self, snap: list[torch.Tensor]) -> None:
+        for t, s in zip(self.tensors, snap):
+            t.copy_(s)
+
+    def poisoned(self) -> list[torch.Tensor]:
+        """Fill the poisonable tensors with POISON; returns every tensor's contents after."""
+        for t, p in zip(self.tensors, self.poison):
+            if p:
+                t.fill_(POISON)
+        return self.snapshot()
+
+
+def _changed_rows(now: torch.Tensor, before: torch.Tensor) -> set[int]:
+    if now.dim() == 0:
+        return {0} if not torch.equal(now, before) else set()
+    diff = (now != before) & ~(now.isnan() & before.isnan()) if now.is_floating_point() else now != before
+    return set(diff.reshape(diff.shape[0], -1).any(1).nonzero().flatten().tolist())
+
+
 def _same(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> tuple[bool, str]:
     if a.shape != b.shape:
         return False, f"shape {tuple(a.shape)} vs {tuple(b.shape)}"
@@ -78,11 +213,100 @@ def _same(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> tuple[b
     return ok, f"{int((a != b).sum())} of {a.numel()} elements differ"
 
 
-def _changed_rows(now: torch.Tensor, before: torch.Tensor) -> set[int]:
-    if now.dim() == 0:
-        return {0} if not torch.equal(now, before) else set()
-    diff = (now != before) & ~(now.isnan() & before.isnan()) if now.is_floating_point() else now != before
-    return set(diff.reshape(diff.shape[0], -1).any(1).nonzero().flatten().tolist())
+# ---- runs --------------------------------------------------------------------------------------
+class _BodyRaised(Exception):
+    """A body (or hook) raised something other than a ContractError at `size`."""
+
+    def __init__(self, size: int, error: Exception):
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.size, self.error = size, error
+
+
+def _guarded(size: int, run: Callable) -> Callable:
+    def call():
+        try:
+            return run()
+        except ContractError:
+            raise
+        except Exception as e:
+            raise _BodyRaised(size, e) from e
+    return call
+
+
+def _exact_run(runner: ReferenceRunner, raw: Mapping[str, torch.Tensor], ext: Mapping[str, int]) -> dict:
+    """prepare + body on the raw tensors themselves (no padded lane on any axis); outputs cloned."""
+    plan, name = runner.plan, runner.program.name
+    device = runner.device or next(iter(raw.values())).device
+    buffers: dict[str, object] = {n: raw[n].to(device).clone() for n in runner.program.inputs}
+    buffers.update(runner.state.values)
+    extents = {a: torch.tensor(n, dtype=torch.int32, device=device) for a, n in ext.items()}
+    x = PaddedView(name, ext[plan.bucket_axis], buffers, extents)
+    if runner.prepare is not None:
+        runner.prepare(x)
+    outs = runner.body(x)
+    if not isinstance(outs, Mapping) or set(outs) != set(runner.program.outputs):
+        got = sorted(outs) if isinstance(outs, Mapping) else type(outs).__name__
+        raise ContractValueError(mismatch(name, None, "the body's return value (exact run)",
+                                          f"a dict with keys {sorted(runner.program.outputs)}", got))
+    for n, spec in runner.program.outputs.items():
+        t, shape = outs[n], plan.raw_shape(n, ext)
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != spec.dtype:
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ContractValueError(mismatch(name, n, "shape and dtype at raw extents (exact run)",
+                                              f"{shape} {spec.dtype}", got, kind="output"))
+    return {n: t.clone() for n, t in outs.items()}
+
+
+@dataclass
+class _Seen:
+    """One run observed: its outputs, the state after it, and the rows it wrote (views 1 and 2)."""
+
+    outs: dict
+    state: list
+    written: list
+    what: str = "the exact run"      # how findings name this run when it is the baseline
+
+
+def _observe(ctx: "_Ctx", snap: list, run: Callable) -> _Seen:
+    ctx.state.restore(snap)
+    outs = run()
+    after = ctx.state.snapshot()
+    written = [_changed_rows(a, b) for a, b in zip(after, snap)]
+    if any(ctx.state.poison):
+        ctx.state.restore(snap)
+        before = ctx.state.poisoned()
+        try:
+            run()
+        except Exception as e:   # poison is check's own doing: keep view 1, say so
+            ctx.note("poison", f"the body raised on poisoned float state ({type(e).__name__}: {e}); writes of "
+                     f"a row's own value were not checked in that trial and any like it")
+        else:
+            written = [w | _changed_rows(t, b) if p else w
+                       for w, t, b, p in zip(written, ctx.state.tensors, before, ctx.state.poison)]
+    ctx.state.restore(snap)
+    return _Seen(outs, after, written)
+
+
+# ---- the check ---------------------------------------------------------------------------------
+@dataclass
+class _Ctx:
+    """What every trial of one check shares."""
+
+    runner: ReferenceRunner
+    state: _State
+    result: CheckResult
+    rtol: float
+    atol: float
+    noted: set = field(default_factory=set)
+
+    def note(self, key: str, text: str) -> None:
+        """Add a note once per key (the first occurrence's text)."""
+        if key not in self.noted:
+            self.noted.add(key)
+            self.result.notes.append(text)
+
+    def add(self, kind, buffer, detail, ext, size, trial, rows=()) -> None:
+        self.result.findings.append(Finding(kind, buffer, detail, dict(ext), size, trial, tuple(rows)))
 
 
 def check(program: Program, body: Callable, *, state: Mapping | None = None, prepare: Callable | None = None,
@@ -92,15 +316,38 @@ def check(program: Program, body: Callable, *, state: Mapping | None = None, pre
 
     sample: fn(gen: torch.Generator) -> raw inputs dict (bodies that index with their inputs need
     one that draws valid indices); default draws extents and small values at random.
+    State is restored after every run; see the module docstring for how writes are detected.
     """
     runner = ReferenceRunner(program, body, state=state, prepare=prepare)
     gen = torch.Generator().manual_seed(seed)
-    result = CheckResult(program.name, trials)
+    ctx = _Ctx(runner, _State.of(runner.state), CheckResult(program.name, trials), rtol, atol)
     device = runner.state.device()
-    for _ in range(trials):
+    for trial in range(trials):
         raw = sample(gen) if sample is not None else default_sample(program, gen, device)
-        _trial(runner, raw, gen, sizes_per_trial, rtol, atol, result)
-    return result
+        ext = runner.plan.extents(raw, runner.device)
+        try:
+            _trial(ctx, raw, ext, gen, sizes_per_trial, trial)
+        except _BodyRaised as e:
+            if sample is not None:
+                _add_note(e.error, f"pg.check({program.name!r}): trial {trial}, raw extents {ext}, size {e.size}")
+                raise e.error from None
+            ctx.add("body-error", "body", f"raised {e} on inputs of the default sampler, which draws "
+                    f"integers in 0..3 (often not valid indices, lengths or offsets): pass "
+                    f"sample=fn(gen) -> raw inputs that this body accepts", ext, e.size, trial)
+    if sample is None and ctx.result.findings and _int_inputs(program):
+        ctx.note("sampler", f"the default sampler drew the integer inputs {_int_inputs(program)} in 0..3; if they "
+                 f"are indices, findings may come from invalid draws: pass sample= to check real inputs")
+    return ctx.result
+
+
+def _add_note(e: Exception, text: str) -> None:
+    if hasattr(e, "add_note"):      # Python >= 3.11
+        e.add_note(text)
+
+
+def _int_inputs(program: Program) -> list[str]:
+    return [n for n, s in program.inputs.items()
+            if not (s.dtype.is_floating_point or s.dtype.is_complex or s.dtype == torch.bool)]
 
 
 def _sizes(plan: Plan, fit: int, gen: torch.Generator, n: int) -> list[int]:
@@ -113,57 +360,73 @@ def _sizes(plan: Plan, fit: int, gen: torch.Generator, n: int) -> list[int]:
     return sorted(picks)
 
 
-def _trial(runner: ReferenceRunner, raw: dict, gen, n_sizes, rtol, atol, result: CheckResult) -> None:
-    plan, st = runner.plan, runner.state
-    ext = plan.extents(raw, runner.state.device())
-    fit = plan.fit(ext)
-    snap = st.snapshot()
+def _baseline(ctx: _Ctx, raw, ext, snap) -> tuple[_Seen, Callable]:
+    """The exact run observed (else the tightest size's, noted), and how to run it again."""
+    runner = ctx.runner
+    bs = ext[runner.plan.bucket_axis]
+    exact = _guarded(bs, lambda: _exact_run(runner, raw, ext))
     try:
-        base = runner.run_at(fit, **raw)
-        base_state = st.snapshot()
-        st.restore(snap)
-        again = runner.run_at(fit, **raw)
-        _compare(result, "nondeterminism", base, again, st, base_state, ext, fit, rtol=0.0, atol=0.0)
-        targets = [_changed_rows(b, s) for b, s in zip(base_state, snap)]
-        for size in _sizes(plan, fit, gen, n_sizes):
-            st.restore(snap)
-            out = runner.run_at(size, **raw)
-            _compare(result, "pad-leakage", base, out, st, base_state, ext, size, rtol, atol)
-            _state_writes(result, st, snap, targets, ext, size)
+        return _observe(ctx, snap, exact), exact
+    except (ContractError, _BodyRaised) as e:
+        fit = runner.plan.fit(ext)
+        tight = _guarded(fit, lambda: runner.run_at(fit, **raw))
+        seen = _observe(ctx, snap, tight)           # raises when the body fails padded too
+        seen.what = f"the tightest size {fit}"
+        ctx.note("exact", f"the exact run (raw tensors, no padded lane on any axis) failed ({e}); in that trial "
+                 f"and any like it the baseline is the tightest size, whose padded lanes on dependent axes count as raw")
+        return seen, tight
+
+
+def _trial(ctx: _Ctx, raw: dict, ext: dict, gen, n_sizes: int, trial: int) -> None:
+    runner = ctx.runner
+    bs = ext[runner.plan.bucket_axis]
+    snap = ctx.state.snapshot()
+    try:
+        base, again_run = _baseline(ctx, raw, ext, snap)
+        again = again_run()
+        _compare(ctx, "nondeterminism", base, _Seen(again, ctx.state.snapshot(), []), ext, bs, trial, 0.0, 0.0)
+        for size in _sizes(runner.plan, runner.plan.fit(ext), gen, n_sizes):
+            seen = _observe(ctx, snap, _guarded(size, lambda: runner.run_at(size, **raw)))
+            stray = _state_writes(ctx, base.written, seen.written, ext, size, trial)
+            _compare(ctx, "pad-leakage", base, seen, ext, size, trial, ctx.rtol, ctx.atol, stray)
     finally:
-        st.restore(snap)
+        ctx.state.restore(snap)
 
 
-def _compare(result, kind, base, out, st, base_state, ext, size, rtol, atol) -> None:
-    for name in base:
-        ok, how = _same(base[name], out[name], rtol, atol)
+def _compare(ctx: _Ctx, kind: str, base: _Seen, seen: _Seen, ext, size, trial, rtol, atol,
+             stray: list | None = None) -> None:
+    """Outputs and state contents against the baseline; sinks and rows already reported as
+    state-writes (`stray`) are left out of the state comparison."""
+    what = base.what if kind == "pad-leakage" else "the same run repeated"
+    stray = stray or [set() for _ in ctx.state.tensors]
+    for name in base.outs:
+        ok, how = _same(base.outs[name], seen.outs[name], rtol, atol)
         if not ok:
-            result.findings.append(Finding(kind, f"output {name!r}", f"raw lanes differ from the tightest run: {how}", dict(ext), size))
-    for (name, t), ref in zip(st.named(), base_state):
-        ok, how = _same(_drop_sinks(ref, st, name), _drop_sinks(t, st, name), rtol, atol)
+            ctx.add(kind, f"output {name!r}", f"raw lanes differ from {what}: {how}", ext, size, trial)
+    for label, sinks, ref, t, skip in zip(ctx.state.labels, ctx.state.sinks, base.state, seen.state, stray):
+        ok, how = _same(_drop_rows(ref, sinks | skip), _drop_rows(t, sinks | skip), rtol, atol)
         if not ok:
             k = "state-leakage" if kind == "pad-leakage" else kind
-            result.findings.append(Finding(k, f"state {name!r}", f"contents differ from the tightest run: {how}", dict(ext), size))
+            ctx.add(k, f"state {label!r}", f"contents differ from {what}: {how}", ext, size, trial)
 
 
-def _drop_sinks(t: torch.Tensor, st, name: str) -> torch.Tensor:
-    """State rows other than the sinks (padded lanes may legitimately write those)."""
-    sinks = st.specs[name].sink_rows
-    if not sinks or t.dim() == 0:
+def _drop_rows(t: torch.Tensor, rows: set[int]) -> torch.Tensor:
+    """`t` without the given rows of dim 0 (sinks: padded lanes may legitimately write those)."""
+    if not rows or t.dim() == 0:
         return t
     keep = torch.ones(t.shape[0], dtype=torch.bool, device=t.device)
-    keep[list(sinks)] = False
+    keep[sorted(rows)] = False
     return t[keep]
 
 
-def _state_writes(result, st, snap, targets, ext, size) -> None:
-    sinks = {name: set(spec.sink_rows) for name, spec in st.specs.items()}
-    for (name, t), before, target in zip(st.named(), snap, targets):
-        extra = _changed_rows(t, before) - target - sinks.get(name, set())
+def _state_writes(ctx: _Ctx, targets: list, written: list, ext, size, trial) -> list[set[int]]:
+    """Report rows written that are neither targets of the exact run nor sinks; returns them."""
+    stray = []
+    for label, sinks, target, rows in zip(ctx.state.labels, ctx.state.sinks, targets, written):
+        extra = rows - target - sinks
+        stray.append(extra)
         if extra:
-            rows = sorted(extra)
-            result.findings.append(Finding(
-                "state-write", f"state {name!r}",
-                f"rows {rows[:8]}{'...' if len(rows) > 8 else ''} written that are neither a raw lane's target nor a sink",
-                dict(ext), size))
-
+            ctx.add("state-write", f"state {label!r}",
+                    f"rows {_rows(sorted(extra))} written that are neither a raw lane's target nor a sink",
+                    ext, size, trial, sorted(extra))
+    return stray

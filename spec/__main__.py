@@ -2,11 +2,16 @@
 import os
 import sys
 
-import pytest
+INSTALL_HINT = "padgraph.spec: the conformance suite runs under pytest, which is not installed: pip install padgraph[spec]"
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run every case in this folder under pytest with the suite's plugin; returns pytest's exit code."""
+    try:
+        import pytest
+    except ImportError:
+        print(INSTALL_HINT, file=sys.stderr)
+        return 2
     here = os.path.dirname(os.path.abspath(__file__))
     argv = list(sys.argv[1:] if argv is None else argv)
     return int(pytest.main([here, "-p", "padgraph.spec.plugin", "-p", "no:cacheprovider", *argv]))

@@ -1,6 +1,10 @@
 """pytest plugin of the conformance suite: `--backend`, `--device`, `--xfails` and the fixtures.
 
 Loaded by `python -m padgraph.spec` and by `pytest -p padgraph.spec.plugin --pyargs padgraph.spec`.
+The backend is resolved once, in `pytest_configure`, before any case is collected: a name that is
+not a backend, or a backend that cannot run on this machine (`Runner.unavailable()`), stops the
+session with one usage error instead of failing every case. The device is the backend's own
+choice (`Runner.default_device()`) unless `--device` names one.
 """
 from __future__ import annotations
 
@@ -10,6 +14,9 @@ import pytest
 import torch
 
 import padgraph as pg
+from padgraph import registry
+
+_RUNNER = pytest.StashKey[type]()
 
 
 def pytest_addoption(parser):
@@ -17,16 +24,34 @@ def pytest_addoption(parser):
     group.addoption("--backend", default="reference",
                     help="backend to test: a registered name (pg.backend_names()) or module:RunnerClass")
     group.addoption("--device", default=None,
-                    help="device the cases build tensors on (default: cuda for the cuda backend, else cpu)")
+                    help="device the cases build tensors on (default: the backend's Runner.default_device())")
     group.addoption("--xfails", default=None,
                     help="file of test ids (or id substrings) this backend is known to fail, one a line")
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "needs_cuda: the case only means something on a CUDA device")
-    backend = config.getoption("--backend")
+    config.stash[_RUNNER] = _runner_class(config.getoption("--backend"))
+
+
+def _runner_class(backend: str) -> type:
+    """The Runner class under test; a pytest.UsageError (no case runs) when it cannot run here."""
     if ":" in backend and backend not in pg.backend_names():
         pg.register_backend(backend, backend)   # a third party's Runner, by import path
+    try:
+        cls = registry.resolve(backend)
+    except pg.ContractValueError as e:
+        raise pytest.UsageError(f"padgraph.spec: --backend {backend!r} is not a backend: {e} "
+                                f"(or give module:RunnerClass)") from None
+    except (ImportError, AttributeError) as e:
+        raise pytest.UsageError(f"padgraph.spec: --backend {backend!r} cannot be imported: "
+                                f"{type(e).__name__}: {e}") from None
+    unavailable = getattr(cls, "unavailable", None)
+    reason = unavailable() if unavailable is not None else None
+    if reason:
+        raise pytest.UsageError(f"padgraph.spec: backend {backend!r} cannot run on this machine, so no "
+                                f"case was run: {reason}")
+    return cls
 
 
 def _xfail_ids(path: str | None) -> list[str]:
@@ -50,9 +75,10 @@ def pytest_collection_modifyitems(config, items):
 
 def _device(config) -> torch.device:
     dev = config.getoption("--device")
-    if dev is None:
-        dev = "cuda" if config.getoption("--backend") == "cuda" else "cpu"
-    return torch.device(dev)
+    if dev is not None:
+        return torch.device(dev)
+    default = getattr(config.stash[_RUNNER], "default_device", None)
+    return torch.device(default()) if default is not None else torch.device("cpu")
 
 
 @pytest.fixture(scope="session")
