@@ -68,6 +68,7 @@ class Runner:
 
     backend = "abstract"
     allow_host_inputs = False
+    cache_output_views = False   # True where a bucket's outputs are the same tensors on every call
 
     @classmethod
     def default_device(cls) -> torch.device:
@@ -100,21 +101,24 @@ class Runner:
         # output -> ((dim, axis name, affine), ...): slicing without re-deriving shapes per call
         self._out_slices = {n: tuple((d, a.axis.name, a) for d, a in padded_dims(s.shape))
                             for n, s in program.outputs.items()}
+        self._views: dict[tuple, list] = {}     # (bucket, *extents) -> [(view, shape, stride, ptr)]
 
     def __call__(self, **raw: torch.Tensor) -> Outputs:
         device = self.device
         if device is None or (device.index is None and device.type != "cpu"):
             device = self._resolve_device(raw, device)
         ext = self.plan.extents(raw, device, self.allow_host_inputs)
-        self.device = device        # only once the call is valid: a rejected call pins nothing
         self.state.check()          # first: a moved state's old range means nothing to aliasing
         self._check_aliasing(raw)
+        self.device = device        # only once the call is valid: a rejected call pins nothing
         bucket = self.plan.bucket_for(ext)
         if bucket is None:
             outs = self._overflow(raw, ext)
         else:
             outs = self._run(bucket, raw, ext)
             self.stats.record(bucket, ext[self.plan.bucket_axis])
+            if self.cache_output_views and not self.copy_outputs:
+                return self._finish_cached(outs, ext, bucket)
         return self._finish(outs, ext)
 
     def _resolve_device(self, raw, device):
@@ -164,6 +168,25 @@ class Runner:
             for d, axis, af in dims:
                 t = t.narrow(d, 0, af.scale * ext[axis] + af.offset)
             res[name] = t.clone() if self.copy_outputs else t
+        return res
+
+    def _finish_cached(self, outs, ext, bucket: int) -> Outputs:
+        """The sliced views of a bucket's fixed outputs, made once per (bucket, extents).
+
+        A cached view is handed out again only while it is intact: a caller that changed its
+        metadata in place (t_(), unsqueeze_(), set_(), requires_grad_()) gets a fresh view."""
+        key = (bucket, *ext.values())
+        hit = self._views.get(key)
+        if hit is not None:
+            for v, shape, stride, ptr in hit:
+                if v.requires_grad or v.shape != shape or v.stride() != stride or v.data_ptr() != ptr:
+                    break
+            else:
+                return Outputs(zip(self._out_slices, (h[0] for h in hit)))
+        res = self._finish(outs, ext)
+        if len(self._views) > 4096:
+            self._views.clear()
+        self._views[key] = [(v, v.shape, v.stride(), v.data_ptr()) for v in res.values()]
         return res
 
     def check_outputs(self, outs, bucket: int) -> None:

@@ -121,3 +121,30 @@ def test_run_at_and_register_backend():
 def test_pad_repr_nan():
     """Bug fixed: Fill(nan) printed as Fill('nan')."""
     assert repr(pg.Fill(float("nan"))) == "Fill(nan)" and repr(pg.Fill(1)) == "Fill(1)"
+
+
+def test_compile_for_a_device_this_machine_lacks_fails_at_compile():
+    bs = pg.Axis("bs")
+    prog = pg.Program("nodev", inputs={"v": pg.Input((bs,), torch.int64, pad=0)},
+                      outputs={"y": pg.Output((bs,), torch.int64)}, buckets=pg.Buckets([1, 2]))
+    if not torch.cuda.is_available():
+        with pytest.raises(pg.ContractRuntimeError, match="'nodev'.*device.*cuda"):
+            pg.compile(prog, lambda x: {"y": x.v}, backend="reference", device="cuda")
+        with pytest.raises(pg.ContractRuntimeError, match="'nodev'.*cuda"):
+            pg.compile(prog, lambda x: {"y": x.v}, backend="cuda")
+    with pytest.raises(pg.ContractValueError, match="'nodev'.*device"):
+        pg.compile(prog, lambda x: {"y": x.v}, backend="reference", device="nosuchdevice")
+
+
+def test_a_call_rejected_by_the_state_guard_pins_no_device():
+    bs = pg.Axis("bs")
+    prog = pg.Program("pin", inputs={"v": pg.Input((bs,), torch.int64, pad=0)},
+                      outputs={"y": pg.Output((bs,), torch.int64)}, state={"s": pg.State()},
+                      buckets=pg.Buckets([1, 2]))
+    s = torch.zeros(4)
+    runner = pg.compile(prog, lambda x: {"y": x.v}, backend="reference", state={"s": s})
+    runner.device = None               # as if compiled with nothing to take a device from
+    s.resize_(8)
+    with pytest.raises(pg.StateStorageError):
+        runner(v=torch.arange(2))
+    assert runner.device is None

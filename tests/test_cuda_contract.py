@@ -48,14 +48,15 @@ def mixed_raw(n, t, device, seed):
             "two": ri((n, t), torch.int32), "nd": ri((2, n, t), torch.int8), "fixed": torch.randn(5, generator=g).to(device)}
 
 
-@pytest.mark.parametrize("strategy", ["in-graph", "eager", "torch"])
-def test_every_pack_strategy_equals_the_reference(strategy, monkeypatch):
+@pytest.mark.parametrize("strategy,copy", [("in-graph", "cudart"), ("in-graph", "torch"), ("eager", "cudart"),
+                                           ("torch", "torch")])
+def test_every_pack_strategy_equals_the_reference(strategy, copy, monkeypatch):
     if strategy == "torch":
         monkeypatch.setattr(tpack, "triton_available", lambda: False)
     prepare = (lambda x: None) if strategy == "eager" else None
     prog = mixed_program()
-    runner = pg.compile(prog, mixed_body, backend="cuda", prepare=prepare)
-    assert runner.pack.strategy == strategy
+    runner = pg.compile(prog, mixed_body, backend="cuda", prepare=prepare, copy=copy)
+    assert runner.pack.strategy == strategy and runner.pack.block.copier.name == copy
     ref = pg.compile(prog, mixed_body, backend="reference", prepare=prepare)
     for i, (n, t) in enumerate([(1, 0), (3, 5), (12, 24), (7, 1), (2, 4), (9, 13)]):
         raw = mixed_raw(n, t, "cuda", i)
@@ -67,10 +68,13 @@ def test_every_pack_strategy_equals_the_reference(strategy, monkeypatch):
             torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=f"{k} [{strategy} n={n} t={t}]")
 
 
-def test_many_calls_queued_behind_a_long_kernel_return_at_once():
+@pytest.mark.parametrize("copy", ["cudart", "torch"])
+def test_many_calls_queued_behind_a_long_kernel_return_at_once(copy):
     prog = pg.Program("queued", inputs={"v": pg.Input((bs,), torch.int64, pad=0)},
                       outputs={"y": pg.Output((bs,), torch.int64)}, buckets=pg.Buckets([1, 2, 4, 8]))
-    runner = pg.compile(prog, lambda x: {"y": x.v * 2 + x.extent("bs")}, backend="cuda", copy_outputs=True)
+    runner = pg.compile(prog, lambda x: {"y": x.v * 2 + x.extent("bs")}, backend="cuda", copy_outputs=True,
+                        copy=copy)
+    assert runner.pack.block.copier.name == copy
     raws = [torch.arange(1 + i % 8, device="cuda") + i for i in range(300)]
     torch.cuda.synchronize()
     cycles = int(0.5 * torch.cuda.get_device_properties(0).clock_rate * 1e3)   # ~0.5 s of GPU time
@@ -133,3 +137,18 @@ def test_pack_table_is_what_the_backend_applies():
     text = runner.pack.describe(4)
     assert "in-graph" in text and "two" in text and "grid" in text and "nd" in text
     assert isinstance(runner.pack.block, staging.CallBlock)
+
+
+def test_cached_output_views_are_not_handed_out_after_the_caller_changed_them():
+    prog = pg.Program("views", inputs={"v": pg.Input((bs, 2), torch.int64, pad=0)},
+                      outputs={"y": pg.Output((bs, 2), torch.int64)}, buckets=pg.Buckets([4]))
+    runner = pg.compile(prog, lambda x: {"y": x.v + 1}, backend="cuda")
+    v = torch.arange(6, device="cuda").view(3, 2)
+    a = runner(v=v).y
+    assert runner(v=v).y is a            # same bucket and extents: the cached view
+    a.t_()                               # the caller changed its metadata in place
+    b = runner(v=v).y
+    assert b is not a and b.shape == (3, 2) and torch.equal(b, v + 1)
+    b.requires_grad_(False)
+    c = runner(v=v * 2).y
+    assert torch.equal(c, v * 2 + 1) and not c.requires_grad

@@ -41,10 +41,13 @@ class CudaGraphRunner(Runner):
     concurrently, and outputs of one may be overwritten by the other's replays), warmup (eager
     runs per bucket before capture, default 2), progress (None = a bar when stderr is a tty),
     restore_state (default True: bound state is copied before warm-up and capture and restored
-    after, so compile leaves it as it found it; False for state too large to copy twice)."""
+    after, so compile leaves it as it found it; False for state too large to copy twice),
+    copy ("cudart": the per-call copy through the CUDA runtime by ctypes, ~1 µs; "torch":
+    through Tensor.copy_; "cudart" falls back to "torch" where the runtime cannot be found)."""
 
     backend = "cuda"
     allow_host_inputs = True
+    cache_output_views = True
 
     @classmethod
     def default_device(cls) -> torch.device:
@@ -58,7 +61,8 @@ class CudaGraphRunner(Runner):
         return None
 
     def __init__(self, program, body, *, state=None, prepare=None, overflow="eager", copy_outputs=False,
-                 device=None, pool=None, warmup: int = 2, progress: bool | None = None, restore_state: bool = True):
+                 device=None, pool=None, warmup: int = 2, progress: bool | None = None, restore_state: bool = True,
+                 copy: str = "cudart"):
         reason = self.unavailable()
         if reason is not None:
             raise ContractRuntimeError(f"{where(program.name)}: {reason}")
@@ -69,7 +73,7 @@ class CudaGraphRunner(Runner):
         self.static = StaticInputs(self.plan, self.device)
         strategy = "torch" if not tpack.triton_available() else ("eager" if prepare is not None else "in-graph")
         with torch.cuda.device(self.device):
-            self.pack = Pack(self.plan, self.static, self.device, strategy)
+            self.pack = Pack(self.plan, self.static, self.device, strategy, copy)
             self._hook = prepare if prepare is not None else _no_hook
             if isinstance(pool, CudaGraphRunner):
                 pool = pool.pool

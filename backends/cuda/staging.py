@@ -24,6 +24,7 @@ from padgraph import pack as P
 from padgraph.plan import Plan
 
 from ..triton import pack as tpack
+from .cudart import copier
 
 log = logging.getLogger("padgraph.cuda")
 
@@ -53,7 +54,7 @@ class StaticInputs:
 class _Slot:
     """One pinned copy of the per-call block, with the event of the copy that last read it."""
 
-    __slots__ = ("host", "srcs", "ext", "raw", "event", "pairs")
+    __slots__ = ("host", "srcs", "ext", "raw", "event")
 
     def __init__(self, layout: "CallBlock"):
         self.host = torch.zeros(layout.nbytes, dtype=torch.uint8, pin_memory=True)
@@ -61,15 +62,15 @@ class _Slot:
         self.raw = b
         self.srcs = b[: layout.ext_off].view(np.int64)[: layout.n_jobs]
         self.ext = b[layout.ext_off: layout.ext_off + 4 * layout.n_axes].view(np.int32)
-        self.event = None
-        self.pairs = {}
+        self.event = layout.copier.new_event()     # an event never recorded counts as done
 
 
 class CallBlock:
     """The per-call block: its layout, the device copy, and the ring of pinned host slots."""
 
-    def __init__(self, plan: Plan, device: torch.device, jobs: list[str]):
+    def __init__(self, plan: Plan, device: torch.device, jobs: list[str], copy: str = "cudart"):
         program = plan.program
+        self.copier = copier(device, copy)
         self.jobs, self.n_jobs = jobs, len(jobs)
         self.axes = [a.name for a in plan.axes]
         self.n_axes = len(self.axes)
@@ -89,14 +90,12 @@ class CallBlock:
         self._turn = 0
         self.others = [n for n in program.inputs if n not in set(jobs)]   # packed by torch ops
         self._dev_base = self.device_buf.data_ptr()
-        self._stream_of: dict = {}
-        self._index = device.index
 
     # ---- the ring -------------------------------------------------------------------------------
     def _acquire(self) -> _Slot:
         i = self._turn
         slot = self.slots[i]
-        if slot.event is not None and not slot.event.query():
+        if not self.copier.done(slot.event):
             slot = _Slot(self)                      # the GPU is behind: grow rather than wait
             self.slots.insert(i, slot)
             if len(self.slots) in (16, 256, 4096):
@@ -125,12 +124,7 @@ class CallBlock:
                 used = max(used, self._stage(slot, name, t))
         slot.srcs[:] = srcs
         slot.ext[:] = [ext[a] for a in self.axes]
-        pair = slot.pairs.get(used)
-        if pair is None:
-            pair = slot.pairs[used] = (self.device_buf[:used], slot.host[:used])
-        pair[0].copy_(pair[1], non_blocking=True)
-        ev = slot.event = slot.event or torch.cuda.Event()
-        torch._C._CudaEventBase.record(ev, self._stream())
+        self.copier.copy(self.device_buf, slot.host, used, slot.event)
 
     def _stage(self, slot: _Slot, name: str, t: torch.Tensor) -> int:
         b = t.contiguous().reshape(-1).view(torch.uint8).numpy()
@@ -144,14 +138,6 @@ class CallBlock:
         n = t.numel() * t.element_size()
         return self.device_buf[off: off + n].view(t.dtype).view(t.shape)
 
-    def _stream(self) -> torch.cuda.Stream:
-        """The current stream, cached by its raw handle: torch.cuda.current_stream() costs µs."""
-        handle = torch._C._cuda_getCurrentRawStream(self._index)
-        s = self._stream_of.get(handle)
-        if s is None:
-            s = self._stream_of[handle] = torch.cuda.current_stream()
-        return s
-
 
 class Pack:
     """The pack of one runner, its strategy chosen once at compile:
@@ -164,12 +150,12 @@ class Pack:
     Inputs whose layout is "nd" always take torch ops, outside the graph.
     """
 
-    def __init__(self, plan: Plan, static: StaticInputs, device: torch.device, strategy: str):
+    def __init__(self, plan: Plan, static: StaticInputs, device: torch.device, strategy: str, copy: str = "cudart"):
         self.plan, self.static, self.strategy = plan, static, strategy
         last = plan.pack_table(plan.buckets[-1])
         kernel = [e.name for e in last.entries if e.layout != "nd"] if strategy != "torch" else []
         self.torch_names = {b: [e for e in plan.pack_table(b).entries if e.name not in kernel] for b in plan.buckets}
-        self.block = CallBlock(plan, device, kernel)
+        self.block = CallBlock(plan, device, kernel, copy)
         self.tables, self.programs, self._self_srcs = {}, {}, {}
         for b in plan.buckets:
             entries = [e for e in plan.pack_table(b).entries if e.name in kernel]
@@ -185,7 +171,7 @@ class Pack:
         self._after_send = self._launch if strategy == "eager" else _nothing
 
     def describe(self, bucket: int) -> str:
-        return f"strategy {self.strategy}\n{self.plan.pack_table(bucket)}"
+        return f"strategy {self.strategy}, copies by {self.block.copier.name}\n{self.plan.pack_table(bucket)}"
 
     # ---- compile ------------------------------------------------------------------------------
     def all_pad(self, bucket: int) -> None:
