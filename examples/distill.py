@@ -10,8 +10,7 @@ to tokens its small corpus never showed it. Weights are saved locally only.
     python examples/distill.py --model tiny --out /tmp/eagle_tiny.pt
 
 The same script distils the DeepSeek MTP-style head (`--model ds-tiny | ds-lite`): any target
-with `forward_dense(tokens) -> (logits, hidden)` and any head with `forward_dense(tokens, hidden)`
-and `set_draft_vocab`.
+with `forward_dense(tokens) -> (logits, hidden)` and any `DraftHead` (EagleHead, MTPHead).
 """
 from __future__ import annotations
 
@@ -21,8 +20,10 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from models.deepseek import DeepSeekConfig, DeepSeekModel
+from models.draft_head import DraftHead
 from models.eagle_head import EagleHead
 from models.llama import LlamaConfig, LlamaModel
 from models.mtp_head import MTPHead
@@ -31,7 +32,7 @@ FAMILIES = {"llama": (LlamaModel, EagleHead), "deepseek": (DeepSeekModel, MTPHea
 
 
 @torch.no_grad()
-def greedy_corpus(target: LlamaModel, n_seq: int, prompt_len: int, gen_len: int, batch: int,
+def greedy_corpus(target: nn.Module, n_seq: int, prompt_len: int, gen_len: int, batch: int,
                   seed: int = 1234):
     """(tokens [N, T], hidden [N, T, H], labels [N, T]) with T = prompt_len + gen_len."""
     dev = target.lm_head.weight.device
@@ -50,19 +51,17 @@ def greedy_corpus(target: LlamaModel, n_seq: int, prompt_len: int, gen_len: int,
     return torch.cat(toks), torch.cat(hids), torch.cat(labs)
 
 
-def train_head(head: EagleHead, tokens, hidden, labels, *, steps: int, batch: int, lr: float,
+def train_head(head: DraftHead, tokens, hidden, labels, *, steps: int, batch: int, lr: float,
                hidden_weight: float = 0.1, scale_lr: float = 0.05, log=print):
     """Teacher-forced EAGLE training on pairs (token p+1, h_p) → (label p+1, h_p+1)."""
     if steps <= 0:
         return
-    scale = getattr(head, "log_scale", None)     # the draft temperature, if the head has one
+    scale = head.log_scale                       # the draft temperature
     params = [p for p in head.parameters() if p.requires_grad and p is not scale]
-    groups, max_lr = [{"params": params, "lr": lr}], [lr]
-    if scale is not None:   # one scalar that must travel ~3 in log space: a larger step
-        groups.append({"params": [scale], "lr": scale_lr})
-        max_lr.append(scale_lr)
+    # the temperature is one scalar that must travel ~3 in log space: a larger step
+    groups = [{"params": params, "lr": lr}, {"params": [scale], "lr": scale_lr}]
     opt = torch.optim.AdamW(groups, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=max_lr, total_steps=steps,
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[lr, scale_lr], total_steps=steps,
                                                 pct_start=0.1)
     ids, h_in = tokens[:, 1:], hidden[:, :-1]
     y, h_out = labels[:, 1:], hidden[:, 1:].float()
@@ -83,8 +82,7 @@ def train_head(head: EagleHead, tokens, hidden, labels, *, steps: int, batch: in
         if step % max(1, steps // 5) == 0 or step == steps - 1:
             acc = (logits.argmax(-1) == y[sel]).float().mean().item()
             log(f"  distill step {step:4d}  ce {ce.item():.3f}  hidden {reg.item():.4f}  "
-                f"top1 {acc:.3f}" + ("" if scale is None else
-                                     f"  draft temperature 1/{scale.exp().item():.1f}"))
+                f"top1 {acc:.3f}  draft temperature 1/{scale.exp().item():.1f}")
 
 
 def hot_vocab(labels, n_hot: int) -> torch.Tensor:
@@ -94,7 +92,7 @@ def hot_vocab(labels, n_hot: int) -> torch.Tensor:
     return counts.topk(n).indices.sort().values
 
 
-def distill(target: LlamaModel, head: EagleHead, *, n_seq=64, prompt_len=16, gen_len=48,
+def distill(target: nn.Module, head: DraftHead, *, n_seq=64, prompt_len=16, gen_len=48,
             gen_batch=64, steps=300, batch=32, lr=1e-3, n_hot=None, init="passthrough",
             log=print) -> dict:
     """Data + training + draft vocabulary; returns timings and the final training accuracy."""
@@ -102,7 +100,7 @@ def distill(target: LlamaModel, head: EagleHead, *, n_seq=64, prompt_len=16, gen
     tokens, hidden, labels = greedy_corpus(target, n_seq, prompt_len, gen_len, gen_batch)
     t1 = time.perf_counter()
     head.float().train()
-    if init == "passthrough" and hasattr(head, "init_passthrough"):
+    if init == "passthrough":
         head.init_passthrough()
     for p in head.parameters():
         p.requires_grad_(True)

@@ -3,14 +3,16 @@
     python examples/eagle.py --model llama        # or --model deepseek (MLA + MoE, MTP head)
 
 On a GPU: the Llama-3.2-1B-shaped target (deepseek: DeepSeek-V2-Lite widths, 6 layers, 16
-experts; random weights, bf16) on the "cuda" backend. On the CPU: a tiny target, fp32, on the
-"reference" backend (it says so). The last line is
+experts; random weights, bf16) on the "cuda" backend, serving 16 requests of varied prompt and
+output lengths. On the CPU: a tiny target, fp32, on the "reference" backend, 8 short requests (it
+says so). Before the last line: time per phase of a round (draft, verify, draft-extend,
+host/other) and of a greedy step, and what a round costs in greedy steps. The last line is
 `tokens/s=… accept_len=… speedup_vs_greedy=… greedy_match=N/N`.
 """
 from __future__ import annotations
 
 import argparse
-import time
+from dataclasses import dataclass
 
 import torch
 
@@ -31,6 +33,20 @@ def setup(size: str, device: str, log=print):
     target, head, pre = build(size, device, dtype)
     info = distill(target, head, log=log, **pre)
     return target, head, info
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A batch of n requests, prompt and output lengths uniform in [lo, hi): as they finish the
+    batch shrinks through odd sizes, which the runners pad to their buckets."""
+    n: int
+    prompt_lens: tuple[int, int]
+    new_tokens: tuple[int, int]
+    max_context: int          # >= longest prompt + output + the tree margin
+
+
+BATCH = {"gpu": Batch(16, (4, 97), (16, 129), max_context=256),
+         "cpu": Batch(8, (3, 25), (4, 41), max_context=96)}     # tiny: CI runs it
 
 
 def workload(vocab: int, n: int, seed: int, prompt_lens=(5, 29), new_tokens=(8, 48)):
@@ -74,6 +90,29 @@ def oracle_line(match, ties, real) -> str:
             f"top-2 near-tie {len(ties)}, other {len(real)})")
 
 
+SPEC_PHASES = ("draft", "verify", "draft_extend", "host")
+GREEDY_PHASES = ("decode", "host")
+CPU_TIMING_NOTE = ("timing on the CPU: 'reference' backend, fp32, tiny sizes, one thread, "
+                   "perf_counter. These show how this run's time splits (mostly PyTorch op "
+                   "dispatch and the reference backend's per-call work, little arithmetic), "
+                   "not an H200's; on a GPU the phases come from CUDA events.")
+
+
+def phase_line(name: str, unit: str, stats, phases) -> str:
+    """Mean ms per round (or step) in each phase, their sum, and the one-off prefill."""
+    ms = {p: 1e3 * stats.phases.get(p, 0.0) / max(stats.rounds, 1) for p in phases}
+    parts = "  ".join(f"{'host/other' if p == 'host' else p.replace('_', '-')} {t:.2f}"
+                      for p, t in ms.items())
+    return (f"{name} ms per {unit} (mean of {stats.rounds}): {parts}  = {sum(ms.values()):.2f}; "
+            f"prefill {1e3 * stats.phases.get('prefill', 0.0):.1f} ms once")
+
+
+def cost_line(ss, gs) -> str:
+    ratio = ss.round_seconds / gs.round_seconds if gs.round_seconds else float("inf")
+    return (f"round / greedy step = {ratio:.2f}: a round costs {ratio:.2f} greedy steps and "
+            f"yields {ss.accept_len:.2f} tokens per request")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="llama")
@@ -90,14 +129,17 @@ def main():
         print(f"no GPU: {cpu_what}, fp32, padgraph 'reference' backend on the CPU")
     spec = SpecConfig(args.steps or 5, args.topk or (4 if gpu else 2),
                       args.draft_tokens or (8 if gpu else 6))
+    batch = BATCH["gpu" if gpu else "cpu"]
     target, head, _ = setup(size, device)
-    prompts, news = workload(target.cfg.vocab_size, args.n_requests or (12 if gpu else 6), 7)
-    w = Worker(target, head, spec, backend=backend, max_bs=16, max_context=96,
+    prompts, news = workload(target.cfg.vocab_size, args.n_requests or batch.n, 7,
+                             batch.prompt_lens, batch.new_tokens)
+    w = Worker(target, head, spec, backend=backend, max_bs=16, max_context=batch.max_context,
                buckets=pg.Buckets.default(16))
     with torch.no_grad():
-        if gpu:  # compile (capture) and JIT outside the timed runs
-            w.generate_spec(prompts[:3], [4] * 3)
-            w.generate_greedy(prompts[:3], [4] * 3)
+        # compile (GPU: capture) and JIT outside the timed runs: the full batch and bs=1
+        for gen in (w.generate_spec, w.generate_greedy):
+            gen(prompts, [4] * len(prompts))
+            gen(prompts[:1], [4])
         spec_reqs, ss = w.generate_spec(prompts, news)
         greedy, gs = w.generate_greedy(prompts, news)
     match, ties, real = compare(greedy, spec_reqs, tie_tol=0.0 if not gpu else TIE_TOL)
@@ -109,6 +151,11 @@ def main():
         print(f"first divergences at near-ties of the target's top-2 logits (rid, index, gap): "
               f"{ties}")
         print(f"other first divergences (rid, index, gap): {real}")
+    if not gpu:
+        print(CPU_TIMING_NOTE)
+    print(phase_line("EAGLE ", "round", ss, SPEC_PHASES))
+    print(phase_line("greedy", "step", gs, GREEDY_PHASES))
+    print(cost_line(ss, gs))
     print(f"tokens/s={ss.tokens_per_s:.1f} accept_len={ss.accept_len:.2f} "
           f"speedup_vs_greedy={ss.tokens_per_s / gs.tokens_per_s:.2f} "
           f"greedy_match={match + len(ties)}/{len(greedy)}")

@@ -15,15 +15,21 @@ forward_verify` return `(logits, hidden)` and read their cache from `kv` (`kv.k[
 K/V pools, or `kv.latent[i]` MLA latent rows); a target with `new_cache(n_layers, n_slots,
 max_context, n_req_rows)` allocates its own cache (an object with `req_to_token` and `state()`,
 the bound tensors by state name), otherwise K/V pools of its `cfg` are used. Draft heads:
-`forward_extend`, `forward_draft_step`, `topk` (EagleHead, MTPHead).
+`forward_extend`, `forward_draft_step`, `topk` (a `models.draft_head.DraftHead`: EagleHead,
+MTPHead).
+
+Between calls the loop keeps one row per active request in a `SpecState` (or `GreedyState`);
+`select(keep)` drops the finished ones. `RunStats.phases` says where the time went (`PhaseClock`:
+CUDA events on a GPU, so timing adds no host synchronisation).
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from types import SimpleNamespace
 
 import torch
+from torch import Tensor
 
 import padgraph as pg
 from padgraph.backends.triton import eagle as ops
@@ -196,7 +202,68 @@ def bodies(target, head, spec: SpecConfig) -> dict:
             "draft": draft_body(head, spec), "draft_extend": draft_extend_body(head, spec)}
 
 
-# ------------------------------------------------------------------------------------ worker
+# ---------------------------------------------------------------------------- loop state
+
+@dataclass
+class LoopState:
+    """The batch between two calls: every field holds one equal block per active request along
+    dim 0 ([bs, ...], or [bs * m] flat), in the order of the active request list."""
+    rows: Tensor          # [bs] int32 the requests' req_to_token rows
+    seq_lens: Tensor      # [bs] int32 tokens in each request's cache
+
+    def select(self, keep: Tensor):
+        """The requests at positions keep [n] int64 (those still running), in that order."""
+        bs = self.rows.shape[0]
+        return replace(self, **{f.name: _blocks(getattr(self, f.name), bs, keep)
+                                for f in fields(self)})
+
+
+def _blocks(t: Tensor, bs: int, keep: Tensor) -> Tensor:
+    return t.reshape(bs, -1)[keep].reshape(-1, *t.shape[1:])
+
+
+@dataclass
+class SpecState(LoopState):
+    """What the next EAGLE round starts from."""
+    verified_id: Tensor   # [bs] int64 the last verified token (the next tree's root)
+    topk_p: Tensor        # [bs, topk] fp32 the head's first-step draft distribution
+    topk_index: Tensor    # [bs, topk] int64 its tokens
+    hidden: Tensor        # [bs, H] the head's hidden at the last verified position
+    draft_loc: Tensor     # [bs * steps * topk] int64 KV slots of the draft tree's nodes
+
+
+@dataclass
+class GreedyState(LoopState):
+    cur: Tensor           # [bs] int64 the token the next decode step feeds
+
+
+@dataclass
+class PrefillBatch:
+    """The batch's prompts packed request after request (prefill runs eagerly)."""
+    ids: Tensor           # [n_tok] int64
+    positions: Tensor     # [n_tok] int64
+    rows: Tensor          # [bs] int32 req_to_token rows
+    seq_lens: Tensor      # [bs] int32 prompt lengths
+    qo: Tensor            # [bs + 1] int32 request r's tokens are ids[qo[r]:qo[r+1]]
+    loc: Tensor           # [n_tok] int64 KV slots
+
+
+def pack_prompts(reqs, req_to_token: Tensor) -> PrefillBatch:
+    """The requests' prompts with the slots their rows got at admission."""
+    dev = req_to_token.device
+    lens = [len(r.prompt) for r in reqs]
+    positions = torch.cat([torch.arange(n) for n in lens]).to(dev)
+    rows = torch.tensor([r.row for r in reqs], dtype=torch.int32, device=dev)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    loc = req_to_token[rows.long().repeat_interleave(seq_lens.long()), positions].long()
+    return PrefillBatch(
+        ids=torch.tensor([t for r in reqs for t in r.prompt], device=dev), positions=positions,
+        rows=rows, seq_lens=seq_lens, loc=loc,
+        qo=torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
+                        device=dev))
+
+
+# -------------------------------------------------------------------------------- timing
 
 def to_host(*tensors) -> list[list]:
     """Device → host lists with one synchronisation (the loop's only one per step)."""
@@ -208,6 +275,38 @@ def to_host(*tensors) -> list[list]:
     return [o.tolist() for o in outs]
 
 
+class PhaseClock:
+    """Time per phase of a loop: `mark(phase)` ends the interval since the previous mark and
+    charges it to `phase`.
+
+    On a GPU a mark records a CUDA event on the current stream and nothing waits for it: the
+    intervals are the stream's timeline, so a phase includes any wait for the host to launch it
+    and the phases of a run add up to its wall time. `totals()` reads them once the run has
+    synchronised. On the CPU a mark reads perf_counter (the work is synchronous).
+    """
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self._marks: list[tuple[str | None, object]] = []
+        self.mark(None)
+
+    def mark(self, phase: str | None) -> None:
+        if self.cuda:
+            stamp = torch.cuda.Event(enable_timing=True)
+            stamp.record()
+        else:
+            stamp = time.perf_counter()
+        self._marks.append((phase, stamp))
+
+    def totals(self) -> dict[str, float]:
+        """Seconds per phase, in order of first appearance (GPU: after a synchronisation)."""
+        out: dict[str, float] = {}
+        for (_, a), (phase, b) in zip(self._marks, self._marks[1:]):
+            dt = a.elapsed_time(b) / 1e3 if self.cuda else b - a
+            out[phase] = out.get(phase, 0.0) + dt
+        return out
+
+
 @dataclass
 class RunStats:
     tokens: int = 0
@@ -215,6 +314,8 @@ class RunStats:
     rounds: int = 0            # verify rounds (EAGLE) or decode steps (greedy)
     accepted: int = 0          # tokens emitted by verify rounds (accept lengths summed)
     request_rounds: int = 0    # request-rounds, for the mean accept length
+    phases: dict[str, float] = field(default_factory=dict)   # seconds: prefill, draft, verify,
+    #                            draft_extend, host (EAGLE) or prefill, decode, host (greedy)
 
     @property
     def tokens_per_s(self) -> float:
@@ -224,6 +325,14 @@ class RunStats:
     def accept_len(self) -> float:
         return self.accepted / self.request_rounds if self.request_rounds else 0.0
 
+    @property
+    def round_seconds(self) -> float:
+        """Mean time of one round (EAGLE) or step (greedy): the phases after prefill."""
+        loop = sum(t for name, t in self.phases.items() if name != "prefill")
+        return loop / self.rounds if self.rounds else 0.0
+
+
+# ------------------------------------------------------------------------------------ worker
 
 class Worker:
     """Serves one batch of requests with EAGLE (`generate_spec`) or greedy (`generate_greedy`).
@@ -293,26 +402,27 @@ class Worker:
                 break
         return req.done
 
+    def retire(self, active: list[Request], st: LoopState, new_tokens):
+        """Emit each request's tokens; release the finished ones and drop their rows of `st`."""
+        done = [self.emit(r, t) for r, t in zip(active, new_tokens)]
+        if not any(done):
+            return active, st
+        for r in (r for r, d in zip(active, done) if d):
+            self.release(r)
+        keep = [i for i, d in enumerate(done) if not d]
+        idx = torch.tensor(keep, dtype=torch.long, device=st.rows.device)
+        return [active[i] for i in keep], st.select(idx)
+
     # ---- prefill (eager) ---------------------------------------------------------------
     def prefill(self, reqs):
-        """Target extend over the prompts; (last logits [bs, V], hidden, packed batch)."""
-        dev = self.target.lm_head.weight.device
-        lens = [len(r.prompt) for r in reqs]
-        b = SimpleNamespace(
-            ids=torch.tensor([t for r in reqs for t in r.prompt], device=dev),
-            positions=torch.cat([torch.arange(n) for n in lens]).to(dev),
-            rows=torch.tensor([r.row for r in reqs], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-            qo=torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32,
-                            device=dev))
-        b.loc = self.kv.req_to_token[b.rows.long().repeat_interleave(b.seq_lens.long()),
-                                     b.positions].long()
+        """Target extend over the prompts; (last logits [bs, V], hidden, PrefillBatch)."""
+        b = pack_prompts(reqs, self.kv.req_to_token)
         logits, hidden = self.target.forward_extend(b.ids, b.positions, self.kv,
                                                     self.kv.req_to_token, b.rows, b.seq_lens,
                                                     b.qo, b.loc)
         return logits, hidden, b
 
-    def draft_prefill(self, first, hidden, b):
+    def draft_prefill(self, first, hidden, b: PrefillBatch) -> SpecState:
         """The head over (prompt[1:] + first token, target hidden): the first draft inputs."""
         last = (b.qo[1:] - 1).long()
         shifted = torch.cat([b.ids[1:], b.ids[:1]])
@@ -322,92 +432,91 @@ class Worker:
         p, idx = self.head.topk(h[last], self.spec.topk)
         loc = ops.assign_cache_locs(self.kv.req_to_token, b.rows, b.seq_lens,
                                     self.spec.steps * self.spec.topk)
-        return SimpleNamespace(rows=b.rows, seq_lens=b.seq_lens, verified_id=first, topk_p=p,
-                               topk_index=idx, hidden=h[last], draft_loc=loc)
+        return SpecState(rows=b.rows, seq_lens=b.seq_lens, verified_id=first, topk_p=p,
+                         topk_index=idx, hidden=h[last], draft_loc=loc)
 
     # ---- EAGLE -------------------------------------------------------------------------
-    def spec_round(self, st):
-        """draft → verify → draft-extend for the batch in `st`; (new state, accept lens, tokens)."""
+    def spec_round(self, st: SpecState, clock: PhaseClock):
+        """draft → verify → draft-extend for the batch in `st`; (next state, accept lengths,
+        tokens [bs, steps + 1] of which each request's first accept-length are its output)."""
         rt = self.kv.req_to_token
         d = self.runner("draft")(
             topk_p=st.topk_p, topk_index=st.topk_index, hidden_states=st.hidden,
             positions=st.seq_lens.long(), seq_lens=st.seq_lens, req_pool_indices=st.rows,
             out_cache_loc=st.draft_loc)
+        clock.mark("draft")
         ids, pos, loc = ops.verify_inputs(st.verified_id, d.draft_tokens, d.depth, st.seq_lens,
                                           rt, st.rows)
         v = self.runner("verify")(input_ids=ids, positions=pos, out_cache_loc=loc,
                                   seq_lens=st.seq_lens, req_pool_indices=st.rows,
                                   tree_mask=d.tree_mask)
+        clock.mark("verify")
         acc, toks = to_host(v.accept_len, v.out_tokens)
+        clock.mark("host")
         n = sum(acc)
         e = self.runner("draft_extend")(
             input_ids=v.de_input_ids[:n], positions=v.de_positions[:n],
             out_cache_loc=v.de_out_cache_loc[:n], hidden_states=v.de_hidden[:n],
             seq_lens=v.de_seq_lens, req_pool_indices=st.rows, accept_lens=v.accept_len,
             qo_indptr=v.de_qo_indptr)
-        new = SimpleNamespace(rows=st.rows, seq_lens=v.de_seq_lens, verified_id=v.bonus,
-                              topk_p=e.topk_p, topk_index=e.topk_index, hidden=e.next_hidden,
-                              draft_loc=e.draft_out_cache_loc)
-        return new, acc, toks
+        clock.mark("draft_extend")
+        nxt = SpecState(rows=st.rows, seq_lens=v.de_seq_lens, verified_id=v.bonus,
+                        topk_p=e.topk_p, topk_index=e.topk_index, hidden=e.next_hidden,
+                        draft_loc=e.draft_out_cache_loc)
+        return nxt, acc, toks
 
     def generate_spec(self, prompts, max_new_tokens) -> tuple[list[Request], RunStats]:
         stats, t0 = RunStats(), _now(self)
+        clock = PhaseClock(self.kv.req_to_token.is_cuda)
         reqs = self.admit(prompts, max_new_tokens)
         logits, hidden, b = self.prefill(reqs)
         first = logits.argmax(-1)
         st = self.draft_prefill(first, hidden, b)
-        active, st = self._retire(reqs, st, [[t] for t in to_host(first)[0]])
+        active, st = self.retire(reqs, st, [[t] for t in to_host(first)[0]])
+        clock.mark("prefill")
         while active:
-            st, acc, toks = self.spec_round(st)
+            st, acc, toks = self.spec_round(st, clock)
             stats.rounds += 1
             stats.accepted += sum(acc)
             stats.request_rounds += len(acc)
-            active, st = self._retire(active, st, [t[:a] for t, a in zip(toks, acc)])
-        stats.seconds = _now(self) - t0
-        stats.tokens = sum(len(r.output) for r in reqs)
-        return reqs, stats
-
-    def _retire(self, active, st, new_tokens):
-        """Emit each request's tokens; release finished ones and shrink the batch state."""
-        keep = [i for i, (r, t) in enumerate(zip(active, new_tokens)) if not self.emit(r, t)]
-        if len(keep) == len(active):
-            return active, st
-        for i, r in enumerate(active):
-            if i not in keep:
-                self.release(r)
-        idx = torch.tensor(keep, dtype=torch.long, device=st.rows.device)
-        bs = len(active)
-        st = SimpleNamespace(**{
-            name: (t.view(bs, -1)[idx].reshape(-1) if name == "draft_loc" else t[idx])
-            for name, t in vars(st).items()})
-        return [active[i] for i in keep], st
+            active, st = self.retire(active, st, [t[:a] for t, a in zip(toks, acc)])
+            clock.mark("host")
+        return reqs, self._finish(stats, t0, clock, reqs)
 
     # ---- greedy ------------------------------------------------------------------------
     def generate_greedy(self, prompts, max_new_tokens) -> tuple[list[Request], RunStats]:
         stats, t0 = RunStats(), _now(self)
+        clock = PhaseClock(self.kv.req_to_token.is_cuda)
         reqs = self.admit(prompts, max_new_tokens)
         logits, _, b = self.prefill(reqs)
         first, top2 = logits.argmax(-1), logits.topk(2, dim=-1).values
-        st = SimpleNamespace(rows=b.rows, seq_lens=b.seq_lens, cur=first)
+        st = GreedyState(rows=b.rows, seq_lens=b.seq_lens, cur=first)
         toks, gaps = to_host(first, top2[:, 0] - top2[:, 1])
         for r, g in zip(reqs, gaps):
             r.gaps = [g]
-        active, st = self._retire(reqs, st, [[t] for t in toks])
+        active, st = self.retire(reqs, st, [[t] for t in toks])
+        clock.mark("prefill")
         decode, rt = self.runner("decode"), self.kv.req_to_token
         while active:
             s1 = st.seq_lens + 1
             out = decode(input_ids=st.cur, positions=st.seq_lens.long(), seq_lens=s1,
                          req_pool_indices=st.rows,
                          out_cache_loc=ops.assign_cache_locs(rt, st.rows, st.seq_lens, 1))
+            clock.mark("decode")
             toks, gaps = to_host(out.next_token, out.top2_gap)
             for r, g in zip(active, gaps):
                 r.gaps.append(g)
-            st = SimpleNamespace(rows=st.rows, seq_lens=s1, cur=out.next_token)
             stats.rounds += 1
-            active, st = self._retire(active, st, [[t] for t in toks])
+            active, st = self.retire(active, GreedyState(st.rows, s1, out.next_token),
+                                     [[t] for t in toks])
+            clock.mark("host")
+        return reqs, self._finish(stats, t0, clock, reqs)
+
+    def _finish(self, stats: RunStats, t0: float, clock: PhaseClock, reqs) -> RunStats:
         stats.seconds = _now(self) - t0
+        stats.phases = clock.totals()
         stats.tokens = sum(len(r.output) for r in reqs)
-        return reqs, stats
+        return stats
 
 
 def _now(worker) -> float:

@@ -76,3 +76,7 @@ def test_bf16_cuda_spec_matches_greedy_up_to_ties(oracle):
     if oracle:
         assert stats.accept_len >= 0.8 * (spec.steps + 1)
     assert w.slots.n_free == w.slots.n - 1 and w.rows.n_free == w.rows.n - 1
+    # phases from CUDA events: the stream's timeline between the two synchronisations
+    assert list(stats.phases) == ["prefill", "draft", "verify", "host", "draft_extend"]
+    assert all(t > 0 for t in stats.phases.values()), stats.phases
+    assert sum(stats.phases.values()) <= stats.seconds * 1.01 + 1e-4, (stats.phases, stats)

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from models.deepseek import DeepSeekConfig, DeepSeekModel, MoE  # noqa: E402
 from models.mtp_head import MTPHead  # noqa: E402
 from spec_decode import SpecConfig, Worker  # noqa: E402
-from test_eagle_e2e import LENS, assert_released, prompts  # noqa: E402
+from test_eagle_e2e import LENS, assert_released, one_thread, prompts  # noqa: E402,F401
 from test_runners import SPEC, sample_for  # noqa: E402
 
 @pytest.fixture(scope="module")
@@ -166,6 +166,40 @@ def test_oracle_mtp_head_accepts_long_paths():
         assert s.output == g.output
     assert stats.accept_len >= 0.8 * (spec.steps + 1), stats
     assert_released(w)
+
+
+def _mid(**kw) -> DeepSeekConfig:
+    """Between tiny and lite, init_std chosen so init_std**2 * hidden matches lite's."""
+    ref = DeepSeekConfig.lite()
+    base = dict(vocab_size=4096, hidden_size=128, n_layers=3, n_heads=4, q_lora_rank=64,
+                kv_lora_rank=48, ffn_size=384, moe_ffn_size=64,
+                init_std=ref.init_std * (ref.hidden_size / 128) ** 0.5)
+    return DeepSeekConfig.tiny(**{**base, **kw})
+
+
+def test_distilled_mtp_head_generalises_beyond_its_corpus(one_thread):
+    """The H200's DeepSeek failure (accept length 1.53 on ds-lite): the MTP head lacked the
+    EAGLE head's passthrough start and draft temperature. At lite's init scale (per width), with
+    a vocabulary much larger than the corpus covers, the distilled head must accept > 3 tokens
+    per round on fresh prompts (5.0 here; 1.5 before) and be calibrated."""
+    from distill import distill
+    torch.manual_seed(0)
+    target = DeepSeekModel(_mid()).eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    head = MTPHead(target)
+    distill(target, head, n_seq=16, prompt_len=8, gen_len=24, gen_batch=16, steps=100, lr=3e-4,
+            log=lambda *a: None)
+    assert head.log_scale.exp() > 3           # a flat 1/4096 top-1 would make trees shallow
+    w = Worker(target, head, SpecConfig(5, 4, 8), max_bs=8, max_context=96,
+               buckets=pg.Buckets([1, 2, 4, 8]))
+    g = torch.Generator().manual_seed(99)     # prompts the corpus never saw
+    ps = [torch.randint(1, 4096, (n,), generator=g).tolist() for n in (5, 12, 20, 9)]
+    with torch.no_grad():
+        spec_reqs, stats = w.generate_spec(ps, [40] * 4)
+        greedy, _ = w.generate_greedy(ps, [40] * 4)
+    assert [r.output for r in spec_reqs] == [r.output for r in greedy]
+    assert stats.accept_len > 3.0, stats
 
 
 @pytest.fixture(scope="module")

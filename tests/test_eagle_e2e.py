@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 from models.eagle_head import EagleHead  # noqa: E402
 from models.llama import LlamaConfig, LlamaModel  # noqa: E402
-from spec_decode import SpecConfig, Worker  # noqa: E402
+from spec_decode import SpecConfig, SpecState, Worker  # noqa: E402
 
 import padgraph as pg  # noqa: E402
 
@@ -31,6 +31,17 @@ def run_both(target, head, spec, eos_id=None, buckets=(1, 2, 4, 8)):
         greedy, _ = w.generate_greedy(ps, mx)
         spec_reqs, stats = w.generate_spec(ps, mx)
     return w, greedy, spec_reqs, stats
+
+
+@pytest.fixture
+def one_thread():
+    """Distillation on one thread: two OpenMP threads on two busy cores spin (90 s, not 10 s)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def assert_released(w):
@@ -66,6 +77,40 @@ def test_random_draft_exact_and_released():
     assert_released(w)
     verify = w.runner("verify")
     assert sum(verify.stats.padded_lanes.values()) > 0   # odd raw sizes were padded
+
+
+def test_spec_state_select_keeps_whole_request_blocks():
+    """The wrong-axis hazard: draft_loc is flat [bs * steps * topk]; select must take each kept
+    request's whole block, in keep's order, like the per-row fields."""
+    bs, m = 4, 3
+    st = SpecState(rows=torch.arange(1, bs + 1).int(), seq_lens=torch.tensor([5, 6, 7, 8]).int(),
+                   verified_id=torch.arange(bs) + 10, topk_p=torch.rand(bs, 2),
+                   topk_index=torch.arange(bs * 2).view(bs, 2), hidden=torch.randn(bs, 5),
+                   draft_loc=torch.arange(bs * m))
+    sub = st.select(torch.tensor([3, 1]))
+    assert sub.draft_loc.tolist() == [9, 10, 11, 3, 4, 5]
+    assert sub.rows.tolist() == [4, 2] and sub.seq_lens.tolist() == [8, 6]
+    assert sub.topk_index.tolist() == [[6, 7], [2, 3]]
+    assert torch.equal(sub.hidden, st.hidden[[3, 1]]) and torch.equal(sub.topk_p, st.topk_p[[3, 1]])
+    assert st.select(torch.tensor([], dtype=torch.long)).draft_loc.numel() == 0
+
+
+def test_phase_times_cover_the_run():
+    """RunStats.phases: every phase of the loop, adding up to at most the run's wall time."""
+    torch.manual_seed(0)
+    target = LlamaModel(LlamaConfig.tiny(n_layers=1)).eval()
+    w = Worker(target, EagleHead.copy_of_target(target).eval(), SpecConfig(3, 2, 5), max_bs=4,
+               max_context=48, buckets=pg.Buckets([1, 2, 4]))
+    ps = prompts(target.cfg.vocab_size)[:3]
+    with torch.no_grad():
+        _, ss = w.generate_spec(ps, [6, 3, 9])
+        _, gs = w.generate_greedy(ps, [6, 3, 9])
+    assert list(ss.phases) == ["prefill", "draft", "verify", "host", "draft_extend"]
+    assert list(gs.phases) == ["prefill", "decode", "host"]
+    for st in (ss, gs):
+        assert all(t > 0 for t in st.phases.values()), st.phases
+        assert sum(st.phases.values()) <= st.seconds
+        assert 0 < st.round_seconds * st.rounds < st.seconds
 
 
 def test_oracle_draft_accepts_everything():
@@ -118,7 +163,7 @@ def test_bf16_reference_spec_matches_greedy(size):
     assert stats.accept_len > 1.5
 
 
-def test_distilled_head_generalises_beyond_its_corpus():
+def test_distilled_head_generalises_beyond_its_corpus(one_thread):
     """The H200 failure mode (accept length 1.1 on the 1B shape): a head that memorises its
     corpus, flat draft probabilities (shallow trees), a target too chaotic to draft. At the 1B's
     init scale (per width), with a vocabulary much larger than the corpus covers, the distilled

@@ -1,1 +1,2 @@
-"""Example models for padgraph: a Llama-like target and an EAGLE draft head over paged KV."""
+"""Example models for padgraph over paged caches: a Llama-like target (K/V cache), a DeepSeek-like
+target (MLA latent cache, MoE), and their draft heads (`DraftHead`: EagleHead, MTPHead)."""
