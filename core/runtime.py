@@ -43,6 +43,8 @@ class Stats:
     padded_lanes: dict = field(default_factory=lambda: defaultdict(int))   # bucket -> lanes of the bucketed axis
     raw_lanes: dict = field(default_factory=lambda: defaultdict(int))
     eager_fallbacks: int = 0
+    compiles: int = 0          # graphs inductor compiled for a torch_compile'd body
+    recompiles: int = 0        # of those, compiled after the body's first call
     capture: dict = field(default_factory=dict)                             # bucket -> {seconds, bytes}
 
     def record(self, bucket: int, raw: int) -> None:
@@ -59,7 +61,8 @@ class Stats:
         rows = ["bucket  calls  raw lanes  padded lanes"]
         for b in sorted(self.calls):
             rows.append(f"{b:>6}  {self.calls[b]:>5}  {self.raw_lanes[b]:>9}  {self.padded_lanes[b]:>12}")
-        rows.append(f"eager fallbacks: {self.eager_fallbacks}   padding: {self.padding_fraction:.1%}")
+        rows.append(f"eager fallbacks: {self.eager_fallbacks}   padding: {self.padding_fraction:.1%}"
+                    + (f"   torch.compile graphs: {self.compiles} ({self.recompiles} recompiles)" if self.compiles else ""))
         return "\n".join(rows)
 
 
@@ -82,7 +85,7 @@ class Runner:
 
     def __init__(self, program: Program, body: Callable, *, state: Mapping | None = None,
                  prepare: Callable | None = None, overflow: str = "eager", copy_outputs: bool = False,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, torch_compile: bool | Mapping | None = None):
         if overflow not in ("eager", "error"):
             raise ContractValueError(mismatch(program.name, None, "overflow", "'eager' or 'error'", repr(overflow)))
         if not callable(body):
@@ -96,6 +99,9 @@ class Runner:
         self.state = BoundState(program, state)
         self.device = _device(program, device) if device is not None else self.state.device()
         self.stats = Stats()
+        if torch_compile:
+            from .compiled import CompiledBody   # local: plain runners never import dynamo
+            self.body = CompiledBody(program, body, torch_compile, self.stats)
         self._warned_overflow = False
         self._out_dims = {n: [d for d, _ in padded_dims(s.shape)] for n, s in program.outputs.items()}
         # output -> ((dim, axis name, affine), ...): slicing without re-deriving shapes per call

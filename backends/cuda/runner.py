@@ -62,12 +62,12 @@ class CudaGraphRunner(Runner):
 
     def __init__(self, program, body, *, state=None, prepare=None, overflow="eager", copy_outputs=False,
                  device=None, pool=None, warmup: int = 2, progress: bool | None = None, restore_state: bool = True,
-                 copy: str = "cudart"):
+                 copy: str = "cudart", torch_compile=None):
         reason = self.unavailable()
         if reason is not None:
             raise ContractRuntimeError(f"{where(program.name)}: {reason}")
         super().__init__(program, body, state=state, prepare=prepare, overflow=overflow,
-                         copy_outputs=copy_outputs, device=device)
+                         copy_outputs=copy_outputs, device=device, torch_compile=torch_compile)
         self.device = self._cuda_device(self.device)
         self._check_state_device()
         self.static = StaticInputs(self.plan, self.device)
@@ -151,6 +151,8 @@ class CudaGraphRunner(Runner):
             rows.append(f"{b:>6}  {c['seconds']:>9.3f}  {c['pool_bytes'] / 2**20:>10.1f}")
         total = sum(c["seconds"] for c in self.stats.capture.values())
         rows.append(f"total {total:.2f} s, pool {self.pool_bytes() / 2**20:.1f} MiB")
+        if self.stats.compiles:
+            rows.append(f"torch.compile: {self.stats.compiles} graphs compiled, {self.stats.recompiles} recompiles")
         return "\n".join(rows)
 
     def pool_bytes(self) -> int:
