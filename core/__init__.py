@@ -8,8 +8,9 @@ from .axes import Affine, Axis
 from .buckets import Buckets
 from .capture import capturing
 from .check import CheckResult, Finding, check
-from .errors import (BucketOverflowError, CaptureError, ContractError, ContractRuntimeError,
-                     ContractTypeError, ContractValueError, StateStorageError)
+from . import distributed  # noqa: F401  pg.distributed: tensor-parallel helpers
+from .errors import (BucketOverflowError, CaptureError, ContractAttributeError, ContractError, ContractKeyError,
+                     ContractRuntimeError, ContractTypeError, ContractValueError, StateStorageError)
 from .pads import Edge, Fill
 from .plan import Plan
 from .program import Input, Output, Program, State
@@ -21,7 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Affine", "Axis", "Buckets", "capturing", "check", "CheckResult", "Finding",
-    "BucketOverflowError", "CaptureError", "ContractError", "ContractRuntimeError", "ContractTypeError",
+    "BucketOverflowError", "CaptureError", "ContractAttributeError", "ContractError", "ContractKeyError", "ContractRuntimeError", "ContractTypeError",
     "ContractValueError", "StateStorageError", "Edge", "Fill", "Plan", "Input", "Output", "Program",
     "State", "backend_names", "compile", "register_backend", "Outputs", "Runner", "Stats", "PaddedView",
 ]

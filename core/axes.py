@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
+from .errors import ContractTypeError, ContractValueError
+
 
 @dataclass(frozen=True)
 class Affine:
@@ -19,18 +21,20 @@ class Affine:
     offset: int = 0
 
     def __post_init__(self):
-        if not isinstance(self.scale, int) or self.scale < 1:
-            raise ValueError(f"axis expression on {self.axis.name!r}: scale must be an int >= 1, got {self.scale!r}")
-        if not isinstance(self.offset, int):
-            raise ValueError(f"axis expression on {self.axis.name!r}: offset must be an int, got {self.offset!r}")
+        if not isinstance(self.axis, Axis):
+            raise ContractTypeError(f"axis expression: axis must be a pg.Axis, got {self.axis!r} ({type(self.axis).__name__})")
+        _int(self.scale, self.axis.name, "scale")
+        _int(self.offset, self.axis.name, "offset")
+        if self.scale < 1:
+            raise ContractValueError(f"axis expression on {self.axis.name!r}: scale must be an int >= 1, got {self.scale!r}")
 
     def __add__(self, c: int) -> "Affine":
-        return Affine(self.axis, self.scale, self.offset + _int(c, self))
+        return Affine(self.axis, self.scale, self.offset + _int(c, repr(self), "offset"))
 
     __radd__ = __add__
 
     def __mul__(self, k: int) -> "Affine":
-        k = _int(k, self)
+        k = _int(k, repr(self), "scale")
         return Affine(self.axis, self.scale * k, self.offset * k)
 
     __rmul__ = __mul__
@@ -49,9 +53,9 @@ class Affine:
         return s if self.offset == 0 else f"{s}{self.offset:+d}"
 
 
-def _int(v, expr) -> int:
+def _int(v, expr: str, what: str) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"axis expression {expr!r}: only int scales and offsets are allowed, got {v!r}")
+        raise ContractTypeError(f"axis expression on {expr!r}: {what} must be an int, got {v!r} ({type(v).__name__})")
     return v
 
 
@@ -63,17 +67,19 @@ class Axis:
     capacity: Union[Affine, "Axis", None] = None
 
     def __post_init__(self):
-        if not isinstance(self.name, str) or not self.name.isidentifier():
-            raise ValueError(f"Axis name must be an identifier, got {self.name!r}")
+        if not isinstance(self.name, str):
+            raise ContractTypeError(f"Axis name must be a str, got {self.name!r} ({type(self.name).__name__})")
+        if not self.name.isidentifier():
+            raise ContractValueError(f"Axis name must be an identifier, got {self.name!r}")
         cap = self.capacity
         if isinstance(cap, Axis):
             object.__setattr__(self, "capacity", Affine(cap))
         elif cap is not None and not isinstance(cap, Affine):
-            raise TypeError(
+            raise ContractTypeError(
                 f"Axis {self.name!r}: capacity must be an expression of the bucketed axis "
                 f"(like bs * 4 or bs + 1), got {cap!r}")
         if isinstance(self.capacity, Affine) and self.capacity.axis.capacity is not None:
-            raise ValueError(
+            raise ContractValueError(
                 f"Axis {self.name!r}: capacity must be affine in the bucketed axis (one without "
                 f"capacity), but {self.capacity.axis.name!r} has a capacity itself")
 

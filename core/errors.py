@@ -22,6 +22,18 @@ class ContractRuntimeError(ContractError, RuntimeError):
     """The contract cannot be kept at run time (state storage moved, capture failed, ...)."""
 
 
+class ContractKeyError(ContractError, KeyError):
+    """A name that is not declared: an axis of `x.extent(...)`, a buffer of `x[...]`."""
+
+    def __str__(self) -> str:
+        # KeyError shows repr(arg) (quotes and escapes); a contract message reads as written
+        return str(self.args[0]) if self.args else ""
+
+
+class ContractAttributeError(ContractError, AttributeError):
+    """An attribute that names no declared buffer, e.g. `x.nope` on a padded view (hasattr works)."""
+
+
 class BucketOverflowError(ContractValueError):
     """A raw extent is past the largest bucket and the runner was built with overflow="error"."""
 

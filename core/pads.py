@@ -1,9 +1,18 @@
-"""Pad policies: what each padded lane of an input holds. A plain number means Fill(number)."""
+"""Pad policies: what each padded lane of an input holds. A plain number means Fill(number).
+
+A policy is plain data and never raises when built; `pg.Program` checks it against the input's
+dtype (`pad_problem`), since only there are the dtype, the input and the program known.
+"""
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Union
+
+import torch
+
+from .errors import ContractTypeError, ContractValueError
 
 
 @dataclass(frozen=True)
@@ -11,11 +20,6 @@ class Fill:
     """Every padded lane holds `value` (e.g. seq_lens=1, out_cache_loc=sink slot 0)."""
 
     value: Union[int, float, bool]
-
-    def __post_init__(self):
-        if isinstance(self.value, bool) or isinstance(self.value, (int, float)):
-            return
-        raise TypeError(f"Fill value must be a number or bool, got {self.value!r}")
 
     def __repr__(self):
         v = self.value
@@ -35,10 +39,57 @@ class Edge:
 Pad = Union[Fill, Edge]
 
 
-def as_pad(p) -> Pad | None:
-    """Normalise a declared pad: numbers become Fill; None stays None (no padded axis)."""
-    if p is None or isinstance(p, (Fill, Edge)):
-        return p
-    if isinstance(p, (bool, int, float)):
-        return Fill(p)
-    raise TypeError(f"pad must be a number, pg.Fill(v) or pg.Edge(), got {p!r}")
+def as_pad(p):
+    """Normalise a declared pad: numbers become Fill; None stays None (no padded axis).
+
+    Anything else is kept as given, for `pg.Program` to reject with the program and input named.
+    """
+    return Fill(p) if isinstance(p, (bool, int, float)) else p
+
+
+def pad_value(pad: Pad):
+    """The number a policy writes: Fill's value, Edge's default (for an empty raw extent)."""
+    return pad.default if isinstance(pad, Edge) else pad.value
+
+
+def pad_problem(pad, dtype: torch.dtype) -> tuple[type, str, str] | None:
+    """Why `pad` cannot pad a `dtype` input: (error class, expected, given), or None when it can.
+
+    ContractTypeError for something that is not a policy or not a number; ContractValueError for
+    a number the dtype cannot hold exactly (rounding a finite float to a float dtype is fine).
+    """
+    if not isinstance(pad, (Fill, Edge)):
+        return ContractTypeError, "a number, pg.Fill(v) or pg.Edge(default)", f"{pad!r} ({type(pad).__name__})"
+    v = pad_value(pad)
+    if not isinstance(v, numbers.Real):
+        return ContractTypeError, "a number (bool, int or float)", f"{v!r} ({type(v).__name__})"
+    expected = _holds(v, dtype)
+    return None if expected is None else (ContractValueError, expected, repr(v))
+
+
+def _holds(v, dtype: torch.dtype) -> str | None:
+    """None when `dtype` holds v exactly; else what a value of that dtype must be."""
+    if dtype == torch.bool:
+        return None if v in (0, 1) else "0, 1, False or True (a bool dtype)"
+    if dtype.is_floating_point:
+        if _fits_float(v, dtype):
+            return None
+        return f"a value {dtype} holds: finite within +-{torch.finfo(dtype).max:g}, or nan/inf where {dtype} has them"
+    try:
+        info = torch.iinfo(dtype)
+    except TypeError:
+        return f"a dtype padgraph can pad (bool, an integer or a float), not {dtype}"
+    whole = isinstance(v, numbers.Integral) or float(v).is_integer()     # nan and inf are not
+    return None if whole and info.min <= v <= info.max else f"an integer in [{info.min}, {info.max}] ({dtype})"
+
+
+def _fits_float(v, dtype: torch.dtype) -> bool:
+    """v survives conversion to dtype: a finite value stays finite, nan and +-inf stay what they are."""
+    try:
+        fv = float(v)
+    except OverflowError:
+        return False   # an int past float64's range
+    held = torch.tensor(fv, dtype=torch.float64, device="cpu").to(dtype).item()
+    if math.isfinite(fv):
+        return math.isfinite(held)
+    return (math.isnan(fv) and math.isnan(held)) or held == fv

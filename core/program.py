@@ -12,8 +12,8 @@ import torch
 
 from .axes import Affine, Axis, Dim, as_affine
 from .buckets import Buckets
-from .errors import ContractTypeError, ContractValueError
-from .pads import Pad, as_pad
+from .errors import ContractError, ContractTypeError, ContractValueError, mismatch
+from .pads import Pad, as_pad, pad_problem
 
 
 def _check_shape(shape, owner: str) -> tuple:
@@ -41,7 +41,7 @@ class Input:
     pad: Pad | int | float | bool | None = None
 
     def __post_init__(self):
-        object.__setattr__(self, "pad", as_pad(self.pad))
+        object.__setattr__(self, "pad", as_pad(self.pad))   # checked against dtype by Program
 
     @property
     def padded(self) -> bool:
@@ -58,18 +58,23 @@ class Output:
 
 @dataclass(frozen=True)
 class State:
-    """A bound tensor (or list of tensors) the body reads and writes, e.g. a KV cache.
+    """Bound state the body reads and writes: a tensor or a pytree of tensors, e.g. a KV cache.
 
     `sink`: the row(s) of dim 0 that padded lanes may write (slot 0, request row 0), or None.
+    Checked by Program (ints >= 0) and at bind time (< dim 0 of every bound tensor).
     """
 
     sink: int | tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if isinstance(self.sink, list):
+            object.__setattr__(self, "sink", tuple(self.sink))
 
     @property
     def sink_rows(self) -> tuple[int, ...]:
         if self.sink is None:
             return ()
-        return (self.sink,) if isinstance(self.sink, int) else tuple(self.sink)
+        return tuple(self.sink) if isinstance(self.sink, tuple) else (self.sink,)
 
 
 def _freeze(d: Mapping | None) -> Mapping:
@@ -89,10 +94,7 @@ class Program:
     def __post_init__(self):
         for attr in ("inputs", "outputs", "state"):
             object.__setattr__(self, attr, _freeze(getattr(self, attr)))
-        if self.buckets is None:
-            object.__setattr__(self, "buckets", Buckets.default())
-        elif not isinstance(self.buckets, Buckets):
-            object.__setattr__(self, "buckets", Buckets(self.buckets))
+        object.__setattr__(self, "buckets", _ladder(self.name, self.buckets))
         _validate(self)
 
     @property
@@ -129,31 +131,56 @@ def _fmt(shape: tuple) -> str:
     return "(" + ", ".join(repr(d) for d in shape) + ")"
 
 
+def _ladder(name, buckets) -> Buckets:
+    """The program's Buckets; a malformed ladder's error gains the program's name."""
+    if buckets is None:
+        return Buckets.default()
+    if isinstance(buckets, Buckets):
+        return buckets
+    try:
+        return Buckets(buckets)
+    except ContractError as e:
+        raise type(e)(f"program {name!r}, buckets: {str(e).removeprefix('Buckets: ')}") from None
+
+
+# The view reads these as attributes of its own (x.bucket, x.extent); Outputs is a dict, so
+# `out.items` would be dict.items, never an output named "items".
+_VIEW_NAMES = frozenset({"bucket", "extent", "program", "raw_extents"})
+_DICT_METHODS = frozenset(n for n in dir(dict) if not n.startswith("_"))
+
+
 def _validate(p: Program) -> None:
     if not isinstance(p.name, str) or not p.name:
         raise ContractValueError(f"Program name must be a non-empty string, got {p.name!r}")
     if not p.inputs:
         raise ContractValueError(f"program {p.name!r}: declares no inputs; a static program needs at least one")
+    _validate_names(p)
+    for n, s in p.inputs.items():
+        _validate_buffer(p, n, s, Input, "input")
+        _validate_input(p, n, s)
+    for n, s in p.outputs.items():
+        _validate_buffer(p, n, s, Output, "output")
+    for n, s in p.state.items():
+        _validate_state(p, n, s)
+    _validate_axes(p)
+
+
+def _validate_names(p: Program) -> None:
+    for kind, table in (("input", p.inputs), ("output", p.outputs), ("state", p.state)):
+        for n in table:
+            if not isinstance(n, str):
+                raise ContractTypeError(mismatch(p.name, None, f"every {kind} name", "a str", f"{n!r} ({type(n).__name__})"))
     names = list(p.inputs) + list(p.outputs) + list(p.state)
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ContractValueError(f"program {p.name!r}: names must be unique across inputs, outputs and state, got {dup} twice")
-    reserved = {"bucket", "extent", "program", "raw_extents"}
     for n in names:
-        if not n.isidentifier() or n.startswith("_") or n in reserved:
-            raise ContractValueError(f"program {p.name!r}: buffer name {n!r} must be an identifier, not start with '_' and not be one of {sorted(reserved)}")
-    for n, s in p.inputs.items():
-        _validate_buffer(p, n, s, Input, "input")
-        if s.padded and s.pad is None:
+        if not n.isidentifier() or n.startswith("_") or n in _VIEW_NAMES:
+            raise ContractValueError(f"program {p.name!r}: buffer name {n!r} must be an identifier, not start with '_' and not be one of {sorted(_VIEW_NAMES)}")
+        if n in _DICT_METHODS:
             raise ContractValueError(
-                f"program {p.name!r}, input {n!r}: shape {_fmt(s.shape)} has a padded axis, so it must declare "
-                f"pad= (a number, pg.Fill(v) or pg.Edge()); there is no 'leave as is'")
-    for n, s in p.outputs.items():
-        _validate_buffer(p, n, s, Output, "output")
-    for n, s in p.state.items():
-        if not isinstance(s, State):
-            raise ContractTypeError(f"program {p.name!r}, state {n!r}: must be pg.State(...), got {type(s).__name__}")
-    _validate_axes(p)
+                f"program {p.name!r}: buffer name {n!r} must not be a method of the Outputs dict "
+                f"{sorted(_DICT_METHODS)}, got {n!r}: `out.{n}` would be dict.{n}, not the buffer. Rename it")
 
 
 def _validate_buffer(p, n, s, cls, kind) -> None:
@@ -162,6 +189,33 @@ def _validate_buffer(p, n, s, cls, kind) -> None:
     _check_shape(s.shape, f"program {p.name!r}, {kind} {n!r}")
     if not isinstance(s.dtype, torch.dtype):
         raise ContractTypeError(f"program {p.name!r}, {kind} {n!r}: dtype must be a torch.dtype, got {s.dtype!r}")
+
+
+def _validate_input(p: Program, n: str, s: Input) -> None:
+    if s.dtype.is_complex:
+        raise ContractTypeError(mismatch(
+            p.name, n, "dtype", "real (bool, an integer or a float)", f"{s.dtype}: the pack copies 1-, 2-, 4- "
+            "or 8-byte bit patterns, so complex128 cannot be packed; pass real and imaginary parts as two inputs "
+            "(or a trailing dim of 2)"))
+    if s.padded and s.pad is None:
+        raise ContractValueError(
+            f"program {p.name!r}, input {n!r}: shape {_fmt(s.shape)} has a padded axis, so it must declare "
+            f"pad= (a number, pg.Fill(v) or pg.Edge()); there is no 'leave as is'")
+    problem = None if s.pad is None else pad_problem(s.pad, s.dtype)
+    if problem is not None:
+        cls, expected, got = problem
+        raise cls(mismatch(p.name, n, f"pad {s.pad!r}", expected, got))
+
+
+def _validate_state(p: Program, n: str, s) -> None:
+    if not isinstance(s, State):
+        raise ContractTypeError(f"program {p.name!r}, state {n!r}: must be pg.State(...), got {type(s).__name__}")
+    for row in s.sink_rows:
+        if isinstance(row, bool) or not isinstance(row, int):
+            raise ContractTypeError(mismatch(p.name, n, "sink", "an int or a tuple of ints (rows of dim 0)",
+                                             f"{s.sink!r} ({type(row).__name__} {row!r})", kind="state"))
+        if row < 0:
+            raise ContractValueError(mismatch(p.name, n, "sink rows", ">= 0 (rows of dim 0)", repr(s.sink), kind="state"))
 
 
 def _validate_axes(p: Program) -> None:

@@ -1,25 +1,239 @@
-"""Bound state: tensors a runner keeps, with a guard that their storage never moved (rule 7)."""
+"""Bound state: tensors, or pytrees of tensors, a runner keeps (rule 7).
+
+A state value is walked once, at bind time, into leaves (tensors, each labelled with its path:
+"kv", "kv[3]", "cache.key_cache[1]") and the mutable containers that hold them. `check()` runs
+on every call, so it only compares cached facts: each container still holds the very objects it
+was bound with, and each leaf still has its data pointer, shape, strides and dtype. `overlaps(t)`
+says whether an input shares a byte with a leaf, from sizes and strides (rule 2.4).
+
+Cost: the data pointers are compared on every call; shapes, strides and dtypes only when a
+leaf's version counter moved. Every in-place op bumps it (set_, resize_, t_, as_strided_, and
+value writes too), so a graph replay, which runs no Python op, leaves it alone and the check
+stays at two cached lists. The one change it cannot see is `t.data = u` with u at the same
+address (a re-typed or re-shaped view of t's own memory): the runner then still reads the very
+bytes t holds. Inference tensors have no version counter: their leaves are checked in full.
+"""
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import math
+from dataclasses import dataclass
+from itertools import accumulate
+from operator import attrgetter, is_
 from typing import Mapping
 
 import torch
+import torch.utils._pytree as pytree
 
-from .errors import ContractTypeError, ContractValueError, StateStorageError, where
+from .errors import ContractTypeError, ContractValueError, StateStorageError, mismatch, where
 from .program import Program
 
+_T = torch.Tensor
+_dtype = attrgetter("dtype")
+_version = attrgetter("_version")
+_is_pytree_leaf = getattr(pytree, "tree_is_leaf", None) or pytree._is_leaf   # public from torch 2.5
+_MISSING = object()   # a dataclass field that is gone
+_UNSET = object()     # not computed yet
 
-def _tensors(value) -> list[torch.Tensor]:
-    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+def _versions(tensors: list[torch.Tensor]) -> list[int] | None:
+    try:
+        return list(map(_version, tensors))
+    except RuntimeError:                        # an inference tensor: no version counter
+        return None
 
 
-def _signature(t: torch.Tensor) -> tuple:
-    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+# ---- containers a state value may be made of --------------------------------------------------
+class _Node:
+    """A container inside a bound value: its path, and the (suffix, child) entries it was bound with."""
+
+    watch = True   # mutable: check() compares it on every call
+
+    def __init__(self, name: str, path: str, obj):
+        self.name, self.path, self.obj = name, path, obj
+        self.bound = self.entries()
+        self.kids = tuple(c for _, c in self.bound)
+
+    def entries(self) -> list[tuple[str, object]]:
+        raise NotImplementedError
+
+    def same(self) -> bool:
+        """Still holds exactly the bound children (fast: identity, no re-flattening)."""
+        now = self.entries()
+        return len(now) == len(self.bound) and all(a == b and c is d for (a, c), (b, d) in zip(now, self.bound))
 
 
+class _List(_Node):
+    def entries(self):
+        return [(f"[{i}]", c) for i, c in enumerate(self.obj)]
+
+    def same(self):
+        obj = self.obj
+        return len(obj) == len(self.kids) and all(map(is_, obj, self.kids))
+
+
+class _Tuple(_List):
+    watch = False  # immutable: its children cannot change (child containers are watched themselves)
+
+
+class _Dict(_Node):
+    def __init__(self, name, path, obj):
+        super().__init__(name, path, obj)
+        self.keys = list(obj)
+
+    def entries(self):
+        return [(f"[{k!r}]", c) for k, c in self.obj.items()]
+
+    def same(self):
+        obj = self.obj
+        return len(obj) == len(self.kids) and all(map(is_, obj.values(), self.kids)) and list(obj) == self.keys
+
+
+class _Fields(_Node):
+    """A dataclass instance not registered with torch's pytree: its fields are its children."""
+
+    def __init__(self, name, path, obj):
+        self.fields = [f.name for f in dataclasses.fields(obj)]
+        super().__init__(name, path, obj)
+
+    def entries(self):
+        return [(f".{f}", getattr(self.obj, f, _MISSING)) for f in self.fields]
+
+    def same(self):
+        obj = self.obj
+        return all(getattr(obj, f, _MISSING) is k for f, k in zip(self.fields, self.kids))
+
+
+class _Tree(_Node):
+    """A node registered with torch.utils._pytree (namedtuple, deque, a user's class): one level."""
+
+    def __init__(self, name, path, obj):
+        self.watch = not isinstance(obj, tuple)   # namedtuple, structseq: immutable
+        super().__init__(name, path, obj)
+
+    def entries(self):
+        obj = self.obj
+        flat, _ = pytree.tree_flatten_with_path(obj, is_leaf=lambda c: c is not obj)
+        return [(pytree.keystr(kp), c) for kp, c in flat]
+
+
+def _container(name: str, path: str, value) -> _Node | None:
+    if isinstance(value, list):
+        return _List(name, path, value)
+    if type(value) is tuple:
+        return _Tuple(name, path, value)
+    if isinstance(value, dict):
+        return _Dict(name, path, value)
+    if not _is_pytree_leaf(value):
+        return _Tree(name, path, value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _Fields(name, path, value)
+    return None
+
+
+def _walk(program: str, name: str, path: str, value, leaves: list, nodes: list, ancestors: set) -> None:
+    """Leaves (name, label, tensor) and watched containers of one state value, depth first."""
+    if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided:
+            raise ContractTypeError(mismatch(program, name, f"tensor {path}", "strided (dense)", str(value.layout), kind="state"))
+        leaves.append((name, path, value))
+        return
+    node = _container(name, path, value)
+    if node is None:
+        got = f"{type(value).__name__} {value!r}"[:80]
+        raise ContractTypeError(mismatch(program, name, f"every leaf (here {path})",
+                                         "a torch.Tensor: state is a tensor or a pytree of tensors", got, kind="state"))
+    if id(value) in ancestors:
+        raise ContractTypeError(mismatch(program, name, f"{path}", "a tree (no container inside itself)",
+                                         f"a {type(value).__name__} that contains itself", kind="state"))
+    if node.watch:
+        nodes.append(node)
+    ancestors.add(id(value))
+    for suffix, child in node.bound:
+        _walk(program, name, path + suffix, child, leaves, nodes, ancestors)
+    ancestors.discard(id(value))
+
+
+def _element(name: str, label: str) -> str:
+    return "" if label == name else f", element {label}"
+
+
+def _structure_change(node: _Node) -> str:
+    """What changed in a container since bind: removed, added and replaced children, by path."""
+    try:
+        now = dict(node.entries())
+    except Exception as e:  # a container the caller broke (a field deleted, ...)
+        return f"{node.path} can no longer be read ({type(e).__name__}: {e})"
+    bound = dict(node.bound)
+    parts = [f"{node.path}{s} was removed" for s in bound if s not in now]
+    parts += [f"{node.path}{s} was added" for s in now if s not in bound]
+    parts += [f"{node.path}{s} was replaced by another object" for s in bound if s in now and now[s] is not bound[s]]
+    return "; ".join(parts) or f"{node.path} changed"
+
+
+# ---- memory a tensor touches --------------------------------------------------------------------
+_MAX_RUNS = 1 << 22   # runs listed per tensor by the exact overlap test; past it, overlap is assumed
+
+
+def byte_span(t: torch.Tensor) -> tuple[int, int] | None:
+    """[first byte, last byte + 1) of t's elements, from sizes and strides; None when t is empty."""
+    if t.numel() == 0:
+        return None
+    lo = t.data_ptr()
+    if t.is_contiguous():
+        return lo, lo + t.numel() * t.element_size()
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return lo, lo + (last + 1) * t.element_size()
+
+
+def _runs(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """t's bytes as sorted run starts (int64, CPU) of `length` bytes each; None when too many runs.
+
+    Dims by increasing stride: one whose stride equals the run so far lengthens the dense run; the
+    rest are enumerated. Broadcast (stride 0) and size-1 dims touch no further byte: dropped.
+    """
+    dims = sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1 and s != 0)
+    run = 1
+    while dims and dims[0][0] == run:
+        run *= dims.pop(0)[1]
+    if math.prod(n for _, n in dims) > _MAX_RUNS:
+        return None
+    cpu = torch.device("cpu")                                # metadata only: never the default device
+    starts = torch.zeros(1, dtype=torch.int64, device=cpu)   # [n_runs] element offsets
+    for s, n in dims:
+        starts = (starts[:, None] + torch.arange(n, dtype=torch.int64, device=cpu) * s).flatten()
+    size = t.element_size()
+    return torch.sort(starts).values * size + t.data_ptr(), run * size
+
+
+def _share_a_byte(a: tuple[torch.Tensor, int] | None, b: tuple[torch.Tensor, int] | None) -> bool:
+    """Whether a run of a and a run of b share a byte (runs from `_runs`; None: assume they do)."""
+    if a is None or b is None:
+        return True
+    (sa, la), (sb, lb) = a, b
+    # for each run [x, x+la) of a: the first run [y, y+lb) of b ending after x; it overlaps iff y < x+la
+    i = torch.searchsorted(sb, sa - lb, right=True)
+    y = sb[i.clamp(max=len(sb) - 1)]
+    return bool(((i < len(sb)) & (y < sa + la)).any())
+
+
+@dataclass(frozen=True)
+class _Span:
+    lo: int
+    hi: int
+    label: str
+    device: torch.device
+    tensor: torch.Tensor
+
+
+# ---- the bound state ------------------------------------------------------------------------------
 class BoundState:
-    """The state a runner was compiled with; `check()` raises if any tensor's storage changed."""
+    """The state a runner was compiled with; `check()` raises if any storage or structure changed.
+
+    `values`: each state name's object as given (the body sees it). `specs`: the pg.State of each
+    state name and of each leaf label, so a finding's label ("kv[3]") finds its sinks.
+    """
 
     def __init__(self, program: Program, state: Mapping[str, object] | None):
         state = dict(state or {})
@@ -27,60 +241,123 @@ class BoundState:
         if declared != given:
             raise ContractValueError(
                 f"{where(program.name)}: state must bind exactly {sorted(declared)}; "
-                f"missing {sorted(declared - given)}, unknown {sorted(given - declared)}")
+                f"missing {sorted(declared - given)}, unknown {sorted(given - declared, key=repr)}")
+        leaves, nodes = [], []
         for name, value in state.items():
-            for t in _tensors(value):
-                if not isinstance(t, torch.Tensor):
-                    raise ContractTypeError(
-                        f"{where(program.name, name, 'state')}: must be a tensor or a list of tensors, got {type(t).__name__}")
+            _walk(program.name, name, name, value, leaves, nodes, set())
         self.program = program.name
-        self.specs = dict(program.state)
         self.values = state
-        self._flat = [(name, t) for name, v in state.items() for t in _tensors(v)]
-        self._sigs = [_signature(t) for _, t in self._flat]
-        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), n, t.device)
-                       for n, t in self._flat)
-        self._ranges = spans
-        self._starts = [s[0] for s in spans]
-        # ranges that contain a later range's start break the sorted early exit: check them all
-        self._long = [s for i, s in enumerate(spans) if any(o[0] < s[1] for o in spans[i + 1:])]
+        self.specs = dict(program.state)
+        self.specs.update((label, program.state[name]) for name, label, _ in leaves)
+        _check_sinks(program, leaves)
+        self._names = [name for name, _, _ in leaves]
+        self._labels = [label for _, label, _ in leaves]
+        self._tensors = [t for _, _, t in leaves]
+        self._watch = nodes
+        L = self._tensors
+        self._ptrs, self._sizes = list(map(_T.data_ptr, L)), list(map(_T.size, L))
+        self._strides, self._dtypes = list(map(_T.stride, L)), list(map(_dtype, L))
+        self._versions = _versions(L)          # None when a leaf keeps no version counter
+        self._index_spans()
 
+    # ---- rule 7.2: storage and structure stay as bound ----------------------------------------
     def check(self) -> None:
-        for (name, t), sig in zip(self._flat, self._sigs):
-            if _signature(t) != sig:
+        for node in self._watch:
+            if not node.same():
                 raise StateStorageError(
-                    f"{where(self.program, name, 'state')}: storage must stay as bound "
-                    f"(data_ptr, shape, stride, dtype = {sig}), got {_signature(t)}; a resize, set_() "
-                    f"or re-allocation would make the runner read stale memory. Re-compile with the new tensor.")
+                    f"{where(self.program, node.name, 'state')}: the structure bound at compile must stay "
+                    f"(the same containers holding the same tensors), got: {_structure_change(node)}. A runner "
+                    f"keeps reading the tensors it was bound with; re-compile with the new structure.")
+        L = self._tensors
+        if list(map(_T.data_ptr, L)) != self._ptrs:
+            raise self._storage_error()
+        if self._versions is not None:
+            now = list(map(_version, L))
+            if now == self._versions:
+                return                         # no in-place op since the last full check
+        if (list(map(_T.size, L)) != self._sizes or list(map(_T.stride, L)) != self._strides
+                or list(map(_dtype, L)) != self._dtypes):
+            raise self._storage_error()
+        if self._versions is not None:
+            self._versions = now
+
+    def _storage_error(self) -> StateStorageError:
+        for i, t in enumerate(self._tensors):
+            was = (self._ptrs[i], tuple(self._sizes[i]), self._strides[i], self._dtypes[i])
+            now = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+            if now != was:
+                name, label = self._names[i], self._labels[i]
+                return StateStorageError(
+                    f"{where(self.program, name, 'state')}{_element(name, label)}: storage must stay as bound "
+                    f"(data_ptr, shape, stride, dtype = {was}), got {now}; a resize, set_() or re-allocation "
+                    f"would make the runner read stale memory. Re-compile with the new tensor.")
+        return StateStorageError(f"{where(self.program)}: bound state changed")  # unreachable: check() saw a change
 
     def device(self) -> torch.device | None:
-        return self._flat[0][1].device if self._flat else None
+        return self._tensors[0].device if self._tensors else None
+
+    # ---- rule 2.4: inputs share no byte with state ---------------------------------------------
+    def _index_spans(self) -> None:
+        spans = []
+        for label, t in zip(self._labels, self._tensors):
+            span = byte_span(t) if t.device.type != "meta" else None
+            if span is not None:
+                spans.append(_Span(span[0], span[1], label, t.device, t))
+        spans.sort(key=lambda s: s.lo)
+        self._spans = spans
+        self._starts = [s.lo for s in spans]
+        self._reach = list(accumulate((s.hi for s in spans), max))   # [i]: highest end in spans[:i + 1]
+        self._runs: dict[int, object] = {}   # span index -> its runs, listed on first need
 
     def overlaps(self, t: torch.Tensor) -> str | None:
-        """Name of a state tensor whose memory overlaps t's, if any (bisect over sorted ranges)."""
-        if not self._ranges:
+        """Label of a state tensor sharing a byte with t, if any.
+
+        Bisect over the leaves' true byte spans (sizes and strides); only where spans intersect
+        are the bytes compared exactly, so a strided or expanded input beside state passes.
+        """
+        span = byte_span(t) if self._spans else None
+        if span is None:
             return None
-        lo = t.data_ptr()
-        hi = lo + t.numel() * t.element_size()
-        i = bisect.bisect_right(self._starts, hi - 1) - 1
-        while i >= 0:
-            start, end, name, dev = self._ranges[i]
-            if end <= lo:
-                break  # sorted by start; earlier ranges may still be long, checked below
-            if dev == t.device and start < hi:
-                return name
+        lo, hi = span
+        i = bisect.bisect_left(self._starts, hi) - 1      # spans that start before t ends
+        mine = _UNSET
+        while i >= 0 and self._reach[i] > lo:
+            s = self._spans[i]
+            if s.hi > lo and s.device == t.device:
+                mine = _runs(t) if mine is _UNSET else mine
+                if _share_a_byte(mine, self._state_runs(i)):
+                    return s.label
             i -= 1
-        for start, end, name, dev in self._long:
-            if dev == t.device and start < hi and lo < end:
-                return name
         return None
 
+    def _state_runs(self, i: int):
+        if i not in self._runs:
+            self._runs[i] = _runs(self._spans[i].tensor)
+        return self._runs[i]
+
+    # ---- for pg.check ----------------------------------------------------------------------------
     def snapshot(self) -> list[torch.Tensor]:
-        return [t.clone() for _, t in self._flat]
+        return [t.clone() for t in self._tensors]
 
     def restore(self, snap: list[torch.Tensor]) -> None:
-        for (_, t), s in zip(self._flat, snap):
+        for t, s in zip(self._tensors, snap):
             t.copy_(s)
 
     def named(self) -> list[tuple[str, torch.Tensor]]:
-        return list(self._flat)
+        """(label, tensor) of every leaf: "kv" for a tensor, "kv[3]", "cache.key_cache[1]" inside one."""
+        return list(zip(self._labels, self._tensors))
+
+
+def _check_sinks(program: Program, leaves) -> None:
+    """Every sink row exists in dim 0 of every tensor of its state."""
+    for name, label, t in leaves:
+        rows = program.state[name].sink_rows
+        if not rows:
+            continue
+        if t.dim() == 0:
+            raise ContractValueError(mismatch(program.name, name, f"sink rows {list(rows)}",
+                                              f"rows of dim 0, but {label} is 0-d", "a 0-d tensor", kind="state"))
+        if max(rows) >= t.shape[0]:
+            raise ContractValueError(mismatch(
+                program.name, name, "sink rows", f"< dim 0 of every bound tensor ({t.shape[0]} for {label}, "
+                f"shape {tuple(t.shape)})", list(rows), kind="state"))

@@ -5,6 +5,8 @@ from typing import Mapping
 
 import torch
 
+from .errors import ContractAttributeError, ContractKeyError
+
 
 class PaddedView:
     """`x.<input>` padded static tensors, `x.<state>` bound state, `x.bucket`, `x.extent(axis)`."""
@@ -22,19 +24,25 @@ class PaddedView:
         try:
             return self._buffers[name]
         except KeyError:
-            raise AttributeError(
-                f"program {self.program!r}: the padded view has no buffer {name!r}; "
-                f"it has {sorted(self._buffers)}") from None
+            raise ContractAttributeError(self._no_buffer(name)) from None
 
     def __getitem__(self, name: str):
-        return self._buffers[name]
+        try:
+            return self._buffers[name]
+        except KeyError:
+            raise ContractKeyError(self._no_buffer(name)) from None
+
+    def _no_buffer(self, name) -> str:
+        return (f"program {self.program!r}: the padded view's buffer must be one of {sorted(self._buffers)}, "
+                f"got {name!r}")
 
     def extent(self, axis: str) -> torch.Tensor:
         """The raw extent of `axis` as a 0-d int32 device tensor (written on every call)."""
         try:
             return self._extents[axis]
         except KeyError:
-            raise KeyError(f"program {self.program!r}: no axis {axis!r}; axes are {sorted(self._extents)}") from None
+            raise ContractKeyError(f"program {self.program!r}: x.extent(axis) must name one of the axes "
+                                   f"{sorted(self._extents)}, got {axis!r}") from None
 
     def __repr__(self) -> str:
         return f"PaddedView({self.program!r}, bucket={self.bucket}, buffers={sorted(self._buffers)})"

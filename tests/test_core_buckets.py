@@ -11,10 +11,23 @@ def test_explicit_and_multiple_of():
     assert list(pg.Buckets((3,))) == [3]
 
 
-@pytest.mark.parametrize("sizes", [[], [0], [-2, 1], [1, 1], [2, 1], [1.0], [True], ["2"]])
+@pytest.mark.parametrize("sizes", [[], [0], [-2, 1], [1, 1], [2, 1], [1.0], [True], ["2"], 5, None])
 def test_invalid(sizes):
-    with pytest.raises(ValueError):
+    with pytest.raises(pg.ContractValueError):     # a ValueError (SPEC 3.3) and a ContractError
         pg.Buckets(sizes)
+
+
+@pytest.mark.parametrize("multiple_of", [0, -8, 8.0, True, "8"])
+def test_invalid_multiple_of(multiple_of):
+    with pytest.raises(pg.ContractValueError, match="multiple_of must be an int >= 1"):
+        pg.Buckets([8, 16], multiple_of=multiple_of)
+
+
+@pytest.mark.parametrize("make", [lambda m: pg.Buckets.pow2(m), lambda m: pg.Buckets.default(m)], ids=["pow2", "default"])
+@pytest.mark.parametrize("max_size", [0, -1, 2.5, True, None])
+def test_invalid_max_size(make, max_size):
+    with pytest.raises(pg.ContractValueError, match=f"max_size must be an int >= 1, got {max_size!r}"):
+        make(max_size)
 
 
 def test_pow2():
@@ -23,6 +36,7 @@ def test_pow2():
     assert list(pg.Buckets.pow2(100)) == [1, 2, 4, 8, 16, 32, 64]
     with pytest.raises(ValueError):
         pg.Buckets.pow2(0)
+    assert list(pg.Buckets.pow2(5)) == [1, 2, 4]
 
 
 def test_default_ladder_is_sglang_like():

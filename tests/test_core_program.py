@@ -43,10 +43,12 @@ def test_pads():
     assert as_pad(1) == pg.Fill(1) and as_pad(0.5) == pg.Fill(0.5) and as_pad(True) == pg.Fill(True)
     assert as_pad(None) is None and as_pad(pg.Edge()) == pg.Edge()
     assert repr(pg.Fill(float("nan"))) == "Fill(nan)"
-    with pytest.raises(TypeError):
-        as_pad("zero")
-    with pytest.raises(TypeError):
-        pg.Fill("x")
+    # a policy is plain data: a bad one is kept as given, for pg.Program to reject naming the input
+    assert as_pad("zero") == "zero" and pg.Fill("x").value == "x" and pg.Edge(None).default is None
+    with pytest.raises(pg.ContractTypeError, match="'bad'.*'a'.*'zero'"):
+        pg.Program("bad", inputs={"a": pg.Input((bs,), torch.int64, pad="zero")})
+    with pytest.raises(pg.ContractTypeError, match="'bad'.*'a'.*'x'"):
+        pg.Program("bad", inputs={"a": pg.Input((bs,), torch.int64, pad=pg.Fill("x"))})
 
 
 def _prog(**kw):

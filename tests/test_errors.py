@@ -73,10 +73,12 @@ def test_compile_errors(call, err, parts):
 
 def test_view_and_outputs_name_what_exists():
     def body(x):
-        with pytest.raises(AttributeError, match="'c'.*'nope'"):
+        with pytest.raises(pg.ContractAttributeError, match="'c'.*'nope'"):
             x.nope
-        with pytest.raises(KeyError, match="'tok'"):
+        with pytest.raises(pg.ContractKeyError, match="'c'.*'tok'"):
             x.extent("tok")
+        with pytest.raises(KeyError, match="'c'.*'tok'"):      # still a KeyError for callers
+            x["tok"]
         return {"y": x.a * 1}
 
     out = compile_ref(_prog(), body)(a=torch.ones(2, dtype=torch.int64))
