@@ -170,6 +170,7 @@ class _State:
     tensors: tuple
     sinks: tuple      # set of sink rows per tensor
     poison: tuple     # bool per tensor: floating-point data, filled with POISON in view 2
+    rows: tuple = ()  # bool per tensor: batch-ordered (pg.State(rows=bs)): padded lanes own [n, size)
 
     @classmethod
     def of(cls, st) -> "_State":
@@ -178,7 +179,13 @@ class _State:
         labels = tuple(_labels(named))
         sinks = tuple(set(st.specs[_state_name(lb)].sink_rows) for lb in labels)
         poison = tuple((t.is_floating_point() or t.is_complex()) and t.numel() > 0 for t in tensors)
-        return cls(labels, tensors, sinks, poison)
+        rows = tuple(st.specs[_state_name(lb)].rows is not None for lb in labels)
+        return cls(labels, tensors, sinks, poison, rows)
+
+    def allowed(self, ext: Mapping, size: int, axis: str) -> list[set[int]]:
+        """Rows padded lanes may write at `size`: sinks, and [n, size) of batch-ordered state."""
+        own = set(range(ext[axis], size))
+        return [s | own if r else s for s, r in zip(self.sinks, self.rows)]
 
     def snapshot(self) -> list[torch.Tensor]:
         return [t.clone() for t in self.tensors]
@@ -238,7 +245,7 @@ def _exact_run(runner: ReferenceRunner, raw: Mapping[str, torch.Tensor], ext: Ma
     plan, name = runner.plan, runner.program.name
     device = runner.device or next(iter(raw.values())).device
     buffers: dict[str, object] = {n: raw[n].to(device).clone() for n in runner.program.inputs}
-    buffers.update(runner.state.values)
+    buffers.update(runner.state.at(ext[plan.bucket_axis]))
     extents = {a: torch.tensor(n, dtype=torch.int32, device=device) for a, n in ext.items()}
     x = PaddedView(name, ext[plan.bucket_axis], buffers, extents)
     if runner.prepare is not None:
@@ -403,7 +410,8 @@ def _compare(ctx: _Ctx, kind: str, base: _Seen, seen: _Seen, ext, size, trial, r
         ok, how = _same(base.outs[name], seen.outs[name], rtol, atol)
         if not ok:
             ctx.add(kind, f"output {name!r}", f"raw lanes differ from {what}: {how}", ext, size, trial)
-    for label, sinks, ref, t, skip in zip(ctx.state.labels, ctx.state.sinks, base.state, seen.state, stray):
+    allowed = ctx.state.allowed(ext, size, ctx.runner.plan.bucket_axis)
+    for label, sinks, ref, t, skip in zip(ctx.state.labels, allowed, base.state, seen.state, stray):
         ok, how = _same(_drop_rows(ref, sinks | skip), _drop_rows(t, sinks | skip), rtol, atol)
         if not ok:
             k = "state-leakage" if kind == "pad-leakage" else kind
@@ -422,11 +430,13 @@ def _drop_rows(t: torch.Tensor, rows: set[int]) -> torch.Tensor:
 def _state_writes(ctx: _Ctx, targets: list, written: list, ext, size, trial) -> list[set[int]]:
     """Report rows written that are neither targets of the exact run nor sinks; returns them."""
     stray = []
-    for label, sinks, target, rows in zip(ctx.state.labels, ctx.state.sinks, targets, written):
+    allowed = ctx.state.allowed(ext, size, ctx.runner.plan.bucket_axis)
+    for label, sinks, target, rows in zip(ctx.state.labels, allowed, targets, written):
         extra = rows - target - sinks
         stray.append(extra)
         if extra:
             ctx.add("state-write", f"state {label!r}",
-                    f"rows {_rows(sorted(extra))} written that are neither a raw lane's target nor a sink",
+                    f"rows {_rows(sorted(extra))} written that are neither a raw lane's target nor a sink"
+                    + (" nor a padded lane's own row" if any(ctx.state.rows) else ""),
                     ext, size, trial, sorted(extra))
     return stray

@@ -64,11 +64,11 @@ class TracedView:
 class CompiledBody:
     """Callable like the body (takes the padded view); counts inductor's compilations."""
 
-    def __init__(self, program: Program, body: Callable, spec, stats):
+    def __init__(self, program: Program, body: Callable, spec, stats, state=None):
         import torch._dynamo  # noqa: F401  (local: plain runners never import dynamo)
         opts = _options(program, spec)
         patches = opts.pop("patches")
-        self.program, self.stats = program, stats
+        self.program, self.stats, self.state = program, stats, state
         self._dims = {n: [d for d, _ in padded_dims(s.shape)] for n, s in program.inputs.items()}
         self._inputs = tuple(program.inputs)
         bucket_of = _bucket_of(program)
@@ -92,6 +92,9 @@ class CompiledBody:
         for n, dims in self._dims.items():
             for d in dims:
                 torch._dynamo.maybe_mark_dynamic(inputs[n], d)
+        if self.state is not None:        # batch-ordered state: dim 0 follows the bucket
+            for t in self.state.row_leaves(x.bucket):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
         state = {n: x[n] for n in self.program.state}
         extents = {a.name: x.extent(a.name) for a in self.program.axes}
         out = self._fn(inputs, state, extents)

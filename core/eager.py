@@ -18,7 +18,7 @@ def make_view(runner, size: int, raw: Mapping[str, torch.Tensor], ext: Mapping[s
     """Fresh dense padded tensors of every input at `size`, bound state, and device extents."""
     table = runner.plan.pack_table(size)
     buffers: dict[str, object] = {e.name: padded(e, raw[e.name], ext, device) for e in table.entries}
-    buffers.update(runner.state.values)
+    buffers.update(runner.state.at(size))
     extents = {a: torch.tensor(ext[a], dtype=torch.int32, device=device) for a in table.axes}
     return PaddedView(runner.program.name, size, buffers, extents)
 

@@ -62,9 +62,19 @@ class State:
 
     `sink`: the row(s) of dim 0 that padded lanes may write (slot 0, request row 0), or None.
     Checked by Program (ints >= 0) and at bind time (< dim 0 of every bound tensor).
+    `rows`: the bucketed axis, for batch-ordered state (a model's own cache with one row per
+    request): dim 0 of every leaf follows that axis, raw lane i owns row i, padded lanes own rows
+    [n, bucket), and the body sees every leaf cut to rows [0, bucket) (the structure rebuilt
+    around those views, once per bucket).
+    `flatten` / `unflatten`: for an object torch's pytree does not know (e.g. a library's cache
+    class): flatten(obj) -> (list of tensors, context); unflatten(tensors, context) -> an object
+    of the same kind over those tensors.
     """
 
     sink: int | tuple[int, ...] | None = None
+    rows: object = None
+    flatten: object = None
+    unflatten: object = None
 
     def __post_init__(self):
         if isinstance(self.sink, list):
@@ -123,7 +133,7 @@ class Program:
         for n, s in self.outputs.items():
             lines.append(f"  out   {n:<18} {_fmt(s.shape):<18} {s.dtype}")
         for n, s in self.state.items():
-            lines.append(f"  state {n:<18} sink={s.sink!r}")
+            lines.append(f"  state {n:<18} " + (f"rows={s.rows.name}" if s.rows is not None else f"sink={s.sink!r}"))
         return "\n".join(lines)
 
 
@@ -163,6 +173,10 @@ def _validate(p: Program) -> None:
     for n, s in p.state.items():
         _validate_state(p, n, s)
     _validate_axes(p)
+    for n, s in p.state.items():
+        if s.rows is not None and s.rows is not p.bucket_axis:
+            raise ContractValueError(mismatch(p.name, n, "rows", f"the program's bucketed axis {p.bucket_axis.name!r}",
+                                              repr(s.rows), kind="state"))
 
 
 def _validate_names(p: Program) -> None:
@@ -216,6 +230,16 @@ def _validate_state(p: Program, n: str, s) -> None:
                                              f"{s.sink!r} ({type(row).__name__} {row!r})", kind="state"))
         if row < 0:
             raise ContractValueError(mismatch(p.name, n, "sink rows", ">= 0 (rows of dim 0)", repr(s.sink), kind="state"))
+    if s.rows is not None:
+        if not isinstance(s.rows, Axis) or not s.rows.bucketed:
+            raise ContractValueError(mismatch(p.name, n, "rows", "the bucketed axis (an Axis without capacity)",
+                                              repr(s.rows), kind="state"))
+        if s.sink is not None:
+            raise ContractValueError(mismatch(p.name, n, "sink with rows=", "None (padded lanes of a batch-ordered "
+                                              "state own rows [n, bucket); they need no sink)", repr(s.sink), kind="state"))
+    if (s.flatten is None) != (s.unflatten is None) or not all(f is None or callable(f) for f in (s.flatten, s.unflatten)):
+        raise ContractTypeError(mismatch(p.name, n, "flatten / unflatten", "both callables or both None",
+                                         f"{s.flatten!r} / {s.unflatten!r}", kind="state"))
 
 
 def _validate_axes(p: Program) -> None:

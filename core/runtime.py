@@ -17,7 +17,7 @@ from typing import Callable, Mapping
 import torch
 
 from .eager import run_padded
-from .errors import ContractRuntimeError, ContractTypeError, ContractValueError, mismatch, where
+from .errors import ContractAttributeError, ContractRuntimeError, ContractTypeError, ContractValueError, mismatch, where
 from .plan import Plan
 from .program import Program, padded_dims
 from .state import BoundState
@@ -32,7 +32,7 @@ class Outputs(dict):
         try:
             return self[name]
         except KeyError:
-            raise AttributeError(f"no output {name!r}; outputs are {sorted(self)}") from None
+            raise ContractAttributeError(f"no output {name!r}: outputs must be one of {sorted(self)}, got {name!r}") from None
 
 
 @dataclass
@@ -101,7 +101,7 @@ class Runner:
         self.stats = Stats()
         if torch_compile:
             from .compiled import CompiledBody   # local: plain runners never import dynamo
-            self.body = CompiledBody(program, body, torch_compile, self.stats)
+            self.body = CompiledBody(program, body, torch_compile, self.stats, self.state)
         self._warned_overflow = False
         self._out_dims = {n: [d for d, _ in padded_dims(s.shape)] for n, s in program.outputs.items()}
         # output -> ((dim, axis name, affine), ...): slicing without re-deriving shapes per call

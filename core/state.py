@@ -118,6 +118,18 @@ class _Tree(_Node):
         return [(pytree.keystr(kp), c) for kp, c in flat]
 
 
+class _Custom(_Node):
+    """An object with a user's flatten/unflatten pair (pg.State(flatten=, unflatten=))."""
+
+    def __init__(self, name, path, obj, flatten):
+        self.flatten = flatten
+        super().__init__(name, path, obj)
+
+    def entries(self):
+        leaves, _ = self.flatten(self.obj)
+        return [(f"[{i}]", c) for i, c in enumerate(leaves)]
+
+
 def _container(name: str, path: str, value) -> _Node | None:
     if isinstance(value, list):
         return _List(name, path, value)
@@ -132,8 +144,18 @@ def _container(name: str, path: str, value) -> _Node | None:
     return None
 
 
-def _walk(program: str, name: str, path: str, value, leaves: list, nodes: list, ancestors: set) -> None:
+def _walk(program: str, name: str, path: str, value, leaves: list, nodes: list, ancestors: set,
+          flatten=None) -> None:
     """Leaves (name, label, tensor) and watched containers of one state value, depth first."""
+    if flatten is not None:
+        node = _Custom(name, path, value, flatten)
+        nodes.append(node)
+        for suffix, child in node.bound:
+            if not isinstance(child, torch.Tensor):
+                raise ContractTypeError(mismatch(program, name, f"every leaf flatten() gives (here {path}{suffix})",
+                                                 "a torch.Tensor", type(child).__name__, kind="state"))
+            leaves.append((name, path + suffix, child))
+        return
     if isinstance(value, torch.Tensor):
         if value.layout != torch.strided:
             raise ContractTypeError(mismatch(program, name, f"tensor {path}", "strided (dense)", str(value.layout), kind="state"))
@@ -244,12 +266,15 @@ class BoundState:
                 f"missing {sorted(declared - given)}, unknown {sorted(given - declared, key=repr)}")
         leaves, nodes = [], []
         for name, value in state.items():
-            _walk(program.name, name, name, value, leaves, nodes, set())
+            _walk(program.name, name, name, value, leaves, nodes, set(), program.state[name].flatten)
         self.program = program.name
         self.values = state
         self.specs = dict(program.state)
         self.specs.update((label, program.state[name]) for name, label, _ in leaves)
         _check_sinks(program, leaves)
+        _check_rows(program, leaves)
+        self._rows = {n for n, spec in program.state.items() if spec.rows is not None}
+        self._at: dict[int, dict] = {}
         self._names = [name for name, _, _ in leaves]
         self._labels = [label for _, label, _ in leaves]
         self._tensors = [t for _, _, t in leaves]
@@ -335,6 +360,35 @@ class BoundState:
             self._runs[i] = _runs(self._spans[i].tensor)
         return self._runs[i]
 
+    # ---- batch-ordered state (pg.State(rows=bs)) ---------------------------------------------
+    def at(self, size: int) -> Mapping[str, object]:
+        """State values as the body sees them at `size`: batch-ordered ones cut to rows [0, size)
+        (the structure rebuilt around the views, once per size); the others as bound."""
+        got = self._at.get(size)
+        if got is None:
+            if not self._rows:
+                return self.values
+            for name, label, t in zip(self._names, self._labels, self._tensors):
+                if name in self._rows and t.shape[0] < size:
+                    raise ContractValueError(mismatch(self.program, name, f"rows of {label} (batch-ordered state)",
+                                                      f">= the size the body runs at ({size})", t.shape[0], kind="state"))
+            cut = lambda t: t[:size]
+            got = {n: _rebuild(v, cut, self.specs[n]) if n in self._rows else v for n, v in self.values.items()}
+            if len(self._at) < 1024:
+                self._at[size] = got
+        return got
+
+    def row_leaves(self, size: int) -> list[torch.Tensor]:
+        """The leaves of batch-ordered state at `size` (their dim 0 follows the bucketed axis)."""
+        out = []
+        for name in self._rows:
+            _leaves(self.at(size)[name], self.specs[name], out)
+        return out
+
+    def rows_of(self, label: str) -> bool:
+        """Whether the leaf `label` belongs to a batch-ordered state."""
+        return self.specs[label].rows is not None
+
     # ---- for pg.check ----------------------------------------------------------------------------
     def snapshot(self) -> list[torch.Tensor]:
         return [t.clone() for t in self._tensors]
@@ -346,6 +400,44 @@ class BoundState:
     def named(self) -> list[tuple[str, torch.Tensor]]:
         """(label, tensor) of every leaf: "kv" for a tensor, "kv[3]", "cache.key_cache[1]" inside one."""
         return list(zip(self._labels, self._tensors))
+
+
+def _rebuild(value, cut, spec=None):
+    """The same structure with every tensor leaf replaced by cut(leaf)."""
+    if spec is not None and spec.flatten is not None:
+        leaves, ctx = spec.flatten(value)
+        return spec.unflatten([cut(t) for t in leaves], ctx)
+    if isinstance(value, torch.Tensor):
+        return cut(value)
+    if isinstance(value, list):
+        return [_rebuild(v, cut) for v in value]
+    if type(value) is tuple:
+        return tuple(_rebuild(v, cut) for v in value)
+    if type(value) is dict:
+        return {k: _rebuild(v, cut) for k, v in value.items()}
+    if not _is_pytree_leaf(value):
+        kids, tree = pytree.tree_flatten(value, is_leaf=lambda c: c is not value)
+        return pytree.tree_unflatten([_rebuild(k, cut) for k in kids], tree)
+    if dataclasses.is_dataclass(value):
+        return dataclasses.replace(value, **{f.name: _rebuild(getattr(value, f.name), cut)
+                                             for f in dataclasses.fields(value) if f.init})
+    return value
+
+
+def _leaves(value, spec, out: list) -> None:
+    _rebuild(value, lambda t: out.append(t) or t, spec)
+
+
+def _check_rows(program: Program, leaves) -> None:
+    """Every leaf of a batch-ordered state has a row for each lane of the largest bucket."""
+    largest = program.buckets[-1]
+    for name, label, t in leaves:
+        if program.state[name].rows is None:
+            continue
+        if t.dim() == 0 or t.shape[0] < largest:
+            raise ContractValueError(mismatch(
+                program.name, name, f"dim 0 of {label} (batch-ordered: one row per lane of the largest bucket)",
+                f">= {largest}", "0-d" if t.dim() == 0 else f"{t.shape[0]} (shape {tuple(t.shape)})", kind="state"))
 
 
 def _check_sinks(program: Program, leaves) -> None:

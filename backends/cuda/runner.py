@@ -97,7 +97,7 @@ class CudaGraphRunner(Runner):
     # ---- compile -------------------------------------------------------------------------------
     def view(self, bucket: int) -> PaddedView:
         buffers = dict(self.static.views(bucket))
-        buffers.update(self.state.values)
+        buffers.update(self.state.at(bucket))
         return PaddedView(self.program.name, bucket, buffers, self.pack.extents)
 
     def _steps(self) -> Steps:
