@@ -3,9 +3,13 @@
 All variants run side by side in one process on the same body, weights and KV cache:
   eager            the body called at the raw batch size, no graphs
   handwritten      an SGLang-style runner: per-buffer copy_/fill_, bisect, one graph per bucket
-  compile-ro       torch.compile(mode="reduce-overhead") at the raw sizes (its own cudagraphs)
+  compile-ro       torch.compile(mode="reduce-overhead") at the raw sizes (its own cudagraphs), set
+                   up as its users do: the KV pools and the request map are marked static addresses
+                   (what HF's StaticCache and gpt-fast's buffers do), so the graphs may mutate them
+                   in place; every "skipping cudagraphs" reason torch logs is printed and recorded
   padgraph         pg.compile(backend="cuda") with the eager body
-  padgraph+compile pg.compile(backend="cuda") with a torch.compile'd body (no cudagraphs inside)
+  padgraph+compile pg.compile(backend="cuda", torch_compile=True): one compilation of the body for
+                   the whole ladder, inductor's kernels captured in padgraph's graphs
 Per raw batch size: step time (CUDA events, median), host time per call (median), a
 correctness check of next tokens against eager, and the floor: (weight bytes + KV bytes read) /
 measured device-to-device copy bandwidth. For the ladder: capture seconds and pool bytes.
@@ -18,7 +22,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
-import os
 import statistics
 import sys
 import time
@@ -29,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import padgraph as pg  # noqa: E402
-from bench.common import copy_bandwidth, env_info, out_dir  # noqa: E402
+from bench.common import CudagraphSkips, copy_bandwidth, env_info, out_dir  # noqa: E402
 from models.llama import LlamaConfig, LlamaModel  # noqa: E402
 from padgraph.backends.triton.kv import KVCache  # noqa: E402
 
@@ -168,18 +171,26 @@ def build_variants(names, step, program, device):
         setup["padgraph"] = {"capture_seconds": time.perf_counter() - t0, "pool_bytes": r.pool_bytes()}
         variants["padgraph"] = r
     if "padgraph+compile" in names:
-        cstep = torch.compile(step, dynamic=True)          # default mode: no cudagraphs inside
-        def cbody(x):
-            nxt, fin = cstep(x.input_ids, x.positions, x.seq_lens, x.req_pool_indices, x.out_cache_loc,
-                             x.temperature, x.stop_token, x.done)
-            return {"next_token": nxt, "finished": fin}
         t0 = time.perf_counter()
-        r = pg.compile(program, cbody, backend="cuda", progress=False)
-        setup["padgraph+compile"] = {"warmup_seconds": time.perf_counter() - t0, "pool_bytes": r.pool_bytes()}
+        r = pg.compile(program, step.body, backend="cuda", progress=False, torch_compile=True)
+        setup["padgraph+compile"] = {"warmup_seconds": time.perf_counter() - t0, "pool_bytes": r.pool_bytes(),
+                                     "compiles": r.stats.compiles, "recompiles": r.stats.recompiles}
         variants["padgraph+compile"] = r
     if "compile-ro" in names:
         variants["compile-ro"] = torch.compile(step, mode="reduce-overhead")
+        setup["compile-ro"] = {"warmup_seconds": 0.0, "cudagraph_skips": 0, "skip_reasons": []}
     return variants, setup
+
+
+def static_addresses(kv: KVCache) -> None:
+    """Tell dynamo the cache tensors never move, as HF's StaticCache does for its layers.
+
+    reduce-overhead's cudagraphs copy every non-static input into the graph's own buffer before a
+    replay and refuse graphs that mutate one ("skipping cudagraphs due to mutated inputs"); a KV
+    pool written in place each step must therefore be a static address (or a module buffer).
+    """
+    for t in kv.k + kv.v + [kv.req_to_token]:
+        torch._dynamo.mark_static_address(t)
 
 
 def main() -> None:
@@ -198,6 +209,7 @@ def main() -> None:
                  torch.bfloat16, device)
     for t in kv.k + kv.v:
         t.normal_()                                     # never time on zeros
+    static_addresses(kv)                                # as torch.compile users set a cache up
     step = Step(model, kv)
     program = decode_program()
     bw = copy_bandwidth(device)
@@ -218,11 +230,10 @@ def run_all(variants, setup, batches, sizes, iters, cfg, weight_bytes, bw):
         kv_bytes = int(raw["seq_lens"].sum()) * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 2
         floor_us = (weight_bytes + kv_bytes) / bw * 1e6
         for name, fn in variants.items():
-            t0 = time.perf_counter()
-            got = next_tokens(fn(**raw))
-            first = time.perf_counter() - t0
             if name == "compile-ro":
-                setup.setdefault("compile-ro", {"warmup_seconds": 0.0})["warmup_seconds"] += first
+                got = warm_compile_ro(fn, raw, setup["compile-ro"], n)
+            else:
+                got = next_tokens(fn(**raw))
             match = float((got == ref).float().mean())
             step_us, host_us = time_calls(fn, raw, iters)
             rows.append({"bs": n, "variant": name, "step_us": step_us, "host_us": host_us,
@@ -230,6 +241,21 @@ def run_all(variants, setup, batches, sizes, iters, cfg, weight_bytes, bw):
             print(f"bs={n:>3} {name:<17} step {step_us:9.1f} µs  host {host_us:8.1f} µs  "
                   f"floor {floor_us:8.1f} µs  match {match:.3f}", flush=True)
     return rows
+
+
+def warm_compile_ro(fn, raw: dict, setup: dict, n: int) -> torch.Tensor:
+    """First three calls at this size (compile, warm-up, cudagraph record): timed, skips recorded."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with CudagraphSkips() as skips:
+        for _ in range(3):
+            got = next_tokens(fn(**raw)).clone()
+        torch.cuda.synchronize()
+    setup["warmup_seconds"] += time.perf_counter() - t0
+    setup["cudagraph_skips"] += skips.count
+    setup["skip_reasons"] += [r for r in skips.reasons if r not in setup["skip_reasons"]]
+    print(f"bs={n:>3} compile-ro: {skips.summary()}", flush=True)
+    return got
 
 
 def report(rows, setup, names, sizes, bw, weight_bytes, cfg, args):
@@ -249,10 +275,24 @@ def report(rows, setup, names, sizes, bw, weight_bytes, cfg, args):
         ratio = (by[(n, "padgraph")]["step_us"] / by[(n, "handwritten")]["step_us"]
                  if (n, "padgraph") in by and (n, "handwritten") in by else float("nan"))
         lines.append(f"| {n} | {by[(n, names[0])]['floor_us']:.0f} | " + " | ".join(cells) + f" | {ratio:.3f} |")
+    lines += warmup_lines(setup, sizes)
     lines += ["", "setup (capture / warm-up seconds, pool bytes):", "", "```", json.dumps(setup, indent=1), "```"]
     (out / "bench_runner.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(rows, names, sizes, out / "bench_runner.png")
+
+
+def warmup_lines(setup: dict, sizes) -> list[str]:
+    """padgraph+compile's warm-up for its whole ladder against compile-ro's for the measured sizes."""
+    if "padgraph+compile" not in setup or "compile-ro" not in setup:
+        return []
+    pgc, ro = setup["padgraph+compile"], setup["compile-ro"]
+    skips = (f"compile-ro skipped cudagraphs {ro['cudagraph_skips']} time(s): {ro['skip_reasons']}"
+             if ro["cudagraph_skips"] else "compile-ro captured its cudagraphs (no skip logged)")
+    return ["", f"warm-up: padgraph+compile {pgc['warmup_seconds']:.1f} s for the whole ladder "
+            f"({pgc['compiles']} graphs compiled, {pgc['recompiles']} recompiles) vs compile-ro "
+            f"{ro['warmup_seconds']:.1f} s for sizes {list(sizes)}: ratio "
+            f"{pgc['warmup_seconds'] / max(ro['warmup_seconds'], 1e-9):.2f}", "", skips]
 
 
 def plot(rows, names, sizes, path):

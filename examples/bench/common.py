@@ -18,7 +18,8 @@ def out_dir() -> Path:
 
 def env_info(command: str | None = None) -> dict:
     import triton
-    return {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (cpu)"
+    return {"date": datetime.date.today().isoformat(), "gpu": gpu,
             "torch": torch.__version__, "triton": triton.__version__,
             "command": command or " ".join(["python"] + sys.argv)}
 
@@ -39,3 +40,45 @@ def copy_bandwidth(device, n_bytes: int = 2 << 30, iters: int = 20) -> float:
         times.append(start.elapsed_time(end) / 1e3)
     times.sort()
     return 2 * n_bytes / times[len(times) // 2]
+
+
+class CudagraphSkips:
+    """Inductor's "skipping cudagraphs due to …" messages while the block runs (a context manager).
+
+    torch logs each skip on the `cudagraphs` artifact logger and counts it in
+    counters["inductor"]["cudagraph_skips"]; `reasons` holds the messages, `count` the counter's delta.
+    """
+
+    LOGGER = "torch._inductor.cudagraph_utils.__cudagraphs"
+
+    def __init__(self):
+        self.reasons: list[str] = []
+        self.count = 0
+
+    def __enter__(self) -> "CudagraphSkips":
+        import logging
+
+        from torch._dynamo.utils import counters
+        skips = self
+
+        class _Keep(logging.Handler):
+            def emit(self, record):
+                msg = record.getMessage()
+                if "skipping cudagraphs" in msg:
+                    skips.reasons.append(msg)
+
+        self._handler, self._counters = _Keep(), counters
+        self._start = counters["inductor"]["cudagraph_skips"]
+        logging.getLogger(self.LOGGER).addHandler(self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import logging
+        logging.getLogger(self.LOGGER).removeHandler(self._handler)
+        self.count = self._counters["inductor"]["cudagraph_skips"] - self._start
+
+    def summary(self) -> str:
+        if not self.count and not self.reasons:
+            return "cudagraphs captured (no skip logged)"
+        seen = sorted(set(self.reasons)) or ["(no reason logged: torch logs reasons for CUDA graphs only)"]
+        return f"{self.count} cudagraph skip(s): " + " | ".join(seen)
