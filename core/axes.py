@@ -65,8 +65,13 @@ class Axis:
 
     name: str
     capacity: Union[Affine, "Axis", None] = None
+    device_extent: bool = False   # its raw extent may come from a device scalar (runner.call(..., extents=))
 
     def __post_init__(self):
+        if self.device_extent and self.capacity is None:
+            raise ContractValueError(
+                f"Axis {self.name!r}: device_extent=True needs a capacity (the bucket is chosen on the host "
+                f"from the bucketed axis, so that axis's extent must be host-known)")
         if not isinstance(self.name, str):
             raise ContractTypeError(f"Axis name must be a str, got {self.name!r} ({type(self.name).__name__})")
         if not self.name.isidentifier():

@@ -10,6 +10,7 @@ from typing import Mapping
 import torch
 
 from .pack import padded
+from .program import padded_dims
 from .view import PaddedView
 
 
@@ -32,3 +33,33 @@ def run_padded(runner, size: int, raw, ext, device) -> Mapping[str, torch.Tensor
         outs = runner.body(x)
     runner.check_outputs(outs, size)
     return outs
+
+
+def device_axis_dims(program) -> dict[str, tuple]:
+    """output -> ((dim, axis, scale, offset), ...) for its dims along a device-extent axis."""
+    out = {}
+    for name, spec in program.outputs.items():
+        dims = tuple((d, af.axis.name, af.scale, af.offset) for d, af in padded_dims(spec.shape)
+                     if af.axis.device_extent)
+        if dims:
+            out[name] = dims
+    return out
+
+
+def mask_outputs(program, outs: Mapping[str, torch.Tensor], dims: Mapping[str, tuple], extent_of) -> dict:
+    """Output lanes past a device extent hold the output's pad. extent_of(axis): an int (eager:
+    filled in place) or a 0-d device tensor (graph-capturable: a where over the lanes)."""
+    res = dict(outs)
+    for name, along in dims.items():
+        t, pad = res[name], program.outputs[name].pad
+        for d, axis, scale, offset in along:
+            limit = scale * extent_of(axis) + offset
+            if isinstance(limit, int):
+                t.narrow(d, limit, t.shape[d] - limit).fill_(pad)
+                continue
+            shape = [1] * t.dim()
+            shape[d] = t.shape[d]
+            lane = torch.arange(t.shape[d], device=t.device).view(shape)
+            t = torch.where(lane < limit, t, torch.full((), pad, dtype=t.dtype, device=t.device))
+        res[name] = t
+    return res

@@ -50,10 +50,15 @@ class Input:
 
 @dataclass(frozen=True)
 class Output:
-    """A static output; sliced to raw extents along its padded axes after each call."""
+    """A static output; sliced to raw extents along its padded axes after each call.
+
+    `pad`: what its lanes past a device-resident extent hold (`runner.call(..., extents=)`): the
+    host slices to the host-known bound, and lanes between the device extent and it hold `pad`.
+    """
 
     shape: tuple
     dtype: torch.dtype
+    pad: int | float | bool = 0
 
 
 @dataclass(frozen=True)
@@ -170,6 +175,12 @@ def _validate(p: Program) -> None:
         _validate_input(p, n, s)
     for n, s in p.outputs.items():
         _validate_buffer(p, n, s, Output, "output")
+        problem = pad_problem(as_pad(s.pad) if isinstance(s.pad, (bool, int, float)) else s.pad, s.dtype)
+        if problem is None and not isinstance(s.pad, (bool, int, float)):
+            problem = (ContractTypeError, "a number", f"{s.pad!r} ({type(s.pad).__name__})")
+        if problem is not None:
+            cls, expected, got = problem
+            raise cls(mismatch(p.name, n, f"pad {s.pad!r}", expected, got, kind="output"))
     for n, s in p.state.items():
         _validate_state(p, n, s)
     _validate_axes(p)

@@ -124,7 +124,7 @@ def draft_extend_program(steps: int, hidden_size: int, hidden_dtype: torch.dtype
     """
     _check_pos(steps=steps, hidden_size=hidden_size)
     bs = Axis("bs")
-    tokens = Axis("tokens", capacity=bs * (steps + 1))
+    tokens = Axis("tokens", capacity=bs * (steps + 1), device_extent=True)   # verify's packed length, on the GPU
     inputs = {
         "input_ids": Input((tokens,), torch.int64, pad=0),
         "positions": Input((tokens,), torch.int64, pad=0),

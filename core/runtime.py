@@ -16,7 +16,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from .eager import run_padded
+from .eager import device_axis_dims, mask_outputs, run_padded
 from .errors import ContractAttributeError, ContractRuntimeError, ContractTypeError, ContractValueError, mismatch, where
 from .plan import Plan
 from .program import Program, padded_dims
@@ -108,16 +108,35 @@ class Runner:
         self._out_slices = {n: tuple((d, a.axis.name, a) for d, a in padded_dims(s.shape))
                             for n, s in program.outputs.items()}
         self._views: dict[tuple, list] = {}     # (bucket, *extents) -> [(view, shape, stride, ptr)]
+        self._device_dims = device_axis_dims(program)           # outputs along device-extent axes
+        self._in_device_dims = {n: tuple((d, af.axis.name, af.scale, af.offset) for d, af in padded_dims(s.shape)
+                                         if af.axis.device_extent) for n, s in program.inputs.items()}
 
     def __call__(self, **raw: torch.Tensor) -> Outputs:
+        return self.call(raw)
+
+    def call(self, raw: Mapping[str, torch.Tensor], extents: Mapping[str, torch.Tensor] | None = None) -> Outputs:
+        """A call with raw inputs; `extents`: device-resident raw extents of axes declared
+        `device_extent=True` (0-d int32 device tensors, e.g. a previous program's valid length).
+
+        With a device extent the host shapes give the axis's bound (the bucket follows it); lanes
+        past the device extent (clamped into [0, bound]) hold pads, `x.extent` returns it, and
+        output lanes past it hold the output's pad. The cuda backend reads it on the device only.
+        """
         device = self.device
         if device is None or (device.index is None and device.type != "cpu"):
             device = self._resolve_device(raw, device)
         ext = self.plan.extents(raw, device, self.allow_host_inputs)
+        dev = self._device_extents(extents, device) if extents else None
         self.state.check()          # first: a moved state's old range means nothing to aliasing
         self._check_aliasing(raw)
         self.device = device        # only once the call is valid: a rejected call pins nothing
         bucket = self.plan.bucket_for(ext)
+        if dev:
+            outs = self._run_device(bucket, raw, ext, dev) if bucket is not None else self._overflow_device(raw, ext, dev)
+            if bucket is not None:
+                self.stats.record(bucket, ext[self.plan.bucket_axis])
+            return self._finish(outs, ext)
         if bucket is None:
             outs = self._overflow(raw, ext)
         else:
@@ -141,6 +160,59 @@ class Runner:
     def _run_eager(self, size: int, raw, ext) -> Mapping[str, torch.Tensor]:
         """Run the body eagerly at a size off the ladder (overflow). Reference semantics."""
         return run_padded(self, size, raw, ext, self.device)
+
+    def _run_device(self, bucket: int, raw, ext, dev) -> Mapping[str, torch.Tensor]:
+        """A call with device extents, by reading them on the host (one sync): the oracle's way,
+        and any backend's without a device path. Same as a host call with inputs cut to them."""
+        cut_ext, cut = self._cut(raw, ext, dev)
+        outs = self._run(bucket, cut, cut_ext)
+        return mask_outputs(self.program, outs, self._device_dims, cut_ext.__getitem__)
+
+    def _overflow_device(self, raw, ext, dev) -> Mapping[str, torch.Tensor]:
+        cut_ext, cut = self._cut(raw, ext, dev)
+        outs = self._overflow(cut, cut_ext)
+        size = self.plan.fit(ext)
+        padded = {}
+        for name, t in outs.items():       # back to the bound's length along device axes
+            shape = list(self.plan.shape(name, size))
+            full = torch.full(shape, self.program.outputs[name].pad, dtype=t.dtype, device=t.device)
+            region = full
+            for d, n in enumerate(t.shape):
+                region = region.narrow(d, 0, n)
+            region.copy_(t)
+            padded[name] = full
+        return padded
+
+    def _cut(self, raw, ext, dev):
+        """Extents with the device ones read and clamped, and the inputs cut to them."""
+        cut_ext = dict(ext)
+        for axis, t in dev.items():
+            cut_ext[axis] = min(max(int(t), 0), ext[axis])
+        cut = {}
+        for name, t in raw.items():
+            for d, axis, scale, offset in self._in_device_dims.get(name, ()):
+                t = t.narrow(d, 0, scale * cut_ext[axis] + offset)
+            cut[name] = t
+        return cut_ext, cut
+
+    def _device_extents(self, extents: Mapping, device) -> dict:
+        """Validated device extents: axes declared device_extent=True, 0-d int32 tensors on the device."""
+        if not isinstance(extents, Mapping):
+            raise ContractTypeError(mismatch(self.program.name, None, "extents", "a mapping axis -> 0-d int32 tensor",
+                                             type(extents).__name__))
+        allowed = {a.name for a in self.plan.axes if a.device_extent}
+        out = {}
+        for axis, t in extents.items():
+            if axis not in allowed:
+                raise ContractValueError(mismatch(self.program.name, None, f"device extent axis {axis!r}",
+                                                  f"one declared Axis(..., device_extent=True): {sorted(allowed)}", repr(axis)))
+            if not isinstance(t, torch.Tensor) or t.dim() != 0 or t.dtype != torch.int32 \
+                    or (device is not None and t.device != device):
+                got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ContractValueError(mismatch(self.program.name, None, f"device extent of axis {axis!r}",
+                                                  f"a 0-d torch.int32 tensor on {device}", got))
+            out[axis] = t
+        return out
 
     # ---- shared steps ------------------------------------------------------------------
     def _check_aliasing(self, raw: Mapping[str, torch.Tensor]) -> None:

@@ -410,7 +410,7 @@ class Worker:
         for r in (r for r, d in zip(active, done) if d):
             self.release(r)
         keep = [i for i, d in enumerate(done) if not d]
-        idx = torch.tensor(keep, dtype=torch.long, device=st.rows.device)
+        idx = torch.tensor(keep, dtype=torch.long, pin_memory=st.rows.is_cuda).to(st.rows.device, non_blocking=True)
         return [active[i] for i in keep], st.select(idx)
 
     # ---- prefill (eager) ---------------------------------------------------------------
@@ -451,15 +451,15 @@ class Worker:
                                   seq_lens=st.seq_lens, req_pool_indices=st.rows,
                                   tree_mask=d.tree_mask)
         clock.mark("verify")
-        acc, toks = to_host(v.accept_len, v.out_tokens)
-        clock.mark("host")
-        n = sum(acc)
-        e = self.runner("draft_extend")(
-            input_ids=v.de_input_ids[:n], positions=v.de_positions[:n],
-            out_cache_loc=v.de_out_cache_loc[:n], hidden_states=v.de_hidden[:n],
-            seq_lens=v.de_seq_lens, req_pool_indices=st.rows, accept_lens=v.accept_len,
-            qo_indptr=v.de_qo_indptr)
+        # draft-extend takes verify's packed tokens at their bound; their count stays on the GPU
+        e = self.runner("draft_extend").call(
+            dict(input_ids=v.de_input_ids, positions=v.de_positions, out_cache_loc=v.de_out_cache_loc,
+                 hidden_states=v.de_hidden, seq_lens=v.de_seq_lens, req_pool_indices=st.rows,
+                 accept_lens=v.accept_len, qo_indptr=v.de_qo_indptr),
+            extents={"tokens": v.de_qo_indptr[-1]})
         clock.mark("draft_extend")
+        acc, toks = to_host(v.accept_len, v.out_tokens)   # the round's one readback, after it is queued
+        clock.mark("host")
         nxt = SpecState(rows=st.rows, seq_lens=v.de_seq_lens, verified_id=v.bonus,
                         topk_p=e.topk_p, topk_index=e.topk_index, hidden=e.next_hidden,
                         draft_loc=e.draft_out_cache_loc)

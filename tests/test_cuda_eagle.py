@@ -80,3 +80,43 @@ def test_bf16_cuda_spec_matches_greedy_up_to_ties(oracle):
     assert list(stats.phases) == ["prefill", "draft", "verify", "host", "draft_extend"]
     assert all(t > 0 for t in stats.phases.values()), stats.phases
     assert sum(stats.phases.values()) <= stats.seconds * 1.01 + 1e-4, (stats.phases, stats)
+
+
+def test_spec_rounds_make_no_host_sync_outside_the_one_readback(monkeypatch):
+    """Draft, verify and draft-extend replay back to back: the only sync of a round is its readback."""
+    import spec_decode
+    torch.manual_seed(0)
+    target = LlamaModel(LlamaConfig.tiny(n_layers=2)).cuda().to(torch.bfloat16).eval()
+    head = EagleHead.copy_of_target(target).cuda().to(torch.bfloat16).eval()
+    w = Worker(target, head, SpecConfig(3, 2, 5), backend="cuda", max_bs=4, max_context=64,
+               buckets=pg.Buckets([1, 2, 4]))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, target.cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 9, 3)]
+    with torch.no_grad():
+        w.generate_spec(prompts, [8, 4, 12])             # compile and warm
+    real = spec_decode.to_host
+    readbacks = []
+
+    def exempt(*tensors):
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            readbacks.append(1)
+            return real(*tensors)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(spec_decode, "to_host", exempt)
+    orig_round = Worker.spec_round
+
+    def checked_round(self, st, clock):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return orig_round(self, st, clock)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(Worker, "spec_round", checked_round)
+    with torch.no_grad():
+        reqs, stats = w.generate_spec(prompts, [8, 4, 12])
+    assert stats.rounds >= 2 and len(readbacks) >= stats.rounds
+    assert all(len(r.output) >= 1 for r in reqs)

@@ -16,6 +16,7 @@ import torch
 log = logging.getLogger("padgraph.cuda")
 
 _H2D = 1                    # cudaMemcpyHostToDevice
+_D2D = 3                    # cudaMemcpyDeviceToDevice
 _NOT_READY = 600            # cudaErrorNotReady
 _DISABLE_TIMING = 2         # cudaEventDisableTiming
 
@@ -70,6 +71,11 @@ class RuntimeCopier:
         self._check(self.lib.cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), nbytes, _H2D, stream), "cudaMemcpyAsync")
         self._check(self.lib.cudaEventRecord(event, stream), "cudaEventRecord")
 
+    def copy_d2d(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        stream = torch._C._cuda_getCurrentRawStream(self.index)
+        n = src.element_size() * src.numel()
+        self._check(self.lib.cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), n, _D2D, stream), "cudaMemcpyAsync")
+
 
 class TorchCopier:
     """The same through torch: Tensor.copy_(non_blocking=True) and torch.cuda.Event."""
@@ -98,6 +104,9 @@ class TorchCopier:
         if stream is None:
             stream = self._streams[handle] = torch.cuda.current_stream()
         torch._C._CudaEventBase.record(event, stream)
+
+    def copy_d2d(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
 
 
 def copier(device: torch.device, prefer: str = "cudart"):

@@ -7,12 +7,14 @@ The pack strategy (in-graph, eager, torch) is chosen once here; see staging.Pack
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Mapping
 
 import torch
 
+from padgraph.eager import mask_outputs
 from padgraph.errors import ContractRuntimeError, ContractValueError, where
 from padgraph.runtime import Runner
 from padgraph.view import PaddedView
@@ -79,6 +81,8 @@ class CudaGraphRunner(Runner):
                 pool = pool.pool
             self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
             self._graphs = self._capture(warmup, progress, restore_state)
+        if not self.pack.native_device_extents:   # nd inputs along a device axis, or no Triton
+            self._run_device = functools.partial(Runner._run_device, self)
 
     def _cuda_device(self, device) -> torch.device:
         if device is None or device.type != "cuda":
@@ -110,6 +114,8 @@ class CudaGraphRunner(Runner):
             self.pack.in_graph(bucket)
             outs = self.body(self.view(bucket))
             self.check_outputs(outs, bucket)
+            # lanes past a device extent hold the output's pad (x.extent: the extent used)
+            outs = mask_outputs(self.program, outs, self._device_dims, self.pack.extents.__getitem__)
             return self._own_outputs(outs)
 
         return Steps(reset=self.pack.all_pad, warm=warm,
@@ -139,6 +145,14 @@ class CudaGraphRunner(Runner):
     def _run(self, bucket, raw, ext):
         g = self._graphs[bucket]
         self.pack.per_call(bucket, raw, ext)
+        self._hook(g.view)
+        g.graph.replay()
+        return g.outputs
+
+    def _run_device(self, bucket, raw, ext, dev):
+        """Device extents read on the device: copied next to the host bounds, clamped by the pack."""
+        g = self._graphs[bucket]
+        self.pack.per_call(bucket, raw, ext, dev)
         self._hook(g.view)
         g.graph.replay()
         return g.outputs

@@ -22,6 +22,7 @@ import torch
 
 from padgraph import pack as P
 from padgraph.plan import Plan
+from padgraph.program import padded_dims
 
 from ..triton import pack as tpack
 from .cudart import copier
@@ -64,7 +65,7 @@ class _Slot:
         b = self.host.numpy()
         self.raw = b
         self.srcs = b[: layout.ext_off].view(np.int64)[: layout.n_jobs]
-        self.ext = b[layout.ext_off: layout.ext_off + 4 * layout.n_axes].view(np.int32)
+        self.ext = b[layout.ext_off: layout.ext_off + 8 * layout.n_axes].view(np.int32)   # [bounds | dev]
         self.event = layout.copier.new_event()     # an event never recorded counts as done
 
 
@@ -78,7 +79,7 @@ class CallBlock:
         self.axes = [a.name for a in plan.axes]
         self.n_axes = len(self.axes)
         self.ext_off = _align(8 * max(self.n_jobs, 1))
-        off = _align(self.ext_off + 4 * self.n_axes)
+        off = _align(self.ext_off + 8 * self.n_axes)
         self.header = off
         self.staging: dict[str, int] = {}           # input -> byte offset of its host staging
         for name, spec in program.inputs.items():
@@ -87,8 +88,11 @@ class CallBlock:
         self.nbytes = off
         self.device_buf = torch.zeros(off, dtype=torch.uint8, device=device)
         self.device_srcs = self.device_buf[: self.ext_off].view(torch.int64)
-        self.device_ext = self.device_buf[self.ext_off: self.ext_off + 4 * self.n_axes].view(torch.int32)
-        self.extents = {a: self.device_ext[i] for i, a in enumerate(self.axes)}
+        both = self.device_buf[self.ext_off: self.ext_off + 8 * self.n_axes].view(torch.int32)
+        self.device_ext, self.device_dev = both[: self.n_axes], both[self.n_axes:]   # bounds, device extents
+        self.eff = torch.zeros(self.n_axes, dtype=torch.int32, device=device)     # the extents used
+        self.extents = {a: self.eff[i] for i, a in enumerate(self.axes)}
+        self._axis_index = {a: i for i, a in enumerate(self.axes)}
         self.slots = [_Slot(self), _Slot(self)]
         self._turn = 0
         self.others = [n for n in program.inputs if n not in set(jobs)]   # packed by torch ops
@@ -126,8 +130,19 @@ class CallBlock:
             if not t.is_cuda:
                 used = max(used, self._stage(slot, name, t))
         slot.srcs[:] = srcs
-        slot.ext[:] = [ext[a] for a in self.axes]
+        bounds = [ext[a] for a in self.axes]
+        slot.ext[:] = bounds + bounds             # device extents default to the host ones
         self.copier.copy(self.device_buf, slot.host, used, slot.event)
+
+    def send_device_extents(self, dev) -> None:
+        """After send: each device extent (0-d int32 on the device) into its slot, device to device."""
+        for axis, t in dev.items():
+            self.copier.copy_d2d(self.device_dev[self._axis_index[axis]], t)
+
+    def effective(self) -> None:
+        """eff = clamp(device extent, 0, bound), with torch ops (where the pack kernel does not run)."""
+        torch.minimum(self.device_dev, self.device_ext, out=self.eff)
+        self.eff.clamp_(min=0)
 
     def _stage(self, slot: _Slot, name: str, t: torch.Tensor) -> int:
         """Copy a host tensor's bytes into the slot (numpy: one torch call, not four)."""
@@ -173,9 +188,16 @@ class Pack:
             self._self_srcs[b] = torch.tensor([views[e.name].data_ptr() for e in entries], dtype=torch.int64,
                                               device=device)
         self.extents = self.block.extents
-        # the strategy, bound once: no flag is tested on the call path
-        self.in_graph = self._launch if strategy == "in-graph" else _nothing
-        self._after_send = self._launch if strategy == "eager" else _nothing
+        # the strategy, bound once: no flag is tested on the call path. Where no kernel runs,
+        # torch ops write the extents the body reads (x.extent).
+        launch = self._launch if self.block.n_jobs else (lambda bucket: self.block.effective())
+        self.in_graph = launch if strategy == "in-graph" else _nothing
+        self._after_send = launch if strategy != "in-graph" else _nothing
+        # device extents without a host sync: the kernel clamps them; torch ops would need the value
+        device_axes = {a.name for a in plan.axes if a.device_extent}
+        nd_axes = {af.axis.name for e in last.entries if e.name not in kernel
+                   for _, af in padded_dims(plan.program.inputs[e.name].shape)}
+        self.native_device_extents = strategy != "torch" and not (device_axes & nd_axes)
 
     def describe(self, bucket: int) -> str:
         return f"strategy {self.strategy}, copies by {self.block.copier.name}\n{self.plan.pack_table(bucket)}"
@@ -187,6 +209,8 @@ class Pack:
         for e in self.plan.pack_table(bucket).entries:
             P.all_pad(e, views[e.name])
         self.block.device_ext.zero_()
+        self.block.device_dev.zero_()
+        self.block.eff.zero_()
         if self.block.n_jobs:
             # the kernel too (compiled here, never first inside a capture): every job's source is
             # its own buffer, so fixed inputs copy onto themselves and padded ones read nothing
@@ -194,8 +218,10 @@ class Pack:
             self._launch(bucket)
 
     # ---- call ---------------------------------------------------------------------------------
-    def per_call(self, bucket: int, raw, ext) -> None:
+    def per_call(self, bucket: int, raw, ext, dev=None) -> None:
         self.block.send(raw, ext)
+        if dev:
+            self.block.send_device_extents(dev)
         self._after_send(bucket)
         torch_entries = self.torch_names[bucket]
         if torch_entries:
@@ -206,7 +232,8 @@ class Pack:
                 P.apply(e, views[e.name], src.contiguous(), ext)
 
     def _launch(self, bucket: int) -> None:
-        tpack.launch(self.tables[bucket], self.block.device_srcs, self.block.device_ext, self.programs[bucket])
+        b = self.block
+        tpack.launch(self.tables[bucket], b.device_srcs, b.device_ext, self.programs[bucket], b.device_dev, b.eff)
 
 
 def _nothing(bucket: int) -> None:

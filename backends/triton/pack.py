@@ -111,8 +111,14 @@ def describe(rows: np.ndarray) -> str:
 
 if triton is not None:
     @triton.jit
-    def _raw_count(total, axis, scale, offset, unit, ext):
-        e = tl.load(ext + tl.maximum(axis, 0)).to(tl.int64)
+    def _extent(ext, dev, a):
+        """Axis a's raw extent: the host bound, or a device extent clamped into [0, bound]."""
+        bound = tl.load(ext + a)
+        return tl.minimum(tl.maximum(tl.load(dev + a), 0), bound).to(tl.int64)
+
+    @triton.jit
+    def _raw_count(total, axis, scale, offset, unit, ext, dev):
+        e = _extent(ext, dev, tl.maximum(axis, 0))
         return tl.where(axis < 0, total, (scale * e + offset) * unit)
 
     @triton.jit
@@ -156,16 +162,20 @@ if triton is not None:
                 tl.store(dst + offs, vals, mask=in_total)
 
     @triton.jit
-    def _pack_kernel(table, srcs, ext, BLOCK: tl.constexpr, W: tl.constexpr):
-        """grid (programs per job, n_jobs): program (p, j) writes blocks p, p + P, ... of job j."""
+    def _pack_kernel(table, srcs, ext, dev, eff, n_axes, BLOCK: tl.constexpr, W: tl.constexpr):
+        """grid (programs per job, n_jobs): program (p, j) writes blocks p, p + P, ... of job j;
+        program (0, 0) also writes every axis's effective extent into `eff` (what x.extent reads)."""
         j = tl.program_id(1)
+        if (tl.program_id(0) == 0) & (j == 0):
+            for a in range(n_axes):
+                tl.store(eff + a, _extent(ext, dev, a).to(tl.int32))
         desc = table + j * W                                      # this job's descriptor row
         r_tot = tl.load(desc + 1)
         c_tot = tl.load(desc + 6)
         if tl.program_id(0) * BLOCK >= r_tot * c_tot:
             return
-        r_raw = _raw_count(r_tot, tl.load(desc + 2), tl.load(desc + 3), tl.load(desc + 4), tl.load(desc + 5), ext)
-        c_raw = _raw_count(c_tot, tl.load(desc + 7), tl.load(desc + 8), tl.load(desc + 9), tl.load(desc + 10), ext)
+        r_raw = _raw_count(r_tot, tl.load(desc + 2), tl.load(desc + 3), tl.load(desc + 4), tl.load(desc + 5), ext, dev)
+        c_raw = _raw_count(c_tot, tl.load(desc + 7), tl.load(desc + 8), tl.load(desc + 9), tl.load(desc + 10), ext, dev)
         r_unit = tl.load(desc + 5)
         c_unit = tl.load(desc + 10)
         elem_bytes = tl.load(desc + 11)
@@ -193,11 +203,14 @@ def grid_programs(entries: Sequence[P.PackEntry]) -> int:
     return min(max(-(-largest // BLOCK), 1), MAX_PROGRAMS_PER_JOB)
 
 
-def launch(table: torch.Tensor, srcs: torch.Tensor, ext: torch.Tensor, n_programs: int) -> None:
+def launch(table: torch.Tensor, srcs: torch.Tensor, ext: torch.Tensor, n_programs: int,
+           dev: torch.Tensor | None = None, eff: torch.Tensor | None = None) -> None:
     """Run every job of a device table in one launch on the current stream (graph-capturable).
 
     table: [n_jobs, DESC_WIDTH] int64 (from `encode`); srcs: [>= n_jobs] int64 source addresses;
-    ext: [n_axes] int32 raw extents. Every address and count is read on the device at run time.
+    ext: [n_axes] int32 raw extents (host bounds); dev: [n_axes] int32 device extents (each
+    clamped into [0, ext]; default = ext); eff: [n_axes] int32, receives the extents used.
+    Every address and count is read on the device at run time.
     """
     if triton is None:
         raise RuntimeError("the pack kernel needs Triton (not importable); use padgraph.pack.apply")
@@ -210,7 +223,10 @@ def launch(table: torch.Tensor, srcs: torch.Tensor, ext: torch.Tensor, n_program
                          f"extents, got {n_jobs} jobs, srcs {srcs.dtype}[{srcs.numel()}], ext {ext.dtype}")
     if n_jobs == 0:
         return
-    _pack_kernel[(n_programs, n_jobs)](table, srcs, ext, BLOCK=BLOCK, W=DESC_WIDTH, num_warps=NUM_WARPS)
+    dev = ext if dev is None else dev
+    eff = torch.empty_like(ext) if eff is None else eff
+    _pack_kernel[(n_programs, n_jobs)](table, srcs, ext, dev, eff, ext.numel(), BLOCK=BLOCK, W=DESC_WIDTH,
+                                       num_warps=NUM_WARPS)
 
 
 def _interpreting() -> bool:
