@@ -372,7 +372,7 @@ class BoundState:
                 if name in self._rows and t.shape[0] < size:
                     raise ContractValueError(mismatch(self.program, name, f"rows of {label} (batch-ordered state)",
                                                       f">= the size the body runs at ({size})", t.shape[0], kind="state"))
-            cut = lambda t: t[:size]
+            cut = lambda t: _rows_prefix(t, size)
             got = {n: _rebuild(v, cut, self.specs[n]) if n in self._rows else v for n, v in self.values.items()}
             if len(self._at) < 1024:
                 self._at[size] = got
@@ -422,6 +422,13 @@ def _rebuild(value, cut, spec=None):
         return dataclasses.replace(value, **{f.name: _rebuild(getattr(value, f.name), cut)
                                              for f in dataclasses.fields(value) if f.init})
     return value
+
+
+def _rows_prefix(t: torch.Tensor, size: int) -> torch.Tensor:
+    """Rows [0, size) of t over t's own storage, made with set_ (not a view): a traced body sees a
+    plain tensor of the bucket's size rather than a view of the full cache."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        t.untyped_storage(), t.storage_offset(), (size, *t.shape[1:]), t.stride())
 
 
 def _leaves(value, spec, out: list) -> None:

@@ -1,93 +1,291 @@
-"""Benchmark absorbed MLA decode over a latent cache: achieved bandwidth vs a measured copy.
+"""Benchmark absorbed MLA over a paged latent cache: ours vs an SDPA-based absorbed MLA vs a copy.
 
     python examples/bench_mla.py               # DeepSeek-V2-Lite: 16 heads, r 512, rope 64
     python examples/bench_mla.py --heads 128   # DeepSeek-V3-like head count
+    python examples/bench_mla.py --smoke       # CPU, tiny sizes, interpreter: checks the script
 
-bs in {1, 8, 32} x context in {1024, 8192}, bf16, every request at full length, slots shuffled.
-Timed as a CUDA-graph replay with `triton.testing.do_bench` (median; L2 flushed before each call).
+bf16, every request at full length, slots shuffled.
+- decode: bs {1, 8, 32} x context {1024, 8192, 32768};
+- tree verify (k = 8 drafts, a random tree) and draft-extend (6 new tokens, causal) at
+  bs {1, 8, 32} x context {1024, 8192};
+- a small tile / split sweep of the decode kernel.
+The peer ("sdpa") is torch's SDPA over the *same latent cache* as a contiguous
+[bs, 1, ctx, r + rope] tensor, absorbed form: the bs requests' n_q x H (query, head) rows are
+SDPA's query axis of one head, keys = the latent rows, values = their first r columns (a view), the equivalent boolean mask for
+verify / extend; the fastest backend that runs and agrees (flash / cuDNN / efficient, else math).
+Timed as CUDA-graph replays with `triton.testing.do_bench` (median; L2 flushed before each call).
 Bytes = latent rows + req_to_token + q_latent + o_latent; "fraction" = (bytes / time) over the
-device-to-device copy bandwidth measured in the same run. Checked against the torch path first.
-Writes mla.md to $OUT (or results/local/).
+device-to-device copy bandwidth measured in the same run (read + write). Checked against the
+torch path first. Writes mla.md / mla.json (mla_h<heads>.* for other head counts) to $OUT.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
+import os
 import sys
+import traceback
 from pathlib import Path
 
-import torch
+if "--smoke" in sys.argv:  # before triton is imported: kernels run interpreted on CPU tensors
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import einops  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench.common import copy_bandwidth, env_info, out_dir  # noqa: E402
-from bench_attention import bench_us, graph_of  # noqa: E402
-from padgraph.backends.triton.attention_decode import choose_num_splits, sm_count  # noqa: E402
-from padgraph.backends.triton.attention_mla import (head_groups, mla_decode_attention,  # noqa: E402
-                                                    mla_sm_scale)
+from bench.common import env_info, out_dir  # noqa: E402
+from bench_attention import (bench_us, copy_bandwidth, graph_of, random_tree_masks,  # noqa: E402
+                             rel_err, sync)
+from padgraph.backends.triton.attention_decode import sm_count  # noqa: E402
+from padgraph.backends.triton.attention_mla import (  # noqa: E402
+    mla_decode_attention, mla_extend_attention, mla_sm_scale, mla_tree_verify_attention)
+from padgraph.backends.triton.attention_mla_decode import (  # noqa: E402
+    CAUSAL, DECODE, TREE, choose_mla_splits, mla_blocks, mla_paged_attention)
+from padgraph.backends.triton.attention_split import should_fold  # noqa: E402
 
 KV_LORA_RANK, ROPE, NOPE = 512, 64, 128
+SM_SCALE = mla_sm_scale(NOPE, ROPE)
 DTYPE = torch.bfloat16
 BATCHES = (1, 8, 32)
-CONTEXTS = (1024, 8192)
+CONTEXTS = (1024, 8192, 32768)
+SPEC_CONTEXTS = (1024, 8192)
+K_DRAFT, DRAFT_EXTEND = 8, 6
+SWEEP_CASES = ((1, 8192), (8, 8192), (32, 8192))
+SWEEP_TILES = ((32, 2, 4), (16, 2, 4), (64, 2, 8), (32, 3, 4), (32, 2, 8))  # BLOCK_N/stages/warps
+SMOKE = dict(kv_lora_rank=96, rope=32, batches=(2,), contexts=(40,), spec_contexts=(40,),
+             sweep=((2, 40),), tiles=((32, 2, 4),))
 
 
-def make_case(bs, ctx, n_heads, gen):
-    """(q_latent, latent_cache, req_to_token, rows, seq_lens) with shuffled slots, sink slot 0."""
-    dev = dict(device="cuda", dtype=DTYPE)
-    latent = torch.randn(bs * ctx + 1, 1, KV_LORA_RANK + ROPE, generator=gen, **dev)
-    slots = torch.randperm(bs * ctx, device="cuda", generator=gen) + 1
-    req_to_token = torch.zeros(bs + 1, ctx, dtype=torch.int32, device="cuda")
-    req_to_token[1:] = slots.view(bs, ctx).int()
-    rows = torch.arange(1, bs + 1, dtype=torch.int32, device="cuda")
-    seq_lens = torch.full((bs,), ctx, dtype=torch.int32, device="cuda")
-    q_latent = torch.randn(bs, n_heads, KV_LORA_RANK + ROPE, generator=gen, **dev)
-    return q_latent, latent, req_to_token, rows, seq_lens
+class LatentCase:
+    """A paged latent cache, its dense copy for SDPA, and kind = decode / verify / extend."""
+
+    def __init__(self, bs, ctx, n_heads, gen, device, kind="decode", r=KV_LORA_RANK, rope=ROPE,
+                 impl="auto"):
+        self.bs, self.ctx, self.n_heads, self.kind, self.device = bs, ctx, n_heads, kind, device
+        self.impl = impl  # "triton" for --smoke: on CPU "auto" would run the torch path
+        self.r, self.width = r, r + rope
+        self.n_q = dict(decode=1, verify=K_DRAFT, extend=DRAFT_EXTEND)[kind]
+        dev = dict(device=device, dtype=DTYPE)
+        self.latent = torch.randn(bs * ctx + 1, 1, self.width, generator=gen, **dev)
+        slots = torch.randperm(bs * ctx, device=device, generator=gen) + 1
+        self.req_to_token = torch.zeros(bs + 1, ctx, dtype=torch.int32, device=device)
+        self.req_to_token[1:] = slots.view(bs, ctx).int()
+        self.rows = torch.arange(1, bs + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.full((bs,), ctx, dtype=torch.int32, device=device)
+        self.q = torch.randn(bs * self.n_q, n_heads, self.width, generator=gen, **dev)
+        self.tree = random_tree_masks(bs, K_DRAFT, torch.Generator().manual_seed(bs)).to(device)
+        self.qo_indptr = (torch.arange(bs + 1, device=device) * self.n_q).int()
+        # [bs, 1, ctx, r + rope]: the same latent rows, contiguous
+        self.dense = self.latent[slots.long(), 0].view(bs, 1, ctx, self.width)
+        self.mask = self.dense_mask()
+
+    def dense_mask(self):
+        """[bs, 1, n_q * H, ctx] bool (rows = (query, head)), or None at decode."""
+        if self.kind == "decode":
+            return None
+        pos = torch.arange(self.ctx, device=self.device)
+        first = self.ctx - self.n_q
+        if self.kind == "extend":
+            qpos = first + torch.arange(self.n_q, device=self.device)
+            mask = (pos[None, :] <= qpos[:, None]).expand(self.bs, -1, -1)
+        else:
+            j = (pos - first).clamp(0, self.n_q - 1)
+            mask = (pos < first)[None, None, :] | (self.tree[:, :, j] & (pos >= first))
+        mask = mask[:, :, None, :].expand(-1, -1, self.n_heads, -1)  # [bs, n_q, H, ctx]
+        return einops.rearrange(mask, "b n h l -> b 1 (n h) l").contiguous()
+
+    def paged(self):
+        return (self.q, self.latent, self.req_to_token, self.rows, self.seq_lens)
+
+    def ours(self, impl=None, **knobs):
+        args, impl = self.paged(), impl or self.impl
+        if knobs:
+            mode = dict(decode=DECODE, verify=TREE, extend=CAUSAL)[self.kind]
+            return lambda: mla_paged_attention(*args, self.r, SM_SCALE, mode, **knobs)
+        if self.kind == "extend":
+            return lambda: mla_extend_attention(*args, self.qo_indptr, self.r, SM_SCALE,
+                                                impl=impl)
+        if self.kind == "verify":
+            return lambda: mla_tree_verify_attention(*args, self.tree, self.r, SM_SCALE,
+                                                     impl=impl)
+        return lambda: mla_decode_attention(*args, self.r, SM_SCALE, impl=impl)
+
+    def sdpa(self, backend):
+        q4 = einops.rearrange(self.q, "(b n) h c -> b 1 (n h) c", b=self.bs)
+        v = self.dense[..., :self.r]  # a view: values are the first r columns of each row
+
+        def run():
+            with torch.nn.attention.sdpa_kernel([backend]):
+                o = F.scaled_dot_product_attention(q4, self.dense, v, attn_mask=self.mask,
+                                                   scale=SM_SCALE)
+            return einops.rearrange(o, "b 1 (n h) c -> (b n) h c", h=self.n_heads)
+        return run
+
+    def bytes_moved(self) -> int:
+        rows = self.bs * self.ctx * (self.width * 2 + 4)
+        return rows + self.bs * self.n_q * self.n_heads * (self.r + self.width) * 2
 
 
-def time_case(bs, ctx, n_heads, copy_bw, gen) -> dict:
-    args = make_case(bs, ctx, n_heads, gen)
-    run = lambda: mla_decode_attention(*args, KV_LORA_RANK, mla_sm_scale(NOPE, ROPE))  # noqa
-    ref = mla_decode_attention(*args, KV_LORA_RANK, mla_sm_scale(NOPE, ROPE), impl="torch")
-    out = run()
-    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-    assert err < 1e-2, f"bs={bs} ctx={ctx}: relative error {err:.2e} vs the torch path"
-    t_us = bench_us(graph_of(run))
-    n_bytes = (bs * ctx * ((KV_LORA_RANK + ROPE) * 2 + 4)
-               + bs * n_heads * (2 * KV_LORA_RANK + ROPE) * 2)
-    groups = head_groups(n_heads, 1)
-    splits = choose_num_splits(bs, groups, ctx, sm_count(args[0].device))
-    return dict(bs=bs, ctx=ctx, splits=splits, groups=groups, us=t_us, err=err,
-                gbs=n_bytes / (t_us * 1e-6) / 1e9, fraction=n_bytes / (t_us * 1e-6) / copy_bw)
+def best_sdpa(case, ref):
+    """(the fastest agreeing SDPA backend's callable, its name), or (None, None)."""
+    from torch.nn.attention import SDPBackend
+    fused = (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+             SDPBackend.EFFICIENT_ATTENTION)
+    for backends in (fused, (SDPBackend.MATH,)):
+        timed = []
+        for backend in backends:
+            fn = case.sdpa(backend)
+            try:
+                ok = rel_err(fn(), ref) < 1e-2
+                sync(case.device)
+            except RuntimeError:
+                continue
+            if ok:
+                timed.append((bench_us(fn, rep=30), fn, backend.name))
+        if timed:
+            _, fn, name = min(timed, key=lambda t: t[0])
+            return fn, name
+    return None, None
 
 
-def markdown(meta, heads, copy_bw, rows) -> str:
-    lines = [f"# MLA decode ({heads} heads, kv_lora_rank {KV_LORA_RANK}, rope {ROPE}, bf16)", ""]
+def time_case(bs, ctx, n_heads, copy_bw, gen, device, kind, widths, impl) -> dict:
+    case = LatentCase(bs, ctx, n_heads, gen, device, kind, *widths, impl=impl)
+    out = case.ours()()
+    pick = sorted({0, bs - 1})
+    rows = [r * case.n_q + i for r in pick for i in range(case.n_q)]
+    ref = case.ours(impl="torch")()  # the absorbed torch path (the tests check it vs non-absorbed)
+    err = rel_err(out[rows], ref[rows])
+    sdpa_fn, backend = best_sdpa(case, out)
+    n_blocks = -(-case.n_q * n_heads // mla_blocks(case.r, case.width - case.r,
+                                                   case.n_q * n_heads)["BLOCK_H"])
+    splits = 1 if kind == "extend" else choose_mla_splits(bs, n_blocks, ctx, sm_count(device))
+    block_h = mla_blocks(case.r, case.width - case.r, case.n_q * n_heads)["BLOCK_H"]
+    row = dict(kind=kind, bs=bs, ctx=ctx, splits=splits, row_blocks=n_blocks,
+               fold=splits == 1 or should_fold(splits, min(block_h, case.n_q * n_heads), case.r),
+               err=err, ok=err < 1e-2, sdpa_backend=backend)
+    row["us"] = bench_us(graph_of(case.ours()))
+    row["sdpa_us"] = bench_us(graph_of(sdpa_fn)) if sdpa_fn is not None else None
+    n_bytes = case.bytes_moved()
+    row["gbs"] = n_bytes / (row["us"] * 1e-6) / 1e9
+    row["fraction"] = n_bytes / (row["us"] * 1e-6) / copy_bw
+    row["speedup_vs_sdpa"] = row["sdpa_us"] / row["us"] if row["sdpa_us"] else None
+    del case
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def sweep_case(bs, ctx, n_heads, gen, device, tiles, widths) -> dict:
+    """Decode over tiles x split counts (policy / 2, policy, policy x 2) x fold, eager µs."""
+    case = LatentCase(bs, ctx, n_heads, gen, device, "decode", *widths)
+    ref = case.ours()()
+    policy = choose_mla_splits(bs, 1, ctx, sm_count(device))
+    results = []
+    for (block_n, stages, warps), splits in itertools.product(
+            tiles, sorted({max(1, policy // 2), policy, policy * 2})):
+        for fold in ((True, False) if splits > 1 else (True,)):
+            fn = case.ours(num_splits=splits, block_n=block_n, num_stages=stages,
+                           num_warps=warps, fold=fold)
+            try:
+                out = fn()
+            except Exception as e:  # noqa: BLE001 - e.g. a tile past the shared memory
+                print(f"MLA sweep: skipping {block_n=} {stages=} {warps=}: {type(e).__name__}")
+                break
+            if rel_err(out, ref) > 1e-2:
+                raise AssertionError(f"MLA sweep {block_n=} {stages=} {warps=} {splits=} "
+                                     f"{fold=} disagrees at {bs=} {ctx=}")
+            results.append(dict(block_n=block_n, stages=stages, warps=warps, splits=splits,
+                                fold=fold, us=bench_us(fn, rep=30)))
+    del case
+    return dict(bs=bs, ctx=ctx, policy_splits=policy, best=min(results, key=lambda r: r["us"]),
+                all=results)
+
+
+def markdown(meta, heads, copy_bw, rows, sweeps) -> str:
+    lines = [f"# MLA ({heads} heads, kv_lora_rank {KV_LORA_RANK}, rope {ROPE}, bf16)", ""]
     lines += [f"- {k}: {v}" for k, v in meta.items()]
-    lines += [f"- copy bandwidth: {copy_bw / 1e9:.0f} GB/s (read + write)", "",
-              "| bs | ctx | splits | head groups | µs (graph) | GB/s | fraction of copy "
-              "| rel err |",
-              "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['bs']} | {r['ctx']} | {r['splits']} | {r['groups']} | {r['us']:.1f} | "
-              f"{r['gbs']:.0f} | {r['fraction']:.2f} | {r['err']:.1e} |" for r in rows]
+    lines += [f"- copy bandwidth: {copy_bw / 1e9:.0f} GB/s (read + write)",
+              "- splits `S` = one launch (merge folded, or S = 1), `S+m` = + merge kernel", "",
+              "| kind | bs | ctx | splits | row blocks | ours µs (graph) | sdpa µs (graph) "
+              "| speedup | GB/s | fraction of copy | sdpa backend | rel err |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for r in rows:
+        sdpa = f"{r['sdpa_us']:.1f}" if r["sdpa_us"] else "n/a"
+        speed = f"{r['speedup_vs_sdpa']:.2f}x" if r["speedup_vs_sdpa"] else "n/a"
+        lines.append(f"| {r['kind']} | {r['bs']} | {r['ctx']} | {r['splits']}"
+                     f"{'' if r['fold'] else '+m'} | {r['row_blocks']} | {r['us']:.1f} | {sdpa} "
+                     f"| {speed} | {r['gbs']:.0f} | {r['fraction']:.2f} | {r['sdpa_backend']} "
+                     f"| {r['err']:.1e}{'' if r['ok'] else ' FAIL'} |")
+    if sweeps:
+        lines += ["", "## Decode tile / split / fold sweep (eager µs; tile = BLOCK_N/stages/"
+                  "warps)", "", "| bs | ctx | policy splits | best µs | best tile | best splits | best fold |",
+                  "|---:|---:|---:|---:|---|---:|---|"]
+        for s in sweeps:
+            b = s["best"]
+            lines.append(f"| {s['bs']} | {s['ctx']} | {s['policy_splits']} | {b['us']:.1f} "
+                         f"| {b['block_n']}/{b['stages']}/{b['warps']} | {b['splits']} "
+                         f"| {b['fold']} |")
     return "\n".join(lines) + "\n"
+
+
+def section(name, fn):
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001 - a benchmark reports what it could measure
+        print(f"section {name} failed:\n{traceback.format_exc()}", flush=True)
+        return []
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", type=int, default=16)
-    heads = parser.parse_args().heads
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    copy_bw = copy_bandwidth("cuda")
-    rows = []
-    for bs in BATCHES:
-        for ctx in CONTEXTS:
-            rows.append(time_case(bs, ctx, heads, copy_bw, gen))
-            print(rows[-1], flush=True)
-    text = markdown(env_info(), heads, copy_bw, rows)
-    path = out_dir() / ("mla.md" if heads == 16 else f"mla_h{heads}.md")
+    parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes (script check)")
+    args = parser.parse_args()
+    if not args.smoke and not torch.cuda.is_available():
+        sys.exit("bench_mla.py needs a CUDA GPU (or --smoke)")
+    device = torch.device("cpu" if args.smoke else "cuda")
+    heads = args.heads
+    if args.smoke:
+        widths = (SMOKE["kv_lora_rank"], SMOKE["rope"])
+        batches, contexts, spec_ctx = SMOKE["batches"], SMOKE["contexts"], SMOKE["spec_contexts"]
+        sweep_cases, tiles = SMOKE["sweep"], SMOKE["tiles"]
+    else:
+        widths = (KV_LORA_RANK, ROPE)
+        batches, contexts, spec_ctx = BATCHES, CONTEXTS, SPEC_CONTEXTS
+        sweep_cases, tiles = SWEEP_CASES, SWEEP_TILES
+    gen = torch.Generator(device=device).manual_seed(0)
+    copy_bw = copy_bandwidth(device)
+    impl = "triton" if args.smoke else "auto"  # on CPU, "auto" would time the torch path
+
+    def cases(kinds_ctx):
+        rows = []
+        for kind, ctxs in kinds_ctx:
+            for bs, ctx in itertools.product(batches, ctxs):
+                rows.append(time_case(bs, ctx, heads, copy_bw, gen, device, kind, widths,
+                                      impl))
+                print({k: v for k, v in rows[-1].items()}, flush=True)
+        return rows
+
+    rows = section("decode", lambda: cases([("decode", contexts)]))
+    rows += section("verify/extend", lambda: cases([("verify", spec_ctx), ("extend", spec_ctx)]))
+    sweeps = [] if args.no_sweep else section("sweep", lambda: [
+        sweep_case(bs, ctx, heads, gen, device, tiles, widths) for bs, ctx in sweep_cases])
+    meta = env_info() if device.type == "cuda" else {"gpu": "cpu smoke"}
+    text = markdown(meta, heads, copy_bw, rows, sweeps)
+    stem = "mla" if heads == 16 else f"mla_h{heads}"
+    stem += "_smoke" if args.smoke else ""
+    path = out_dir() / f"{stem}.md"
     path.write_text(text)
+    (out_dir() / f"{stem}.json").write_text(json.dumps(dict(rows=rows, sweeps=sweeps), indent=1))
     print(text)
     print(f"wrote {path}")
+    if not all(r["ok"] for r in rows):
+        sys.exit("some results disagree with the torch path (rel err >= 1e-2): see the table")
 
 
 if __name__ == "__main__":

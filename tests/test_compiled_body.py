@@ -54,6 +54,7 @@ def test_reduce_overhead_is_refused_with_the_reason():
 
 @pytest.mark.cuda
 def test_inductor_kernels_are_captured_in_padgraphs_graphs():
+    torch._logging.set_logs(recompiles=True)        # a failure shows torch's reason for each recompile
     w = torch.randn(8, 8, device="cuda")
     runner = pg.compile(program(), body, backend="cuda", state={"w": w},
                         torch_compile={"mode": "max-autotune-no-cudagraphs"})

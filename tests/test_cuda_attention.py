@@ -10,6 +10,8 @@ import torch
 from padgraph.backends.triton.attention import (
     decode_attention, decode_attention_reference, extend_attention, extend_attention_reference,
     tree_verify_attention, tree_verify_attention_reference)
+from padgraph.backends.triton.attention_decode import _split_kv_kernel, split_kv_attention
+from padgraph.backends.triton.attention_split import _COUNTERS, _merge_kernel
 from padgraph.backends.triton.store import store_kv, store_kv_reference
 
 pytestmark = pytest.mark.cuda
@@ -92,6 +94,49 @@ def test_decode_bf16_vs_fp64(num_splits):
     assert rel_err(out, ref) < 1e-2
 
 
+@pytest.mark.parametrize("fold", [True, False])
+def test_decode_merge_folded_or_separate_vs_fp64(fold):
+    # 40 splits: the last split of each (request, kv head) merges, or the merge kernel does
+    lens = [8191, 1, PAD, 777, 4096, 300]
+    cache = Paged(n_slots=16384, n_rows=16, max_context=8192)
+    rows, seq_lens = cache.requests(lens)
+    q = cache.q(len(lens))
+    ref = decode_attention_reference(q.double(), *cache.f64(), cache.req_to_token, rows,
+                                     seq_lens)
+    for _ in range(3):  # the counters must come back zeroed after every launch
+        out = split_kv_attention(q, cache.k, cache.v, cache.req_to_token, rows, seq_lens, None,
+                                 1, HEAD_DIM ** -0.5, 40, fold=fold)
+        assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-2
+    assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
+
+
+def n_compiled(kernel) -> int:
+    """Distinct compiled variants of a Triton kernel, over devices."""
+    return sum(len({id(k) for k in caches[0].values()}) for caches in
+               kernel.device_caches.values())
+
+
+def test_every_split_count_runs_one_compiled_kernel():
+    # the split count, the fold flag and the partials' strides are runtime values: a ladder of
+    # buckets (split counts 1 .. 128, folded and not) compiles the split kernel once
+    cache = Paged(n_slots=16384, n_rows=40, max_context=8192)
+    rows, seq_lens = cache.requests([5000, 1, 64] + [PAD] * 29)
+    q = cache.q(32)
+    runs = [(bs, None) for bs in (1, 2, 4, 8, 16, 32)] + [(4, 1), (4, 3), (4, 128)]
+    for bs, splits in runs[:1]:
+        decode_attention(q[:bs], cache.k, cache.v, cache.req_to_token, rows[:bs], seq_lens[:bs])
+    before = n_compiled(_split_kv_kernel), n_compiled(_merge_kernel)
+    for bs, splits in runs:
+        out = decode_attention(q[:bs], cache.k, cache.v, cache.req_to_token, rows[:bs],
+                               seq_lens[:bs], num_splits=splits)
+        ref = decode_attention_reference(q[:bs].double(), *cache.f64(), cache.req_to_token,
+                                         rows[:bs], seq_lens[:bs])
+        assert rel_err(out, ref) < 1e-2, f"{bs=} {splits=}"
+    after = n_compiled(_split_kv_kernel), n_compiled(_merge_kernel)
+    assert after[0] == before[0], f"split kernel compiled {after[0] - before[0]} more variants"
+    assert after[1] <= before[1] + 1, "the merge kernel compiles at most once"
+
+
 def test_extend_bf16_vs_fp64():
     # (seq_len, new tokens): a full prefill, a chunk after a prefix, a 1-token, a pad, a 0-token
     reqs = [(2048, 2048), (4096, 300), (1, 1), (PAD, 0), (513, 0), (700, 64)]
@@ -105,6 +150,27 @@ def test_extend_bf16_vs_fp64():
                                      seq_lens, qo_indptr)
     assert rel_err(out, ref) < 1e-2
     assert out[-n_pad_tokens:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 5])
+def test_draft_extend_bf16_vs_fp64(num_splits):
+    # EAGLE's draft-extend: a few accepted tokens per request (<= steps + 1), long prefixes; the
+    # policy splits the context (merge folded in the same launch)
+    reqs = [(4000, 6), (PAD, 0), (17, 3), (2500, 1), (6, 6), (3000, 4)]
+    cache = Paged(n_slots=16384, n_rows=8, max_context=4096)
+    rows, seq_lens = cache.requests([n for n, _ in reqs])
+    qo_indptr = torch.tensor([0] + [m for _, m in reqs], device="cuda").cumsum(0).int()
+    n_pad_tokens = 6 * len(reqs) - int(qo_indptr[-1])
+    q = cache.q(6 * len(reqs))
+    ref = extend_attention_reference(q.double(), *cache.f64(), cache.req_to_token, rows,
+                                     seq_lens, qo_indptr)
+    for _ in range(2):
+        out = extend_attention(q, cache.k, cache.v, cache.req_to_token, rows, seq_lens,
+                               qo_indptr, num_splits=num_splits)
+        n_real = int(qo_indptr[-1])
+        assert rel_err(out[:n_real], ref[:n_real]) < 1e-2
+        assert out[n_real:].abs().sum() == 0 and n_pad_tokens > 0
+    assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
 
 
 def random_tree_masks(bs, k, gen):
@@ -182,6 +248,10 @@ def test_decode_in_cuda_graph_with_store():
         k_new.copy_(cache.q(bucket))
         v_new.copy_(cache.q(bucket))
         graph.replay()
+        first = out.clone()
+        for _ in range(3):  # replays find the folded merge's counters zeroed again
+            graph.replay()
+            assert torch.equal(out, first)
         eager = step()
         n = len(lens)
         assert torch.equal(out[:n], eager[:n])

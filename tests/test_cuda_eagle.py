@@ -77,7 +77,7 @@ def test_bf16_cuda_spec_matches_greedy_up_to_ties(oracle):
         assert stats.accept_len >= 0.8 * (spec.steps + 1)
     assert w.slots.n_free == w.slots.n - 1 and w.rows.n_free == w.rows.n - 1
     # phases from CUDA events: the stream's timeline between the two synchronisations
-    assert list(stats.phases) == ["prefill", "draft", "verify", "host", "draft_extend"]
+    assert list(stats.phases) == ["prefill", "draft", "verify", "draft_extend", "host"]
     assert all(t > 0 for t in stats.phases.values()), stats.phases
     assert sum(stats.phases.values()) <= stats.seconds * 1.01 + 1e-4, (stats.phases, stats)
 
@@ -86,7 +86,7 @@ def test_spec_rounds_make_no_host_sync_outside_the_one_readback(monkeypatch):
     """Draft, verify and draft-extend replay back to back: the only sync of a round is its readback."""
     import spec_decode
     torch.manual_seed(0)
-    target = LlamaModel(LlamaConfig.tiny(n_layers=2)).cuda().to(torch.bfloat16).eval()
+    target = LlamaModel(LlamaConfig.tiny(n_layers=1)).cuda().to(torch.bfloat16).eval()
     head = EagleHead.copy_of_target(target).cuda().to(torch.bfloat16).eval()
     w = Worker(target, head, SpecConfig(3, 2, 5), backend="cuda", max_bs=4, max_context=64,
                buckets=pg.Buckets([1, 2, 4]))

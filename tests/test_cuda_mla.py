@@ -11,6 +11,8 @@ import torch
 from padgraph.backends.triton.attention_mla import (
     absorb_query, mla_decode_attention, mla_extend_attention, mla_reference, mla_sm_scale,
     mla_tree_verify_attention, project_output, store_latent)
+from padgraph.backends.triton.attention_mla_decode import DECODE, _mla_kernel, mla_paged_attention
+from padgraph.backends.triton.attention_split import _COUNTERS
 
 pytestmark = pytest.mark.cuda
 
@@ -28,12 +30,13 @@ def rel_err(out, ref):
 class Latent:
     """A bf16 latent cache with shuffled slots and MLA weights; rows 1.. hold requests."""
 
-    def __init__(self, n_slots, n_rows, max_context, seed=0):
+    def __init__(self, n_slots, n_rows, max_context, seed=0, n_heads=N_HEADS):
         self.gen = torch.Generator(device=DEVICE).manual_seed(seed)
+        self.n_heads = n_heads
         self.latent = self.randn(n_slots, 1, KV_LORA_RANK + ROPE)
         # scaled so that up-projected K and V have unit variance
-        self.W_UK = self.randn(N_HEADS, NOPE, KV_LORA_RANK, scale=KV_LORA_RANK ** -0.5)
-        self.W_UV = self.randn(N_HEADS, KV_LORA_RANK, V_DIM, scale=KV_LORA_RANK ** -0.5)
+        self.W_UK = self.randn(n_heads, NOPE, KV_LORA_RANK, scale=KV_LORA_RANK ** -0.5)
+        self.W_UV = self.randn(n_heads, KV_LORA_RANK, V_DIM, scale=KV_LORA_RANK ** -0.5)
         self.req_to_token = torch.zeros(n_rows, max_context, dtype=torch.int32, device=DEVICE)
         self.perm = torch.randperm(n_slots - 1, device=DEVICE, generator=self.gen) + 1
         self.next_row, self.next_slot = 1, 0
@@ -61,7 +64,7 @@ class Latent:
 
     def queries(self, n):
         """(q_nope [n, H, nope], q_rope [n, H, rope], q_latent [n, H, r + rope]) in bf16."""
-        q_nope, q_rope = self.randn(n, N_HEADS, NOPE), self.randn(n, N_HEADS, ROPE)
+        q_nope, q_rope = self.randn(n, self.n_heads, NOPE), self.randn(n, self.n_heads, ROPE)
         return q_nope, q_rope, absorb_query(q_nope, q_rope, self.W_UK)
 
     def reference(self, q_nope, q_rope, rows, seq_lens, **kw):
@@ -100,6 +103,43 @@ def test_mla_decode_bf16_vs_fp64(num_splits):
     assert torch.isfinite(o_latent).all()
     ref = cache.reference(q_nope, q_rope, rows, seq_lens)
     assert rel_err(cache.output(o_latent), ref) < 1e-2
+
+
+@pytest.mark.parametrize("n_heads", [16, 128])  # 128 (V3-like): 8 row blocks per request
+@pytest.mark.parametrize("fold", [True, False])
+def test_mla_decode_merge_folded_or_separate_vs_fp64(n_heads, fold):
+    lens = [8191, 1, PAD, 777, 2048]
+    cache = Latent(n_slots=16384, n_rows=8, max_context=8192, n_heads=n_heads)
+    rows, seq_lens = cache.requests(lens)
+    q_nope, q_rope, q_latent = cache.queries(len(lens))
+    ref = cache.reference(q_nope, q_rope, rows, seq_lens)
+    for _ in range(3):  # the counters must come back zeroed after every launch
+        o_latent = mla_paged_attention(q_latent, cache.latent, cache.req_to_token, rows,
+                                       seq_lens, KV_LORA_RANK, SM_SCALE, DECODE, num_splits=6,
+                                       fold=fold)
+        assert torch.isfinite(o_latent).all()
+        assert rel_err(cache.output(o_latent), ref) < 1e-2
+    assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
+
+
+def n_compiled(kernel) -> int:
+    return sum(len({id(k) for k in caches[0].values()}) for caches in
+               kernel.device_caches.values())
+
+
+def test_mla_every_split_count_runs_one_compiled_kernel():
+    cache = Latent(n_slots=16384, n_rows=40, max_context=8192)
+    rows, seq_lens = cache.requests([5000, 1, 64] + [PAD] * 29)
+    q_nope, q_rope, q_latent = cache.queries(32)
+    ref = cache.reference(q_nope, q_rope, rows, seq_lens)
+    run = lambda bs, splits=None: mla_decode_attention(  # noqa: E731
+        q_latent[:bs], cache.latent, cache.req_to_token, rows[:bs], seq_lens[:bs],
+        KV_LORA_RANK, SM_SCALE, num_splits=splits)
+    run(1)
+    before = n_compiled(_mla_kernel)
+    for bs, splits in [(2, None), (4, None), (8, None), (32, None), (4, 1), (4, 3), (4, 64)]:
+        assert rel_err(cache.output(run(bs, splits)), ref[:bs]) < 1e-2, f"{bs=} {splits=}"
+    assert n_compiled(_mla_kernel) == before
 
 
 def test_mla_extend_bf16_vs_fp64():
@@ -191,3 +231,50 @@ def test_mla_decode_in_cuda_graph_with_store():
         assert torch.equal(out[:n], eager[:n])
         ref = cache.reference(q_nope, q_rope, rows, seq_lens)
         assert rel_err(cache.output(out[:n]), ref) < 1e-2
+
+
+def test_mla_tree_verify_and_extend_in_cuda_graphs():
+    bucket, k, n_tok = 8, 8, 64
+    cache = Latent(n_slots=16384, n_rows=24, max_context=4096)
+    rows_buf = torch.zeros(bucket, dtype=torch.int32, device=DEVICE)
+    lens_buf = torch.ones(bucket, dtype=torch.int32, device=DEVICE)
+    mask_buf = torch.ones(bucket, k, k, dtype=torch.bool, device=DEVICE)
+    indptr_buf = torch.zeros(bucket + 1, dtype=torch.int32, device=DEVICE)
+    qv_buf = torch.zeros(bucket * k, N_HEADS, KV_LORA_RANK + ROPE, dtype=DTYPE, device=DEVICE)
+    qe_buf = torch.zeros(n_tok, N_HEADS, KV_LORA_RANK + ROPE, dtype=DTYPE, device=DEVICE)
+
+    def step():
+        verify = mla_tree_verify_attention(qv_buf, cache.latent, cache.req_to_token, rows_buf,
+                                           lens_buf, mask_buf, KV_LORA_RANK, SM_SCALE)
+        extend = mla_extend_attention(qe_buf, cache.latent, cache.req_to_token, rows_buf,
+                                      lens_buf, indptr_buf, KV_LORA_RANK, SM_SCALE)
+        return verify, extend
+
+    graph, (out_v, out_e) = capture(step)
+    gen = torch.Generator().manual_seed(0)
+    for lens in ([4000 + k, 3 + k, k], [k, 100 + k, 2500 + k, 1 + k, 3000 + k, 64 + k]):
+        rows, seq_lens = cache.requests(lens)
+        n = len(lens)
+        rows_buf.zero_()
+        lens_buf.fill_(1)
+        rows_buf[:n], lens_buf[:n] = rows, seq_lens
+        mask_buf.fill_(True)
+        mask_buf[:n] = random_tree_masks(n, k, gen)
+        counts = torch.tensor([min(k, 5) for _ in lens] + [0] * (bucket - n))  # draft-extend
+        indptr_buf.zero_()
+        indptr_buf[1:] = counts.cumsum(0).int().to(DEVICE)
+        qv_nope, qv_rope, qv = cache.queries(bucket * k)
+        qe_nope, qe_rope, qe = cache.queries(n_tok)
+        qv_buf.copy_(qv)
+        qe_buf.copy_(qe)
+        graph.replay()
+        eager_v, eager_e = step()
+        assert torch.equal(out_v, eager_v) and torch.equal(out_e, eager_e)
+        ref_v = cache.reference(qv_nope[:n * k], qv_rope[:n * k], rows, seq_lens,
+                                tree_mask=mask_buf[:n])
+        assert rel_err(cache.output(out_v[:n * k]), ref_v) < 1e-2
+        n_real = int(counts.sum())
+        ref_e = cache.reference(qe_nope, qe_rope, rows, seq_lens,
+                                qo_indptr=indptr_buf[:n + 1])
+        assert rel_err(cache.output(out_e[:n_real]), ref_e[:n_real]) < 1e-2
+        assert out_e[n_real:].abs().sum() == 0

@@ -13,6 +13,9 @@ from attention_cases import K_DRAFT, tree_masks
 from padgraph.backends.triton.attention import (
     choose_num_splits, decode_attention, decode_attention_reference, extend_attention,
     extend_attention_reference, tree_verify_attention, tree_verify_attention_reference)
+from padgraph.backends.triton.attention_decode import split_kv_attention
+from padgraph.backends.triton.attention_extend import choose_extend_splits
+from padgraph.backends.triton.attention_split import _COUNTERS, FOLD_MAX_BYTES_TUNED, should_fold
 
 N_KV_HEADS = 2
 MAX_CONTEXT = 160
@@ -108,6 +111,23 @@ def test_decode_sinks_and_past_the_end_are_never_read():
         assert_close(out[real], ref[real], torch.float32)
 
 
+@pytest.mark.parametrize("fold", [True, False])
+def test_decode_merge_folded_or_separate(fold):
+    # the last split to finish merges (fold, one launch) or the merge kernel does; either way the
+    # counters are zero afterwards, so a second launch (a graph replay) starts clean
+    k_cache, v_cache, r2t, rows, lens = make_paged(DECODE_LENS, 64, poison=True)
+    q = rand_q(len(DECODE_LENS), 8, 64)
+    real = [i for i, n in enumerate(DECODE_LENS) if n is not PAD]
+    ref = decode_attention_reference(q, unpoisoned(k_cache), unpoisoned(v_cache), r2t, rows,
+                                     lens)
+    for _ in range(2):
+        out = split_kv_attention(q, k_cache, v_cache, r2t, rows, lens, None, 1, 64 ** -0.5, 3,
+                                 fold=fold)
+        assert torch.isfinite(out[real]).all()
+        assert_close(out[real], ref[real], torch.float32)
+    assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
+
+
 def test_decode_auto_on_cpu_is_the_reference():
     k_cache, v_cache, r2t, rows, lens = make_paged([5, PAD], 64)
     q = rand_q(2, 4, 64)
@@ -117,15 +137,25 @@ def test_decode_auto_on_cpu_is_the_reference():
 
 
 def test_choose_num_splits_uses_shapes_only():
-    # bs=1 on an H200: many splits; large batches: few; never shorter than 256-token splits
+    # ~16 programs per SM (5-8 waves), splits >= 256 tokens of the cache width, <= 128 splits
     assert choose_num_splits(1, 8, 32768, 132) == 128
     assert choose_num_splits(8, 8, 4096, 132) == 16
-    assert choose_num_splits(128, 8, 32768, 132) == 2
+    assert choose_num_splits(8, 8, 32768, 132) == 33
+    assert choose_num_splits(32, 8, 4096, 132) == 9
+    assert choose_num_splits(128, 8, 32768, 132) == 3
     assert choose_num_splits(1024, 8, 32768, 132) == 1
     assert choose_num_splits(1, 8, 512, 132) == 2
     assert choose_num_splits(1, 8, 100, 132) == 1
     for bs in (1, 8, 32, 128):
         assert 1 <= choose_num_splits(bs, 8, 4096, 132) <= 16
+
+
+def test_merge_is_folded_when_the_partials_are_small():
+    lim = FOLD_MAX_BYTES_TUNED   # the designed threshold; the default is off (attention_split.py)
+    assert should_fold(33, 4, 128, lim)  # GQA 4 rows x 128: 33 splits = 66 KB, one launch
+    assert not should_fold(128, 4, 128, lim)  # 256 KB: the merge kernel spreads the read
+    assert should_fold(4, 16, 512, lim) and not should_fold(5, 16, 512, lim)  # MLA rows: 32 KB a split
+    assert not should_fold(2, 4, 128)    # off by default
 
 
 def test_decode_checks_shapes():
@@ -157,11 +187,12 @@ def extend_case(head_dim, dtype=torch.float32, poison=False, group=1):
     return q, k_cache, v_cache, r2t, rows, seq_lens, qo_indptr
 
 
+@pytest.mark.parametrize("num_splits", [None, 3])  # 3: draft-extend style, merge folded
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("head_dim", [64, 96])
-def test_extend_matches_reference(head_dim, group):
+def test_extend_matches_reference(head_dim, group, num_splits):
     args = extend_case(head_dim, group=group)
-    out = extend_attention(*args, impl="triton")
+    out = extend_attention(*args, impl="triton", num_splits=num_splits)
     ref = extend_attention_reference(*args)
     assert_close(out, ref, torch.float32)
     assert out[-N_PAD_TOKENS:].abs().sum() == 0  # padding tokens give 0
@@ -175,13 +206,28 @@ def test_extend_bf16():
     assert_close(out, ref, torch.bfloat16)
 
 
-def test_extend_sinks_and_past_the_end_are_never_read():
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_extend_sinks_and_past_the_end_are_never_read(num_splits):
     q, k_cache, v_cache, r2t, rows, seq_lens, qo_indptr = extend_case(64, poison=True, group=4)
-    out = extend_attention(q, k_cache, v_cache, r2t, rows, seq_lens, qo_indptr, impl="triton")
     ref = extend_attention_reference(q, unpoisoned(k_cache), unpoisoned(v_cache), r2t, rows,
                                      seq_lens, qo_indptr)
-    assert torch.isfinite(out).all()
-    assert_close(out, ref, torch.float32)
+    for _ in range(2):  # a second launch finds the folded merge's counters zeroed
+        out = extend_attention(q, k_cache, v_cache, r2t, rows, seq_lens, qo_indptr,
+                               impl="triton", num_splits=num_splits)
+        assert torch.isfinite(out).all()
+        assert_close(out, ref, torch.float32)
+    assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
+
+
+def test_choose_extend_splits_uses_shapes_only(monkeypatch):
+    # draft-extend (6 tokens x 4 heads per request) at bs 1 splits a 4096 context; a prefill not
+    import padgraph.backends.triton.attention_split as split
+    assert choose_extend_splits(1, 6, 8, 4, 4096, 128, 132, 64) == 1   # fold off: extend splits need it
+    monkeypatch.setattr(split, "FOLD_MAX_BYTES", FOLD_MAX_BYTES_TUNED)
+    assert choose_extend_splits(1, 6, 8, 4, 4096, 128, 132, 64) == 8  # 16: fold past 128 KB
+    assert choose_extend_splits(32, 192, 8, 4, 4096, 128, 132, 64) == 9
+    assert choose_extend_splits(1, 2048, 8, 4, 4096, 128, 132, 64) == 1
+    assert choose_extend_splits(1, 6, 8, 4, 200, 128, 132, 64) == 1
 
 
 # ----------------------------------------------------------------------------- tree verify

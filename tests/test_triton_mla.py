@@ -9,8 +9,11 @@ import torch
 from attention_cases import K_DRAFT, tree_masks
 
 from padgraph.backends.triton.attention_mla import (
-    absorb_query, head_groups, mla_decode_attention, mla_extend_attention, mla_reference,
-    mla_sm_scale, mla_tree_verify_attention, project_output, store_latent)
+    absorb_query, mla_decode_attention, mla_extend_attention, mla_reference, mla_sm_scale,
+    mla_tree_verify_attention, project_output, store_latent)
+from padgraph.backends.triton.attention_mla_decode import (
+    CAUSAL, DECODE, choose_mla_extend_splits, choose_mla_splits, mla_blocks, mla_paged_attention)
+from padgraph.backends.triton.attention_split import _COUNTERS
 
 N_HEADS, NOPE, V_DIM = 4, 16, 24
 MAX_CONTEXT = 96
@@ -91,14 +94,19 @@ def test_absorbed_torch_equals_non_absorbed_fp64():
                                rtol=1e-10, atol=1e-10)
 
 
-def test_head_groups():
-    assert head_groups(16, 1) == 1  # decode, 16 heads: one program per request
-    assert head_groups(16, 4) == 2  # 4 drafts x 8 heads = 32 rows
-    assert head_groups(16, 8) == 4
-    assert head_groups(128, 1) == 4
-    assert head_groups(6, 4) == 1  # 24 rows fit
-    assert head_groups(6, 16) == 3  # 2 heads x 16 drafts = 32 rows
-    assert head_groups(4, 64) == 4  # even one head is past max_rows: one head per program
+def test_mla_policy_uses_shapes_only():
+    # DeepSeek-V2-Lite decode on an H200: 16 heads in one 16-row block; splits ~2 programs / SM
+    assert mla_blocks(512, 64, 16)["BLOCK_H"] == 16
+    assert mla_blocks(512, 64, 8 * 16)["BLOCK_H"] == 16  # verify, k=8: 8 blocks of 1 draft
+    assert choose_mla_splits(1, 1, 8192, 132) == 32
+    assert choose_mla_splits(8, 1, 8192, 132) == 32
+    assert choose_mla_splits(32, 1, 8192, 132) == 9
+    assert choose_mla_splits(32, 1, 1024, 132) == 4
+    assert choose_mla_splits(256, 1, 8192, 132) == 2
+    assert choose_mla_splits(1, 1, 100, 132) == 1
+    # draft-extend, 6 tokens x 16 heads: split while the folded merge stays small; prefill: 1
+    assert choose_mla_extend_splits(1, 6, 16, 16, 8192, 512, 576, 132) == 11
+    assert choose_mla_extend_splits(1, 2048, 16, 16, 8192, 512, 576, 132) == 1
 
 
 # ----------------------------------------------------------------------------- decode
@@ -130,8 +138,25 @@ def test_decode_sinks_and_past_the_end_are_never_read():
         assert_close(case.output(o_latent)[real], ref[real])
 
 
-def test_decode_bf16_head_groups():
-    # 40 heads > MAX_ROWS: the heads are spread over 2 programs per request
+@pytest.mark.parametrize("fold", [True, False])
+def test_decode_merge_folded_or_separate(fold):
+    # 3 splits: the last split to finish merges (fold) or the merge kernel does; the folded
+    # path's counters are left zeroed for the next launch (a graph replay)
+    case = MLACase(DECODE_LENS, 48, 16, poison=True)
+    q_nope, q_rope, q_latent = case.queries(len(DECODE_LENS))
+    real = [i for i, n in enumerate(DECODE_LENS) if n is not PAD]
+    ref = case.reference(q_nope, q_rope)
+    for _ in range(2):  # a second launch reuses the counters
+        o_latent = mla_paged_attention(q_latent, *case.paged(), 48, case.sm_scale, DECODE,
+                                       num_splits=3, fold=fold)
+        assert torch.isfinite(o_latent[real]).all()
+        assert_close(case.output(o_latent)[real], ref[real])
+    assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
+
+
+def test_decode_bf16_three_row_blocks():
+    # 40 heads: rows 0..15, 16..31 and 32..39 of each request in three programs (the last one
+    # half masked)
     case = MLACase([50, PAD, 3], 48, 16, n_heads=40, dtype=torch.bfloat16)
     q_nope, q_rope, q_latent = case.queries(3)
     o_latent = mla_decode_attention(q_latent, *case.paged(), 48, case.sm_scale, num_splits=2,
@@ -175,13 +200,19 @@ def extend_case(kv_lora_rank, rope_dim, poison=False):
     return case, qo_indptr, case.queries(int(qo_indptr[-1]) + N_PAD_TOKENS)
 
 
+@pytest.mark.parametrize("num_splits", [None, 3])  # 3: draft-extend style, merge folded
 @pytest.mark.parametrize("kv_lora_rank,rope_dim", WIDTHS)
-def test_extend_matches_non_absorbed(kv_lora_rank, rope_dim):
+def test_extend_matches_non_absorbed(kv_lora_rank, rope_dim, num_splits):
     case, qo_indptr, (q_nope, q_rope, q_latent) = extend_case(kv_lora_rank, rope_dim,
                                                               poison=True)
     latent, r2t, rows, seq_lens = case.paged()
-    o_latent = mla_extend_attention(q_latent, latent, r2t, rows, seq_lens, qo_indptr,
-                                    kv_lora_rank, case.sm_scale, impl="triton")
+    if num_splits is None:  # the public function, the policy's split count
+        o_latent = mla_extend_attention(q_latent, latent, r2t, rows, seq_lens, qo_indptr,
+                                        kv_lora_rank, case.sm_scale, impl="triton")
+    else:
+        o_latent = mla_paged_attention(q_latent, latent, r2t, rows, seq_lens, kv_lora_rank,
+                                       case.sm_scale, CAUSAL, qo_indptr=qo_indptr,
+                                       num_splits=num_splits)
     assert torch.isfinite(o_latent).all()
     assert o_latent[-N_PAD_TOKENS:].abs().sum() == 0  # padding tokens give 0
     assert_close(case.output(o_latent), case.reference(q_nope, q_rope, qo_indptr=qo_indptr))
@@ -192,7 +223,7 @@ def test_extend_matches_non_absorbed(kv_lora_rank, rope_dim):
 VERIFY_LENS = [40 + K_DRAFT, PAD, K_DRAFT, 1 + K_DRAFT]
 
 
-@pytest.mark.parametrize("n_heads", [4, 16])  # 16 heads x 4 drafts: 2 head groups
+@pytest.mark.parametrize("n_heads", [4, 16])  # 16 heads x 4 drafts = 64 rows: 2 row blocks
 @pytest.mark.parametrize("kv_lora_rank,rope_dim", WIDTHS)
 def test_tree_verify_matches_non_absorbed(kv_lora_rank, rope_dim, n_heads):
     case = MLACase(VERIFY_LENS, kv_lora_rank, rope_dim, n_heads=n_heads, poison=True)

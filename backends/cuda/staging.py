@@ -48,11 +48,18 @@ class StaticInputs:
         # zeros, not empty: a fixed-shape input read before any call holds a defined value
         self.storage = {e.name: torch.zeros(e.numel, dtype=plan.program.inputs[e.name].dtype, device=device)
                         for e in largest.entries}
-        self._views = {b: {e.name: self.storage[e.name][: e.numel].view(e.shape)
-                           for e in plan.pack_table(b).entries} for b in plan.buckets}
+        # a dense prefix of the storage; made with set_ rather than as a view, so a traced body
+        # (torch.compile) sees plain tensors of the bucket's shape, not views of the largest
+        self._views = {b: {e.name: _prefix(self.storage[e.name], e.shape) for e in plan.pack_table(b).entries}
+                       for b in plan.buckets}
 
     def views(self, bucket: int) -> dict[str, torch.Tensor]:
         return self._views[bucket]
+
+
+def _prefix(t: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """A dense tensor of `shape` over the first elements of t's storage (not a view of t)."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), shape)
 
 
 class _Slot:

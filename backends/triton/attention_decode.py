@@ -5,9 +5,11 @@ One query per request attends to positions `0 .. seq_lens[r]-1` of its `req_to_t
 The split count S is static: chosen on the host from (bs, n_kv_heads, max_context, SM count),
 never from `seq_lens` values, so one captured graph serves every length. On the device, program
 (r, kv_head, s) takes the s-th of S equal shares of request r's *own* length (rounded up to
-BLOCK_N): cost follows real lengths, and splits past the end exit without reading. A second
-kernel merges the splits' partial outputs by their log-sum-exp. With S = 1 the first kernel
-writes the output directly (one launch).
+BLOCK_N): cost follows real lengths, and splits past the end exit without reading. The split
+count is a runtime argument, so every bucket runs one compiled kernel. The splits' partial
+outputs are merged by their log-sum-exp in the same launch (the last split of a request to
+finish merges; `attention_split.py`) or, when the partials are large, by a second small
+kernel. A request that fits one split is written directly.
 
 The same kernel serves tree verification (`attention_verify.py`): NUM_Q queries per request and
 a tree mask over the last NUM_Q positions.
@@ -22,13 +24,15 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention_split import (finish_split, launch_merge, partials, should_fold, split_len,
+                              tickets)
 from .kv import resolve_impl
 
 # Split-count policy (see docs/notes/attention.md): aim for ~PROGRAMS_PER_SM programs per SM
-# (about 3 fit at once, so >= 2.5 waves keep the tail short), but never make a split shorter
-# than MIN_SPLIT_TOKENS of the cache width, nor use more than MAX_SPLITS splits (the merge
-# kernel loads all of them at once).
-PROGRAMS_PER_SM = 8
+# (2-3 fit at once: 5-8 waves, so the last, partial wave costs <= ~15 %), but never make a
+# split shorter than MIN_SPLIT_TOKENS of the cache width, nor use more than MAX_SPLITS splits
+# (partials memory and the merge's serial read grow with the count).
+PROGRAMS_PER_SM = 16
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 128
 CPU_SM_COUNT = 4  # under the interpreter: few programs keep tests fast
@@ -98,32 +102,27 @@ def mma(a, b, UPCAST: tl.constexpr):
     return tl.dot(a, b)
 
 
-@triton.jit
-def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
-    """Tokens per split for a request of seq_len: an equal share rounded up to BLOCK_N."""
-    share = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    return tl.maximum(share, BLOCK_N)
-
-
-@triton.jit
+@triton.jit(do_not_specialize=["stride_mo_t", "stride_mo_h", "stride_mo_s", "stride_ml_t",
+                               "stride_ml_h", "num_splits", "fold"])
 def _split_kv_kernel(
-    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, TreeMask, Out, MidO, MidLse, sm_scale,
+    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, TreeMask, Out, MidO, MidLse, Counters, sm_scale,
     stride_q_t, stride_q_h, stride_k_s, stride_k_h, stride_v_s, stride_v_h, stride_rt,
     stride_o_t, stride_o_h, stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
-    head_dim, v_head_dim, num_splits,
-    GROUP: tl.constexpr, NUM_Q: tl.constexpr, DIRECT: tl.constexpr,
-    HAS_TREE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    head_dim, v_head_dim, num_splits, fold,
+    GROUP: tl.constexpr, NUM_Q: tl.constexpr, HAS_TREE: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     # program (r, kv_head, split): rows m = (query i, head g) of request r's NUM_Q * GROUP
-    # query heads sharing kv_head, against one split of r's positions.
+    # query heads sharing kv_head, against one split of r's positions (attention_split.py).
     r = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + r)
-    split_len = _split_len(seq_len, num_splits, BLOCK_N)
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    share = split_len(seq_len, num_splits, BLOCK_N)
+    n_used = tl.cdiv(seq_len, share)
+    start = split * share
+    end = tl.minimum(start + share, seq_len)
     if start < end:  # empty splits read nothing and write nothing (the merge skips them)
         row = tl.load(ReqPoolIdx + r).to(tl.int64)
         offs_m = tl.arange(0, BLOCK_M)
@@ -142,12 +141,19 @@ def _split_kv_kernel(
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: all-masked rows stay 0
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        idx = ReqToToken + row * stride_rt
+        offs_first = start + tl.arange(0, BLOCK_N)
+        slot = tl.load(idx + offs_first, mask=offs_first < end, other=0).to(tl.int64)
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < end
-            slot = tl.load(ReqToToken + row * stride_rt + offs_n, mask=n_ok, other=0).to(tl.int64)
+            # issue K, V and the next tile's slot indices together: one memory round trip a tile
             k = tl.load(K + slot[None, :] * stride_k_s + kvh * stride_k_h + offs_d[:, None],
                         mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+            v = tl.load(V + slot[:, None] * stride_v_s + kvh * stride_v_h + offs_dv[None, :],
+                        mask=n_ok[:, None] & dv_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
+            slot = tl.load(idx + offs_n + BLOCK_N, mask=offs_n + BLOCK_N < end,
+                           other=0).to(tl.int64)
             s = (mma(q, k, UPCAST) * sm_scale).to(tl.float32)  # [BLOCK_M, BLOCK_N]; inductor may pass a fp64 scale
             visible = n_ok[None, :] & m_ok[:, None]
             if HAS_TREE:
@@ -161,51 +167,17 @@ def _split_kv_kernel(
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + slot[:, None] * stride_v_s + kvh * stride_v_h + offs_dv[None, :],
-                        mask=n_ok[:, None] & dv_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
             acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST)
             m_i = m_new
 
-        has_any = l_i > 0.0
-        o = acc / tl.where(has_any, l_i, 1.0)[:, None]
-        o_mask = m_ok[:, None] & dv_ok[None, :]
-        if DIRECT:  # one split: write the normalized output, no merge
-            tl.store(Out + q_row[:, None] * stride_o_t + qh[:, None] * stride_o_h
-                     + offs_dv[None, :], o.to(Out.dtype.element_ty), mask=o_mask)
-        else:
-            tl.store(MidO + q_row[:, None] * stride_mo_t + qh[:, None] * stride_mo_h
-                     + split * stride_mo_s + offs_dv[None, :], o, mask=o_mask)
-            lse = tl.where(has_any, m_i + tl.log(tl.where(has_any, l_i, 1.0)), float("-inf"))
-            tl.store(MidLse + q_row * stride_ml_t + qh * stride_ml_h + split, lse, mask=m_ok)
-
-
-@triton.jit
-def _merge_splits_kernel(
-    MidO, MidLse, SeqLens, Out,
-    stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, stride_o_t, stride_o_h,
-    v_head_dim, num_splits,
-    NUM_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
-):
-    # program (query row, q head): log-sum-exp merge of the non-empty splits
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    seq_len = tl.load(SeqLens + t // NUM_Q)
-    n_used = tl.cdiv(seq_len, _split_len(seq_len, num_splits, BLOCK_N))
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    s_ok = offs_s < n_used
-    lse = tl.load(MidLse + t * stride_ml_t + h * stride_ml_h + offs_s, mask=s_ok,
-                  other=float("-inf"))  # [BLOCK_S]
-    m = tl.max(lse, 0)
-    w = tl.exp(lse - tl.where(m > float("-inf"), m, 0.0))  # 0 for empty / all-masked splits
-    o_s = tl.load(MidO + t * stride_mo_t + h * stride_mo_h + offs_s[:, None] * stride_mo_s
-                  + offs_dv[None, :], mask=s_ok[:, None] & (offs_dv < v_head_dim)[None, :],
-                  other=0.0)  # [BLOCK_S, BLOCK_DV]
-    l = tl.sum(w, 0)
-    o = tl.sum(w[:, None] * o_s, 0) / tl.where(l > 0.0, l, 1.0)
-    tl.store(Out + t * stride_o_t + h * stride_o_h + offs_dv, o.to(Out.dtype.element_ty),
-             mask=offs_dv < v_head_dim)
+        finish_split(acc, m_i, l_i, split, n_used, fold,
+                     Counters + r * tl.num_programs(1) + kvh,
+                     Out + q_row[:, None] * stride_o_t + qh[:, None] * stride_o_h
+                     + offs_dv[None, :],
+                     MidO + q_row[:, None] * stride_mo_t + qh[:, None] * stride_mo_h
+                     + offs_dv[None, :],
+                     MidLse + q_row * stride_ml_t + qh * stride_ml_h,
+                     stride_mo_s, 1, m_ok, dv_ok)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -273,10 +245,13 @@ def check_kernel_dtypes(q, k_cache, v_cache):
 
 def split_kv_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                        tree_mask, num_q: int, sm_scale: float, num_splits: int | None,
-                       block_n: int | None = None, num_warps: int = 4, num_stages: int = 2):
-    """Launch the split-KV kernel (+ merge): q [bs * num_q, n_q_heads, head_dim] -> o.
+                       block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                       fold: bool | None = None):
+    """Launch the split-KV kernel (merge folded in, or + the merge kernel):
+    q [bs * num_q, n_q_heads, head_dim] -> o [bs * num_q, n_q_heads, v_head_dim].
 
-    block_n / num_warps / num_stages are tuning knobs for benchmarks; the defaults are the policy.
+    block_n / num_warps / num_stages / fold are tuning knobs for benchmarks; the defaults are the
+    policy (`choose_num_splits`, `should_fold`), decided from shapes only.
     """
     check_kernel_dtypes(q, k_cache, v_cache)
     n_rows, n_q_heads, head_dim = q.shape
@@ -286,38 +261,33 @@ def split_kv_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_
         num_splits = choose_num_splits(bs, n_kv_heads, req_to_token.shape[1], sm_count(q.device))
     if not 1 <= num_splits <= 2 * MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1 .. {2 * MAX_SPLITS}; got {num_splits}")
+    if fold is None:
+        fold = should_fold(num_splits, num_q * group, v_head_dim)
     blocks = kernel_blocks(head_dim, v_head_dim, num_q * group, block_n)
     o = q.new_empty(n_rows, n_q_heads, v_head_dim)
     if n_rows == 0:
         return o
     if num_splits > 1:
-        mid_o = torch.empty(n_rows, n_q_heads, num_splits, v_head_dim, dtype=torch.float32,
-                            device=q.device)
-        mid_lse = torch.empty(n_rows, n_q_heads, num_splits, dtype=torch.float32,
-                              device=q.device)
-    else:  # never touched by the one-split kernel
-        mid_o, mid_lse = o.new_empty(1, 1, 1, 1), o.new_empty(1, 1, 1)
+        mid_o, mid_lse = partials(n_rows, n_q_heads, num_splits, v_head_dim, q.device)
+    else:  # every request is finished by its only program: no partials, no merge
+        mid_o, mid_lse = partials(1, 1, 1, 1, q.device)
+    # always an int32 counter buffer (one signature, one compile); only a folded merge uses it
+    fold = fold and num_splits > 1
+    counters, fold = tickets(q.device, bs * n_kv_heads if fold else 0, fold)
     tree = tree_mask.view(torch.uint8) if tree_mask is not None else req_pool_indices
     _split_kv_kernel[(bs, n_kv_heads, num_splits)](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, tree, o, mid_o, mid_lse,
-        sm_scale,
+        counters, sm_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
         o.stride(0), o.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
-        head_dim, v_head_dim, num_splits,
-        GROUP=group, NUM_Q=num_q, DIRECT=num_splits == 1, HAS_TREE=tree_mask is not None,
+        head_dim, v_head_dim, num_splits, int(fold),
+        GROUP=group, NUM_Q=num_q, HAS_TREE=tree_mask is not None,
         UPCAST=upcast_dots(q.dtype), num_warps=num_warps, num_stages=num_stages, **blocks,
     )
-    if num_splits > 1:
-        _merge_splits_kernel[(n_rows, n_q_heads)](
-            mid_o, mid_lse, seq_lens, o,
-            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
-            mid_lse.stride(1), o.stride(0), o.stride(1), v_head_dim, num_splits,
-            NUM_Q=num_q, BLOCK_N=blocks["BLOCK_N"],
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_DV=blocks["BLOCK_DV"],
-            num_warps=8 if num_splits * blocks["BLOCK_DV"] > 8192 else 4,
-        )
+    if num_splits > 1 and not fold:
+        launch_merge(mid_o, mid_lse, seq_lens, o, num_q, num_splits, blocks["BLOCK_N"])
     return o
 
 

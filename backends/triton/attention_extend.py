@@ -4,9 +4,13 @@ New tokens are packed along one token axis: request r owns `q[qo_indptr[r]:qo_in
 with n_r of them they sit at positions `seq_lens[r]-n_r .. seq_lens[r]-1` (already stored) and
 each attends to positions `0 .. its own`. Tokens at index >= qo_indptr[bs] are padding (output 0).
 
-Grid (bs, cdiv(n_tok, BLOCK_M), n_q_heads) is fixed by the shapes; program (r, m, h) reads r's
-token count from qo_indptr on the device and exits at once when tile m is past it, so no host
-planning from values is needed and cost follows real lengths.
+Grid (bs, cdiv(n_tok * GROUP, BLOCK_M), n_kv_heads * S) is fixed by the shapes. Program
+(r, m, kv_head, s) holds BLOCK_M rows = (new token, q head of kv_head's group) pairs of request
+r, so a K/V tile is read once for the whole GQA group; it reads r's token count from qo_indptr
+on the device and exits at once when tile m is past it, so no host planning from values is
+needed and cost follows real lengths. Each tile reads positions up to its last token's; short
+extends (draft-extend: a few tokens per request) split that range over S programs like decode
+and merge in the same launch (`attention_split.py`); long ones use S = 1.
 """
 from __future__ import annotations
 
@@ -14,9 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_decode import (attend_reference, check_paged_args, default_sm_scale,
-                               check_kernel_dtypes, gather_kv, mma, upcast_dots)
+from .attention_decode import (MAX_SPLITS, MIN_SPLIT_TOKENS, PROGRAMS_PER_SM, attend_reference,
+                               check_kernel_dtypes, check_paged_args, default_sm_scale,
+                               gather_kv, mma, sm_count, upcast_dots)
+from .attention_split import finish_split, partials, should_fold, split_len, tickets
 from .kv import resolve_impl
+
+PARTIALS_MAX_BYTES = 64 << 20  # fp32 partials of a split extend
 
 
 def extend_attention_reference(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
@@ -36,45 +44,63 @@ def extend_attention_reference(q, k_cache, v_cache, req_to_token, req_pool_indic
     return o
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_mo_t", "stride_mo_h", "stride_mo_s", "stride_ml_t",
+                               "stride_ml_h", "num_splits"])
 def _extend_kernel(
-    Q, K, V, Out, ReqToToken, ReqPoolIdx, SeqLens, QoIndptr, sm_scale,
+    Q, K, V, Out, ReqToToken, ReqPoolIdx, SeqLens, QoIndptr, MidO, MidLse, Counters, sm_scale,
     stride_q_t, stride_q_h, stride_k_s, stride_k_h, stride_v_s, stride_v_h, stride_rt,
-    stride_o_t, stride_o_h,
-    head_dim, v_head_dim,
+    stride_o_t, stride_o_h, stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
+    head_dim, v_head_dim, num_splits,
     GROUP: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
+    # program (r, tile, kv_head * S + split): rows m = (new token m // GROUP, head m % GROUP of
+    # kv_head's group) of request r, against one split of the positions the tile's rows see
     r = tl.program_id(0)
     tile = tl.program_id(1)
-    h = tl.program_id(2)
+    kvh = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
     q_start = tl.load(QoIndptr + r)
     n_new = tl.load(QoIndptr + r + 1) - q_start
-    if tile * BLOCK_M < n_new:  # tiles past this request's new tokens exit at once
-        seq_len = tl.load(SeqLens + r)
+    n_rows = n_new * GROUP
+    seq_len = tl.load(SeqLens + r)
+    last_t = (tl.minimum((tile + 1) * BLOCK_M, n_rows) - 1) // GROUP  # the tile's last token
+    kv_end = tl.minimum(seq_len, seq_len - n_new + last_t + 1)  # ... sees up to its position
+    share = split_len(seq_len, num_splits, BLOCK_N)
+    n_used = tl.cdiv(kv_end, share)  # the same for every split of this tile
+    start = split * share
+    end = tl.minimum(start + share, kv_end)
+    if (tile * BLOCK_M < n_rows) & (start < end):  # tiles past r's new tokens exit at once
         row = tl.load(ReqPoolIdx + r).to(tl.int64)
-        kvh = h // GROUP
         offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < n_new
-        pos_q = seq_len - n_new + offs_m  # [BLOCK_M] position of each new token
+        m_ok = offs_m < n_rows
+        tok = offs_m // GROUP
+        qh = kvh * GROUP + offs_m % GROUP
+        pos_q = seq_len - n_new + tok  # [BLOCK_M] position of each row's token
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
         d_ok = offs_d < head_dim
         dv_ok = offs_dv < v_head_dim
-        t = (q_start + offs_m).to(tl.int64)
-        q = tl.load(Q + t[:, None] * stride_q_t + h * stride_q_h + offs_d[None, :],
+        t = (q_start + tok).to(tl.int64)
+        q = tl.load(Q + t[:, None] * stride_q_t + qh[:, None] * stride_q_h + offs_d[None, :],
                     mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
 
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-        kv_end = tl.minimum(seq_len, seq_len - n_new + (tile + 1) * BLOCK_M)  # last query + 1
-        for n0 in range(0, kv_end, BLOCK_N):
+        idx = ReqToToken + row * stride_rt
+        offs_first = start + tl.arange(0, BLOCK_N)
+        slot = tl.load(idx + offs_first, mask=offs_first < end, other=0).to(tl.int64)
+        for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < kv_end
-            slot = tl.load(ReqToToken + row * stride_rt + offs_n, mask=n_ok, other=0).to(tl.int64)
+            n_ok = offs_n < end
+            # issue K, V and the next tile's slot indices together: one memory round trip a tile
             k = tl.load(K + slot[None, :] * stride_k_s + kvh * stride_k_h + offs_d[:, None],
                         mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+            v = tl.load(V + slot[:, None] * stride_v_s + kvh * stride_v_h + offs_dv[None, :],
+                        mask=n_ok[:, None] & dv_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
+            slot = tl.load(idx + offs_n + BLOCK_N, mask=offs_n + BLOCK_N < end,
+                           other=0).to(tl.int64)
             s = (mma(q, k, UPCAST) * sm_scale).to(tl.float32)  # [BLOCK_M, BLOCK_N]; inductor may pass a fp64 scale
             visible = n_ok[None, :] & (offs_n[None, :] <= pos_q[:, None]) & m_ok[:, None]
             s = tl.where(visible, s, float("-inf"))
@@ -82,27 +108,54 @@ def _extend_kernel(
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + slot[:, None] * stride_v_s + kvh * stride_v_h + offs_dv[None, :],
-                        mask=n_ok[:, None] & dv_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
             acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST)
             m_i = m_new
 
-        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        tl.store(Out + t[:, None] * stride_o_t + h * stride_o_h + offs_dv[None, :],
-                 o.to(Out.dtype.element_ty), mask=m_ok[:, None] & dv_ok[None, :])
+        # more than one split: always folded (a tile's splits depend on its causal range)
+        finish_split(acc, m_i, l_i, split, n_used, 1,
+                     Counters + (r * tl.num_programs(1) + tile) * (tl.num_programs(2)
+                                                                  // num_splits) + kvh,
+                     Out + t[:, None] * stride_o_t + qh[:, None] * stride_o_h
+                     + offs_dv[None, :],
+                     MidO + t[:, None] * stride_mo_t + qh[:, None] * stride_mo_h
+                     + offs_dv[None, :],
+                     MidLse + t * stride_ml_t + qh * stride_ml_h,
+                     stride_mo_s, 1, m_ok, dv_ok)
 
 
 def extend_blocks(head_dim: int, v_head_dim: int) -> dict:
+    """Tiles: 64 x 64 (32 past d = 128), head dims padded to powers of 2; 8 warps for 64-row
+    tiles (sm_90, d = 64..128: 4 warps spill 0.2-1.3 KB a thread, 8 warps <= 0.2 KB)."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_dv = max(16, triton.next_power_of_2(v_head_dim))
     block = 64 if max(block_d, block_dv) <= 128 else 32
-    return dict(BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d, BLOCK_DV=block_dv)
+    return dict(BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d, BLOCK_DV=block_dv,
+                num_warps=8 if block * max(block_d, block_dv) >= 4096 else 4)
+
+
+def choose_extend_splits(bs: int, n_tok: int, n_kv_heads: int, group: int, max_context: int,
+                         v_head_dim: int, n_sm: int, block_m: int) -> int:
+    """Static split count from shapes only. Short extends (draft-extend: a few tokens per
+    request) leave most of the GPU idle with one program per (request, tile, kv head), so their
+    context is split like decode's; long ones (tiles >= programs wanted) get 1. Bounded so the
+    folded merge and the partials stay small (<= PARTIALS_MAX_BYTES)."""
+    rows = triton.cdiv(n_tok, max(bs, 1)) * group  # rows of an average request
+    tiles = triton.cdiv(rows, block_m)
+    want = triton.cdiv(PROGRAMS_PER_SM * n_sm, max(1, bs * tiles * n_kv_heads))
+    cap = max(1, max_context // MIN_SPLIT_TOKENS)
+    splits = max(1, min(want, cap, MAX_SPLITS))
+    while splits > 1 and not (should_fold(splits, min(rows, block_m), v_head_dim) and
+                              n_tok * n_kv_heads * group * splits * v_head_dim * 4
+                              <= PARTIALS_MAX_BYTES):
+        splits //= 2
+    return splits
 
 
 def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, qo_indptr,
-                     sm_scale=None, impl="auto"):
+                     sm_scale=None, impl="auto", num_splits=None):
     """Causal paged attention of packed new tokens: q [n_tok, n_q_heads, head_dim],
-    qo_indptr [bs+1] -> [n_tok, n_q_heads, v_head_dim] (padding tokens give 0)."""
+    qo_indptr [bs+1] -> [n_tok, n_q_heads, v_head_dim] (padding tokens give 0).
+    `num_splits` overrides the static split count (`choose_extend_splits`)."""
     bs = req_pool_indices.shape[0]
     if tuple(qo_indptr.shape) != (bs + 1,) or qo_indptr.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"qo_indptr must be [bs+1={bs + 1}] int32/int64; "
@@ -115,18 +168,32 @@ def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
                                           seq_lens, qo_indptr, sm_scale)
     check_kernel_dtypes(q, k_cache, v_cache)
     n_tok, n_q_heads, head_dim = q.shape
-    v_head_dim = v_cache.shape[2]
+    n_kv_heads, v_head_dim = k_cache.shape[1], v_cache.shape[2]
+    group = n_q_heads // n_kv_heads
     o = q.new_zeros(n_tok, n_q_heads, v_head_dim)  # zeros: padding tokens are never visited
     blocks = extend_blocks(head_dim, v_head_dim)
     if n_tok == 0 or bs == 0:
         return o
-    grid = (bs, triton.cdiv(n_tok, blocks["BLOCK_M"]), n_q_heads)
+    n_tiles = triton.cdiv(n_tok * group, blocks["BLOCK_M"])  # enough for one request with all
+    if num_splits is None:
+        num_splits = choose_extend_splits(bs, n_tok, n_kv_heads, group, req_to_token.shape[1],
+                                          v_head_dim, sm_count(q.device), blocks["BLOCK_M"])
+    counters, ready = tickets(q.device, bs * n_tiles * n_kv_heads if num_splits > 1 else 0,
+                              num_splits > 1)
+    if not ready:  # no zeroed counters (first call inside a capture): no split
+        num_splits = 1
+    if num_splits > 1:
+        mid_o, mid_lse = partials(n_tok, n_q_heads, num_splits, v_head_dim, q.device)
+    else:
+        mid_o, mid_lse = partials(1, 1, 1, 1, q.device)
+    grid = (bs, n_tiles, n_kv_heads * num_splits)
     _extend_kernel[grid](
-        q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, qo_indptr, sm_scale,
+        q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, qo_indptr, mid_o,
+        mid_lse, counters, sm_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0), o.stride(0), o.stride(1),
-        head_dim, v_head_dim,
-        GROUP=n_q_heads // k_cache.shape[1], UPCAST=upcast_dots(q.dtype),
-        num_warps=4, num_stages=2, **blocks,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        head_dim, v_head_dim, num_splits,
+        GROUP=group, UPCAST=upcast_dots(q.dtype), num_stages=2, **blocks,
     )
     return o

@@ -7,16 +7,9 @@ slot 0, row 0 and the padded-lane fills are those of `kv.py` (padded lanes: seq_
 
 Absorbed form (what the kernels run): the caller folds W_UK into the query, `q_latent =
 [q_nope @ W_UK, q_rope]`, and applies W_UV after, `out = o_latent @ W_UV`. Attention is then MQA
-with keys = the whole latent row and values = its first kv_lora_rank columns, so no new kernel is
-needed: the paged kernels take K = the cache and V = a column view of the same cache (row stride
-kv_lora_rank + rope_dim, masks cover the non-power-of-two widths).
-
-- decode and tree verify reuse the split-KV kernel (`attention_decode.split_kv_attention`), with
-  8 warps for these wide rows (with 4, registers spill at 576 columns) and the query heads spread over
-  `head_groups` programs per request through a zero-stride head axis of the cache, so that no
-  program holds more than MAX_ROWS query rows (k=8 drafts x 16 heads in one program would need
-  ~320 KB of shared memory).
-- extend reuses `extend_attention` unchanged (one head per program).
+with keys = the whole latent row and values = its first kv_lora_rank columns. Decode, tree
+verify and extend all run the dedicated kernel of `attention_mla_decode.py` (512 + 64 column
+tiles, each latent tile loaded once for both products and for all heads of a row block).
 
 The reference (`mla_reference`) is the non-absorbed formulation: up-project the latent cache into
 per-head K = [c_kv @ W_UK^T, k_rope] and V = c_kv @ W_UV and run plain multi-head attention.
@@ -25,15 +18,12 @@ from __future__ import annotations
 
 import torch
 
-from .attention_decode import (acc_dtype, check_paged_args, decode_attention_reference,
-                               split_kv_attention)
-from .attention_extend import extend_attention, extend_attention_reference
+from .attention_decode import acc_dtype, check_paged_args, decode_attention_reference
+from .attention_extend import extend_attention_reference
+from .attention_mla_decode import CAUSAL, DECODE, TREE, mla_paged_attention
 from .attention_verify import tree_verify_attention_reference
 from .kv import resolve_impl
 from .store import store_kv
-
-MAX_ROWS = 32  # query rows (queries x heads) per split-KV program at MLA widths
-NUM_WARPS = 8  # sm_90 ptxas, 576 columns, BLOCK_M <= 32: no spills (4 warps: ~440 B spilled)
 
 
 # ----------------------------------------------------------------------------- reference
@@ -104,38 +94,18 @@ def check_latent_args(q_latent, latent_cache, kv_lora_rank: int) -> None:
                          f"q_rope); got {tuple(q_latent.shape)}")
 
 
-def head_groups(n_heads: int, num_q: int, max_rows: int = MAX_ROWS) -> int:
-    """Programs per request sharing its heads: the fewest, dividing n_heads, whose query rows
-    (num_q * n_heads / groups) fit max_rows (all n_heads when even one head per program doesn't)."""
-    for groups in range(1, n_heads + 1):
-        if n_heads % groups == 0 and num_q * (n_heads // groups) <= max_rows:
-            return groups
-    return n_heads
-
-
-def latent_kv(latent_cache, kv_lora_rank: int, groups: int = 1):
-    """(K, V) views of the latent cache for the paged kernels: K [n_slots, groups, r + rope],
-    V [n_slots, groups, r]; the `groups` heads are one stored head (stride 0), no copy."""
-    k_cache = latent_cache.expand(-1, groups, -1)
-    return k_cache, k_cache[:, :, :kv_lora_rank]
-
-
-def _split_kv_mla(q_latent, latent_cache, kv_lora_rank, req_to_token, req_pool_indices,
-                  seq_lens, tree_mask, num_q, sm_scale, num_splits):
-    """The split-KV kernel over the latent cache, heads spread by `head_groups`."""
-    groups = head_groups(q_latent.shape[1], num_q)
-    k_cache, v_cache = latent_kv(latent_cache, kv_lora_rank, groups)
-    return split_kv_attention(q_latent, k_cache, v_cache, req_to_token, req_pool_indices,
-                              seq_lens, tree_mask, num_q, sm_scale, num_splits,
-                              num_warps=NUM_WARPS)
+def latent_kv(latent_cache, kv_lora_rank: int):
+    """(K, V) views of the latent cache for the torch paths: K [n_slots, 1, r + rope] (the cache),
+    V [n_slots, 1, r] (its first r columns), no copy."""
+    return latent_cache, latent_cache[:, :, :kv_lora_rank]
 
 
 def mla_decode_attention(q_latent, latent_cache, req_to_token, req_pool_indices, seq_lens,
                          kv_lora_rank, sm_scale, num_splits=None, impl="auto"):
     """Absorbed MLA decode: q_latent [bs, n_heads, r + rope] -> o_latent [bs, n_heads, r].
 
-    MQA over the latent cache (keys: whole rows; values: first r columns) with the split-KV
-    decode kernel. `sm_scale` is required (see `mla_sm_scale`); padded lanes read slot 0 only.
+    MQA over the latent cache (keys: whole rows; values: first r columns) with the dedicated
+    MLA kernel. `sm_scale` is required (see `mla_sm_scale`); padded lanes read slot 0 only.
     """
     check_latent_args(q_latent, latent_cache, kv_lora_rank)
     k_cache, v_cache = latent_kv(latent_cache, kv_lora_rank)
@@ -145,8 +115,8 @@ def mla_decode_attention(q_latent, latent_cache, req_to_token, req_pool_indices,
                     seq_lens) == "torch":
         return decode_attention_reference(q_latent, k_cache, v_cache, req_to_token,
                                           req_pool_indices, seq_lens, sm_scale)
-    return _split_kv_mla(q_latent, latent_cache, kv_lora_rank, req_to_token, req_pool_indices,
-                         seq_lens, None, 1, sm_scale, num_splits)
+    return mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, seq_lens,
+                               kv_lora_rank, sm_scale, DECODE, num_splits=num_splits)
 
 
 def mla_tree_verify_attention(q_latent, latent_cache, req_to_token, req_pool_indices, seq_lens,
@@ -168,8 +138,9 @@ def mla_tree_verify_attention(q_latent, latent_cache, req_to_token, req_pool_ind
                     tree_mask) == "torch":
         return tree_verify_attention_reference(q_latent, k_cache, v_cache, req_to_token,
                                                req_pool_indices, seq_lens, tree_mask, sm_scale)
-    return _split_kv_mla(q_latent, latent_cache, kv_lora_rank, req_to_token, req_pool_indices,
-                         seq_lens, tree_mask.contiguous(), k, sm_scale, num_splits)
+    return mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, seq_lens,
+                               kv_lora_rank, sm_scale, TREE, num_q=k,
+                               tree_mask=tree_mask.contiguous(), num_splits=num_splits)
 
 
 def mla_extend_attention(q_latent, latent_cache, req_to_token, req_pool_indices, seq_lens,
@@ -177,9 +148,18 @@ def mla_extend_attention(q_latent, latent_cache, req_to_token, req_pool_indices,
     """Absorbed MLA causal extend: q_latent [n_tok, n_heads, r + rope], qo_indptr [bs+1] ->
     o_latent [n_tok, n_heads, r] (padding tokens give 0). Semantics: `attention_extend`."""
     check_latent_args(q_latent, latent_cache, kv_lora_rank)
+    bs = req_pool_indices.shape[0]
+    if tuple(qo_indptr.shape) != (bs + 1,) or qo_indptr.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"qo_indptr must be [bs+1={bs + 1}] int32/int64; "
+                         f"got {tuple(qo_indptr.shape)} {qo_indptr.dtype}")
     k_cache, v_cache = latent_kv(latent_cache, kv_lora_rank)
-    return extend_attention(q_latent, k_cache, v_cache, req_to_token, req_pool_indices,
-                            seq_lens, qo_indptr, sm_scale=sm_scale, impl=impl)
+    check_paged_args(q_latent, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, bs)
+    if resolve_impl(impl, q_latent, latent_cache, req_to_token, req_pool_indices, seq_lens,
+                    qo_indptr) == "torch":
+        return extend_attention_reference(q_latent, k_cache, v_cache, req_to_token,
+                                          req_pool_indices, seq_lens, qo_indptr, sm_scale)
+    return mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, seq_lens,
+                               kv_lora_rank, sm_scale, CAUSAL, qo_indptr=qo_indptr)
 
 
 def store_latent(latent_cache, loc, c_kv, k_rope, impl: str = "auto") -> None:

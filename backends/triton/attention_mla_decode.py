@@ -1,0 +1,230 @@
+"""A dedicated absorbed-MLA kernel over the paged latent cache: decode, draft-tree verify and
+causal extend, graph-safe. The oracle is the non-absorbed torch reference
+(`attention_mla.mla_reference`); the absorbed torch form (the CPU path) is the paged references
+of `attention_decode` / `_extend` / `_verify` over column views of the latent cache.
+
+Latent row (one per slot): `[c_kv (kv_lora_rank) | k_rope (rope_dim)]`, e.g. 512 + 64. Keys are
+the whole row, values its first kv_lora_rank columns. Per iteration a program gathers BLOCK_N
+rows as two tiles, `kv [BLOCK_N, BLOCK_C]` (c_kv) and `kr [BLOCK_N, BLOCK_R]` (k_rope), from
+one slot-index load; `kv` serves both products:
+
+    s   = q_c @ kv^T + q_r @ kr^T        # [BLOCK_H, BLOCK_N]   scores
+    acc = acc * alpha + p @ kv           # [BLOCK_H, BLOCK_C]   values
+
+so each latent byte is read once (no padding of 576 to 1024, no second read of c_kv as V).
+
+Rows of a program are BLOCK_H (query, head) pairs of one request, query-major (row m = query
+m // n_heads, head m % n_heads): at decode with 16 heads one program holds every head, so a tile
+is read once for all of them. Grid `(row blocks, bs, S)`: row blocks vary fastest, so the
+programs that share a request's tiles run together (the second and later ones hit L2).
+Splits (decode, verify) follow `attention_split.py`: S is a runtime argument, lengths are read on
+the device, the merge is folded into the last split or done by a second small kernel. A causal
+extend splits only when short (draft-extend: a few tokens per request), always with the folded
+merge (a row block's splits follow its own causal range).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention_decode import MIN_SPLIT_TOKENS, check_kernel_dtypes, mma, sm_count, upcast_dots
+from .attention_split import (finish_split, launch_merge, partials, should_fold, split_len,
+                              tickets)
+
+DECODE, TREE, CAUSAL = 0, 1, 2  # MODE: who sees what (all < seq_len; tree tail; causal)
+PROGRAMS_PER_SM = 2  # an MLA program keeps ~72 KB of tiles in flight: 2 per SM saturate HBM
+MAX_SPLITS = 64
+PARTIALS_MAX_BYTES = 64 << 20  # fp32 partials of a split causal extend
+
+
+# ----------------------------------------------------------------------------- kernel
+
+@triton.jit(do_not_specialize=["stride_mo_t", "stride_mo_h", "stride_mo_s", "stride_ml_t",
+                               "stride_ml_h", "num_splits", "fold"])
+def _mla_kernel(
+    Q, KV, ReqToToken, ReqPoolIdx, SeqLens, QoIndptr, TreeMask, Out, MidO, MidLse, Counters,
+    sm_scale,
+    stride_q_t, stride_q_h, stride_kv_s, stride_rt, stride_o_t, stride_o_h,
+    stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
+    n_heads, kv_lora_rank, rope_dim, num_splits, fold,
+    NUM_Q: tl.constexpr, MODE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    r = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + r)
+    if MODE == 2:  # CAUSAL: request r's n_q new tokens are q[q_start : q_start + n_q]
+        q_start = tl.load(QoIndptr + r)
+        n_q = tl.load(QoIndptr + r + 1) - q_start
+    else:
+        q_start = r * NUM_Q
+        n_q = NUM_Q
+    n_rows = n_q * n_heads
+    kv_len = seq_len
+    if MODE == 2:  # this block's last query sees up to its own position
+        last_q = tl.minimum((blk + 1) * BLOCK_H, n_rows) - 1
+        kv_len = tl.minimum(seq_len, seq_len - n_q + last_q // n_heads + 1)
+    share = split_len(seq_len, num_splits, BLOCK_N)
+    n_used = tl.cdiv(kv_len, share)  # the same for every split of this (request, row block)
+    start = split * share
+    end = tl.minimum(start + share, kv_len)
+    if (blk * BLOCK_H < n_rows) & (start < end):  # else: nothing to read, nothing to write
+        row = tl.load(ReqPoolIdx + r).to(tl.int64)
+        offs_m = blk * BLOCK_H + tl.arange(0, BLOCK_H)
+        m_ok = offs_m < n_rows
+        qi = offs_m // n_heads  # query index within the request
+        qh = offs_m % n_heads  # head
+        pos_q = seq_len - n_q + qi  # [BLOCK_H] position of each row's query
+        offs_c = tl.arange(0, BLOCK_C)
+        offs_r = tl.arange(0, BLOCK_R)
+        c_ok = offs_c < kv_lora_rank
+        r_ok = offs_r < rope_dim
+        q_row = (q_start + qi).to(tl.int64)
+        q_base = Q + q_row[:, None] * stride_q_t + qh[:, None] * stride_q_h
+        q_c = tl.load(q_base + offs_c[None, :], mask=m_ok[:, None] & c_ok[None, :],
+                      other=0.0)  # [BLOCK_H, BLOCK_C]
+        q_r = tl.load(q_base + kv_lora_rank + offs_r[None, :],
+                      mask=m_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_H, BLOCK_R]
+        prefix = tl.maximum(seq_len - NUM_Q, 0)  # positions every draft sees (TREE)
+
+        m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)  # finite: all-masked rows stay 0
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
+        idx = ReqToToken + row * stride_rt
+        offs_first = start + tl.arange(0, BLOCK_N)
+        slot = tl.load(idx + offs_first, mask=offs_first < end, other=0).to(tl.int64)
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < end
+            # issue the tile and the next tile's slot indices together: one round trip a tile
+            kv_base = KV + slot[:, None] * stride_kv_s
+            kv = tl.load(kv_base + offs_c[None, :], mask=n_ok[:, None] & c_ok[None, :],
+                         other=0.0)  # [BLOCK_N, BLOCK_C]: c_kv, keys and values
+            kr = tl.load(kv_base + kv_lora_rank + offs_r[None, :],
+                         mask=n_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
+            slot = tl.load(idx + offs_n + BLOCK_N, mask=offs_n + BLOCK_N < end,
+                           other=0).to(tl.int64)
+            s = mma(q_c, tl.trans(kv), UPCAST) + mma(q_r, tl.trans(kr), UPCAST)
+            s = (s * sm_scale).to(tl.float32)  # [BLOCK_H, BLOCK_N]
+            visible = n_ok[None, :] & m_ok[:, None]
+            if MODE == 1:  # TREE: draft i sees the prefix and the drafts tree_mask[r, i, :]
+                j = offs_n - (seq_len - NUM_Q)  # draft index of key position (>= 0 in the tail)
+                in_tail = (offs_n >= prefix)[None, :] & visible
+                tm = tl.load(TreeMask + r * NUM_Q * NUM_Q + qi[:, None] * NUM_Q + j[None, :],
+                             mask=in_tail, other=0)
+                visible = visible & ((offs_n < prefix)[None, :] | (tm != 0))
+            if MODE == 2:
+                visible = visible & (offs_n[None, :] <= pos_q[:, None])
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + mma(p.to(kv.dtype), kv, UPCAST)
+            m_i = m_new
+
+        finish_split(acc, m_i, l_i, split, n_used, fold,
+                     Counters + r * tl.num_programs(0) + blk,
+                     Out + q_row[:, None] * stride_o_t + qh[:, None] * stride_o_h
+                     + offs_c[None, :],
+                     MidO + q_row[:, None] * stride_mo_t + qh[:, None] * stride_mo_h
+                     + offs_c[None, :],
+                     MidLse + q_row * stride_ml_t + qh * stride_ml_h,
+                     stride_mo_s, 1, m_ok, c_ok)
+
+
+# ----------------------------------------------------------------------------- host side
+
+def mla_blocks(kv_lora_rank: int, rope_dim: int, rows: int) -> dict:
+    """Tiles: BLOCK_H = 16 (query, head) rows per program, BLOCK_N = 32 latent rows per
+    iteration, c_kv / rope widths padded to powers of 2, 4 warps. (sm_90 at 512 + 64: 4 warps use
+    255 registers and spill ~0.1-0.2 KB a thread but fit 2 programs an SM, 72 KB of tiles in flight;
+    8 warps don't spill but fit one; 32 rows spill 0.4-0.9 KB. `examples/bench_mla.py` sweeps.)
+    `rows` (a request's query rows) is unused today: more rows are more row blocks."""
+    return dict(BLOCK_H=16, BLOCK_N=32,
+                BLOCK_C=max(16, triton.next_power_of_2(kv_lora_rank)),
+                BLOCK_R=max(16, triton.next_power_of_2(rope_dim)), num_warps=4)
+
+
+def choose_mla_splits(bs: int, n_blocks: int, max_context: int, n_sm: int) -> int:
+    """Static split count from shapes only: ~PROGRAMS_PER_SM programs per SM, bounded splits."""
+    want = triton.cdiv(PROGRAMS_PER_SM * n_sm, max(1, bs * n_blocks))
+    cap = max(1, max_context // MIN_SPLIT_TOKENS)
+    return max(1, min(want, cap, MAX_SPLITS))
+
+
+def choose_mla_extend_splits(bs: int, n_tok: int, n_heads: int, block_h: int,
+                             max_context: int, kv_lora_rank: int, width: int, n_sm: int) -> int:
+    """Splits of a causal extend, from shapes only: as decode for short extends (draft-extend),
+    bounded so that the folded merge (the only one a causal tile has) reads at most half of what
+    a split reads, and the fp32 partials stay <= PARTIALS_MAX_BYTES; 1 for long extends."""
+    rows = triton.cdiv(n_tok, max(bs, 1)) * n_heads  # rows of an average request
+    splits = choose_mla_splits(bs, triton.cdiv(rows, block_h), max_context, n_sm)
+    while splits > 1 and (
+            splits * min(rows, block_h) * kv_lora_rank * 4 > (max_context // splits) * width
+            or n_tok * n_heads * splits * kv_lora_rank * 4 > PARTIALS_MAX_BYTES):
+        splits -= 1
+    return splits
+
+
+def mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, seq_lens,
+                        kv_lora_rank: int, sm_scale: float, mode: int, num_q: int = 1,
+                        tree_mask=None, qo_indptr=None, num_splits: int | None = None,
+                        fold: bool | None = None, block_n: int | None = None,
+                        num_warps: int | None = None, num_stages: int = 2):
+    """Launch the MLA kernel: q_latent [n, H, r + rope] -> o_latent [n, H, r] (callers check
+    shapes). DECODE / TREE: n = bs * num_q, request-major; CAUSAL: packed by qo_indptr, padding
+    tokens give 0. block_n / num_warps / num_stages / fold: benchmark knobs."""
+    check_kernel_dtypes(q_latent, latent_cache, latent_cache)
+    n_tok, n_heads, width = q_latent.shape
+    bs = req_pool_indices.shape[0]
+    rows = n_heads * (num_q if mode != CAUSAL else 2)
+    blocks = mla_blocks(kv_lora_rank, width - kv_lora_rank, rows)
+    if block_n is not None:
+        blocks["BLOCK_N"] = block_n
+    if num_warps is not None:
+        blocks["num_warps"] = num_warps
+    block_h = blocks["BLOCK_H"]
+    # CAUSAL: enough row blocks for the longest possible request (all n_tok tokens)
+    n_blocks = triton.cdiv((num_q if mode != CAUSAL else n_tok) * n_heads, block_h)
+    if num_splits is None and mode == CAUSAL:
+        num_splits = choose_mla_extend_splits(bs, n_tok, n_heads, block_h, req_to_token.shape[1],
+                                              kv_lora_rank, width, sm_count(q_latent.device))
+    elif num_splits is None:
+        num_splits = choose_mla_splits(bs, n_blocks, req_to_token.shape[1],
+                                       sm_count(q_latent.device))
+    if not 1 <= num_splits <= 4 * MAX_SPLITS:
+        raise ValueError(f"num_splits must be in 1 .. {4 * MAX_SPLITS}; got {num_splits}")
+    if mode == CAUSAL:  # a causal block's splits depend on its range: only the folded merge
+        fold = True
+    elif fold is None:
+        fold = should_fold(num_splits, min(block_h, rows), kv_lora_rank)
+    alloc = torch.zeros if mode == CAUSAL else torch.empty  # CAUSAL: padding tokens stay 0
+    o = alloc(n_tok, n_heads, kv_lora_rank, dtype=q_latent.dtype, device=q_latent.device)
+    if n_tok == 0 or bs == 0:
+        return o
+    fold = fold and num_splits > 1
+    counters, fold = tickets(q_latent.device, bs * n_blocks if fold else 0, fold)
+    if mode == CAUSAL and num_splits > 1 and not fold:  # no zeroed counters yet (in a capture)
+        num_splits = 1
+    if num_splits > 1:
+        mid_o, mid_lse = partials(n_tok, n_heads, num_splits, kv_lora_rank, q_latent.device)
+    else:  # every request is finished by its only program
+        mid_o, mid_lse = partials(1, 1, 1, 1, q_latent.device)
+    tree = tree_mask.view(torch.uint8) if tree_mask is not None else req_pool_indices
+    indptr = qo_indptr if qo_indptr is not None else req_pool_indices
+    _mla_kernel[(n_blocks, bs, num_splits)](
+        q_latent, latent_cache, req_to_token, req_pool_indices, seq_lens, indptr, tree, o,
+        mid_o, mid_lse, counters, sm_scale,
+        q_latent.stride(0), q_latent.stride(1), latent_cache.stride(0), req_to_token.stride(0),
+        o.stride(0), o.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        n_heads, kv_lora_rank, width - kv_lora_rank, num_splits, int(fold),
+        NUM_Q=num_q if mode != CAUSAL else 1, MODE=mode, UPCAST=upcast_dots(q_latent.dtype),
+        num_stages=num_stages, **blocks,
+    )
+    if num_splits > 1 and not fold:
+        launch_merge(mid_o, mid_lse, seq_lens, o, num_q, num_splits, blocks["BLOCK_N"])
+    return o
