@@ -51,11 +51,12 @@ class TracedView:
     """The padded view as dynamo traces it: plain attributes (no __getattr__ indirection)."""
 
     def __init__(self, program: str, bucket, buffers: Mapping, extents: Mapping):
-        self.__dict__.update(buffers)
+        for name, value in buffers.items():     # setattr, not __dict__.update: dynamo traces it
+            setattr(self, name, value)
         self.program, self.bucket, self._extents = program, bucket, extents
 
     def __getitem__(self, name: str):
-        return self.__dict__[name]
+        return getattr(self, name)
 
     def extent(self, axis: str):
         return self._extents[axis]

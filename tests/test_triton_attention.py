@@ -151,11 +151,11 @@ def test_choose_num_splits_uses_shapes_only():
 
 
 def test_merge_is_folded_when_the_partials_are_small():
-    lim = FOLD_MAX_BYTES_TUNED   # the designed threshold; the default is off (attention_split.py)
+    lim = FOLD_MAX_BYTES_TUNED
     assert should_fold(33, 4, 128, lim)  # GQA 4 rows x 128: 33 splits = 66 KB, one launch
     assert not should_fold(128, 4, 128, lim)  # 256 KB: the merge kernel spreads the read
     assert should_fold(4, 16, 512, lim) and not should_fold(5, 16, 512, lim)  # MLA rows: 32 KB a split
-    assert not should_fold(2, 4, 128)    # off by default
+    assert should_fold(33, 4, 128)       # the default threshold
 
 
 def test_decode_checks_shapes():
@@ -222,6 +222,7 @@ def test_extend_sinks_and_past_the_end_are_never_read(num_splits):
 def test_choose_extend_splits_uses_shapes_only(monkeypatch):
     # draft-extend (6 tokens x 4 heads per request) at bs 1 splits a 4096 context; a prefill not
     import padgraph.backends.triton.attention_split as split
+    monkeypatch.setattr(split, "FOLD_MAX_BYTES", 0)
     assert choose_extend_splits(1, 6, 8, 4, 4096, 128, 132, 64) == 1   # fold off: extend splits need it
     monkeypatch.setattr(split, "FOLD_MAX_BYTES", FOLD_MAX_BYTES_TUNED)
     assert choose_extend_splits(1, 6, 8, 4, 4096, 128, 132, 64) == 8  # 16: fold past 128 KB

