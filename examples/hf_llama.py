@@ -300,12 +300,12 @@ def run(device: torch.device, n_req: int, max_new: int, max_prompt: int, torch_c
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when there is a GPU")
     ap.add_argument("--requests", type=int, default=None, help="number of requests (cpu 6, cuda 24)")
     ap.add_argument("--max-new", type=int, default=None, help="largest new-token budget (cpu 12, cuda 48)")
     ap.add_argument("--torch-compile", action="store_true", help="pg.compile(..., torch_compile=True)")
     args = ap.parse_args()
-    device = torch.device(args.device)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpu = device.type == "cuda"
     res = run(device, args.requests or (24 if gpu else 6), args.max_new or (48 if gpu else 12),
               64 if gpu else 12, torch_compile=args.torch_compile or None)
