@@ -1,0 +1,60 @@
+"""PNG figures of a results folder's JSON files (attention, MLA, host time), for results/<date>/.
+
+    python scripts/plot_results.py results/2026-12-01      (needs matplotlib; not a dependency)
+"""
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def attention(d: Path) -> None:
+    a = json.loads((d / "attention.json").read_text())
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for layout, ax in zip(("random", "contiguous"), axes):
+        for ctx in sorted({r["ctx"] for r in a["rows"]}):
+            rows = [r for r in a["rows"] if r["kind"] == "decode" and r["layout"] == layout and r["ctx"] == ctx]
+            ax.plot([r["bs"] for r in rows], [r["speedup_vs_sdpa"] for r in rows], "o-", label=f"ctx {ctx}")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set(title=f"decode vs SDPA ({layout} slots)", xlabel="bs", ylabel="speedup (>1: ours faster)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(d / "attention.png", dpi=110)
+
+
+def mla(d: Path) -> None:
+    m = json.loads((d / "mla.json").read_text())
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for ctx in sorted({r["ctx"] for r in m["rows"] if r["kind"] == "decode"}):
+        rows = [r for r in m["rows"] if r["kind"] == "decode" and r["ctx"] == ctx]
+        ax.plot([r["bs"] for r in rows], [r["fraction"] for r in rows], "o-", label=f"ctx {ctx}")
+    ax.axhline(0.6, color="grey", lw=0.8, ls="--", label="target 0.6")
+    ax.set_xscale("log", base=2)
+    ax.set(title="MLA decode: fraction of copy bandwidth", xlabel="bs", ylabel="fraction")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(d / "mla.png", dpi=110)
+
+
+def host(d: Path, name: str) -> None:
+    h = json.loads((d / f"{name}.json").read_text())
+    fig, ax = plt.subplots(figsize=(7, 4))
+    stages = {k: v for k, v in h["stages"].items() if k != "whole call"}
+    ax.barh(list(stages), list(stages.values()))
+    ax.set(title=f"host µs per step at bs=27 (whole call {h['stages']['whole call']:.1f} µs)", xlabel="µs")
+    fig.tight_layout()
+    fig.savefig(d / f"{name}.png", dpi=110)
+
+
+if __name__ == "__main__":
+    folder = Path(sys.argv[1])
+    attention(folder)
+    mla(folder)
+    for n in ("bench_host", "bench_host_final"):
+        if (folder / f"{n}.json").exists():
+            host(folder, n)
