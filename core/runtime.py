@@ -181,7 +181,7 @@ class Runner:
                 region = region.narrow(d, 0, n)
             region.copy_(t)
             padded[name] = full
-        return padded
+        return mask_outputs(self.program, padded, self._device_dims, cut_ext.__getitem__)
 
     def _cut(self, raw, ext, dev):
         """Extents with the device ones read and clamped, and the inputs cut to them."""

@@ -125,3 +125,30 @@ def test_r11_5_no_host_sync_for_a_device_extent(compile, device):
     finally:
         torch.cuda.set_sync_debug_mode(prev)
     torch.cuda.synchronize()
+
+
+def _grid_program():
+    t = pg.Axis("tokens", capacity=bs * 3, device_extent=True)
+    return pg.Program("devgrid", inputs={"ids": pg.Input((t,), torch.int64, pad=0), "lens": pg.Input((bs,), torch.int32, pad=1),
+                                         "g": pg.Input((2, t), torch.int32, pad=7)},
+                      outputs={"y": pg.Output((t,), torch.int64, pad=-1), "n": pg.Output((bs,), torch.int64)},
+                      buckets=pg.Buckets([1, 2, 4]))
+
+
+def _grid_body(x):
+    return {"y": x.ids * 2 + x.g.sum(0), "n": x.lens.long() + x.extent("tokens")}
+
+
+@pytest.mark.parametrize("copy", [False, True], ids=["views", "copies"])
+def test_r11_6_on_and_past_the_ladder_with_a_trailing_padded_dim(compile, device, copy):
+    runner = compile(_grid_program(), _grid_body, copy_outputs=copy)
+    for n, m, e in [(2, 5, 3), (6, 15, 9), (6, 15, 40), (1, 2, 0), (4, 12, 12)]:   # bs 6: past the ladder
+        raw = {"ids": torch.arange(m, device=device) + 1, "lens": torch.ones(n, dtype=torch.int32, device=device),
+               "g": torch.ones(2, m, dtype=torch.int32, device=device)}
+        out = runner.call(raw, extents={"tokens": torch.tensor(e, dtype=torch.int32, device=device)})
+        eff = min(max(e, 0), m)
+        want = torch.full((m,), -1, dtype=torch.int64)
+        want[:eff] = (torch.arange(eff) + 1) * 2 + 2
+        case = f"n={n} m={m} e={e} copy={copy}"
+        S.assert_equal("y", out.y.cpu(), want, case)
+        S.assert_equal("n", out.n.cpu(), torch.full((n,), 1 + eff, dtype=torch.int64), case)
