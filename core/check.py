@@ -171,6 +171,7 @@ class _State:
     sinks: tuple      # set of sink rows per tensor
     poison: tuple     # bool per tensor: floating-point data, filled with POISON in view 2
     rows: tuple = ()  # bool per tensor: batch-ordered (pg.State(rows=bs)): padded lanes own [n, size)
+    bound: object = None  # the BoundState the tensors are the leaves of (its snapshot/restore)
 
     @classmethod
     def of(cls, st) -> "_State":
@@ -180,7 +181,7 @@ class _State:
         sinks = tuple(set(st.specs[_state_name(lb)].sink_rows) for lb in labels)
         poison = tuple((t.is_floating_point() or t.is_complex()) and t.numel() > 0 for t in tensors)
         rows = tuple(st.specs[_state_name(lb)].rows is not None for lb in labels)
-        return cls(labels, tensors, sinks, poison, rows)
+        return cls(labels, tensors, sinks, poison, rows, st)
 
     def allowed(self, ext: Mapping, size: int, axis: str) -> list[set[int]]:
         """Rows padded lanes may write at `size`: sinks, and [n, size) of batch-ordered state."""
@@ -188,11 +189,10 @@ class _State:
         return [s | own if r else s for s, r in zip(self.sinks, self.rows)]
 
     def snapshot(self) -> list[torch.Tensor]:
-        return [t.clone() for t in self.tensors]
+        return self.bound.snapshot()
 
     def restore(self, snap: list[torch.Tensor]) -> None:
-        for t, s in zip(self.tensors, snap):
-            t.copy_(s)
+        self.bound.restore(snap)
 
     def poisoned(self) -> list[torch.Tensor]:
         """Fill the poisonable tensors with POISON; returns every tensor's contents after."""

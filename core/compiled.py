@@ -24,12 +24,11 @@ _MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune")
 def _options(program: Program, spec) -> dict:
     opts = {} if spec is True else dict(spec)
     mode = opts.pop("mode", None) or "default"
-    if mode not in _MODES and mode != "reduce-overhead":
-        raise ContractValueError(mismatch(program.name, None, "torch_compile mode", f"one of {list(_MODES)}", repr(mode)))
-    if mode == "reduce-overhead":
-        raise ContractValueError(mismatch(
-            program.name, None, "torch_compile mode", f"one of {list(_MODES)} (padgraph captures the CUDA graphs "
-            "itself; inductor's own would nest inside them)", repr(mode)))
+    if mode not in _MODES:
+        why = " (padgraph captures the CUDA graphs itself; inductor's own would nest inside them)" \
+            if mode == "reduce-overhead" else ""
+        raise ContractValueError(mismatch(program.name, None, "torch_compile mode", f"one of {list(_MODES)}{why}",
+                                          repr(mode)))
     patches = dict(torch._inductor.list_mode_options(mode)) if mode != "default" else {}
     patches.update(opts.pop("options", None) or {})
     patches["triton.cudagraphs"] = False

@@ -35,10 +35,10 @@ def run_padded(runner, size: int, raw, ext, device) -> Mapping[str, torch.Tensor
     return outs
 
 
-def device_axis_dims(program) -> dict[str, tuple]:
-    """output -> ((dim, axis, scale, offset), ...) for its dims along a device-extent axis."""
+def device_axis_dims(specs: Mapping) -> dict[str, tuple]:
+    """buffer -> ((dim, axis, scale, offset), ...) for its dims along a device-extent axis."""
     out = {}
-    for name, spec in program.outputs.items():
+    for name, spec in specs.items():
         dims = tuple((d, af.axis.name, af.scale, af.offset) for d, af in padded_dims(spec.shape)
                      if af.axis.device_extent)
         if dims:

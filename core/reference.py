@@ -6,6 +6,7 @@ output arena, so output lifetime matches the graph backends: views valid until t
 """
 from __future__ import annotations
 
+import math
 from typing import Mapping
 
 import torch
@@ -37,15 +38,15 @@ class ReferenceRunner(Runner):
         return self._finish({n: t.clone() for n, t in outs.items()}, ext)
 
     def _into_arena(self, outs, bucket):
+        """Copy the outputs into the runner's arena (one flat buffer per output at the largest
+        size; a bucket's output is a dense prefix of it)."""
         if self._arena is None:
-            self._arena = {n: torch.empty(self.plan.largest_shape(n), dtype=s.dtype, device=outs[n].device)
+            self._arena = {n: torch.empty(math.prod(self.plan.largest_shape(n)), dtype=s.dtype, device=outs[n].device)
                            for n, s in self.program.outputs.items()}
         views = {}
-        for name, dims in self._out_dims.items():
-            v = self._arena[name]
+        for name, flat in self._arena.items():
             shape = self.plan.shape(name, bucket)
-            for d in dims:
-                v = v.narrow(d, 0, shape[d])
+            v = flat[: math.prod(shape)].view(shape)
             v.copy_(outs[name])
             views[name] = v
         return views

@@ -103,14 +103,12 @@ class Runner:
             from .compiled import CompiledBody   # local: plain runners never import dynamo
             self.body = CompiledBody(program, body, torch_compile, self.stats, self.state)
         self._warned_overflow = False
-        self._out_dims = {n: [d for d, _ in padded_dims(s.shape)] for n, s in program.outputs.items()}
         # output -> ((dim, axis name, affine), ...): slicing without re-deriving shapes per call
         self._out_slices = {n: tuple((d, a.axis.name, a) for d, a in padded_dims(s.shape))
                             for n, s in program.outputs.items()}
         self._views: dict[tuple, list] = {}     # (bucket, *extents) -> [(view, shape, stride, ptr)]
-        self._device_dims = device_axis_dims(program)           # outputs along device-extent axes
-        self._in_device_dims = {n: tuple((d, af.axis.name, af.scale, af.offset) for d, af in padded_dims(s.shape)
-                                         if af.axis.device_extent) for n, s in program.inputs.items()}
+        self._device_dims = device_axis_dims(program.outputs)     # buffers along device-extent axes
+        self._in_device_dims = device_axis_dims(program.inputs)
 
     def __call__(self, **raw: torch.Tensor) -> Outputs:
         return self.call(raw)
@@ -132,18 +130,12 @@ class Runner:
         self._check_aliasing(raw)
         self.device = device        # only once the call is valid: a rejected call pins nothing
         bucket = self.plan.bucket_for(ext)
-        if dev:
-            outs = self._run_device(bucket, raw, ext, dev) if bucket is not None else self._overflow_device(raw, ext, dev)
-            if bucket is not None:
-                self.stats.record(bucket, ext[self.plan.bucket_axis])
-            return self._finish(outs, ext)
         if bucket is None:
-            outs = self._overflow(raw, ext)
-        else:
-            outs = self._run(bucket, raw, ext)
-            self.stats.record(bucket, ext[self.plan.bucket_axis])
-            if self.cache_output_views and not self.copy_outputs:
-                return self._finish_cached(outs, ext, bucket)
+            return self._finish(self._overflow(raw, ext, dev), ext)
+        outs = self._run_device(bucket, raw, ext, dev) if dev else self._run(bucket, raw, ext)
+        self.stats.record(bucket, ext[self.plan.bucket_axis])
+        if self.cache_output_views and not self.copy_outputs:
+            return self._finish_cached(outs, ext, bucket)
         return self._finish(outs, ext)
 
     def _resolve_device(self, raw, device):
@@ -167,21 +159,6 @@ class Runner:
         cut_ext, cut = self._cut(raw, ext, dev)
         outs = self._run(bucket, cut, cut_ext)
         return mask_outputs(self.program, outs, self._device_dims, cut_ext.__getitem__)
-
-    def _overflow_device(self, raw, ext, dev) -> Mapping[str, torch.Tensor]:
-        cut_ext, cut = self._cut(raw, ext, dev)
-        outs = self._overflow(cut, cut_ext)
-        size = self.plan.fit(ext)
-        padded = {}
-        for name, t in outs.items():       # back to the bound's length along device axes
-            shape = list(self.plan.shape(name, size))
-            full = torch.full(shape, self.program.outputs[name].pad, dtype=t.dtype, device=t.device)
-            region = full
-            for d, n in enumerate(t.shape):
-                region = region.narrow(d, 0, n)
-            region.copy_(t)
-            padded[name] = full
-        return mask_outputs(self.program, padded, self._device_dims, cut_ext.__getitem__)
 
     def _cut(self, raw, ext, dev):
         """Extents with the device ones read and clamped, and the inputs cut to them."""
@@ -226,7 +203,9 @@ class Runner:
                     f"got a tensor overlapping state {hit!r}; the body may write that state while the "
                     f"input is meant to be a snapshot. Pass a clone.")
 
-    def _overflow(self, raw, ext) -> Mapping[str, torch.Tensor]:
+    def _overflow(self, raw, ext, dev=None) -> Mapping[str, torch.Tensor]:
+        """Raw extents past the ladder: eagerly at the smallest size that holds them (with device
+        extents: that holds their bounds, so outputs reach the bounds as on the ladder)."""
         if self.overflow == "error":
             raise self.plan.overflow_error(ext)
         if not self._warned_overflow:
@@ -235,9 +214,12 @@ class Runner:
                         self.plan.buckets[-1])
             self._warned_overflow = True
         self.stats.eager_fallbacks += 1
-        outs = self._run_eager(self.plan.fit(ext), raw, ext)
+        size = self.plan.fit(ext)
+        run_ext, run_raw = self._cut(raw, ext, dev) if dev else (ext, raw)
+        outs = self._run_eager(size, run_raw, run_ext)
         # fresh tensors: a body may return (a view of) bound state, which an output must not alias
-        return {name: t.clone() for name, t in outs.items()}
+        outs = {name: t.clone() for name, t in outs.items()}
+        return mask_outputs(self.program, outs, self._device_dims, run_ext.__getitem__) if dev else outs
 
     def _finish(self, outs: Mapping[str, torch.Tensor], ext: Mapping[str, int]) -> Outputs:
         res = Outputs()

@@ -274,7 +274,7 @@ class BoundState:
         _check_sinks(program, leaves)
         _check_rows(program, leaves)
         self._rows = {n for n, spec in program.state.items() if spec.rows is not None}
-        self._at: dict[int, dict] = {}
+        self._at: dict[int, tuple] = {}   # size -> (values as the body sees them, their cut leaves)
         self._names = [name for name, _, _ in leaves]
         self._labels = [label for _, label, _ in leaves]
         self._tensors = [t for _, _, t in leaves]
@@ -363,31 +363,31 @@ class BoundState:
     # ---- batch-ordered state (pg.State(rows=bs)) ---------------------------------------------
     def at(self, size: int) -> Mapping[str, object]:
         """State values as the body sees them at `size`: batch-ordered ones cut to rows [0, size)
-        (the structure rebuilt around the views, once per size); the others as bound."""
+        (the structure rebuilt around the cut leaves, once per size); the others as bound."""
+        return self._cut(size)[0] if self._rows else self.values
+
+    def row_leaves(self, size: int) -> list[torch.Tensor]:
+        """The cut leaves inside at(size) (their dim 0 follows the bucketed axis)."""
+        return self._cut(size)[1] if self._rows else []
+
+    def _cut(self, size: int) -> tuple[dict, list]:
         got = self._at.get(size)
         if got is None:
-            if not self._rows:
-                return self.values
             for name, label, t in zip(self._names, self._labels, self._tensors):
                 if name in self._rows and t.shape[0] < size:
                     raise ContractValueError(mismatch(self.program, name, f"rows of {label} (batch-ordered state)",
                                                       f">= the size the body runs at ({size})", t.shape[0], kind="state"))
-            cut = lambda t: _rows_prefix(t, size)
-            got = {n: _rebuild(v, cut, self.specs[n]) if n in self._rows else v for n, v in self.values.items()}
+            leaves: list[torch.Tensor] = []
+
+            def cut(t):
+                leaves.append(_rows_prefix(t, size))
+                return leaves[-1]
+
+            values = {n: _rebuild(v, cut, self.specs[n]) if n in self._rows else v for n, v in self.values.items()}
+            got = (values, leaves)
             if len(self._at) < 1024:
                 self._at[size] = got
         return got
-
-    def row_leaves(self, size: int) -> list[torch.Tensor]:
-        """The leaves of batch-ordered state at `size` (their dim 0 follows the bucketed axis)."""
-        out = []
-        for name in self._rows:
-            _leaves(self.at(size)[name], self.specs[name], out)
-        return out
-
-    def rows_of(self, label: str) -> bool:
-        """Whether the leaf `label` belongs to a batch-ordered state."""
-        return self.specs[label].rows is not None
 
     # ---- for pg.check ----------------------------------------------------------------------------
     def snapshot(self) -> list[torch.Tensor]:
@@ -429,10 +429,6 @@ def _rows_prefix(t: torch.Tensor, size: int) -> torch.Tensor:
     plain tensor of the bucket's size rather than a view of the full cache."""
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(
         t.untyped_storage(), t.storage_offset(), (size, *t.shape[1:]), t.stride())
-
-
-def _leaves(value, spec, out: list) -> None:
-    _rebuild(value, lambda t: out.append(t) or t, spec)
 
 
 def _check_rows(program: Program, leaves) -> None:

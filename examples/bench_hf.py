@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import hf_llama as H  # noqa: E402
-from bench.common import CudagraphSkips, env_info, out_dir  # noqa: E402
+from bench.common import CudagraphSkips, env_info, out_dir, plot_step_times  # noqa: E402
 
 from transformers import StaticCache  # noqa: E402
 
@@ -204,7 +204,7 @@ def report(results: dict, names, sizes, cfg) -> None:
     lines = table(rows, names, sizes, info) + warmup_lines(results["warmup"], sizes)
     (out / "bench_hf.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    plot(rows, names, out / "bench_hf.png")
+    plot_step_times(rows, names, out / "bench_hf.png", "HF Llama (1B shape, bf16) decode step", "decode step (ms)")
 
 
 def table(rows, names, sizes, info) -> list[str]:
@@ -245,24 +245,6 @@ def warmup_lines(warm: dict, sizes) -> list[str]:
     return lines
 
 
-def plot(rows, names, path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for v in names:
-        pts = sorted((r["bs"], r["step_us"]) for r in rows if r["variant"] == v)
-        ax.plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], marker="o", label=v)
-    ax.set_xscale("log")
-    ax.set_xlabel("raw batch size")
-    ax.set_ylabel("decode step (ms)")
-    ax.set_title("HF Llama (1B shape, bf16) decode step")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def main() -> None:

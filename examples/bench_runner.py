@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import padgraph as pg  # noqa: E402
-from bench.common import CudagraphSkips, copy_bandwidth, env_info, out_dir  # noqa: E402
+from bench.common import CudagraphSkips, copy_bandwidth, env_info, out_dir, plot_step_times  # noqa: E402
 from models.llama import LlamaConfig, LlamaModel  # noqa: E402
 from padgraph.backends.triton.kv import KVCache  # noqa: E402
 
@@ -279,7 +279,8 @@ def report(rows, setup, names, sizes, bw, weight_bytes, cfg, args):
     lines += ["", "setup (capture / warm-up seconds, pool bytes):", "", "```", json.dumps(setup, indent=1), "```"]
     (out / "bench_runner.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    plot(rows, names, sizes, out / "bench_runner.png")
+    plot_step_times(rows, names, out / "bench_runner.png", "Llama-3.2-1B-shaped decode step", "step time (ms)",
+                    floor_key="floor_us")
 
 
 def warmup_lines(setup: dict, sizes) -> list[str]:
@@ -295,26 +296,6 @@ def warmup_lines(setup: dict, sizes) -> list[str]:
             f"{pgc['warmup_seconds'] / max(ro['warmup_seconds'], 1e-9):.2f}", "", skips]
 
 
-def plot(rows, names, sizes, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for v in names:
-        pts = [(r["bs"], r["step_us"]) for r in rows if r["variant"] == v]
-        ax.plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], marker="o", label=v)
-    pts = [(r["bs"], r["floor_us"]) for r in rows if r["variant"] == names[0]]
-    ax.plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], "k--", label="bandwidth floor")
-    ax.set_xscale("log")
-    ax.set_xlabel("raw batch size")
-    ax.set_ylabel("step time (ms)")
-    ax.set_title("Llama-3.2-1B-shaped decode step")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -13,3 +13,15 @@ def tree_masks(bs, pad_rows):
     masks = torch.stack([chain if r == 0 else tree for r in range(bs)])
     masks[pad_rows] = True
     return masks
+
+
+def random_tree_masks(bs, k, gen):
+    """[bs, k, k] bool on the CPU: each draft token sees itself and the ancestors of a random parent."""
+    masks = torch.zeros(bs, k, k, dtype=torch.bool)
+    for r in range(bs):
+        for i in range(k):
+            masks[r, i, i] = True
+            if i:
+                parent = int(torch.randint(0, i, (), generator=gen))
+                masks[r, i] |= masks[r, parent]
+    return masks

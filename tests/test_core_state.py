@@ -1,6 +1,6 @@
 """Unit tests of BoundState: structured (pytree) state, the storage/structure guard, stride-aware aliasing.
 
-Hazards, sorted as in DESIGN.md:
+Hazards, sorted as in spec/test_hazards.py:
   silent mismatch — an element of a bound list replaced, appended or removed (the runner keeps the
     old tensors); a state moved by t_() or resize_() at the same address; an input overlapping
     state only through strides (the naive numel-based range misses it).

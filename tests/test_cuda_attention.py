@@ -7,6 +7,7 @@ Run on a GPU: `pytest -m cuda tests/test_cuda_attention.py` (skipped without one
 import pytest
 import torch
 
+from attention_cases import random_tree_masks
 from padgraph.backends.triton.attention import (
     decode_attention, decode_attention_reference, extend_attention, extend_attention_reference,
     tree_verify_attention, tree_verify_attention_reference)
@@ -173,24 +174,12 @@ def test_draft_extend_bf16_vs_fp64(num_splits):
     assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
 
 
-def random_tree_masks(bs, k, gen):
-    """Each draft token sees itself and the ancestors of a random parent (a random tree)."""
-    masks = torch.zeros(bs, k, k, dtype=torch.bool)
-    for r in range(bs):
-        for i in range(k):
-            masks[r, i, i] = True
-            if i:
-                parent = int(torch.randint(0, i, (), generator=gen))
-                masks[r, i] |= masks[r, parent]
-    return masks.cuda()
-
-
 @pytest.mark.parametrize("k", [4, 8])
 def test_tree_verify_bf16_vs_fp64(k):
     lens = [3000 + k, PAD, 5 + k, k, 1500 + k]
     cache = Paged(n_slots=8192, n_rows=8, max_context=4096)
     rows, seq_lens = cache.requests(lens)
-    masks = random_tree_masks(len(lens), k, torch.Generator().manual_seed(k))
+    masks = random_tree_masks(len(lens), k, torch.Generator().manual_seed(k)).to("cuda")
     masks[1] = True  # padded lane: mask of ones
     q = cache.q(len(lens) * k)
     out = tree_verify_attention(q, cache.k, cache.v, cache.req_to_token, rows, seq_lens, masks)
@@ -316,7 +305,7 @@ def test_tree_verify_in_cuda_graph():
         set_lanes(rows_buf, lens_buf, rows, seq_lens)
         n = len(lens)
         mask_buf.fill_(True)
-        mask_buf[:n] = random_tree_masks(n, k, gen)
+        mask_buf[:n] = random_tree_masks(n, k, gen).to(mask_buf.device)
         q_buf.copy_(cache.q(bucket * k))
         graph.replay()
         eager = step()

@@ -8,6 +8,7 @@ Run on a GPU: `pytest -m cuda tests/test_cuda_mla.py` (skipped without one).
 import pytest
 import torch
 
+from attention_cases import random_tree_masks
 from padgraph.backends.triton.attention_mla import (
     absorb_query, mla_decode_attention, mla_extend_attention, mla_reference, mla_sm_scale,
     mla_tree_verify_attention, project_output, store_latent)
@@ -75,18 +76,6 @@ class Latent:
 
     def output(self, o_latent):
         return project_output(o_latent, self.W_UV)
-
-
-def random_tree_masks(bs, k, gen):
-    """Each draft token sees itself and the ancestors of a random parent (a random tree)."""
-    masks = torch.zeros(bs, k, k, dtype=torch.bool)
-    for r in range(bs):
-        for i in range(k):
-            masks[r, i, i] = True
-            if i:
-                parent = int(torch.randint(0, i, (), generator=gen))
-                masks[r, i] |= masks[r, parent]
-    return masks.to(DEVICE)
 
 
 # ----------------------------------------------------------------------------- accuracy
@@ -163,7 +152,7 @@ def test_mla_tree_verify_bf16_vs_fp64(k):
     lens = [3000 + k, PAD, 5 + k, k, 1500 + k]
     cache = Latent(n_slots=8192, n_rows=8, max_context=4096)
     rows, seq_lens = cache.requests(lens)
-    masks = random_tree_masks(len(lens), k, torch.Generator().manual_seed(k))
+    masks = random_tree_masks(len(lens), k, torch.Generator().manual_seed(k)).to(DEVICE)
     masks[1] = True  # padded lane: mask of ones
     q_nope, q_rope, q_latent = cache.queries(len(lens) * k)
     o_latent = mla_tree_verify_attention(q_latent, cache.latent, cache.req_to_token, rows,
@@ -259,7 +248,7 @@ def test_mla_tree_verify_and_extend_in_cuda_graphs():
         lens_buf.fill_(1)
         rows_buf[:n], lens_buf[:n] = rows, seq_lens
         mask_buf.fill_(True)
-        mask_buf[:n] = random_tree_masks(n, k, gen)
+        mask_buf[:n] = random_tree_masks(n, k, gen).to(mask_buf.device)
         counts = torch.tensor([min(k, 5) for _ in lens] + [0] * (bucket - n))  # draft-extend
         indptr_buf.zero_()
         indptr_buf[1:] = counts.cumsum(0).int().to(DEVICE)

@@ -3,23 +3,15 @@ error before any case is collected; a third party's `module:Class` backend still
 pytest, `python -m padgraph.spec` says how to install it. Subprocesses, like test_conformance.py.
 """
 import os
-import subprocess
 import sys
 import textwrap
 
 import torch
 
+from test_conformance import _run  # the suite run in a subprocess, one helper for both files
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = os.path.join(HERE, "spec_fixtures")
-
-
-def _run(args, cwd, extra_path=None):
-    env = dict(os.environ)
-    env.pop("PYTEST_ADDOPTS", None)
-    if extra_path:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    return proc.returncode, proc.stdout + proc.stderr
 
 
 def _assert_stopped(rc, out, *parts):

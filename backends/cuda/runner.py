@@ -142,20 +142,16 @@ class CudaGraphRunner(Runner):
         return {n: t.clone() if t.untyped_storage().data_ptr() in shared else t for n, t in outs.items()}
 
     # ---- call path -----------------------------------------------------------------------------
-    def _run(self, bucket, raw, ext):
+    def _run(self, bucket, raw, ext, dev=None):
         g = self._graphs[bucket]
-        self.pack.per_call(bucket, raw, ext)
+        self.pack.per_call(bucket, raw, ext, dev)
         self._hook(g.view)
         g.graph.replay()
         return g.outputs
 
     def _run_device(self, bucket, raw, ext, dev):
         """Device extents read on the device: copied next to the host bounds, clamped by the pack."""
-        g = self._graphs[bucket]
-        self.pack.per_call(bucket, raw, ext, dev)
-        self._hook(g.view)
-        g.graph.replay()
-        return g.outputs
+        return self._run(bucket, raw, ext, dev)
 
     def capture_report(self) -> str:
         """Per bucket: capture seconds and pool bytes, as a table (data in stats.capture)."""

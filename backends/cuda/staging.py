@@ -183,7 +183,7 @@ class Pack:
         self.plan, self.static, self.strategy = plan, static, strategy
         last = plan.pack_table(plan.buckets[-1])
         kernel = [e.name for e in last.entries if e.layout != "nd"] if strategy != "torch" else []
-        self.torch_names = {b: [e for e in plan.pack_table(b).entries if e.name not in kernel] for b in plan.buckets}
+        self.torch_entries = {b: [e for e in plan.pack_table(b).entries if e.name not in kernel] for b in plan.buckets}
         self.block = CallBlock(plan, device, kernel, copy)
         self.tables, self.programs, self._self_srcs = {}, {}, {}
         for b in plan.buckets:
@@ -230,7 +230,7 @@ class Pack:
         if dev:
             self.block.send_device_extents(dev)
         self._after_send(bucket)
-        torch_entries = self.torch_names[bucket]
+        torch_entries = self.torch_entries[bucket]
         if torch_entries:
             views = self.static.views(bucket)
             for e in torch_entries:

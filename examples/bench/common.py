@@ -82,3 +82,26 @@ class CudagraphSkips:
             return "cudagraphs captured (no skip logged)"
         seen = sorted(set(self.reasons)) or ["(no reason logged: torch logs reasons for CUDA graphs only)"]
         return f"{self.count} cudagraph skip(s): " + " | ".join(seen)
+
+
+def plot_step_times(rows, names, path, title: str, ylabel: str, floor_key: str | None = None) -> None:
+    """Step time (ms) per raw batch size, one line per variant (rows: dicts with variant, bs,
+    step_us; `floor_key`: a per-row floor in µs drawn dashed). Skipped without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for v in names:
+        pts = sorted((r["bs"], r["step_us"]) for r in rows if r["variant"] == v)
+        ax.plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], marker="o", label=v)
+    if floor_key is not None:
+        pts = sorted((r["bs"], r[floor_key]) for r in rows if r["variant"] == names[0])
+        ax.plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], "k--", label="bandwidth floor")
+    ax.set_xscale("log")
+    ax.set(xlabel="raw batch size", ylabel=ylabel, title=title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -209,30 +209,9 @@ def init_weights(module: nn.Module, std: float, generator: torch.Generator | Non
 
 # ----------------------------------------------------------------------------------------- model
 
-class LlamaModel(nn.Module):
-    """The target. `kv` is a KVCache with `.k[layer]`, `.v[layer]` of [n_slots, n_kv_heads, D]."""
-
-    def __init__(self, cfg: LlamaConfig, seed: int = 0):
-        super().__init__()
-        self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rope = Rotary(cfg.head_dim, cfg.max_position, cfg.rope_theta)
-        gen = torch.Generator().manual_seed(seed)
-        init_weights(self, cfg.init_std, gen, cfg.n_layers)
-        with torch.no_grad():  # a larger embedding keeps the residual stream token-dependent
-            self.embed.weight.copy_(torch.randn(self.embed.weight.shape, generator=gen))
-
-    def _run(self, input_ids, positions, batch: PagedBatch, kv) -> Tensor:
-        x = self.embed(input_ids)                                    # [n, H]
-        for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rope, batch, kv.k[i], kv.v[i])
-        return self.norm(x)                                          # [n, H] final-normed
-
-    def logits(self, hidden: Tensor) -> Tensor:
-        return self.lm_head(hidden).float()
+class PagedForwards:
+    """The paged forwards of a target, given its `_run(ids, positions, batch, kv) -> hidden` and
+    `logits(hidden)`: every target (single GPU or one tensor-parallel rank) shares them."""
 
     def forward_decode(self, input_ids, positions, kv, req_to_token, req_pool_indices, seq_lens,
                        out_cache_loc, impl="auto"):
@@ -257,6 +236,32 @@ class LlamaModel(nn.Module):
                            impl)
         hidden = self._run(input_ids, positions, batch, kv)
         return self.logits(hidden), hidden
+
+
+class LlamaModel(PagedForwards, nn.Module):
+    """The target. `kv` is a KVCache with `.k[layer]`, `.v[layer]` of [n_slots, n_kv_heads, D]."""
+
+    def __init__(self, cfg: LlamaConfig, seed: int = 0):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = Rotary(cfg.head_dim, cfg.max_position, cfg.rope_theta)
+        gen = torch.Generator().manual_seed(seed)
+        init_weights(self, cfg.init_std, gen, cfg.n_layers)
+        with torch.no_grad():  # a larger embedding keeps the residual stream token-dependent
+            self.embed.weight.copy_(torch.randn(self.embed.weight.shape, generator=gen))
+
+    def _run(self, input_ids, positions, batch: PagedBatch, kv) -> Tensor:
+        x = self.embed(input_ids)                                    # [n, H]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, self.rope, batch, kv.k[i], kv.v[i])
+        return self.norm(x)                                          # [n, H] final-normed
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(hidden).float()
 
     def forward_dense(self, input_ids: Tensor, last_only: bool = False):
         """[B, T] → (logits [B, T, V], hidden [B, T, H]) with plain causal attention, no cache.

@@ -27,8 +27,8 @@ import torch.distributed as dist
 from einops import rearrange
 from torch import Tensor, nn
 
-from .llama import (MLP, Attention, LlamaConfig, LlamaModel, PagedBatch, RMSNorm, Rotary,
-                    decode_batch, extend_batch, tree_batch)
+from .llama import (MLP, Attention, LlamaConfig, LlamaModel, PagedBatch, PagedForwards, RMSNorm,
+                    Rotary, decode_batch)
 
 
 # ------------------------------------------------------------------------------ collectives
@@ -112,7 +112,7 @@ class VocabParallelEmbedding(nn.Module):
 
 # ----------------------------------------------------------------------------------- model
 
-class LlamaTP(nn.Module):
+class LlamaTP(PagedForwards, nn.Module):
     """One rank of the tensor-parallel target; `shard(full, tp)` builds it from a LlamaModel.
 
     Same protocol as LlamaModel (`forward_decode / forward_extend / forward_verify` return
@@ -171,42 +171,12 @@ class LlamaTP(nn.Module):
         cand = rearrange(parts, "(w n) c -> n w c", w=self.tp.world)
         return combine_top2(cand[..., :2].flatten(1), cand[..., 2:].flatten(1).long())
 
-    def forward_decode(self, input_ids, positions, kv, req_to_token, req_pool_indices, seq_lens,
-                       out_cache_loc, impl="auto"):
-        """[bs] tokens → (logits [bs, V] fp32 all-gathered, hidden [bs, H])."""
-        hidden = self._decode_hidden(input_ids, positions, kv, req_to_token, req_pool_indices,
-                                     seq_lens, out_cache_loc, impl)
-        return self.logits(hidden), hidden
-
     def decode_top2(self, input_ids, positions, kv, req_to_token, req_pool_indices, seq_lens,
                     out_cache_loc, impl="auto"):
         """[bs] tokens → (top-2 logits [bs, 2] fp32, their ids [bs, 2]): the decode step with
         one [bs, 4] all-gather at the head instead of [bs, V]."""
-        hidden = self._decode_hidden(input_ids, positions, kv, req_to_token, req_pool_indices,
-                                     seq_lens, out_cache_loc, impl)
-        return self.top2(hidden)
-
-    def _decode_hidden(self, input_ids, positions, kv, req_to_token, req_pool_indices, seq_lens,
-                       out_cache_loc, impl):
         batch = decode_batch(req_to_token, req_pool_indices, seq_lens, out_cache_loc, impl)
-        return self._run(input_ids, positions, batch, kv)
-
-    def forward_extend(self, input_ids, positions, kv, req_to_token, req_pool_indices, seq_lens,
-                       qo_indptr, out_cache_loc, impl="auto"):
-        """Packed [n_tok] tokens → (logits at each request's last token [bs, V], hidden)."""
-        batch = extend_batch(req_to_token, req_pool_indices, seq_lens, qo_indptr, out_cache_loc,
-                             impl)
-        hidden = self._run(input_ids, positions, batch, kv)
-        last = (qo_indptr[1:] - 1).clamp_min(0).long()               # [bs]
-        return self.logits(hidden[last]), hidden
-
-    def forward_verify(self, input_ids, positions, kv, req_to_token, req_pool_indices, seq_lens,
-                       tree_mask, out_cache_loc, impl="auto"):
-        """[bs*k] tree tokens → (logits [bs*k, V] all-gathered, hidden [bs*k, H])."""
-        batch = tree_batch(req_to_token, req_pool_indices, seq_lens, tree_mask, out_cache_loc,
-                           impl)
-        hidden = self._run(input_ids, positions, batch, kv)
-        return self.logits(hidden), hidden
+        return self.top2(self._run(input_ids, positions, batch, kv))
 
 
 def combine_top2(values: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
