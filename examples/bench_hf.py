@@ -6,7 +6,9 @@ against HF's own ways, all in one process on the same weights:
                    + StaticCache (inductor's own cudagraphs; every "skipping cudagraphs" reason torch
                    logs is printed and recorded, so a host-bound result cannot pass unnoticed)
   padgraph         examples/hf_llama.py's decode program, HF's eager forward inside padgraph's graphs
-  padgraph+compile the same with torch_compile=: one compilation for the whole ladder
+  padgraph+compile the same with HF's decoder layer compiled inside padgraph's graphs (regional:
+                   torch_compile={"regions": model.model.layers}; --pg-compile whole compiles the
+                   whole body instead), one compilation serving the whole ladder
 
 Per raw batch size (1, 3, 8, 27, 64; prompts of CTX random tokens, prefilled eagerly): the decode
 step time (CUDA events around the call, median after warm-up; the cache holds the prompts' real
@@ -162,7 +164,7 @@ def run_hf(model, name: str, sizes, prompts, clock: Clock, results: dict) -> Non
 def run_pg(model, name: str, sizes, prompts, clock: Clock, results: dict, pg_compile) -> None:
     ladder = list(pg.Buckets.default(max(sizes)))
     cache, seen = H.new_cache(model, ladder[-1], CTX + HEADROOM)
-    options = {"torch_compile": pg_compile} if name == "padgraph+compile" else {}
+    options = {"torch_compile": H.torch_compile_options(model, pg_compile)} if name == "padgraph+compile" else {}
     if clock.cuda:
         options["progress"] = False
     backend = "cuda" if clock.cuda else "reference"
@@ -253,8 +255,8 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true", help="tiny fp32 model (smoke test)")
-    ap.add_argument("--pg-compile", default='{"fullgraph": true}',
-                    help="JSON torch_compile= options for padgraph+compile")
+    ap.add_argument("--pg-compile", default="regions", choices=["regions", "whole"],
+                    help="padgraph+compile: compile each decoder layer (regions) or the whole body")
     args = ap.parse_args()
     names, sizes = args.variants.split(","), [int(s) for s in args.sizes.split(",")]
     device = torch.device(args.device)
@@ -269,7 +271,7 @@ def main() -> None:
         if name.startswith("hf"):
             run_hf(model, name, sizes, prompts, clock, results)
         else:
-            run_pg(model, name, sizes, prompts, clock, results, json.loads(args.pg_compile))
+            run_pg(model, name, sizes, prompts, clock, results, args.pg_compile)
         report(results, order, sizes, cfg)               # after every variant: a timeout keeps the rest
 
 

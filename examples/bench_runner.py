@@ -8,8 +8,9 @@ All variants run side by side in one process on the same body, weights and KV ca
                    (what HF's StaticCache and gpt-fast's buffers do), so the graphs may mutate them
                    in place; every "skipping cudagraphs" reason torch logs is printed and recorded
   padgraph         pg.compile(backend="cuda") with the eager body
-  padgraph+compile pg.compile(backend="cuda", torch_compile=True): one compilation of the body for
-                   the whole ladder, inductor's kernels captured in padgraph's graphs
+  padgraph+compile pg.compile(backend="cuda", torch_compile={"regions": model.layers}): the decoder
+                   layer compiled once for every layer and the whole ladder, inductor's kernels
+                   captured in padgraph's graphs (--pg-compile whole: the whole body compiled)
 Per raw batch size: step time (CUDA events, median), host time per call (median), a
 correctness check of next tokens against eager, and the floor: (weight bytes + KV bytes read) /
 measured device-to-device copy bandwidth. For the ladder: capture seconds and pool bytes.
@@ -157,7 +158,7 @@ def next_tokens(out):
     return out["next_token"] if isinstance(out, dict) else out[0]
 
 
-def build_variants(names, step, program, device):
+def build_variants(names, step, program, device, pg_compile=True):
     variants, setup = {}, {}
     if "eager" in names:
         variants["eager"] = lambda **r: step(**r)
@@ -172,7 +173,7 @@ def build_variants(names, step, program, device):
         variants["padgraph"] = r
     if "padgraph+compile" in names:
         t0 = time.perf_counter()
-        r = pg.compile(program, step.body, backend="cuda", progress=False, torch_compile=True)
+        r = pg.compile(program, step.body, backend="cuda", progress=False, torch_compile=pg_compile)
         setup["padgraph+compile"] = {"warmup_seconds": time.perf_counter() - t0, "pool_bytes": r.pool_bytes(),
                                      "compiles": r.stats.compiles, "recompiles": r.stats.recompiles}
         variants["padgraph+compile"] = r
@@ -199,6 +200,8 @@ def main() -> None:
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--tiny", action="store_true", help="tiny model (smoke test)")
+    ap.add_argument("--pg-compile", default="regions", choices=["regions", "whole"],
+                    help="padgraph+compile: compile the decoder layer (regions) or the whole body")
     args = ap.parse_args()
     names, sizes = args.variants.split(","), [int(s) for s in args.sizes.split(",")]
     device = torch.device("cuda")
@@ -217,7 +220,9 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     batches = {n: make_batch(n, kv, cfg, gen, device) for n in sizes}
     with torch.inference_mode():
-        variants, setup = build_variants(names, step, program, device)
+        pg_compile = {"regions": model.layers, "fullgraph": True} if args.pg_compile == "regions" \
+            else {"fullgraph": True}
+        variants, setup = build_variants(names, step, program, device, pg_compile)
         rows = run_all(variants, setup, batches, sizes, args.iters, cfg, weight_bytes, bw)
     report(rows, setup, names, sizes, bw, weight_bytes, cfg, args)
 

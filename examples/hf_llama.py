@@ -237,6 +237,19 @@ def make_requests(n: int, vocab: int, max_prompt: int, max_new: int, seed: int =
     return prompts, torch.randint(2, max_new + 1, (n,), generator=g).tolist()
 
 
+def torch_compile_options(model: LlamaForCausalLM, how: str | None):
+    """`torch_compile=` for pg.compile: None (HF's eager forward), "regions" (each decoder layer
+    compiled, one graph shared by the 16 layers: the fast warm-up) or "whole" (the whole body,
+    one compilation for the ladder)."""
+    if how is None:
+        return None
+    if how == "regions":
+        return {"fullgraph": True, "regions": model.model.layers}
+    if how == "whole":
+        return {"fullgraph": True}
+    raise ValueError(f"torch_compile: None, 'regions' or 'whole'; got {how!r}")
+
+
 def build_runner(model, cache, seen, ladder, backend: str, **options):
     program = decode_program(ladder)
     step = DecodeStep(model)
@@ -284,8 +297,9 @@ def run(device: torch.device, n_req: int, max_new: int, max_prompt: int, torch_c
     ladder = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < n_req] + [n_req]
     cache, seen = new_cache(model, ladder[-1], max(map(len, prompts)) + max(budgets))
     backend = "cuda" if gpu else "reference"
+    opts = torch_compile_options(model, torch_compile)
     (runner, _, _), compile_s = timed(lambda: build_runner(model, cache, seen, ladder, backend,
-                                                           torch_compile=torch_compile), device)
+                                                           torch_compile=opts), device)
     print(f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {next(model.parameters()).dtype} on "
           f"{device}; backend={backend}, ladder {ladder}, compile {compile_s:.1f} s")
     print(f"{n_req} requests: prompt lengths {[len(p) for p in prompts]}, max_new_tokens {budgets}")
@@ -303,12 +317,13 @@ def main() -> None:
     ap.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when there is a GPU")
     ap.add_argument("--requests", type=int, default=None, help="number of requests (cpu 6, cuda 24)")
     ap.add_argument("--max-new", type=int, default=None, help="largest new-token budget (cpu 12, cuda 48)")
-    ap.add_argument("--torch-compile", action="store_true", help="pg.compile(..., torch_compile=True)")
+    ap.add_argument("--torch-compile", nargs="?", const="regions", default=None, choices=["regions", "whole"],
+                    help="compile HF's forward inside padgraph: per decoder layer (default) or whole")
     args = ap.parse_args()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpu = device.type == "cuda"
     res = run(device, args.requests or (24 if gpu else 6), args.max_new or (48 if gpu else 12),
-              64 if gpu else 12, torch_compile=args.torch_compile or None)
+              64 if gpu else 12, torch_compile=args.torch_compile)
     for i, (a, b) in enumerate(zip(res.ours, res.ref)):
         if a != b:
             first = next(j for j, (u, v) in enumerate(zip(a, b)) if u != v)

@@ -67,3 +67,125 @@ def test_inductor_kernels_are_captured_in_padgraphs_graphs():
         torch.testing.assert_close(a.y, b.y, msg=f"n={n} t={t}")
         assert torch.equal(a.z, b.z)
     assert runner.stats.compiles == compiles            # calls replay graphs: nothing compiles
+
+
+# ---------------------------------------------------------------- regional compilation
+
+def _tiny_decode(n_layers=4):
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    from models.llama import LlamaConfig, LlamaModel
+    from spec_decode import SpecConfig, decode_body, new_cache, programs
+    target = LlamaModel(LlamaConfig.tiny(n_layers=n_layers)).eval()
+    kv = new_cache(target, n_layers, 8 * 32 + 1, 32, 9)
+    for t in kv.k + kv.v:
+        t.normal_()
+    prog = programs(target.cfg, SpecConfig(), torch.float32, pg.Buckets([1, 2, 4, 8]))["decode"]
+    state = {"k_cache": kv.k, "v_cache": kv.v, "req_to_token": kv.req_to_token}
+    return target, kv, prog, decode_body(target), state
+
+
+def _decode_raw(n, kv, seed):
+    g = torch.Generator().manual_seed(seed)
+    ctx = torch.randint(2, 30, (n,), generator=g)
+    rows = torch.arange(1, n + 1)
+    kv.req_to_token[1:n + 1] = (1 + rows[:, None] * 32 - 32 + torch.arange(32)).int()
+    return {"input_ids": torch.randint(1, 100, (n,), generator=g), "positions": ctx - 1,
+            "seq_lens": ctx.int(), "req_pool_indices": rows.int(),
+            "out_cache_loc": kv.req_to_token[rows, ctx - 1].long()}
+
+
+def test_regional_compile_one_graph_serves_every_layer_and_bucket():
+    target, kv, prog, body, state = _tiny_decode()
+    runner = pg.compile(prog, body, backend="reference", state=state,
+                        torch_compile={"regions": target.layers, "fullgraph": True})
+    eager = pg.compile(prog, body, backend="reference", state=state)
+    for i, n in enumerate([8, 3, 5, 2, 1, 7]):
+        raw = _decode_raw(n, kv, i)
+        snapshot = [t.clone() for t in kv.k + kv.v]
+        a = runner(**raw)
+        for t, s in zip(kv.k + kv.v, snapshot):   # the eager run starts from the same cache
+            t.copy_(s)
+        b = eager(**raw)
+        torch.testing.assert_close(a.top2_gap, b.top2_gap, msg=f"n={n}")
+        assert torch.equal(a.next_token, b.next_token), n
+    # 4 layers, buckets 8/4/2/1: one graph for every layer at buckets >= 2, bucket 1 adds one
+    assert runner.stats.compiles <= 2, runner.stats.table()
+    assert all("forward" not in m.__dict__ for m in target.layers)   # modules left as found
+
+
+def test_regions_must_be_modules():
+    target, kv, prog, body, state = _tiny_decode(1)
+    with pytest.raises(pg.ContractValueError, match="regions"):
+        pg.compile(prog, body, backend="reference", state=state, torch_compile={"regions": [body]})
+
+
+def _to(raw, device):
+    return {k: v.to(device) for k, v in raw.items()}
+
+
+@pytest.mark.cuda
+def test_regional_compile_on_cuda_captures_every_bucket():
+    target, kv, prog, body, state = _tiny_decode()
+    target.cuda()
+    for name in ("k", "v"):
+        setattr(kv, name, [t.cuda() for t in getattr(kv, name)])
+    kv.req_to_token = kv.req_to_token.cuda()
+    state = {"k_cache": kv.k, "v_cache": kv.v, "req_to_token": kv.req_to_token}
+    runner = pg.compile(prog, body, backend="cuda", state=state,
+                        torch_compile={"regions": target.layers, "fullgraph": True})
+    eager = pg.compile(prog, body, backend="reference", state=state)
+    assert runner.stats.compiles <= 2, runner.capture_report()
+    compiles = runner.stats.compiles
+    for i, n in enumerate([8, 3, 1, 6]):
+        raw = _to(_decode_raw(n, kv, i), "cuda")
+        snapshot = [t.clone() for t in kv.k + kv.v]
+        a = runner(**raw)
+        a = {k: v.clone() for k, v in a.items()}
+        for t, s in zip(kv.k + kv.v, snapshot):
+            t.copy_(s)
+        b = eager(**raw)
+        torch.testing.assert_close(a["top2_gap"], b.top2_gap, atol=1e-4, rtol=1e-4)
+        assert torch.equal(a["next_token"], b.next_token), n
+    assert runner.stats.compiles == compiles            # replays compile nothing
+
+
+@pytest.mark.cuda
+def test_reduce_overhead_over_the_triton_kernels_keeps_its_cudagraphs():
+    """The attention kernels are opaque custom ops under compile: no mutated graph input."""
+    import logging
+    target, kv, prog, body, state = _tiny_decode(2)
+    target.cuda()
+    kv.k, kv.v = [t.cuda() for t in kv.k], [t.cuda() for t in kv.v]
+    kv.req_to_token = kv.req_to_token.cuda()
+    for t in kv.k + kv.v + [kv.req_to_token]:
+        torch._dynamo.mark_static_address(t)
+
+    def step(**r):
+        logits, _ = target.forward_decode(r["input_ids"], r["positions"], kv, kv.req_to_token,
+                                          r["req_pool_indices"], r["seq_lens"], r["out_cache_loc"])
+        return logits.argmax(-1)
+
+    reasons = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            if "skipping cudagraphs" in record.getMessage():
+                reasons.append(record.getMessage())
+
+    logger = logging.getLogger("torch._inductor.cudagraph_utils.__cudagraphs")
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        fn = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+        raw = _to(_decode_raw(4, kv, 0), "cuda")
+        with torch.inference_mode():
+            ref = step(**raw)
+            for _ in range(3):
+                got = fn(**raw)
+    finally:
+        logger.removeHandler(handler)
+    from torch._dynamo.utils import counters
+    assert not reasons and not counters["inductor"]["cudagraph_skips"], reasons
+    assert torch.equal(got, ref)

@@ -9,7 +9,8 @@ Absorbed form (what the kernels run): the caller folds W_UK into the query, `q_l
 [q_nope @ W_UK, q_rope]`, and applies W_UV after, `out = o_latent @ W_UV`. Attention is then MQA
 with keys = the whole latent row and values = its first kv_lora_rank columns. Decode, tree
 verify and extend all run the dedicated kernel of `attention_mla_decode.py` (512 + 64 column
-tiles, each latent tile loaded once for both products and for all heads of a row block).
+tiles, each latent tile loaded once for both products and for all heads of a row block); under
+`torch.compile` the three are opaque custom ops (`compile_ops.py`).
 
 The reference (`mla_reference`) is the non-absorbed formulation: up-project the latent cache into
 per-head K = [c_kv @ W_UK^T, k_rope] and V = c_kv @ W_UV and run plain multi-head attention.
@@ -22,6 +23,7 @@ from .attention_decode import acc_dtype, check_paged_args, decode_attention_refe
 from .attention_extend import extend_attention_reference
 from .attention_mla_decode import CAUSAL, DECODE, TREE, mla_paged_attention
 from .attention_verify import tree_verify_attention_reference
+from .compile_ops import opaque_under_compile
 from .kv import resolve_impl
 from .store import store_kv
 
@@ -100,6 +102,7 @@ def latent_kv(latent_cache, kv_lora_rank: int):
     return latent_cache, latent_cache[:, :, :kv_lora_rank]
 
 
+@opaque_under_compile
 def mla_decode_attention(q_latent, latent_cache, req_to_token, req_pool_indices, seq_lens,
                          kv_lora_rank, sm_scale, num_splits=None, impl="auto"):
     """Absorbed MLA decode: q_latent [bs, n_heads, r + rope] -> o_latent [bs, n_heads, r].
@@ -119,6 +122,7 @@ def mla_decode_attention(q_latent, latent_cache, req_to_token, req_pool_indices,
                                kv_lora_rank, sm_scale, DECODE, num_splits=num_splits)
 
 
+@opaque_under_compile
 def mla_tree_verify_attention(q_latent, latent_cache, req_to_token, req_pool_indices, seq_lens,
                               tree_mask, kv_lora_rank, sm_scale, num_splits=None, impl="auto"):
     """Absorbed MLA draft-tree verify: q_latent [bs * k, n_heads, r + rope] (request-major),
@@ -143,6 +147,7 @@ def mla_tree_verify_attention(q_latent, latent_cache, req_to_token, req_pool_ind
                                tree_mask=tree_mask.contiguous(), num_splits=num_splits)
 
 
+@opaque_under_compile
 def mla_extend_attention(q_latent, latent_cache, req_to_token, req_pool_indices, seq_lens,
                          qo_indptr, kv_lora_rank, sm_scale, impl="auto"):
     """Absorbed MLA causal extend: q_latent [n_tok, n_heads, r + rope], qo_indptr [bs+1] ->

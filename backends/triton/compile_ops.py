@@ -1,0 +1,76 @@
+"""The attention kernels as opaque torch custom ops under `torch.compile`.
+
+Dynamo can trace a user Triton kernel, but the split-KV kernels bump per-device ticket
+counters (`attention_split.tickets`) that live outside any graph: traced, the counters become a
+mutated graph input, and `torch.compile(mode="reduce-overhead")` refuses its CUDA graphs
+("skipping cudagraphs due to mutated inputs"). Engines register their attention as custom ops
+for that reason; so does padgraph: under compilation each public attention function calls its
+`padgraph::` op (a fake implementation gives inductor the output's shape and dtype, the real
+one launches the kernels), and eagerly it calls the function itself, with no dispatcher cost.
+
+The ops mutate none of their arguments (the counters are the kernels' own, left zeroed), so a
+graph around them can be captured and replayed by torch's cudagraphs or by padgraph's.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Callable
+
+import torch
+
+_PAGED = ("Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, "
+          "Tensor req_pool_indices, Tensor seq_lens")
+_LATENT = "Tensor q_latent, Tensor latent_cache, Tensor req_to_token, Tensor req_pool_indices, " \
+          "Tensor seq_lens"
+
+# name -> (schema, output shape from the bound arguments)
+SCHEMAS: dict[str, tuple[str, Callable]] = {
+    "decode_attention": (
+        f"({_PAGED}, float? sm_scale=None, int? num_splits=None, str impl=\"auto\") -> Tensor",
+        lambda a: (a["q"].shape[0], a["q"].shape[1], a["v_cache"].shape[2])),
+    "tree_verify_attention": (
+        f"({_PAGED}, Tensor tree_mask, float? sm_scale=None, int? num_splits=None, "
+        f"str impl=\"auto\") -> Tensor",
+        lambda a: (a["q"].shape[0], a["q"].shape[1], a["v_cache"].shape[2])),
+    "extend_attention": (
+        f"({_PAGED}, Tensor qo_indptr, float? sm_scale=None, str impl=\"auto\", "
+        f"int? num_splits=None) -> Tensor",
+        lambda a: (a["q"].shape[0], a["q"].shape[1], a["v_cache"].shape[2])),
+    "mla_decode_attention": (
+        f"({_LATENT}, int kv_lora_rank, float sm_scale, int? num_splits=None, "
+        f"str impl=\"auto\") -> Tensor",
+        lambda a: (a["q_latent"].shape[0], a["q_latent"].shape[1], a["kv_lora_rank"])),
+    "mla_tree_verify_attention": (
+        f"({_LATENT}, Tensor tree_mask, int kv_lora_rank, float sm_scale, int? num_splits=None, "
+        f"str impl=\"auto\") -> Tensor",
+        lambda a: (a["q_latent"].shape[0], a["q_latent"].shape[1], a["kv_lora_rank"])),
+    "mla_extend_attention": (
+        f"({_LATENT}, Tensor qo_indptr, int kv_lora_rank, float sm_scale, "
+        f"str impl=\"auto\") -> Tensor",
+        lambda a: (a["q_latent"].shape[0], a["q_latent"].shape[1], a["kv_lora_rank"])),
+}
+
+
+def opaque_under_compile(fn: Callable) -> Callable:
+    """`fn` eagerly; its `padgraph::<name>` custom op while dynamo traces (see module doc)."""
+    name = fn.__name__
+    schema, out_shape = SCHEMAS[name]
+    sig = inspect.signature(fn)
+    op = torch.library.custom_op(f"padgraph::{name}", fn, mutates_args=(), schema=schema)
+
+    @op.register_fake
+    def _fake(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        first = next(iter(bound.arguments.values()))
+        return first.new_empty(out_shape(bound.arguments))
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return op(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    call.op = op
+    return call
