@@ -26,7 +26,7 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
-from .errors import ContractValueError, mismatch
+from .errors import ContractAttributeError, ContractKeyError, ContractValueError, mismatch
 from .program import Program, padded_dims
 
 _MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune")
@@ -71,17 +71,33 @@ def _bucket_of(program: Program) -> Callable[[Mapping], object]:
 
 
 class TracedView:
-    """The padded view as dynamo traces it: plain attributes (no __getattr__ indirection)."""
+    """The padded view as dynamo traces it: buffers are plain attributes (`__getattr__` only
+    answers names that are not buffers, with PaddedView's errors)."""
 
     def __init__(self, program: str, bucket, buffers: Mapping, extents: Mapping):
         for name, value in buffers.items():     # setattr, not __dict__.update: dynamo traces it
             setattr(self, name, value)
         self.program, self.bucket, self._extents = program, bucket, extents
+        self._names = tuple(buffers)
+
+    def __getattr__(self, name: str):          # only for names that are not buffers (rule 2.7)
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise ContractAttributeError(self._no_buffer(name))
 
     def __getitem__(self, name: str):
+        if name not in self._names:
+            raise ContractKeyError(self._no_buffer(name))
         return getattr(self, name)
 
+    def _no_buffer(self, name) -> str:
+        return (f"program {self.program!r}: the padded view's buffer must be one of "
+                f"{sorted(self._names)}, got {name!r}")
+
     def extent(self, axis: str):
+        if axis not in self._extents:
+            raise ContractKeyError(f"program {self.program!r}: x.extent(axis) must name one of the "
+                                   f"axes {sorted(self._extents)}, got {axis!r}")
         return self._extents[axis]
 
 

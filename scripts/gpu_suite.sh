@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU suite and the benchmarks in ONE call (the device tool runs this on the H200):
-#   bash scripts/gpu_suite.sh [tests] [spec] [eagle] [eagle-deepseek] [bench-host] [bench-runner]
+#   bash scripts/gpu_suite.sh [tests] [spec] [spec-compile] [eagle] [eagle-deepseek] [bench-host] [bench-runner]
 #                             [bench-attention] [bench-mla] [bench-eagle] [bench-eagle-deepseek] [hf] [bench-hf]
 # With no arguments, everything. Results and logs go under $OUT (default results/local).
 set -uo pipefail
@@ -9,7 +9,7 @@ OUT=${OUT:-results/local}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(tests spec eagle eagle-deepseek bench-host bench-runner bench-attention bench-mla bench-eagle bench-eagle-deepseek hf bench-hf)
+[ ${#stages[@]} -gt 0 ] || stages=(tests spec spec-compile eagle eagle-deepseek bench-host bench-runner bench-attention bench-mla bench-eagle bench-eagle-deepseek hf bench-hf)
 LIMIT=${STAGE_TIMEOUT:-900}   # seconds per stage
 want() { local s; for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
@@ -26,6 +26,7 @@ run() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS
   echo "=== $name: exit $r in $((SECONDS - t0)) s"; [ "$r" = 0 ] || rc=1; }
 want tests && run pytest_cuda python3 -m pytest -m cuda tests -q -p no:cacheprovider --timeout=300 -o addopts=""
 want spec && run spec_cuda python3 -m padgraph.spec --backend cuda -q
+want spec-compile && run spec_cuda_compile python3 -m padgraph.spec --backend cuda --torch-compile -q
 want eagle && run eagle python3 examples/eagle.py --model llama
 want eagle-deepseek && run eagle_deepseek python3 examples/eagle.py --model deepseek
 want bench-host && run bench_host python3 examples/bench_host.py --calls 1000
@@ -36,5 +37,5 @@ want bench-eagle && run bench_eagle python3 examples/bench_eagle.py
 want bench-eagle-deepseek && EAGLE_MODEL=deepseek run bench_eagle_deepseek python3 examples/bench_eagle.py
 want hf && run hf_llama python3 examples/hf_llama.py
 want bench-hf && run bench_hf python3 examples/bench_hf.py
-echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/pytest_cuda.log "$OUT"/spec_cuda.log 2>/dev/null | tail -4
+echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/pytest_cuda.log "$OUT"/spec_cuda.log "$OUT"/spec_cuda_compile.log 2>/dev/null | tail -6
 exit $rc

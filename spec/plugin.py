@@ -25,6 +25,9 @@ def pytest_addoption(parser):
                     help="backend to test: a registered name (pg.backend_names()) or module:RunnerClass")
     group.addoption("--device", default=None,
                     help="device the cases build tensors on (default: the backend's Runner.default_device())")
+    group.addoption("--torch-compile", action="store_true", default=False,
+                    help="compile every case's body with torch_compile=True (the compiled path "
+                         "keeps the contract too)")
     group.addoption("--xfails", default=None,
                     help="file of test ids (or id substrings) this backend is known to fail, one a line")
 
@@ -94,9 +97,11 @@ def device(pytestconfig) -> torch.device:
 
 
 @pytest.fixture(scope="session")
-def compile(backend, device):
-    """`pg.compile` bound to the backend under test and its device."""
-    return functools.partial(pg.compile, backend=backend, device=device)
+def compile(backend, device, pytestconfig):
+    """`pg.compile` bound to the backend under test and its device (and `torch_compile=True`
+    under `--torch-compile`; a case's own `torch_compile=` wins)."""
+    extra = {"torch_compile": True} if pytestconfig.getoption("--torch-compile") else {}
+    return functools.partial(pg.compile, backend=backend, device=device, **extra)
 
 
 @pytest.fixture(scope="session")

@@ -130,17 +130,27 @@ def test_r10_3_compile_leaves_state_as_it_found_it(compile, device):
     S.assert_equal("kv after one call", kv.cpu(), want, f"{runner.backend}")
 
 
-def test_r10_4_compile_leaves_gc_freeze_as_found(compile, device):
+def test_r10_4_compile_leaves_gc_freeze_as_found(compile, device, monkeypatch):
     keep = [object() for _ in range(10)]
+    calls = []
+    for name in ("freeze", "unfreeze"):
+        real = getattr(gc, name)
+        monkeypatch.setattr(gc, name, lambda real=real, name=name: (calls.append(name), real())[1])
     gc.freeze()
+    calls.clear()
     try:
         frozen = gc.get_freeze_count()
         enabled = gc.isenabled()
         compile(compile_program(), lambda x: {"y": x.loc}, state={"kv": torch.zeros(4, dtype=torch.int64, device=device),
                                                                    "counter": torch.zeros(1, device=device)})
-        S.assert_equal("gc.get_freeze_count()", gc.get_freeze_count(), frozen, "after compile")
+        S.assert_equal("gc.freeze()/gc.unfreeze() calls", calls, [], "during compile")
+        # frozen objects may die during compile (torch.compile drops some), none is frozen anew
+        count = gc.get_freeze_count()
+        S.assert_equal("0 < gc.get_freeze_count() <= frozen", 0 < count <= frozen, True,
+                       f"after compile (count {count}, frozen {frozen})")
         S.assert_equal("gc.isenabled()", gc.isenabled(), enabled, "after compile")
     finally:
+        monkeypatch.undo()
         gc.unfreeze()
     del keep
 

@@ -31,6 +31,13 @@ def test_reference_passes_the_whole_suite(tmp_path):
     assert " passed" in out and "no tests ran" not in out, _tail(out)
 
 
+def test_reference_passes_the_whole_suite_with_compiled_bodies(tmp_path):
+    rc, out = _run(["-m", "padgraph.spec", "--backend", "reference", "--torch-compile", "-q", "-rfEs"],
+                   tmp_path)
+    assert rc == 0, f"conformance suite on 'reference' --torch-compile failed (exit {rc}):\n{_tail(out)}"
+    assert " passed" in out and "no tests ran" not in out, _tail(out)
+
+
 def test_pytest_pyargs_entry_point(tmp_path):
     rc, out = _run(["-m", "pytest", "-p", "padgraph.spec.plugin", "--pyargs", "padgraph.spec",
                     "--backend", "reference", "-q", "-k", "rule2 or rule3"], tmp_path)
