@@ -4,10 +4,18 @@
 
 On a GPU: the Llama-3.2-1B-shaped target (deepseek: DeepSeek-V2-Lite widths, 6 layers, 16
 experts; random weights, bf16) on the "cuda" backend, serving 16 requests of varied prompt and
-output lengths. On the CPU: a tiny target, fp32, on the "reference" backend, 8 short requests (it
+output lengths; each decoder layer (target and head) is torch.compile'd once for the whole ladder
+and captured in padgraph's graphs (`--no-compile`: eager layers). On the CPU: a tiny target, fp32, on the "reference" backend, 8 short requests (it
 says so). Before the last line: time per phase of a round (draft, verify, draft-extend,
 host/other) and of a greedy step, and what a round costs in greedy steps. The last line is
 `tokens/s=… accept_len=… speedup_vs_greedy=… greedy_match=N/N`.
+
+Both loops run with overlap scheduling (round N+1 queued before round N is read back; see
+spec_decode); `--no-overlap` runs both without it, for comparison. "host" is the time the host
+spends waiting for the previous round's readback and processing it (emit, retire finished
+requests) — with overlap, while the next round is already queued; on a GPU the phases are CUDA
+events on the stream, so there it is the stream's time from the end of a round's kernels to the
+host's mark: the readback copies plus any time the GPU waited for the host.
 """
 from __future__ import annotations
 
@@ -42,7 +50,7 @@ class Batch:
     n: int
     prompt_lens: tuple[int, int]
     new_tokens: tuple[int, int]
-    max_context: int          # >= longest prompt + output + the tree margin
+    max_context: int          # >= longest prompt + output + tree margin (+ steps + 1: overlap)
 
 
 BATCH = {"gpu": Batch(16, (4, 97), (16, 129), max_context=256),
@@ -99,12 +107,20 @@ CPU_TIMING_NOTE = ("timing on the CPU: 'reference' backend, fp32, tiny sizes, on
 
 
 def phase_line(name: str, unit: str, stats, phases) -> str:
-    """Mean ms per round (or step) in each phase, their sum, and the one-off prefill."""
+    """Mean ms per round (or step) launched in each phase, their sum, and the one-off prefill.
+    host/other: waiting for the previous readback + processing it (module docstring)."""
     ms = {p: 1e3 * stats.phases.get(p, 0.0) / max(stats.rounds, 1) for p in phases}
     parts = "  ".join(f"{'host/other' if p == 'host' else p.replace('_', '-')} {t:.2f}"
                       for p, t in ms.items())
-    return (f"{name} ms per {unit} (mean of {stats.rounds}): {parts}  = {sum(ms.values()):.2f}; "
-            f"prefill {1e3 * stats.phases.get('prefill', 0.0):.1f} ms once")
+    how = (f"overlap on, {stats.discarded} lane-{unit}s discarded" if stats.overlap
+           else "overlap off")
+    return (f"{name} ms per {unit} (mean of {stats.rounds} launched, {how}): {parts}  = "
+            f"{sum(ms.values()):.2f}; prefill {1e3 * stats.phases.get('prefill', 0.0):.1f} ms once")
+
+
+HOST_NOTE = ("host/other = the host waiting for the previous {unit}'s readback + emitting and "
+             "retiring (with overlap the next {unit} is already queued meanwhile; on a GPU: the "
+             "stream's wait for the host)")
 
 
 def cost_line(ss, gs) -> str:
@@ -120,6 +136,11 @@ def main():
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--topk", type=int, default=None)
     ap.add_argument("--draft-tokens", type=int, default=None)
+    ap.add_argument("--no-compile", action="store_true",
+                    help="GPU: HF-style eager layers inside the graphs (default: each decoder layer "
+                         "torch.compile'd once for the whole ladder)")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="read each round back before queuing the next (default: overlap)")
     args = ap.parse_args()
     gpu = torch.cuda.is_available()
     gpu_size, cpu_size, cpu_what = MODELS[args.model]
@@ -134,7 +155,8 @@ def main():
     prompts, news = workload(target.cfg.vocab_size, args.n_requests or batch.n, 7,
                              batch.prompt_lens, batch.new_tokens)
     w = Worker(target, head, spec, backend=backend, max_bs=16, max_context=batch.max_context,
-               buckets=pg.Buckets.default(16))
+               buckets=pg.Buckets.default(16), overlap=not args.no_overlap,
+               torch_compile=False if args.no_compile else None)
     with torch.no_grad():
         # compile (GPU: capture) and JIT outside the timed runs: the full batch and bs=1
         for gen in (w.generate_spec, w.generate_greedy):
@@ -144,8 +166,8 @@ def main():
         greedy, gs = w.generate_greedy(prompts, news)
     match, ties, real = compare(greedy, spec_reqs, tie_tol=0.0 if not gpu else TIE_TOL)
     print(f"EAGLE  steps={spec.steps} topk={spec.topk} k={spec.num_draft_tokens}: "
-          f"{ss.tokens} tokens in {ss.seconds:.2f}s, {ss.rounds} rounds")
-    print(f"greedy: {gs.tokens} tokens in {gs.seconds:.2f}s, {gs.rounds} steps")
+          f"{ss.tokens} tokens in {ss.seconds:.2f}s, {ss.rounds} rounds launched")
+    print(f"greedy: {gs.tokens} tokens in {gs.seconds:.2f}s, {gs.rounds} steps launched")
     print(oracle_line(match, ties, real) + f"; tie tolerance {0.0 if not gpu else TIE_TOL}")
     if ties or real:
         print(f"first divergences at near-ties of the target's top-2 logits (rid, index, gap): "
@@ -153,6 +175,7 @@ def main():
         print(f"other first divergences (rid, index, gap): {real}")
     if not gpu:
         print(CPU_TIMING_NOTE)
+    print(HOST_NOTE.format(unit="round"))
     print(phase_line("EAGLE ", "round", ss, SPEC_PHASES))
     print(phase_line("greedy", "step", gs, GREEDY_PHASES))
     print(cost_line(ss, gs))

@@ -21,10 +21,22 @@ MTPHead).
 Between calls the loop keeps one row per active request in a `SpecState` (or `GreedyState`);
 `select(keep)` drops the finished ones. `RunStats.phases` says where the time went (`PhaseClock`:
 CUDA events on a GPU, so timing adds no host synchronisation).
+
+Overlap scheduling (`Worker(..., overlap=True)`, the default): a round needs nothing from the
+host, only the previous round's device-side state, so round N+1 is queued before round N's
+results are read. After queuing a round the loop starts a non-blocking copy of its accept
+lengths and tokens (greedy: next tokens and top-2 gaps) into pinned host memory and records an
+event (`Readback`); it then queues the next round, and only then waits for the previous round's
+event and processes its results (emit, detect finished requests). A request that finishes in
+round N has already been queued into round N+1: that lane's results are discarded, its rows
+are dropped before round N+2 is queued, and its KV is released once round N+1 has been read
+back (`Worker._loop`). The run is the same token for token as without overlap; it costs one
+trailing round (`RunStats.rounds` counts it) and one discarded lane-round per request.
 """
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field, fields, replace
 from types import SimpleNamespace
 
@@ -219,7 +231,7 @@ class LoopState:
 
 
 def _blocks(t: Tensor, bs: int, keep: Tensor) -> Tensor:
-    return t.reshape(bs, -1)[keep].reshape(-1, *t.shape[1:])
+    return t.reshape(bs, -1).index_select(0, keep).reshape(-1, *t.shape[1:])   # no host sync
 
 
 @dataclass
@@ -266,13 +278,40 @@ def pack_prompts(reqs, req_to_token: Tensor) -> PrefillBatch:
 # -------------------------------------------------------------------------------- timing
 
 def to_host(*tensors) -> list[list]:
-    """Device → host lists with one synchronisation (the loop's only one per step)."""
+    """Tensors → host lists; device tensors with one synchronisation (prefill's first tokens;
+    a `Readback` hands its host copies, already complete, through here too)."""
     if tensors[0].is_cuda:
         outs = [t.to("cpu", non_blocking=True) for t in tensors]
         torch.cuda.current_stream().synchronize()
     else:
         outs = [t.cpu() for t in tensors]
     return [o.tolist() for o in outs]
+
+
+class Readback:
+    """One round's results on their way to the host, started as soon as the round is queued.
+
+    On a GPU: non-blocking device → host copies into pinned buffers, queued on the current
+    stream behind the round, and an event recorded after them; nothing waits until `wait()`.
+    The copies are queued before the next round, so they read this round's outputs before the
+    next round's graphs overwrite them (runners hand out the same output buffers again). On the
+    CPU the copies are plain and complete at once (the same code path, `wait` does not block).
+    """
+
+    def __init__(self, *tensors: Tensor):
+        cuda = tensors[0].is_cuda
+        self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
+                     .copy_(t, non_blocking=cuda) for t in tensors]
+        self.event = None
+        if cuda:
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def wait(self) -> list[list]:
+        """The results as host lists: the loop's one host synchronisation per round."""
+        if self.event is not None:
+            self.event.synchronize()
+        return to_host(*self.host)
 
 
 class PhaseClock:
@@ -283,6 +322,12 @@ class PhaseClock:
     intervals are the stream's timeline, so a phase includes any wait for the host to launch it
     and the phases of a run add up to its wall time. `totals()` reads them once the run has
     synchronised. On the CPU a mark reads perf_counter (the work is synchronous).
+
+    The loop's "host" phase is the host waiting for the previous round's readback and processing
+    it (emit, retire). With overlap the next round is already queued meanwhile: on the CPU the
+    phase is that wait + processing in wall time; on a GPU it is the stream's time from the end
+    of the queued round to the host's mark, i.e. the readback copies and row drops plus any time
+    the GPU ran dry waiting for the host (near zero when the host keeps ahead).
     """
 
     def __init__(self, cuda: bool):
@@ -309,13 +354,26 @@ class PhaseClock:
 
 @dataclass
 class RunStats:
+    """What one `generate_*` run did.
+
+    rounds counts the rounds (EAGLE) or decode steps (greedy) launched on the device. With
+    overlap that includes the trailing round queued before the host knew every request had
+    finished (every lane of it discarded), so it is one more than without overlap;
+    `round_seconds` divides the loop's time by it. accepted and request_rounds count only
+    real request-rounds, whose results were emitted; discarded counts the lane-rounds whose
+    results were thrown away (a request finished one round earlier: one per request that ran a
+    round, with overlap; 0 without). overlap: whether this run was overlapped.
+    """
     tokens: int = 0
     seconds: float = 0.0
-    rounds: int = 0            # verify rounds (EAGLE) or decode steps (greedy)
-    accepted: int = 0          # tokens emitted by verify rounds (accept lengths summed)
-    request_rounds: int = 0    # request-rounds, for the mean accept length
+    rounds: int = 0            # verify rounds (EAGLE) or decode steps (greedy) launched
+    accepted: int = 0          # accept lengths summed over real request-rounds
+    request_rounds: int = 0    # real request-rounds, for the mean accept length
+    discarded: int = 0         # lane-rounds run for an already finished request (overlap)
+    overlap: bool = False
     phases: dict[str, float] = field(default_factory=dict)   # seconds: prefill, draft, verify,
-    #                            draft_extend, host (EAGLE) or prefill, decode, host (greedy)
+    #                            draft_extend, host (EAGLE) or prefill, decode, host (greedy);
+    #                            host: waiting for the previous readback + processing it
 
     @property
     def tokens_per_s(self) -> float:
@@ -338,17 +396,31 @@ class Worker:
     """Serves one batch of requests with EAGLE (`generate_spec`) or greedy (`generate_greedy`).
 
     backend: "cuda" | "reference"; runners are compiled on first use and kept, so repeated
-    calls replay the same graphs.
+    calls replay the same graphs. torch_compile: compile the decoder layers inside the runners
+    (`options`); None: on for "cuda", off for "reference" (the eager oracle). overlap: queue round N+1 before reading round N back (see the
+    module docstring and `_loop`); False runs the plain loop (read back, then queue the next).
+    max_context bounds prompt + max_new_tokens + the tree margin per request (checked at
+    admission); with overlap the worker reserves `overlap_margin` more positions where they fit.
     """
 
     def __init__(self, target, head, spec: SpecConfig, *, backend: str = "reference",
                  max_bs: int = 16, max_context: int = 512, eos_id: int | None = None,
-                 buckets=None, compile_options: dict | None = None):
+                 buckets=None, compile_options: dict | None = None, overlap: bool = True,
+                 torch_compile: bool | None = None):
         p = target.lm_head.weight
         self.target, self.head, self.spec, self.eos_id = target, head, spec, eos_id
         self.backend, self.max_bs, self.max_context = backend, max_bs, max_context
+        self.overlap = overlap
         self.margin = max(spec.num_draft_tokens, spec.steps * spec.topk) + 1
-        n_slots = max_bs * max_context + 1
+        # A round that starts at seq_len s touches positions < s + margin - 1 (verify's k tree
+        # tokens, the draft's steps * topk nodes). A request still running after a round has
+        # emitted seq_len - prompt + 1 < max_new_tokens tokens, so real rounds start at
+        # s <= prompt + max_new - 2, inside `prompt + max_new + margin`. With overlap a finished
+        # request runs one more round, which starts up to steps + 1 (one round's accepted
+        # tokens) further on: it needs steps + 1 more positions. (Greedy's extra step writes
+        # position prompt + max_new - 1: inside the reservation anyway.)
+        self.overlap_margin = spec.steps + 1
+        n_slots = max_bs * max_context + 1      # every request reserves at most max_context
         self.kv = new_cache(target, target.cfg.n_layers, n_slots, max_context, max_bs + 1)
         self.dkv = new_cache(target, 1, n_slots, 2, 2)   # the head's layer; rows: self.kv's
         self.slots, self.rows = SlotAllocator(n_slots), RowAllocator(max_bs + 1)
@@ -357,17 +429,29 @@ class Worker:
         self.bodies = bodies(target, head, spec) if head is not None else {
             "decode": decode_body(target)}
         self.compile_options = compile_options or {}
+        self.torch_compile = backend == "cuda" if torch_compile is None else torch_compile
         self._runners: dict = {}
 
     def state(self, name: str) -> dict:
         kv = self.kv if name in ("decode", "verify") else self.dkv
         return {**cache_state(kv), "req_to_token": self.kv.req_to_token}
 
+    def options(self, name: str) -> dict:
+        """pg.compile options of runner `name`: `compile_options`, plus (torch_compile) the
+        decoder layers compiled regionally — the target's for decode / verify, the head's one
+        layer for draft / draft-extend — so each layer kind compiles once for the whole ladder
+        and inductor's fused kernels (norms, RoPE, activations) replace eager's small ones."""
+        opts = dict(self.compile_options)
+        if self.torch_compile and "torch_compile" not in opts:
+            layers = self.target.layers if name in ("decode", "verify") else [self.head.layer]
+            opts["torch_compile"] = {"regions": layers, "fullgraph": True}
+        return opts
+
     def runner(self, name: str):
         if name not in self._runners:
             self._runners[name] = pg.compile(self.programs[name], self.bodies[name],
                                              self.backend, state=self.state(name),
-                                             **self.compile_options)
+                                             **self.options(name))
         return self._runners[name]
 
     # ---- request lifecycle -------------------------------------------------------------
@@ -381,11 +465,27 @@ class Worker:
                 raise ValueError(f"request {i}: prompt {len(prompt)} + max_new_tokens {n_new} + "
                                  f"tree margin {self.margin} must fit max_context "
                                  f"{self.max_context}")
+            if self.overlap:     # room for the extra round, as far as max_context allows
+                need = min(need + self.overlap_margin, self.max_context)
             r = Request(i, list(prompt), n_new, row=self.rows.alloc(1)[0],
                         slots=self.slots.alloc(need))
             self.kv.req_to_token[r.row, :need] = torch.tensor(r.slots, dtype=torch.int32)
             reqs.append(r)
         return reqs
+
+    def spec_overlap_fits(self, reqs) -> bool:
+        """Whether every request got the positions an EAGLE round past its end touches; where
+        one did not (max_context too small), the batch runs without overlap (with a warning)."""
+        if not self.overlap:
+            return False
+        short = [r.rid for r in reqs if len(r.slots) < len(r.prompt) + r.max_new_tokens
+                 + self.margin + self.overlap_margin]
+        if short:
+            warnings.warn(f"overlap off for this batch: requests {short} lack the "
+                          f"{self.overlap_margin} positions past prompt + max_new_tokens + tree "
+                          f"margin that the round after their end needs (max_context "
+                          f"{self.max_context})", stacklevel=3)
+        return not short
 
     def release(self, req: Request) -> None:
         self.kv.req_to_token[req.row].zero_()
@@ -403,15 +503,82 @@ class Worker:
         return req.done
 
     def retire(self, active: list[Request], st: LoopState, new_tokens):
-        """Emit each request's tokens; release the finished ones and drop their rows of `st`."""
+        """Emit each request's tokens; release the finished ones and drop their rows of `st`
+        (after prefill: no round has used the rows yet)."""
         done = [self.emit(r, t) for r, t in zip(active, new_tokens)]
         if not any(done):
             return active, st
         for r in (r for r, d in zip(active, done) if d):
             self.release(r)
-        keep = [i for i, d in enumerate(done) if not d]
-        idx = torch.tensor(keep, dtype=torch.long, pin_memory=st.rows.is_cuda).to(st.rows.device, non_blocking=True)
+        return self._drop_done(active, st)
+
+    @staticmethod
+    def _drop_done(active: list[Request], st: LoopState):
+        """The requests not done and their rows of `st` (an index copied without a host sync)."""
+        keep = [i for i, r in enumerate(active) if not r.done]
+        if len(keep) == len(active):
+            return active, st
+        idx = torch.tensor(keep, dtype=torch.long, pin_memory=st.rows.is_cuda).to(
+            st.rows.device, non_blocking=True)
         return [active[i] for i in keep], st.select(idx)
+
+    # ---- the loop ----------------------------------------------------------------------
+    def _loop(self, active: list[Request], st: LoopState, step, consume, stats: RunStats,
+              clock: PhaseClock, overlap: bool) -> None:
+        """Run rounds until every request has finished.
+
+        step(st) queues one round for st's batch, starts its `Readback` and returns (the state
+        the next round starts from, the readback); it needs nothing from the host. consume(req,
+        values) takes one real lane's results (its entry of each read-back tensor), emits its
+        tokens and returns whether the request finished.
+
+        overlap=False: queue round N, read it back, retire, queue round N+1.
+
+        overlap=True: queue round N+1 from round N's device-side state, then wait for round N's
+        readback and process it. Requests found finished in round N are retired one round late:
+        round N+1 is already queued with them, so their round-N+1 lanes are discarded when read;
+        their rows are dropped (`LoopState.select`) from round N+1's output state before round
+        N+2 is queued, and their KV row and slots are released only after round N+1 (the last
+        round that touched them) has been read back. Why that is safe: all rounds run on one
+        stream, in order, so when round N+1's readback event has completed, round N+1 and
+        everything queued before it have finished; the rows were dropped before round N+2, so
+        no round queued later uses them. A released row or slot is therefore touched by no
+        round still in flight, and a later reuse (the allocators hand them to the next batch's
+        admission, which writes req_to_token from the host) cannot race with one. Releasing at
+        once would rely on that host write being ordered behind the in-flight round.
+        """
+        stats.overlap = overlap
+        pending = None                  # (lanes, Readback) of a queued round not yet read back
+        late: list[Request] = []        # finished, but in the batch of the round in flight
+        while active or pending:
+            launched = None
+            if active:
+                st, rb = step(st)       # round N+1, from round N's state on the device
+                stats.rounds += 1
+                launched = (active, rb)
+            if not overlap:
+                pending, launched = launched, None
+            if pending is not None:
+                lanes, rb = pending
+                values = rb.wait()      # round N's results (round N+1 runs meanwhile)
+                finished = []
+                for i, r in enumerate(lanes):
+                    if r.done:          # finished in round N-1: this lane ran for nothing
+                        stats.discarded += 1
+                    elif consume(r, [v[i] for v in values]):
+                        finished.append(r)
+                for r in late:          # their last round, N, is read back: release them
+                    self.release(r)
+                late = []
+                if launched is None:    # no round in flight holds them
+                    for r in finished:
+                        self.release(r)
+                else:
+                    late = finished     # round N+1 holds them: release after its readback
+                if finished:            # drop their rows before round N+2 is queued
+                    active, st = self._drop_done(active, st)
+            clock.mark("host")
+            pending = launched
 
     # ---- prefill (eager) ---------------------------------------------------------------
     def prefill(self, reqs):
@@ -437,8 +604,10 @@ class Worker:
 
     # ---- EAGLE -------------------------------------------------------------------------
     def spec_round(self, st: SpecState, clock: PhaseClock):
-        """draft → verify → draft-extend for the batch in `st`; (next state, accept lengths,
-        tokens [bs, steps + 1] of which each request's first accept-length are its output)."""
+        """Queue draft → verify → draft-extend for the batch in `st` and start the readback of
+        its accept lengths and tokens; (next state, Readback of (accept lengths [bs], tokens
+        [bs, steps + 1] of which each request's first accept-length are its output)). No host
+        synchronisation: the next round can be queued from the next state at once."""
         rt = self.kv.req_to_token
         d = self.runner("draft")(
             topk_p=st.topk_p, topk_index=st.topk_index, hidden_states=st.hidden,
@@ -458,32 +627,45 @@ class Worker:
                  accept_lens=v.accept_len, qo_indptr=v.de_qo_indptr),
             extents={"tokens": v.de_qo_indptr[-1]})
         clock.mark("draft_extend")
-        acc, toks = to_host(v.accept_len, v.out_tokens)   # the round's one readback, after it is queued
-        clock.mark("host")
+        rb = Readback(v.accept_len, v.out_tokens)   # queued behind the round, before the next
         nxt = SpecState(rows=st.rows, seq_lens=v.de_seq_lens, verified_id=v.bonus,
                         topk_p=e.topk_p, topk_index=e.topk_index, hidden=e.next_hidden,
                         draft_loc=e.draft_out_cache_loc)
-        return nxt, acc, toks
+        return nxt, rb
 
     def generate_spec(self, prompts, max_new_tokens) -> tuple[list[Request], RunStats]:
         stats, t0 = RunStats(), _now(self)
         clock = PhaseClock(self.kv.req_to_token.is_cuda)
         reqs = self.admit(prompts, max_new_tokens)
+        overlap = self.spec_overlap_fits(reqs)
         logits, hidden, b = self.prefill(reqs)
         first = logits.argmax(-1)
         st = self.draft_prefill(first, hidden, b)
         active, st = self.retire(reqs, st, [[t] for t in to_host(first)[0]])
         clock.mark("prefill")
-        while active:
-            st, acc, toks = self.spec_round(st, clock)
-            stats.rounds += 1
-            stats.accepted += sum(acc)
-            stats.request_rounds += len(acc)
-            active, st = self.retire(active, st, [t[:a] for t, a in zip(toks, acc)])
-            clock.mark("host")
+
+        def consume(r: Request, values) -> bool:
+            acc, toks = values
+            stats.accepted += acc
+            stats.request_rounds += 1
+            return self.emit(r, toks[:acc])
+
+        self._loop(active, st, lambda s: self.spec_round(s, clock), consume, stats, clock,
+                   overlap)
         return reqs, self._finish(stats, t0, clock, reqs)
 
     # ---- greedy ------------------------------------------------------------------------
+    def decode_step(self, st: GreedyState, clock: PhaseClock):
+        """Queue one decode step for the batch in `st` and start the readback of its tokens and
+        top-2 gaps; (next state, Readback). No host synchronisation."""
+        s1 = st.seq_lens + 1
+        out = self.runner("decode")(
+            input_ids=st.cur, positions=st.seq_lens.long(), seq_lens=s1, req_pool_indices=st.rows,
+            out_cache_loc=ops.assign_cache_locs(self.kv.req_to_token, st.rows, st.seq_lens, 1))
+        clock.mark("decode")
+        rb = Readback(out.next_token, out.top2_gap)
+        return GreedyState(st.rows, s1, out.next_token), rb
+
     def generate_greedy(self, prompts, max_new_tokens) -> tuple[list[Request], RunStats]:
         stats, t0 = RunStats(), _now(self)
         clock = PhaseClock(self.kv.req_to_token.is_cuda)
@@ -496,20 +678,16 @@ class Worker:
             r.gaps = [g]
         active, st = self.retire(reqs, st, [[t] for t in toks])
         clock.mark("prefill")
-        decode, rt = self.runner("decode"), self.kv.req_to_token
-        while active:
-            s1 = st.seq_lens + 1
-            out = decode(input_ids=st.cur, positions=st.seq_lens.long(), seq_lens=s1,
-                         req_pool_indices=st.rows,
-                         out_cache_loc=ops.assign_cache_locs(rt, st.rows, st.seq_lens, 1))
-            clock.mark("decode")
-            toks, gaps = to_host(out.next_token, out.top2_gap)
-            for r, g in zip(active, gaps):
-                r.gaps.append(g)
-            stats.rounds += 1
-            active, st = self.retire(active, GreedyState(st.rows, s1, out.next_token),
-                                     [[t] for t in toks])
-            clock.mark("host")
+
+        def consume(r: Request, values) -> bool:
+            tok, gap = values
+            r.gaps.append(gap)          # gaps[i]: the step that produced output[i] (real only)
+            return self.emit(r, [tok])
+
+        # greedy's extra step writes position prompt + max_new - 1: always inside the
+        # reservation, so greedy overlaps whenever the worker does
+        self._loop(active, st, lambda s: self.decode_step(s, clock), consume, stats, clock,
+                   self.overlap)
         return reqs, self._finish(stats, t0, clock, reqs)
 
     def _finish(self, stats: RunStats, t0: float, clock: PhaseClock, reqs) -> RunStats:
