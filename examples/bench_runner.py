@@ -223,13 +223,14 @@ def main() -> None:
         pg_compile = {"regions": model.layers, "fullgraph": True} if args.pg_compile == "regions" \
             else {"fullgraph": True}
         variants, setup = build_variants(names, step, program, device, pg_compile)
-        rows = run_all(variants, setup, batches, sizes, args.iters, cfg, weight_bytes, bw)
-    report(rows, setup, names, sizes, bw, weight_bytes, cfg, args)
+        rows = run_all(variants, setup, batches, sizes, args.iters, cfg, weight_bytes, bw,
+                       lambda rows, done: report(rows, setup, names, done, bw, weight_bytes, cfg, args))
 
 
-def run_all(variants, setup, batches, sizes, iters, cfg, weight_bytes, bw):
+def run_all(variants, setup, batches, sizes, iters, cfg, weight_bytes, bw, after_size):
+    """Every variant at every size; the results are written after each size (a timeout keeps them)."""
     rows = []
-    for n in sizes:
+    for i, n in enumerate(sizes):
         raw = batches[n]
         ref = next_tokens(next(iter(variants.values()))(**raw)).clone()   # the first variant (eager)
         kv_bytes = int(raw["seq_lens"].sum()) * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 2
@@ -245,6 +246,7 @@ def run_all(variants, setup, batches, sizes, iters, cfg, weight_bytes, bw):
                          "floor_us": floor_us, "token_match_vs_eager": match})
             print(f"bs={n:>3} {name:<17} step {step_us:9.1f} µs  host {host_us:8.1f} µs  "
                   f"floor {floor_us:8.1f} µs  match {match:.3f}", flush=True)
+        after_size(rows, sizes[:i + 1])
     return rows
 
 
