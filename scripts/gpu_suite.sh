@@ -3,9 +3,18 @@
 #   bash scripts/gpu_suite.sh [tests] [spec] [spec-compile] [eagle] [eagle-deepseek] [bench-host] [bench-runner]
 #                             [bench-attention] [bench-mla] [bench-eagle] [bench-eagle-deepseek] [hf] [bench-hf]
 # With no arguments, everything. Results and logs go under $OUT (default results/local).
+# PACK=name: write them under a scratch directory instead and leave one $OUT/name.tgz at the end
+# (for a caller that fetches only a few files from $OUT; $OUT itself is never written otherwise).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-results/local}
+FINAL_OUT=${OUT:-results/local}
+if [ -n "${PACK:-}" ]; then
+  OUT=$(mktemp -d)/"$PACK"
+  trap 'mkdir -p "$FINAL_OUT"; tar czf "$FINAL_OUT/$PACK.tgz" -C "$(dirname "$OUT")" "$PACK"' EXIT
+else
+  OUT=$FINAL_OUT
+fi
+export OUT
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 stages=("$@")
