@@ -73,6 +73,11 @@ class Request:
     gaps: list[float] = field(default_factory=list)   # greedy: target's top-1 minus top-2 logit
 
 
+def _sure_to_finish(r: Request) -> bool:
+    """One token left: the round in flight finishes it (every round emits at least one)."""
+    return r.max_new_tokens - len(r.output) <= 1
+
+
 _CACHE_NAMES = {"k_cache": "k", "v_cache": "v", "latent_cache": "latent"}   # state -> kv.<attr>
 
 
@@ -513,9 +518,10 @@ class Worker:
         return self._drop_done(active, st)
 
     @staticmethod
-    def _drop_done(active: list[Request], st: LoopState):
-        """The requests not done and their rows of `st` (an index copied without a host sync)."""
-        keep = [i for i, r in enumerate(active) if not r.done]
+    def _drop_done(active: list[Request], st: LoopState, gone=lambda r: r.done):
+        """The requests not `gone` (default: not done) and their rows of `st` (an index copied
+        without a host sync)."""
+        keep = [i for i, r in enumerate(active) if not gone(r)]
         if len(keep) == len(active):
             return active, st
         idx = torch.tensor(keep, dtype=torch.long, pin_memory=st.rows.is_cuda).to(
@@ -539,7 +545,11 @@ class Worker:
         round N+1 is already queued with them, so their round-N+1 lanes are discarded when read;
         their rows are dropped (`LoopState.select`) from round N+1's output state before round
         N+2 is queued, and their KV row and slots are released only after round N+1 (the last
-        round that touched them) has been read back. Why that is safe: all rounds run on one
+        round that touched them) has been read back. A request that is sure to finish in round
+        N — one token left, and every round emits at least one — is kept out of round N+1
+        instead (its rows dropped before that round is queued, released at round N's
+        readback): greedy decoding without EOS then never runs a discarded lane, and a batch
+        ends without a trailing round. Why that is safe: all rounds run on one
         stream, in order, so when round N+1's readback event has completed, round N+1 and
         everything queued before it have finished; the rows were dropped before round N+2, so
         no round queued later uses them. A released row or slot is therefore touched by no
@@ -551,7 +561,11 @@ class Worker:
         pending = None                  # (lanes, Readback) of a queued round not yet read back
         late: list[Request] = []        # finished, but in the batch of the round in flight
         while active or pending:
-            launched = None
+            launched, kept_out = None, []
+            if active and overlap and pending is not None:   # round N is in flight
+                kept_out = [r for r in active if _sure_to_finish(r)]
+                if kept_out:
+                    active, st = self._drop_done(active, st, gone=_sure_to_finish)
             if active:
                 st, rb = step(st)       # round N+1, from round N's state on the device
                 stats.rounds += 1
@@ -570,11 +584,16 @@ class Worker:
                 for r in late:          # their last round, N, is read back: release them
                     self.release(r)
                 late = []
-                if launched is None:    # no round in flight holds them
-                    for r in finished:
+                in_flight = {id(r) for r in launched[0]} if launched is not None else set()
+                for r in finished:      # round N+1 holds them: release after its readback
+                    if id(r) in in_flight:
+                        late.append(r)
+                    else:               # no round in flight holds them (or kept out of N+1)
                         self.release(r)
-                else:
-                    late = finished     # round N+1 holds them: release after its readback
+                for r in kept_out:      # kept out of round N+1 as sure to finish in round N
+                    if not r.done:
+                        raise RuntimeError(f"request {r.rid} was kept out of the next round as "
+                                           f"sure to finish, but did not finish")
                 if finished:            # drop their rows before round N+2 is queued
                     active, st = self._drop_done(active, st)
             clock.mark("host")

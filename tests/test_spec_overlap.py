@@ -69,8 +69,10 @@ def assert_same_run(on, off, eos_id=None):
     assert s_on.overlap and not s_off.overlap
     assert s_off.discarded == 0
     n = _in_loop(r_on, eos_id)
-    assert s_on.discarded == n                       # one wasted lane-round per request
-    assert s_on.rounds == s_off.rounds + (1 if s_off.rounds else 0)   # the trailing round
+    # at most one wasted lane-round per request: none for one whose last round was sure to
+    # finish it (one token left), which is kept out of the next round
+    assert 0 <= s_on.discarded <= n
+    assert s_on.rounds - s_off.rounds in (0, 1)      # at most one trailing round
     assert sum(len(r.output) for r in r_on) == s_on.tokens
 
 
@@ -82,6 +84,8 @@ def test_overlap_equals_plain_loop(models, head_kind):
     for mode in ("spec", "greedy"):
         on, off = _run(w_on, mode, prompts, news), _run(w_off, mode, prompts, news)
         assert_same_run(on, off)
+        if mode == "greedy":    # no EOS: every finish is foreseen, nothing runs for nothing
+            assert (on[1].discarded, on[1].rounds) == (0, off[1].rounds), on[1]
         for r in on[0]:
             assert len(r.output) == r.max_new_tokens, (mode, r.rid)
             if mode == "greedy":
@@ -89,6 +93,7 @@ def test_overlap_equals_plain_loop(models, head_kind):
         if mode == "spec" and head_kind == "oracle":
             st = on[1]                                  # long paths: some requests end
             assert st.accept_len > 2.5 and st.accepted > st.tokens - len(LENS)   # mid-round
+            assert st.discarded > 0     # unforeseen finishes: the retire-late path ran
     spec_on, greedy_on = _run(w_on, "spec", prompts, news), _run(w_on, "greedy", prompts, news)
     assert [r.output for r in spec_on[0]] == [r.output for r in greedy_on[0]]
     assert_released(w_on)
@@ -241,7 +246,7 @@ def test_cuda_overlapped_rounds_never_sync(monkeypatch):
         reqs, stats = _run(w, mode, prompts, news)
         assert stats.overlap and stats.rounds >= 3, (mode, stats)
         assert len(waits) - n0 == stats.rounds        # one wait per round launched
-        assert stats.discarded == 3                   # the three requests that ran rounds
+        assert stats.discarded <= 3                   # at most one per request that ran rounds
         assert [r.output for r in reqs] == [r.output for r in warm[mode][0]], mode
     assert w.slots.n_free == w.slots.n - 1 and w.rows.n_free == w.rows.n - 1
 
