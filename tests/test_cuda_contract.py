@@ -152,3 +152,23 @@ def test_cached_output_views_are_not_handed_out_after_the_caller_changed_them():
     b.requires_grad_(False)
     c = runner(v=v * 2).y
     assert torch.equal(c, v * 2 + 1) and not c.requires_grad
+
+
+@pytest.mark.cuda
+def test_graphs_own_their_cublas_workspace():
+    """Clearing torch's cuBLAS workspace cache after compile (torch.compile's cudagraph trees do
+    when they record; destroying another graph of the same stream does) must not free memory the
+    captured graphs still use: replays neither write into memory handed out since nor fault."""
+    bs = pg.Axis("bs")
+    prog = pg.Program("mm", inputs={"x": pg.Input((bs, 4096), torch.bfloat16, pad=0.0)},
+                      outputs={"y": pg.Output((bs, 4096), torch.bfloat16)}, buckets=pg.Buckets([4, 8]))
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64
+    runner = pg.compile(prog, lambda x: {"y": x.x @ w}, backend="cuda")
+    torch._C._cuda_clearCublasWorkspaces()
+    hogs = [torch.full((8 << 20,), 7.0, device="cuda") for _ in range(64)]   # reclaim freed blocks
+    x = torch.randn(3, 4096, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        y = runner(x=x).y.clone()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y, x @ w)
+    assert all(bool((h == 7.0).all()) for h in hogs), "a replay wrote into memory freed from its workspace"

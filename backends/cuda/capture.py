@@ -1,5 +1,6 @@
 """Capturing the ladder: largest bucket first, one pool, a side stream, Python's GC off, no
-per-capture gc.collect/empty_cache. It takes the runner's steps as closures, never the runner.
+per-capture gc.collect/empty_cache, cuBLAS workspaces allocated inside the pool (see
+`clear_cublas_workspaces`). It takes the runner's steps as closures, never the runner.
 
 Per bucket: (all-pad, warm-up run) x warmup, then all-pad + the eager pre-capture step, then
 capture of the in-graph step. Failures name program, bucket and cause, and chain the original;
@@ -124,6 +125,22 @@ def _end(graph) -> BaseException | None:
     return None
 
 
+def clear_cublas_workspaces() -> None:
+    """Drop torch's cached cuBLAS workspaces (what torch's own cudagraph trees do around a capture).
+
+    torch keeps one workspace per (cuBLAS handle, stream), allocated by the first matmul on that
+    stream. A graph embeds the address of the workspace its matmuls used. Made in the warm-up, that
+    workspace belongs to the ordinary allocator and to torch's cache; anything that clears the cache
+    later (torch.compile's cudagraph trees when they record, the destruction of another graph captured
+    on the same stream) frees it while our graphs still use it, and their replays then write into
+    memory the allocator has handed to someone else, or fault. Cleared right before capture, the
+    workspace is allocated during the capture, inside the ladder's pool, which lives as long as the
+    graphs; cleared again after, no later eager work on this stream reuses a block of that pool."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
 def capture_one(steps: Steps, name: str, bucket: int, pool, stream, warmup: int) -> Captured:
     _warm(steps, name, bucket, warmup, stream)
     graph = torch.cuda.CUDAGraph()
@@ -131,6 +148,8 @@ def capture_one(steps: Steps, name: str, bucket: int, pool, stream, warmup: int)
     with torch.cuda.stream(stream):
         steps.reset(bucket)
         steps.before_capture(bucket)
+        stream.synchronize()            # the warm-up's matmuls are done with the old workspace
+        clear_cublas_workspaces()       # so the capture allocates its own, in the pool
         graph.capture_begin(pool=pool)
         try:
             outs = steps.record(bucket)
@@ -138,6 +157,7 @@ def capture_one(steps: Steps, name: str, bucket: int, pool, stream, warmup: int)
             failure = e
         ended = _end(graph)
         failure = failure or ended
+        clear_cublas_workspaces()
     if failure is not None:
         torch.cuda.synchronize()
         cause = diagnose(steps, bucket, stream) or _CAUSES
