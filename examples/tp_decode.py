@@ -329,7 +329,7 @@ def run_single(setup: Setup, prompts, max_new_tokens) -> list[Request]:
     target = full_model(setup, setup.device)
     w = Worker(target, None, SpecConfig(), backend=setup.backend, max_bs=setup.max_bs,
                max_context=setup.max_context + spec_margin(SpecConfig()),
-               buckets=pg.Buckets(list(setup.buckets)))
+               buckets=pg.Buckets(list(setup.buckets)), torch_compile=False)
     with torch.no_grad():
         reqs, _ = w.generate_greedy(prompts, max_new_tokens)
     return reqs
@@ -379,7 +379,10 @@ def run_eagle(target: LlamaTP, setup: Setup, cpu_group, prompts, max_new_tokens)
                  backend=setup.backend, max_bs=setup.max_bs,
                  max_context=setup.max_context + spec_margin(EAGLE_SPEC),
                  buckets=pg.Buckets(list(setup.buckets)),
-                 compile_options={"progress": False} if setup.backend == "cuda" else None)
+                 compile_options={"progress": False} if setup.backend == "cuda" else None,
+                 # eager layers: the ranks' collectives have not run under torch.compile (nor
+                 # on two GPUs at all); the single-process reference above stays eager too
+                 torch_compile=False)
     with torch.no_grad():
         reqs, stats = w.generate_spec(prompts, max_new_tokens)
     calls = {name: dict(r.stats.calls) for name, r in w._runners.items()}
