@@ -143,32 +143,30 @@ class CompiledBody:
                 else "cache_size_limit"
             self._limit = {key: max(getattr(torch._dynamo.config, key), 64, 8 * len(regions))}
 
+    def _mark_dynamic(self, x: PaddedView) -> None:
+        """Every padded dim of the view's inputs, and dim 0 of batch-ordered state (it follows
+        the bucket), marked dynamic before dynamo sees them (regions: through closures too)."""
+        for n, dims in self._dims.items():
+            for d in dims:
+                torch._dynamo.maybe_mark_dynamic(x[n], d)
+        if self.state is not None:
+            for t in self.state.row_leaves(x.bucket):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+
     def __call__(self, x: PaddedView):
+        self._mark_dynamic(x)
         if self._regions is not None:
             return self._call_regions(x)
         inputs = {n: x[n] for n in self._inputs}
-        for n, dims in self._dims.items():
-            for d in dims:
-                torch._dynamo.maybe_mark_dynamic(inputs[n], d)
-        if self.state is not None:        # batch-ordered state: dim 0 follows the bucket
-            for t in self.state.row_leaves(x.bucket):
-                torch._dynamo.maybe_mark_dynamic(t, 0)
         state = {n: x[n] for n in self.program.state}
         extents = {a.name: x.extent(a.name) for a in self.program.axes}
         out = self._fn(inputs, state, extents)
         self._called = True
         return out
 
-
     def _call_regions(self, x):
         """The body eagerly, each region module's forward swapped for its compiled one."""
         sizes = {x[n].shape[d] for n, dims in self._dims.items() for d in dims}
-        for n, dims in self._dims.items():    # they reach regions through closures too
-            for d in dims:
-                torch._dynamo.maybe_mark_dynamic(x[n], d)
-        if self.state is not None:
-            for t in self.state.row_leaves(x.bucket):
-                torch._dynamo.maybe_mark_dynamic(t, 0)
         saved = [(m, m.__dict__.get("forward")) for m, _ in self._regions]
         for m, fn in self._regions:
             m.forward = _RegionCall(fn, m, sizes)

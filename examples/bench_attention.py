@@ -44,6 +44,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
+from bench.common import random_tree_masks  # noqa: E402
 from padgraph.backends.triton.attention import (  # noqa: E402
     decode_attention, decode_attention_reference, extend_attention, extend_attention_reference,
     tree_verify_attention, tree_verify_attention_reference)
@@ -125,18 +126,6 @@ def sync(device):
 
 
 # ----------------------------------------------------------------------------- cases
-
-def random_tree_masks(bs, k, gen):
-    """[bs, k, k] bool: each draft token sees itself and the ancestors of a random parent."""
-    masks = torch.zeros(bs, k, k, dtype=torch.bool)
-    for r in range(bs):
-        for i in range(k):
-            masks[r, i, i] = True
-            if i:
-                parent = int(torch.randint(0, i, (), generator=gen))
-                masks[r, i] |= masks[r, parent]
-    return masks
-
 
 class PagedCase:
     """One cache set: a paged cache (+ req_to_token) and the same data as a dense SDPA cache.

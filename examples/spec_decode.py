@@ -30,8 +30,10 @@ event (`Readback`); it then queues the next round, and only then waits for the p
 event and processes its results (emit, detect finished requests). A request that finishes in
 round N has already been queued into round N+1: that lane's results are discarded, its rows
 are dropped before round N+2 is queued, and its KV is released once round N+1 has been read
-back (`Worker._loop`). The run is the same token for token as without overlap; it costs one
-trailing round (`RunStats.rounds` counts it) and one discarded lane-round per request.
+back (`Worker._loop`); a request sure to finish in the round in flight (one token left) is kept
+out of the next round instead. The run is the same token for token as without overlap; it costs
+at most one trailing round (`RunStats.rounds` counts it) and at most one discarded lane-round
+per request (none for a finish foreseen: greedy without EOS runs none).
 """
 from __future__ import annotations
 
@@ -362,12 +364,13 @@ class RunStats:
     """What one `generate_*` run did.
 
     rounds counts the rounds (EAGLE) or decode steps (greedy) launched on the device. With
-    overlap that includes the trailing round queued before the host knew every request had
-    finished (every lane of it discarded), so it is one more than without overlap;
+    overlap that includes a trailing round queued before the host knew every request had
+    finished (every lane of it discarded), so it is at most one more than without overlap;
     `round_seconds` divides the loop's time by it. accepted and request_rounds count only
     real request-rounds, whose results were emitted; discarded counts the lane-rounds whose
-    results were thrown away (a request finished one round earlier: one per request that ran a
-    round, with overlap; 0 without). overlap: whether this run was overlapped.
+    results were thrown away (a request finished one round earlier, unforeseen: at most one
+    per request that ran a round, with overlap; 0 without). overlap: whether this run was
+    overlapped.
     """
     tokens: int = 0
     seconds: float = 0.0

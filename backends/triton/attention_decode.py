@@ -232,6 +232,25 @@ def check_paged_args(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
             raise ValueError(f"{name} must be contiguous in its last dim; strides {t.stride()}")
 
 
+def check_tree_args(q, tree_mask, what: str = "q") -> tuple[int, int]:
+    """tree_mask [bs, k, k] bool and q's bs * k request-major rows; returns (bs, k)."""
+    if tree_mask.dim() != 3 or tree_mask.shape[1] != tree_mask.shape[2] \
+            or tree_mask.dtype != torch.bool:
+        raise ValueError(f"tree_mask must be [bs, k, k] bool; got {tuple(tree_mask.shape)} "
+                         f"{tree_mask.dtype}")
+    bs, k = tree_mask.shape[:2]
+    if q.shape[0] != bs * k:
+        raise ValueError(f"{what} must have bs * k = {bs} * {k} = {bs * k} rows (request-major); "
+                         f"got {q.shape[0]}")
+    return bs, k
+
+
+def check_qo_indptr(qo_indptr, bs: int) -> None:
+    if tuple(qo_indptr.shape) != (bs + 1,) or qo_indptr.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"qo_indptr must be [bs+1={bs + 1}] int32/int64; "
+                         f"got {tuple(qo_indptr.shape)} {qo_indptr.dtype}")
+
+
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 

@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from .attention_decode import (MAX_SPLITS, MIN_SPLIT_TOKENS, PROGRAMS_PER_SM, attend_reference,
-                               check_kernel_dtypes, check_paged_args, default_sm_scale,
+                               check_kernel_dtypes, check_paged_args, check_qo_indptr,
+                               default_sm_scale,
                                gather_kv, mma, sm_count, upcast_dots)
 from .attention_split import finish_split, partials, should_fold, split_len, tickets
 from .kv import resolve_impl
@@ -157,9 +158,7 @@ def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
     qo_indptr [bs+1] -> [n_tok, n_q_heads, v_head_dim] (padding tokens give 0).
     `num_splits` overrides the static split count (`choose_extend_splits`)."""
     bs = req_pool_indices.shape[0]
-    if tuple(qo_indptr.shape) != (bs + 1,) or qo_indptr.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"qo_indptr must be [bs+1={bs + 1}] int32/int64; "
-                         f"got {tuple(qo_indptr.shape)} {qo_indptr.dtype}")
+    check_qo_indptr(qo_indptr, bs)
     check_paged_args(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, bs)
     sm_scale = default_sm_scale(q.shape[-1], sm_scale)
     if resolve_impl(impl, q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from .attention_decode import acc_dtype, check_paged_args, decode_attention_reference
+from .attention_decode import (acc_dtype, check_paged_args, check_qo_indptr, check_tree_args,
+                               decode_attention_reference)
 from .attention_extend import extend_attention_reference
 from .attention_mla_decode import CAUSAL, DECODE, TREE, mla_paged_attention
 from .attention_verify import tree_verify_attention_reference
@@ -128,14 +129,7 @@ def mla_tree_verify_attention(q_latent, latent_cache, req_to_token, req_pool_ind
     """Absorbed MLA draft-tree verify: q_latent [bs * k, n_heads, r + rope] (request-major),
     tree_mask [bs, k, k] bool -> o_latent [bs * k, n_heads, r]. Semantics: `attention_verify`."""
     check_latent_args(q_latent, latent_cache, kv_lora_rank)
-    if tree_mask.dim() != 3 or tree_mask.shape[1] != tree_mask.shape[2] \
-            or tree_mask.dtype != torch.bool:
-        raise ValueError(f"tree_mask must be [bs, k, k] bool; got {tuple(tree_mask.shape)} "
-                         f"{tree_mask.dtype}")
-    bs, k = tree_mask.shape[:2]
-    if q_latent.shape[0] != bs * k:
-        raise ValueError(f"q_latent must have bs * k = {bs} * {k} = {bs * k} rows "
-                         f"(request-major); got {q_latent.shape[0]}")
+    bs, k = check_tree_args(q_latent, tree_mask, "q_latent")
     k_cache, v_cache = latent_kv(latent_cache, kv_lora_rank)
     check_paged_args(q_latent, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, bs)
     if resolve_impl(impl, q_latent, latent_cache, req_to_token, req_pool_indices, seq_lens,
@@ -154,9 +148,7 @@ def mla_extend_attention(q_latent, latent_cache, req_to_token, req_pool_indices,
     o_latent [n_tok, n_heads, r] (padding tokens give 0). Semantics: `attention_extend`."""
     check_latent_args(q_latent, latent_cache, kv_lora_rank)
     bs = req_pool_indices.shape[0]
-    if tuple(qo_indptr.shape) != (bs + 1,) or qo_indptr.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"qo_indptr must be [bs+1={bs + 1}] int32/int64; "
-                         f"got {tuple(qo_indptr.shape)} {qo_indptr.dtype}")
+    check_qo_indptr(qo_indptr, bs)
     k_cache, v_cache = latent_kv(latent_cache, kv_lora_rank)
     check_paged_args(q_latent, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, bs)
     if resolve_impl(impl, q_latent, latent_cache, req_to_token, req_pool_indices, seq_lens,

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from .attention_decode import (attend_reference, check_paged_args, default_sm_scale,
-                               gather_kv, split_kv_attention)
+from .attention_decode import (attend_reference, check_paged_args, check_tree_args,
+                               default_sm_scale, gather_kv, split_kv_attention)
 from .kv import resolve_impl
 
 
@@ -46,14 +46,7 @@ def tree_verify_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, s
                           tree_mask, sm_scale=None, num_splits=None, impl="auto"):
     """Draft-tree attention: q [bs * k, n_q_heads, head_dim] (request-major), tree_mask
     [bs, k, k] bool -> [bs * k, n_q_heads, v_head_dim]."""
-    if tree_mask.dim() != 3 or tree_mask.shape[1] != tree_mask.shape[2] \
-            or tree_mask.dtype != torch.bool:
-        raise ValueError(f"tree_mask must be [bs, k, k] bool; got {tuple(tree_mask.shape)} "
-                         f"{tree_mask.dtype}")
-    bs, k = tree_mask.shape[:2]
-    if q.shape[0] != bs * k:
-        raise ValueError(f"q must have bs * k = {bs} * {k} = {bs * k} rows (request-major); "
-                         f"got {q.shape[0]}")
+    bs, k = check_tree_args(q, tree_mask)
     check_paged_args(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, bs)
     sm_scale = default_sm_scale(q.shape[-1], sm_scale)
     if resolve_impl(impl, q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,

@@ -105,3 +105,15 @@ def plot_step_times(rows, names, path, title: str, ylabel: str, floor_key: str |
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def random_tree_masks(bs, k, gen):
+    """[bs, k, k] bool on the CPU: each draft token sees itself and the ancestors of a random parent."""
+    masks = torch.zeros(bs, k, k, dtype=torch.bool)
+    for r in range(bs):
+        for i in range(k):
+            masks[r, i, i] = True
+            if i:
+                parent = int(torch.randint(0, i, (), generator=gen))
+                masks[r, i] |= masks[r, parent]
+    return masks
