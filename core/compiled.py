@@ -17,8 +17,10 @@ the compiled kernels, so at replay it costs only its kernels. A region's tensor 
 leading dim has one of the call's padded sizes are marked dynamic along it, and so is dim 0 of
 batch-ordered state; other changing dims go through dynamo's automatic dynamic shapes (one more
 compile the first time they change). Compile time drops by about the number of repeated layers.
-Instances that differ in an int attribute dynamo specialises on (HF's `layer_idx`) each compile
-their own graph; the graphs are identical, so all but the first hit inductor's FX graph cache.
+Instances that differ in an int attribute dynamo specialises on each compile their own graph
+(the graphs are identical, so all but the first hit inductor's FX graph cache): a client whose
+layers index shared state by such an int (HF's `layer_idx` into its Cache) hands each layer its
+own slice of the state instead (`examples/hf_llama.py`, `LayerCache`).
 """
 from __future__ import annotations
 

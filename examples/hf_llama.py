@@ -70,11 +70,42 @@ def flatten_cache(cache: StaticCache):
 
 
 def unflatten_cache(leaves, context) -> StaticCache:
-    """A cache of the same class over `leaves` (views of rows [0, bucket)), sharing the write counters."""
+    """A cache of the same class over `leaves` (views of rows [0, bucket)), sharing the write counters;
+    it carries one `LayerCache` per layer for the decoder layers' hooks (see `LayerCache`)."""
     cls, layers = context
     cache = cls.__new__(cls)
     Cache.__init__(cache, layers=[_static_layer(*spec, k, v) for spec, k, v in zip(layers, leaves[0::2], leaves[1::2])])
+    cache.layer_views = [LayerCache(layer) for layer in cache.layers]
     return cache
+
+
+class LayerCache(Cache):
+    """One layer of a cache, as the Cache its decoder layer is handed: `update` ignores `layer_idx`.
+
+    HF's attention calls `cache.update(k, v, self.layer_idx)`, which indexes `cache.layers`; dynamo
+    specialises that int, so a compiled decoder layer would compile one graph per layer. Handed its
+    own layer, every layer runs the same code on different tensors, and one graph serves all 16.
+    """
+
+    def __init__(self, layer: StaticLayer):
+        Cache.__init__(self, layers=[layer])
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        return self.layers[0].update(key_states, value_states, *args, **kwargs)
+
+
+def hand_each_layer_its_cache(model: LlamaForCausalLM) -> list:
+    """Forward pre-hooks on the decoder layers: layer i gets `cache.layer_views[i]` in place of a
+    cache built by `unflatten_cache` (any other cache passes through). Returns the hook handles."""
+    def hook_for(i):
+        def hook(module, args, kwargs):
+            views = getattr(kwargs.get("past_key_values"), "layer_views", None)
+            if views is not None:
+                kwargs["past_key_values"] = views[i]
+            return args, kwargs
+        return hook
+    return [layer.register_forward_pre_hook(hook_for(i), with_kwargs=True)
+            for i, layer in enumerate(model.model.layers)]
 
 
 def _static_layer(cls, max_cache_len: int, counter, keys, values) -> StaticLayer:
@@ -127,6 +158,7 @@ class DecodeStep:
 
     def __init__(self, model: LlamaForCausalLM):
         self.model = model
+        self.hooks = hand_each_layer_its_cache(model)           # one compiled graph for all layers
 
     def __call__(self, input_ids, position_ids, write_pos, cache: StaticCache, seen):
         seen.index_fill_(1, write_pos, True)                     # [rows, max_cache_len]: attend to the new column
@@ -239,8 +271,8 @@ def make_requests(n: int, vocab: int, max_prompt: int, max_new: int, seed: int =
 
 def torch_compile_options(model: LlamaForCausalLM, how: str | None):
     """`torch_compile=` for pg.compile: None (HF's eager forward), "regions" (each decoder layer
-    compiled, one graph shared by the 16 layers: the fast warm-up) or "whole" (the whole body,
-    one compilation for the ladder)."""
+    compiled; the layers share one graph, since each is handed its own `LayerCache`: the fast
+    warm-up) or "whole" (the whole body, one compilation for the ladder)."""
     if how is None:
         return None
     if how == "regions":

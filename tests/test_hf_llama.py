@@ -37,11 +37,11 @@ def test_one_torch_compile_serves_the_ladder():
 def test_regional_compile_of_the_decoder_layers_serves_the_ladder():
     res = H.run(torch.device("cpu"), n_req=3, max_new=5, max_prompt=6, torch_compile="regions")
     assert res.match == len(res.ref), f"greedy_match={res.match}/{len(res.ref)}, but should be all [{res.line()}]"
-    # a graph per layer (HF's layer_idx is specialised) for buckets >= 2, and again for bucket 1;
-    # no layer fell back to eager: every compiled graph is counted
-    layers = H.tiny_config().num_hidden_layers
-    per_layer = 2 if res.stats.calls.get(1) else 1
-    assert res.stats.compiles == per_layer * layers, f"compiles={res.stats.compiles} [{res.stats.table()}]"
+    # the layers share one graph (each is handed its own LayerCache, so layer_idx is not
+    # specialised) for buckets >= 2, and one more for bucket 1; no layer fell back to eager
+    assert H.tiny_config().num_hidden_layers > 1
+    graphs = 2 if res.stats.calls.get(1) else 1
+    assert res.stats.compiles == graphs, f"compiles={res.stats.compiles} [{res.stats.table()}]"
 
 
 @pytest.fixture(scope="module")
