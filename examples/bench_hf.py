@@ -42,8 +42,8 @@ import padgraph as pg  # noqa: E402
 
 SIZES = [1, 3, 8, 27, 64]
 VARIANTS = ["hf-eager", "hf-compiled", "padgraph", "padgraph+compile"]
-CTX, STEPS, ITERS, WARM = 256, 8, 30, 3
-HEADROOM = 64                           # cache columns after the prompt: STEPS + WARM + ITERS fit
+CTX, STEPS, ITERS, WARM = 256, 8, 60, 3
+HEADROOM = 96                           # cache columns after the prompt: STEPS + WARM + ITERS fit
 
 
 class Clock:

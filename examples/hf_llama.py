@@ -162,11 +162,13 @@ class DecodeStep:
 
     def __call__(self, input_ids, position_ids, write_pos, cache: StaticCache, seen):
         seen.index_fill_(1, write_pos, True)                     # [rows, max_cache_len]: attend to the new column
-        for layer in cache.layers:
-            layer.cumulative_length.copy_(write_pos[0])          # every row writes column write_pos (a call
-                                                                 # depends on its inputs, not on a counter)
+        counters = [layer.cumulative_length for layer in cache.layers]
+        torch._foreach_copy_(counters, [write_pos[0]] * len(counters))   # every row writes column write_pos
+                                                                 # (a call depends on its inputs, not on a counter)
+        # the mask as HF's SDPA takes it, [rows, 1, 1, max_cache_len] bool: HF uses a 4D mask as it is,
+        # so no mask-building kernels run per step (the 2D `seen` would be expanded to this same mask)
         out = self.model(input_ids=input_ids[:, None], position_ids=position_ids[:, None],
-                         attention_mask=seen, past_key_values=cache, use_cache=True)
+                         attention_mask=seen[:, None, None, :], past_key_values=cache, use_cache=True)
         return out.logits[:, -1].argmax(-1)                      # [rows]
 
     def body(self, x):
@@ -275,8 +277,8 @@ def torch_compile_options(model: LlamaForCausalLM, how: str | None):
     warm-up) or "whole" (the whole body, one compilation for the ladder)."""
     if how is None:
         return None
-    if how == "regions":
-        return {"fullgraph": True, "regions": model.model.layers}
+    if how == "regions":           # the layers, and the final norm and RoPE tables (a few kernels each eager)
+        return {"fullgraph": True, "regions": [*model.model.layers, model.model.norm, model.model.rotary_emb]}
     if how == "whole":
         return {"fullgraph": True}
     raise ValueError(f"torch_compile: None, 'regions' or 'whole'; got {how!r}")
