@@ -7,8 +7,9 @@ against HF's own ways, all in one process on the same weights:
                    logs is printed and recorded, so a host-bound result cannot pass unnoticed)
   padgraph         examples/hf_llama.py's decode program, HF's eager forward inside padgraph's graphs
   padgraph+compile the same with HF's decoder layer compiled inside padgraph's graphs (regional:
-                   torch_compile={"regions": model.model.layers}; --pg-compile whole compiles the
-                   whole body instead), one compilation serving the whole ladder
+                   hf_llama.torch_compile_options, the 16 layers sharing one graph, plus the final
+                   norm and the RoPE tables; --pg-compile whole compiles the whole body instead),
+                   one compilation serving the whole ladder
 
 Per raw batch size (1, 3, 8, 27, 64; prompts of CTX random tokens, prefilled eagerly): the decode
 step time (CUDA events around the call, median after warm-up; the cache holds the prompts' real
