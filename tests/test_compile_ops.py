@@ -79,3 +79,41 @@ def test_eager_calls_skip_the_dispatcher():
     from padgraph.backends.triton import attention_decode
     assert attention.decode_attention.__wrapped__ is attention_decode.decode_attention
     assert attention.decode_attention.op is not None
+
+
+def test_stores_compile_to_index_copy_even_when_the_kernel_is_asked_for():
+    """Under compile, store_kv / store_latent are the reference's index_copy_ (inductor lowers it
+    to its own scatter), never a traced user Triton kernel: impl="triton" is asked for here and
+    the graph still holds no triton_kernel_wrapper node; both stores write what eager writes."""
+    from padgraph.backends.triton.store import store_kv
+
+    n_slots, n_tok = 12, 4
+    loc = torch.tensor([5, 0, 0, 9])                          # two padded lanes on the sink slot 0
+    k, v = torch.randn(n_tok, HKV, D, generator=GEN), torch.randn(n_tok, HKV, D + 8, generator=GEN)
+    c_kv, k_rope = torch.randn(n_tok, RANK, generator=GEN), torch.randn(n_tok, ROPE, generator=GEN)
+    real = [0, 3]                                             # the lanes whose slot no other lane writes
+
+    def stores(kc, vc, lat):
+        store_kv(kc, vc, loc, k, v, impl="triton")
+        attention_mla.store_latent(lat, loc, c_kv, k_rope, impl="triton")
+        return kc, vc, lat
+
+    seen = set()
+
+    def backend(gm, example_inputs):
+        seen.update(str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method"))
+        return gm
+
+    torch._dynamo.reset()
+    cfn = torch.compile(stores, backend=backend, fullgraph=True)
+    kc, vc, lat = cfn(torch.zeros(n_slots, HKV, D), torch.zeros(n_slots, HKV, D + 8),
+                      torch.zeros(n_slots, 1, RANK + ROPE))
+    assert not [s for s in seen if "triton_kernel_wrapper" in s], sorted(seen)
+    assert any("index_copy" in s for s in seen), sorted(seen)
+    idx = loc[real]
+    torch.testing.assert_close(kc[idx], k[real])
+    torch.testing.assert_close(vc[idx], v[real])
+    torch.testing.assert_close(lat[idx, 0], torch.cat([c_kv, k_rope], -1)[real])
+    untouched = torch.ones(n_slots, dtype=torch.bool)
+    untouched[loc] = False
+    assert not kc[untouched].any() and not lat[untouched].any()
