@@ -45,6 +45,19 @@ def test_regional_compile_of_the_decoder_layers_serves_the_ladder():
     assert res.stats.compiles == graphs, f"compiles={res.stats.compiles} [{res.stats.table()}]"
 
 
+def test_the_oracle_judges_only_a_first_divergence_at_a_near_tie_as_a_match():
+    ref = [[5, 6, 7], [5, 6, 7], [5, 6, 7], [5, 6]]
+    ours = [[5, 6, 7], [5, 9, 1], [5, 6, 8], [5]]
+    gaps = [[1.0, 1.0, 1.0], [1.0, 0.01, 2.0], [1.0, 1.0, 0.5], [1.0, 0.0]]
+    res = H.Result(ours, ref, 1.0, 1.0, None, gaps, tie_tol=0.0625)
+    exact, ties, other = res.judge()
+    # request 1 diverges at a tie (later tokens are not judged); 2 at a clear gap; 3 stops short,
+    # which is never a tie, whatever the gap after its last token
+    assert (exact, ties, other) == (1, [(1, 1, 0.01)], [(2, 2, 0.5), (3, 1, float("inf"))])
+    assert res.match == 1 + len(ties)
+    assert H.Result(ours, ref, 1.0, 1.0, None, gaps, tie_tol=0.0).match == 1   # fp32: exact only
+
+
 @pytest.fixture(scope="module")
 def decode():
     """(model, cache, seen) with LADDER[-1] rows: the cache holds a prefill of real prompts."""
