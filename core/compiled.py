@@ -24,6 +24,8 @@ own slice of the state instead (`examples/hf_llama.py`, `LayerCache`).
 """
 from __future__ import annotations
 
+import functools
+import types
 from typing import Callable, Iterable, Mapping
 
 import torch
@@ -136,7 +138,8 @@ class CompiledBody:
             by_fn: dict = {}
             for m in regions:
                 f = type(m).forward
-                by_fn.setdefault(f, torch.compile(f, backend=backend, **opts))
+                if f not in by_fn:
+                    by_fn[f] = torch.compile(_own_code(f), backend=backend, **opts)
             self._regions = [(m, by_fn[type(m).forward]) for m in regions]
             # instances differing in an int attribute (HF's layer_idx) each get their graphs:
             # let every region compile a few (dynamo's default limit of 8 per code object would
@@ -183,6 +186,25 @@ class CompiledBody:
                     m.forward = old
         self._called = True
         return out
+
+
+def _own_code(f: Callable) -> Callable:
+    """A function that calls `f`, with a code object of its own.
+
+    Dynamo keys its compiled graphs and its automatic-dynamic memory by code object. A decorated
+    forward shares one with every function that decorator wraps (transformers' `deprecate_kwarg`
+    wraps HF's decoder layers and attention in one `wrapped_func`; its RoPE forwards share one
+    `wrapper`). Compiled directly, such a region would share guards, the recompile limit and
+    the size history with unrelated functions. The entry is traced first, and `f` is inlined.
+    """
+    def entry(self, *args, **kwargs):
+        return f(self, *args, **kwargs)
+
+    name = "region_" + "".join(c if c.isalnum() else "_" for c in getattr(f, "__qualname__", "forward"))
+    code = entry.__code__.replace(co_name=name, co_qualname=name) \
+        if hasattr(entry.__code__, "co_qualname") else entry.__code__.replace(co_name=name)
+    own = types.FunctionType(code, entry.__globals__, name, entry.__defaults__, entry.__closure__)
+    return functools.wraps(f)(own)
 
 
 class _RegionCall:

@@ -101,12 +101,15 @@ class LayerCache(Cache):
 
 def hand_each_layer_its_cache(model: LlamaForCausalLM) -> list:
     """Forward pre-hooks on the decoder layers: layer i gets `cache.layer_views[i]` in place of a
-    cache built by `unflatten_cache` (any other cache passes through). Returns the hook handles."""
+    cache built by `unflatten_cache` (any other cache passes through). The layers take the cache
+    as `past_key_values` (transformers 5.17) or as `cache` (its new name, 5.24). Returns the hook
+    handles."""
     def hook_for(i):
         def hook(module, args, kwargs):
-            views = getattr(kwargs.get("past_key_values"), "layer_views", None)
-            if views is not None:
-                kwargs["past_key_values"] = views[i]
+            for name in ("cache", "past_key_values"):
+                views = getattr(kwargs.get(name), "layer_views", None)
+                if views is not None:
+                    kwargs[name] = views[i]
             return args, kwargs
         return hook
     return [layer.register_forward_pre_hook(hook_for(i), with_kwargs=True)

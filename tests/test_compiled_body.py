@@ -1,4 +1,6 @@
 """`torch_compile=`: one torch.compile of the body for the whole ladder, on every backend."""
+import functools
+
 import pytest
 import torch
 
@@ -113,6 +115,56 @@ def test_regional_compile_one_graph_serves_every_layer_and_bucket():
     # 4 layers, buckets 8/4/2/1: one graph for every layer at buckets >= 2, bucket 1 adds one
     assert runner.stats.compiles <= 2, runner.stats.table()
     assert all("forward" not in m.__dict__ for m in target.layers)   # modules left as found
+
+
+def _logged(fn):
+    """A decorator like transformers' deprecate_kwarg: every function it wraps runs one code object."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        return fn(*args, **kwargs)
+    return wrapped
+
+
+class _Narrow(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(width, width))
+
+    @_logged
+    def forward(self, h):
+        return torch.tanh(h @ self.w)
+
+
+class _Wide(_Narrow):
+    @_logged
+    def forward(self, h):
+        return torch.relu(h @ self.w)
+
+
+def test_regions_with_a_shared_decorator_compile_on_their_own_code_objects():
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list as entries
+    torch._dynamo.reset()
+    narrow, wide = _Narrow(8), _Wide(16)
+    shared = type(narrow).forward.__code__
+    assert type(wide).forward.__code__ is shared               # one `wrapped` for both classes
+    prog = pg.Program("decorated", inputs={"h": pg.Input((bs, 8), torch.float32, pad=0.0)},
+                      outputs={"y": pg.Output((bs, 16), torch.float32)}, buckets=pg.Buckets([1, 2, 4, 8]))
+    pad = torch.zeros(8, 8)
+
+    def body(x):
+        return {"y": wide(torch.cat([narrow(x.h), x.h @ pad], 1))}
+
+    runner = pg.compile(prog, body, backend="reference",
+                        torch_compile={"regions": [narrow, wide], "fullgraph": True})
+    with torch.no_grad():
+        for n in (8, 3, 5, 2, 1, 7):
+            h = torch.randn(n, 8)
+            want = torch.relu(torch.cat([torch.tanh(h @ narrow.w), h @ pad], 1) @ wide.w)
+            torch.testing.assert_close(runner(h=h).y, want)
+    # each class: one graph for buckets >= 2 and one for bucket 1, cached on its own entry code
+    # object; on the shared `wrapped` they would share guards, recompile limit and size history
+    assert runner.stats.compiles == 4, runner.stats.table()
+    assert not entries(shared), f"{len(entries(shared))} graphs cached on the decorator's shared code object"
 
 
 def test_regions_must_be_modules():
