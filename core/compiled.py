@@ -25,6 +25,7 @@ own slice of the state instead (`examples/hf_llama.py`, `LayerCache`).
 from __future__ import annotations
 
 import functools
+import time
 import types
 from typing import Callable, Iterable, Mapping
 
@@ -159,6 +160,14 @@ class CompiledBody:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
 
     def __call__(self, x: PaddedView):
+        t0, compiled = time.perf_counter(), self.stats.compiles
+        try:
+            return self._call(x)
+        finally:    # a call that compiled: its wall time is compile time (its own run is small)
+            if self.stats.compiles != compiled:
+                self.stats.compile_seconds += time.perf_counter() - t0
+
+    def _call(self, x: PaddedView):
         self._mark_dynamic(x)
         if self._regions is not None:
             return self._call_regions(x)

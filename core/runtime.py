@@ -45,6 +45,7 @@ class Stats:
     eager_fallbacks: int = 0
     compiles: int = 0          # graphs inductor compiled for a torch_compile'd body
     recompiles: int = 0        # of those, compiled after the body's first call
+    compile_seconds: float = 0.0   # wall time of the body calls that compiled (dynamo + inductor)
     capture: dict = field(default_factory=dict)                             # bucket -> {seconds, bytes}
 
     def record(self, bucket: int, raw: int) -> None:
@@ -62,7 +63,8 @@ class Stats:
         for b in sorted(self.calls):
             rows.append(f"{b:>6}  {self.calls[b]:>5}  {self.raw_lanes[b]:>9}  {self.padded_lanes[b]:>12}")
         rows.append(f"eager fallbacks: {self.eager_fallbacks}   padding: {self.padding_fraction:.1%}"
-                    + (f"   torch.compile graphs: {self.compiles} ({self.recompiles} recompiles)" if self.compiles else ""))
+                    + (f"   torch.compile graphs: {self.compiles} ({self.recompiles} recompiles, "
+                       f"{self.compile_seconds:.1f} s)" if self.compiles else ""))
         return "\n".join(rows)
 
 

@@ -173,7 +173,8 @@ def run_pg(model, name: str, sizes, prompts, clock: Clock, results: dict, pg_com
         (runner, program, _), seconds = clock.seconds(
             lambda: H.build_runner(model, cache, seen, ladder, backend, **options))
     results["warmup"][name] = {"seconds": seconds, "ladder": ladder, "compiles": runner.stats.compiles,
-                               "recompiles": runner.stats.recompiles, "cudagraph_skips": skips.count}
+                               "recompiles": runner.stats.recompiles, "cudagraph_skips": skips.count,
+                               "compile_seconds": runner.stats.compile_seconds}
     print(f"{name}: compile {seconds:.2f} s for ladder {ladder}; torch.compile graphs {runner.stats.compiles} "
           f"({runner.stats.recompiles} recompiles)", flush=True)
     dec = PGDecoder(model, runner, cache, seen)
@@ -244,7 +245,8 @@ def warmup_lines(warm: dict, sizes) -> list[str]:
             rel = f", {w['seconds'] / hf['seconds']:.2f}x hf-compiled's" if hf and hf["seconds"] else ""
             lines.append(f"- {v}: {w['seconds']:.1f} s for the ladder {w['ladder']}{rel}; torch.compile graphs "
                          f"{w['compiles']} ({w['recompiles']} recompiles at compile, "
-                         f"{w.get('recompiles_after_calls', '?')} after the calls)")
+                         f"{w.get('recompiles_after_calls', '?')} after the calls; "
+                         f"{w.get('compile_seconds', float('nan')):.1f} s in the calls that compiled)")
     return lines
 
 

@@ -46,6 +46,12 @@ def test_one_compilation_serves_the_ladder_on_the_reference_backend():
     # one graph for every bucket >= 2; torch specialises size 1, so bucket 1 adds one
     assert runner.stats.compiles <= 2 and runner.stats.recompiles <= 1, runner.stats.table()
     assert "torch.compile graphs" in runner.stats.table()
+    # the calls that compiled are timed; calls served by a compiled graph add nothing
+    spent = runner.stats.compile_seconds
+    assert spent > 0, runner.stats.table()
+    for n, t in CALLS:
+        runner(**raw(n, t))
+    assert runner.stats.compile_seconds == spent and runner.stats.compiles <= 2
 
 
 def test_reduce_overhead_is_refused_with_the_reason():

@@ -162,7 +162,8 @@ class CudaGraphRunner(Runner):
         total = sum(c["seconds"] for c in self.stats.capture.values())
         rows.append(f"total {total:.2f} s, pool {self.pool_bytes() / 2**20:.1f} MiB")
         if self.stats.compiles:
-            rows.append(f"torch.compile: {self.stats.compiles} graphs compiled, {self.stats.recompiles} recompiles")
+            rows.append(f"torch.compile: {self.stats.compiles} graphs compiled, {self.stats.recompiles} recompiles, "
+                        f"{self.stats.compile_seconds:.2f} s of the capture time in the calls that compiled")
         return "\n".join(rows)
 
     def pool_bytes(self) -> int:
