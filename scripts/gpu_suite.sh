@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU suite and the benchmarks in ONE call (the device tool runs this on the H200):
 #   bash scripts/gpu_suite.sh [tests] [spec] [spec-compile] [eagle] [eagle-deepseek] [bench-host] [bench-runner]
-#                             [bench-attention] [bench-mla] [bench-eagle] [bench-eagle-deepseek] [hf] [bench-hf]
+#                             [bench-attention] [bench-mla] [bench-eagle] [bench-eagle-deepseek] [hf] [hf-compile]
+#                             [bench-hf] [bench-runner-compile: the two compiled variants only; same file names as bench-runner]
 # With no arguments, everything. Results and logs go under $OUT (default results/local).
 # PACK=name: write them under a scratch directory instead and leave one $OUT/name.tgz at the end
 # (for a caller that fetches only a few files from $OUT; $OUT itself is never written otherwise).
@@ -18,7 +19,7 @@ export OUT
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(tests spec spec-compile eagle eagle-deepseek bench-host bench-runner bench-attention bench-mla bench-eagle bench-eagle-deepseek hf bench-hf)
+[ ${#stages[@]} -gt 0 ] || stages=(tests spec spec-compile eagle eagle-deepseek bench-host bench-runner bench-attention bench-mla bench-eagle bench-eagle-deepseek hf hf-compile bench-hf)
 LIMIT=${STAGE_TIMEOUT:-900}   # seconds per stage
 want() { local s; for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
@@ -45,6 +46,8 @@ want bench-mla && run bench_mla python3 examples/bench_mla.py
 want bench-eagle && run bench_eagle python3 examples/bench_eagle.py
 want bench-eagle-deepseek && EAGLE_MODEL=deepseek run bench_eagle_deepseek python3 examples/bench_eagle.py
 want hf && run hf_llama python3 examples/hf_llama.py
+want hf-compile && run hf_llama_compile python3 examples/hf_llama.py --torch-compile
+want bench-runner-compile && run bench_runner_compile python3 examples/bench_runner.py --variants padgraph+compile,compile-ro --iters 30
 want bench-hf && run bench_hf python3 examples/bench_hf.py
 echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/pytest_cuda.log "$OUT"/spec_cuda.log "$OUT"/spec_cuda_compile.log 2>/dev/null | tail -6
 exit $rc
