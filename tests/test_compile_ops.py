@@ -117,3 +117,51 @@ def test_stores_compile_to_index_copy_even_when_the_kernel_is_asked_for():
     untouched = torch.ones(n_slots, dtype=torch.bool)
     untouched[loc] = False
     assert not kc[untouched].any() and not lat[untouched].any()
+
+
+def test_eagle_ops_compile_to_their_references_even_when_the_kernel_is_asked_for():
+    """build_tree, verify_greedy and pack_draft_extend under compile (fullgraph, inductor) are
+    their torch references, never traced user kernels, and give eager's results."""
+    import sys
+    import os
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_eagle_ops import random_candidates, random_tree_case
+    from padgraph.backends.triton import eagle
+
+    bs, topk, steps, k, n_path, hid = 4, 3, 3, 6, 4, 5
+    s, t, par = random_candidates(bs, topk, steps, GEN)
+    tokens, mask, predict, _ = random_tree_case(bs, k, steps, GEN)
+    rt = torch.randperm(6 * 24, generator=GEN).int().view(6, 24) + 1
+    rows = torch.arange(1, bs + 1, dtype=torch.int32)
+    lens = torch.randint(0, 16, (bs,), generator=GEN).int()
+    acc_len = torch.randint(1, n_path + 1, (bs,), generator=GEN).int()
+    acc_idx = torch.randint(0, k, (bs, n_path), generator=GEN)
+    out_tok = torch.randint(0, 100, (bs, n_path), generator=GEN)
+    hidden = torch.randn(bs * k, hid, generator=GEN)
+
+    def ops(rt):
+        tree = eagle.build_tree(s, t, par, k, topk, steps, impl="triton")
+        verified = eagle.verify_greedy(tokens, mask, predict, rt, rows, lens, steps, impl="triton")
+        packed = eagle.pack_draft_extend(acc_len, acc_idx, out_tok, hidden, lens, rt, rows,
+                                         torch.tensor(bs - 1), impl="triton")
+        return (*tree, *verified, *packed, rt)
+
+    seen = set()
+
+    def backend(gm, example_inputs):
+        seen.update(str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method"))
+        from torch._inductor.compile_fx import compile_fx
+        return compile_fx(gm, example_inputs)
+
+    torch._dynamo.reset()
+    got = torch.compile(ops, backend=backend, fullgraph=True)(rt.clone())
+    with torch.no_grad():
+        want = [eagle.build_tree(s, t, par, k, topk, steps, impl="torch"),
+                eagle.verify_greedy(tokens, mask, predict, rt_ref := rt.clone(), rows, lens, steps, impl="torch"),
+                eagle.pack_draft_extend(acc_len, acc_idx, out_tok, hidden, lens, rt_ref, rows,
+                                        torch.tensor(bs - 1), impl="torch")]
+    want = [x for group in want for x in group] + [rt_ref]
+    assert not [x for x in seen if "triton_kernel_wrapper" in x], sorted(seen)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
