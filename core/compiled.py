@@ -95,6 +95,9 @@ class TracedView:
             raise ContractKeyError(self._no_buffer(name))
         return getattr(self, name)
 
+    def __contains__(self, name: str) -> bool:
+        return name in self._names
+
     def _no_buffer(self, name) -> str:
         return (f"program {self.program!r}: the padded view's buffer must be one of "
                 f"{sorted(self._names)}, got {name!r}")

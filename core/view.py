@@ -32,6 +32,11 @@ class PaddedView:
         except KeyError:
             raise ContractKeyError(self._no_buffer(name)) from None
 
+    def __contains__(self, name: str) -> bool:
+        """`name in x`: whether the view has that buffer (traceable by torch.compile's fullgraph,
+        where `hasattr` on a missing name is not)."""
+        return name in self._buffers
+
     def _no_buffer(self, name) -> str:
         return (f"program {self.program!r}: the padded view's buffer must be one of {sorted(self._buffers)}, "
                 f"got {name!r}")

@@ -139,6 +139,9 @@ def main():
     ap.add_argument("--no-compile", action="store_true",
                     help="GPU: HF-style eager layers inside the graphs (default: each decoder layer "
                          "torch.compile'd once for the whole ladder)")
+    ap.add_argument("--draft-compile", default="regions", choices=["regions", "whole"],
+                    help="GPU: compile the head's layer in draft / draft-extend (default) or their "
+                         "whole bodies (fewer, fused launches per draft step)")
     ap.add_argument("--no-overlap", action="store_true",
                     help="read each round back before queuing the next (default: overlap)")
     args = ap.parse_args()
@@ -156,7 +159,7 @@ def main():
                              batch.prompt_lens, batch.new_tokens)
     w = Worker(target, head, spec, backend=backend, max_bs=16, max_context=batch.max_context,
                buckets=pg.Buckets.default(16), overlap=not args.no_overlap,
-               torch_compile=False if args.no_compile else None)
+               torch_compile=False if args.no_compile else None, draft_compile=args.draft_compile)
     with torch.no_grad():
         # compile (GPU: capture) and JIT outside the timed runs: the full batch and bs=1
         for gen in (w.generate_spec, w.generate_greedy):

@@ -40,7 +40,6 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass, field, fields, replace
-from types import SimpleNamespace
 
 import torch
 from torch import Tensor
@@ -83,10 +82,17 @@ def _sure_to_finish(r: Request) -> bool:
 _CACHE_NAMES = {"k_cache": "k", "v_cache": "v", "latent_cache": "latent"}   # state -> kv.<attr>
 
 
+class _Caches:
+    """The bound caches as the models read them (`kv.k`, `kv.v` or `kv.latent`); a plain class,
+    which torch.compile traces (a SimpleNamespace it does not)."""
+
+    def __init__(self, caches: dict):
+        for attr, value in caches.items():      # setattr: dynamo traces it
+            setattr(self, attr, value)
+
+
 def _kv(x):
-    """The bound caches as the models read them (`kv.k`, `kv.v` or `kv.latent`)."""
-    return SimpleNamespace(**{attr: getattr(x, name) for name, attr in _CACHE_NAMES.items()
-                              if hasattr(x, name)})
+    return _Caches({attr: x[name] for name, attr in _CACHE_NAMES.items() if name in x})
 
 
 def new_cache(target, n_layers: int, n_slots: int, max_context: int, n_req_rows: int):
@@ -405,7 +411,10 @@ class Worker:
 
     backend: "cuda" | "reference"; runners are compiled on first use and kept, so repeated
     calls replay the same graphs. torch_compile: compile the decoder layers inside the runners
-    (`options`); None: on for "cuda", off for "reference" (the eager oracle). overlap: queue round N+1 before reading round N back (see the
+    (`options`); None: on for "cuda", off for "reference" (the eager oracle). draft_compile
+    (with torch_compile): "regions" compiles the head's layer in draft and draft-extend, "whole"
+    their whole bodies (tree expansion, top-k, tree build included: fewer, fused launches per
+    draft step, one longer compile). overlap: queue round N+1 before reading round N back (see the
     module docstring and `_loop`); False runs the plain loop (read back, then queue the next).
     max_context bounds prompt + max_new_tokens + the tree margin per request (checked at
     admission); with overlap the worker reserves `overlap_margin` more positions where they fit.
@@ -414,7 +423,9 @@ class Worker:
     def __init__(self, target, head, spec: SpecConfig, *, backend: str = "reference",
                  max_bs: int = 16, max_context: int = 512, eos_id: int | None = None,
                  buckets=None, compile_options: dict | None = None, overlap: bool = True,
-                 torch_compile: bool | None = None):
+                 torch_compile: bool | None = None, draft_compile: str = "regions"):
+        if draft_compile not in ("regions", "whole"):
+            raise ValueError(f"draft_compile must be 'regions' or 'whole'; got {draft_compile!r}")
         p = target.lm_head.weight
         self.target, self.head, self.spec, self.eos_id = target, head, spec, eos_id
         self.backend, self.max_bs, self.max_context = backend, max_bs, max_context
@@ -438,6 +449,7 @@ class Worker:
             "decode": decode_body(target)}
         self.compile_options = compile_options or {}
         self.torch_compile = backend == "cuda" if torch_compile is None else torch_compile
+        self.draft_compile = draft_compile
         self._runners: dict = {}
 
     def state(self, name: str) -> dict:
@@ -448,11 +460,15 @@ class Worker:
         """pg.compile options of runner `name`: `compile_options`, plus (torch_compile) the
         decoder layers compiled regionally — the target's for decode / verify, the head's one
         layer for draft / draft-extend — so each layer kind compiles once for the whole ladder
-        and inductor's fused kernels (norms, RoPE, activations) replace eager's small ones."""
+        and inductor's fused kernels (norms, RoPE, activations) replace eager's small ones;
+        draft_compile="whole": the draft and draft-extend bodies compiled whole."""
         opts = dict(self.compile_options)
         if self.torch_compile and "torch_compile" not in opts:
-            layers = self.target.layers if name in ("decode", "verify") else [self.head.layer]
-            opts["torch_compile"] = {"regions": layers, "fullgraph": True}
+            if name in ("draft", "draft_extend") and self.draft_compile == "whole":
+                opts["torch_compile"] = {"fullgraph": True}
+            else:
+                layers = self.target.layers if name in ("decode", "verify") else [self.head.layer]
+                opts["torch_compile"] = {"regions": layers, "fullgraph": True}
         return opts
 
     def runner(self, name: str):

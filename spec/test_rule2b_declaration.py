@@ -131,6 +131,7 @@ def test_r2_7_view_lookups_raise_contract_key_and_attribute_errors(compile, devi
             except Exception as e:  # noqa: BLE001 - recorded, asserted below
                 seen[what] = e
         seen["hasattr"] = hasattr(x, "nope")
+        seen["in"] = ("nope" in x, "a" in x)
         return {"y": x.a * 1}
 
     prog = pg.Program("view", inputs={"a": pg.Input((bs,), torch.int32, pad=0)},
@@ -143,3 +144,4 @@ def test_r2_7_view_lookups_raise_contract_key_and_attribute_errors(compile, devi
         for part in ("'view'", "'nope'"):
             assert part in str(e), S.msg("message", str(e), f"containing {part!r}", what)
     S.assert_equal("hasattr(x, 'nope')", seen["hasattr"], False, "view")
+    S.assert_equal("('nope' in x, 'a' in x)", seen["in"], (False, True), "view")

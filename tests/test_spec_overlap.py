@@ -264,3 +264,23 @@ def test_compiled_layers_give_the_eager_tokens(models):
         assert [r.output for r in ra] == [r.output for r in rb], mode
     for name, runner in compiled._runners.items():
         assert runner.stats.compiles >= 1, name
+
+
+def test_whole_draft_bodies_compile_fullgraph_and_give_the_eager_tokens(models):
+    """Worker(draft_compile="whole"): the draft and draft-extend bodies (tree expansion, the
+    head's steps, top-k, tree build) compile as one fullgraph each for the ladder; tokens equal
+    the eager oracle's. Short run: the CPU compile of the unrolled draft is the cost here."""
+    target, head = models["oracle"]
+    spec = SpecConfig(steps=2, topk=2, num_draft_tokens=3)
+    lens = LENS[:4]
+    prompts, news = _prompts(target.cfg.vocab_size, lens), [n for _, n in lens]
+    eager = _worker(target, head, True, spec=spec)
+    whole = _worker(target, head, True, spec=spec, torch_compile=True, draft_compile="whole")
+    assert "regions" not in whole.options("draft")["torch_compile"]
+    assert "regions" in whole.options("verify")["torch_compile"]
+    (ra, _), (rb, _) = _run(whole, "spec", prompts, news), _run(eager, "spec", prompts, news)
+    assert [r.output for r in ra] == [r.output for r in rb]
+    for name in ("draft", "draft_extend"):
+        assert whole._runners[name].stats.compiles >= 1, name
+    with pytest.raises(ValueError, match="draft_compile"):
+        _worker(target, head, True, draft_compile="all")
