@@ -246,7 +246,7 @@ def warmup_lines(warm: dict, sizes) -> list[str]:
             lines.append(f"- {v}: {w['seconds']:.1f} s for the ladder {w['ladder']}{rel}; torch.compile graphs "
                          f"{w['compiles']} ({w['recompiles']} recompiles at compile, "
                          f"{w.get('recompiles_after_calls', '?')} after the calls; "
-                         f"{w.get('compile_seconds', float('nan')):.1f} s in the calls that compiled)")
+                         f"{w['compile_seconds']:.1f} s in the calls that compiled)")
     return lines
 
 

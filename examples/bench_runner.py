@@ -300,7 +300,7 @@ def warmup_lines(setup: dict, sizes) -> list[str]:
              if ro["cudagraph_skips"] else "compile-ro captured its cudagraphs (no skip logged)")
     return ["", f"warm-up: padgraph+compile {pgc['warmup_seconds']:.1f} s for the whole ladder "
             f"({pgc['compiles']} graphs compiled, {pgc['recompiles']} recompiles, "
-            f"{pgc.get('compile_seconds', float('nan')):.1f} s in the calls that compiled; the rest is warm-up "
+            f"{pgc['compile_seconds']:.1f} s in the calls that compiled; the rest is warm-up "
             f"runs and capture) vs compile-ro "
             f"{ro['warmup_seconds']:.1f} s for sizes {list(sizes)}: ratio "
             f"{pgc['warmup_seconds'] / max(ro['warmup_seconds'], 1e-9):.2f}", "", skips]

@@ -75,21 +75,31 @@ def workload(vocab: int, n: int, seed: int, prompt_lens=(5, 29), new_tokens=(8, 
 TIE_TOL = 4 * 2 ** -6
 
 
-def compare(greedy, spec, tie_tol: float):
-    """The oracle. Per request, the first index where speculative and greedy output differ and
-    the greedy run's top-2 logit gap there; only that first divergence is judged (afterwards the
-    two runs continue from different prefixes). Returns (n exact, near ties [(rid, index, gap)]
-    with gap <= tie_tol, other divergences): a request "matches" when exact or a near tie."""
+def first_divergences(refs, outs, ref_gaps, tie_tol: float, ids=None):
+    """The oracle on token lists. Per request, the first index where `outs` and `refs` differ and
+    the reference's top-2 logit gap there; only that first divergence is judged (afterwards the
+    two runs continue from different prefixes). Returns (n exact, near ties [(id, index, gap)]
+    with gap <= tie_tol, other divergences): a request "matches" when exact or a near tie. One
+    output a strict prefix of the other is a length bug, never a tie (gap inf)."""
     match, ties, real = 0, [], []
-    for g, s in zip(greedy, spec):
-        if g.output == s.output:
+    for n, (ref, out) in enumerate(zip(refs, outs)):
+        rid = ids[n] if ids is not None else n
+        if ref == out:
             match += 1
             continue
-        i = next((j for j, (a, b) in enumerate(zip(g.output, s.output)) if a != b),
-                 min(len(g.output), len(s.output)))
-        gap = g.gaps[i] if i < len(g.gaps) else float("inf")
-        (ties if gap <= tie_tol else real).append((g.rid, i, round(gap, 4)))
+        i = next((j for j, (a, b) in enumerate(zip(ref, out)) if a != b), None)
+        if i is None:
+            real.append((rid, min(len(ref), len(out)), float("inf")))
+            continue
+        gap = ref_gaps[n][i] if ref_gaps is not None and i < len(ref_gaps[n]) else float("inf")
+        (ties if gap <= tie_tol else real).append((rid, i, round(gap, 4)))
     return match, ties, real
+
+
+def compare(greedy, spec, tie_tol: float):
+    """`first_divergences` of speculative requests against greedy ones (ids: the requests' rid)."""
+    return first_divergences([g.output for g in greedy], [s.output for s in spec],
+                             [g.gaps for g in greedy], tie_tol, [g.rid for g in greedy])
 
 
 def oracle_line(match, ties, real) -> str:

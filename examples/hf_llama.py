@@ -41,7 +41,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 from transformers.cache_utils import Cache, StaticLayer
 
 import padgraph as pg
-from eagle import TIE_TOL, oracle_line         # the bf16 near-tie rule the EAGLE oracle uses
+from eagle import TIE_TOL, first_divergences, oracle_line   # the EAGLE oracle's bf16 near-tie rule
 
 
 def tiny_config() -> LlamaConfig:
@@ -99,11 +99,11 @@ class LayerCache(Cache):
         return self.layers[0].update(key_states, value_states, *args, **kwargs)
 
 
-def hand_each_layer_its_cache(model: LlamaForCausalLM) -> list:
+def hand_each_layer_its_cache(model: LlamaForCausalLM) -> None:
     """Forward pre-hooks on the decoder layers: layer i gets `cache.layer_views[i]` in place of a
     cache built by `unflatten_cache` (any other cache passes through). The layers take the cache
-    as `past_key_values` (transformers 5.17) or as `cache` (its new name, 5.24). Returns the hook
-    handles."""
+    as `past_key_values` (transformers 5.17) or as `cache` (its new name, 5.24). Once per model:
+    a second runner over the same model finds the hooks in place."""
     def hook_for(i):
         def hook(module, args, kwargs):
             for name in ("cache", "past_key_values"):
@@ -112,8 +112,9 @@ def hand_each_layer_its_cache(model: LlamaForCausalLM) -> list:
                     kwargs[name] = views[i]
             return args, kwargs
         return hook
-    return [layer.register_forward_pre_hook(hook_for(i), with_kwargs=True)
-            for i, layer in enumerate(model.model.layers)]
+    for i, layer in enumerate(model.model.layers):
+        if getattr(layer, "_layer_cache_hook", None) is None:
+            layer._layer_cache_hook = layer.register_forward_pre_hook(hook_for(i), with_kwargs=True)
 
 
 def _static_layer(cls, max_cache_len: int, counter, keys, values) -> StaticLayer:
@@ -166,7 +167,7 @@ class DecodeStep:
 
     def __init__(self, model: LlamaForCausalLM):
         self.model = model
-        self.hooks = hand_each_layer_its_cache(model)           # one compiled graph for all layers
+        hand_each_layer_its_cache(model)                         # one compiled graph for all layers
 
     def __call__(self, input_ids, position_ids, write_pos, cache: StaticCache, seen):
         seen.index_fill_(1, write_pos, True)                     # [rows, max_cache_len]: attend to the new column
@@ -333,21 +334,9 @@ class Result:
     tie_tol: float = 0.0         # 0 in fp32 (exact match); bf16: eagle.TIE_TOL
 
     def judge(self):
-        """(n exact, near ties [(request, index, gap)], other divergences [(request, index, gap)]):
-        only a request's first divergence is judged (the two runs then continue from different
-        prefixes); it is a near tie when HF's top-2 gap there is <= tie_tol."""
-        exact, ties, other = 0, [], []
-        for r, (a, b) in enumerate(zip(self.ours, self.ref)):
-            if a == b:
-                exact += 1
-                continue
-            i = next((j for j, (u, v) in enumerate(zip(a, b)) if u != v), None)
-            if i is None:                           # one is a prefix of the other: a length bug, never a tie
-                other.append((r, min(len(a), len(b)), float("inf")))
-                continue
-            gap = self.gaps[r][i] if self.gaps is not None and i < len(self.gaps[r]) else float("inf")
-            (ties if gap <= self.tie_tol else other).append((r, i, round(gap, 4)))
-        return exact, ties, other
+        """(n exact, near ties, other divergences) of our tokens against HF's: the EAGLE oracle
+        (`eagle.first_divergences`), HF's top-2 gaps deciding the ties."""
+        return first_divergences(self.ref, self.ours, self.gaps, self.tie_tol)
 
     @property
     def match(self) -> int:

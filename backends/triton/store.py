@@ -62,9 +62,6 @@ def _check_store_args(k_cache, v_cache, loc, k, v) -> None:
 def store_kv(k_cache, v_cache, loc, k, v, impl: str = "auto") -> None:
     """Write `k [n_tok, n_kv_heads, head_dim]` / `v` into the slots `loc [n_tok]` (in place)."""
     _check_store_args(k_cache, v_cache, loc, k, v)
-    # under torch.compile resolve_impl picks the reference: index_copy_, lowered by inductor to its
-    # own scatter (traced, this kernel writing store_latent's two column views of one buffer failed
-    # inductor's post-grad decomposition)
     if resolve_impl(impl, k_cache, v_cache, loc, k, v) == "torch":
         store_kv_reference(k_cache, v_cache, loc, k, v)
         return
