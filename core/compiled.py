@@ -2,10 +2,14 @@
 
 The body is traced once with every padded dim dynamic, so one compilation serves every bucket:
 the wrapper hands dynamo the view's tensors (inputs, state, extents) rather than the view, marks
-each padded dim with `maybe_mark_dynamic` (torch specialises sizes 0 and 1, so a bucket whose
-padded dim is 1 — bucket 1 — compiles one more graph: counted in `stats.recompiles`, never an
-error), and rebuilds the view inside the traced function,
-where `x.bucket` is the symbolic size of the bucketed axis. Inductor runs with its own CUDA
+each padded dim with `maybe_mark_dynamic`, and rebuilds the view inside the traced function,
+where `x.bucket` is the symbolic size of the bucketed axis. Torch specialises sizes 0 and 1, so
+bucket 1 compiles one more graph (counted in `stats.recompiles`, never an error).
+`torch_compile={"size_oblivious": True}` traces with torch's size-oblivious shapes instead
+(`backed_size_oblivious`: a dynamic size is reasoned about without assuming it is not 1), so
+bucket 1 replays the same graph and the ladder compiles once. It is opt-in: inductor cannot lower
+some bodies under it (a slice of a dynamic dim whose bound it can then not decide fails the
+compile), and a body must not branch on a padded size being 1. Inductor runs with its own CUDA
 graphs off: a graph backend captures inductor's kernels into its own graphs. Every graph inductor
 compiles is counted (`stats.compiles`); those after the first call are `stats.recompiles`.
 
@@ -49,6 +53,7 @@ def _options(program: Program, spec) -> dict:
     patches.update(opts.pop("options", None) or {})
     patches["triton.cudagraphs"] = False
     return {"fullgraph": opts.pop("fullgraph", False), "dynamic": opts.pop("dynamic", None),
+            "size_oblivious": bool(opts.pop("size_oblivious", False)),
             "patches": patches, "regions": _regions(program, opts.pop("regions", None)), **opts}
 
 
@@ -123,6 +128,7 @@ class CompiledBody:
         name = program.name
 
         regions = opts.pop("regions")
+        self._shapes = _shape_patch(opts.pop("size_oblivious"))
 
         def traced(inputs, state, extents):
             return body(TracedView(name, bucket_of(inputs), {**inputs, **state}, extents))
@@ -177,7 +183,8 @@ class CompiledBody:
         inputs = {n: x[n] for n in self._inputs}
         state = {n: x[n] for n in self.program.state}
         extents = {a.name: x.extent(a.name) for a in self.program.axes}
-        out = self._fn(inputs, state, extents)
+        with self._shapes():
+            out = self._fn(inputs, state, extents)
         self._called = True
         return out
 
@@ -188,7 +195,7 @@ class CompiledBody:
         for m, fn in self._regions:
             m.forward = _RegionCall(fn, m, sizes)
         try:
-            with torch._dynamo.config.patch(**self._limit):
+            with torch._dynamo.config.patch(**self._limit), self._shapes():
                 out = self._body(x)
         finally:
             for m, old in saved:
@@ -198,6 +205,15 @@ class CompiledBody:
                     m.forward = old
         self._called = True
         return out
+
+
+def _shape_patch(size_oblivious: bool) -> Callable:
+    """A context factory: torch's size-oblivious shape reasoning while dynamo traces the body."""
+    import contextlib
+    import torch.fx.experimental._config as fx_config
+    if not size_oblivious or not hasattr(fx_config, "backed_size_oblivious"):
+        return contextlib.nullcontext
+    return functools.partial(fx_config.patch, backed_size_oblivious=True)
 
 
 def _own_code(f: Callable) -> Callable:

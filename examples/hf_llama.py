@@ -293,13 +293,15 @@ def make_requests(n: int, vocab: int, max_prompt: int, max_new: int, seed: int =
 def torch_compile_options(model: LlamaForCausalLM, how: str | None):
     """`torch_compile=` for pg.compile: None (HF's eager forward), "regions" (each decoder layer
     compiled; the layers share one graph, since each is handed its own `LayerCache`: the fast
-    warm-up) or "whole" (the whole body, one compilation for the ladder)."""
+    warm-up) or "whole" (the whole body, one compilation for the ladder). Both trace with
+    size-oblivious shapes, so bucket 1 shares the other buckets' graphs (HF's layers lower under it)."""
     if how is None:
         return None
     if how == "regions":           # the layers, and the final norm and RoPE tables (a few kernels each eager)
-        return {"fullgraph": True, "regions": [*model.model.layers, model.model.norm, model.model.rotary_emb]}
+        return {"fullgraph": True, "size_oblivious": True,
+                "regions": [*model.model.layers, model.model.norm, model.model.rotary_emb]}
     if how == "whole":
-        return {"fullgraph": True}
+        return {"fullgraph": True, "size_oblivious": True}
     raise ValueError(f"torch_compile: None, 'regions' or 'whole'; got {how!r}")
 
 

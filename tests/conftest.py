@@ -17,3 +17,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def no_compile_caches():
+    """Inductor's on-disk caches off for one test: a graph served from them carries the guards
+    it was compiled under (from another test or process), so counts of compiled graphs vary."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        yield

@@ -54,6 +54,25 @@ def test_one_compilation_serves_the_ladder_on_the_reference_backend():
     assert runner.stats.compile_seconds == spent and runner.stats.compiles <= 2
 
 
+def _tanh_body(x):
+    return {"y": torch.tanh(x.h @ x.w) + x.bucket, "z": x.ids * 3 + x.extent("tokens")}
+
+
+@pytest.mark.parametrize("size_oblivious", [True, False])
+def test_bucket_1_shares_the_graph_when_size_oblivious(size_oblivious, no_compile_caches):
+    torch._dynamo.reset()
+    w = torch.randn(8, 8)
+    runner = pg.compile(program(), _tanh_body, backend="reference", state={"w": w},
+                        torch_compile={"size_oblivious": size_oblivious})
+    eager = pg.compile(program(), _tanh_body, backend="reference", state={"w": w})
+    for n, t in CALLS:                          # buckets 16, 8, 4, 16, 2, 16, 1
+        a, b = runner(**raw(n, t)), eager(**raw(n, t))
+        torch.testing.assert_close(a.y, b.y, msg=f"n={n} t={t}")
+        assert torch.equal(a.z, b.z)
+    want = 1 if size_oblivious else 2           # by default torch specialises size 1
+    assert runner.stats.compiles == want and runner.stats.recompiles == want - 1, runner.stats.table()
+
+
 def test_reduce_overhead_is_refused_with_the_reason():
     with pytest.raises(pg.ContractValueError, match="captures the CUDA graphs itself"):
         pg.compile(program(), body, backend="reference", state={"w": torch.zeros(8, 8)},
@@ -147,7 +166,7 @@ class _Wide(_Narrow):
         return torch.relu(h @ self.w)
 
 
-def test_regions_with_a_shared_decorator_compile_on_their_own_code_objects():
+def test_regions_with_a_shared_decorator_compile_on_their_own_code_objects(no_compile_caches):
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list as entries
     torch._dynamo.reset()
     narrow, wide = _Narrow(8), _Wide(16)

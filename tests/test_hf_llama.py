@@ -30,19 +30,20 @@ def test_greedy_decode_matches_hf_generate_while_the_batch_shrinks():
 def test_one_torch_compile_serves_the_ladder():
     res = H.run(torch.device("cpu"), n_req=3, max_new=5, max_prompt=6, torch_compile="whole")
     assert res.match == len(res.ref), f"greedy_match={res.match}/{len(res.ref)}, but should be all [{res.line()}]"
-    # bucket 1 is its own graph (torch specialises size 1); every other bucket shares one
+    # one graph for every bucket (2 where a graph compiled without size-oblivious tracing is
+    # served from inductor's disk cache)
     assert res.stats.compiles <= 2, f"compiles={res.stats.compiles}, but should be <= 2 [{res.stats.table()}]"
 
 
-def test_regional_compile_of_the_decoder_layers_serves_the_ladder():
-    res = H.run(torch.device("cpu"), n_req=3, max_new=5, max_prompt=6, torch_compile="regions")
+def test_regional_compile_of_the_decoder_layers_serves_the_ladder(no_compile_caches):
+    res = H.run(torch.device("cpu"), n_req=4, max_new=5, max_prompt=6, torch_compile="regions")
     assert res.match == len(res.ref), f"greedy_match={res.match}/{len(res.ref)}, but should be all [{res.line()}]"
     # the layers share one graph (each is handed its own LayerCache, so layer_idx is not
-    # specialised), the final norm and the RoPE tables one each, for buckets >= 2 and again for
-    # bucket 1; no region fell back to eager
-    assert H.tiny_config().num_hidden_layers > 1
-    graphs = 3 * (2 if res.stats.calls.get(1) else 1)
-    assert res.stats.compiles == graphs, f"compiles={res.stats.compiles} [{res.stats.table()}]"
+    # specialised), the final norm and the RoPE tables one each, for every bucket (size-oblivious
+    # tracing), except that the RoPE tables' broadcasting matmul guards on a batch of 1 (torch's
+    # matmul decomposition), so bucket 1 recompiles that small region; no region fell back to eager
+    assert H.tiny_config().num_hidden_layers > 1 and res.stats.calls.get(1)
+    assert res.stats.compiles == 3 + 1, f"compiles={res.stats.compiles} [{res.stats.table()}]"
 
 
 def test_the_oracle_judges_only_a_first_divergence_at_a_near_tie_as_a_match():
