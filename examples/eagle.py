@@ -4,9 +4,10 @@
 
 On a GPU: the Llama-3.2-1B-shaped target (deepseek: DeepSeek-V2-Lite widths, 6 layers, 16
 experts; random weights, bf16) on the "cuda" backend, serving 16 requests of varied prompt and
-output lengths; each decoder layer (target and head) is torch.compile'd once for the whole ladder
-and captured in padgraph's graphs (`--no-compile`: eager layers). On the CPU: a tiny target, fp32, on the "reference" backend, 8 short requests (it
-says so). Before the last line: time per phase of a round (draft, verify, draft-extend,
+output lengths; the target's decoder layers and the whole draft / draft-extend bodies are
+torch.compile'd once for the whole ladder and captured in padgraph's graphs (`--no-compile`: eager;
+`--profile`: the kernels per round). On the CPU: a tiny target, fp32, on the "reference" backend,
+8 short requests (it says so). Before the last line: time per phase of a round (draft, verify, draft-extend,
 host/other) and of a greedy step, and what a round costs in greedy steps. The last line is
 `tokens/s=… accept_len=… speedup_vs_greedy=… greedy_match=N/N`.
 
@@ -139,6 +140,26 @@ def cost_line(ss, gs) -> str:
             f"yields {ss.accept_len:.2f} tokens per request")
 
 
+def profile_kernels(name: str, gen, prompts, news, top: int = 18) -> None:
+    """Run `gen` once more under torch.profiler and print its GPU kernels (those inside the CUDA
+    graphs included): kernels and kernel-µs per round, and the `top` kernels by time."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _, stats = gen(prompts, news)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    rounds = max(stats.rounds, 1)
+    by: dict = {}
+    for e in kernels:
+        n, us = by.get(e.name, (0, 0.0))
+        by[e.name] = (n + 1, us + e.device_time)
+    total = sum(us for _, us in by.values())
+    print(f"profile {name}: {len(kernels) / rounds:.0f} kernels and {total / rounds:.0f} kernel-µs per "
+          f"{'round' if name == 'EAGLE' else 'step'} ({stats.rounds} launched); top {top} by time:")
+    for k, (n, us) in sorted(by.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"  {us / rounds:8.1f} µs {n / rounds:6.1f}x  {k[:110]}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="llama")
@@ -149,11 +170,14 @@ def main():
     ap.add_argument("--no-compile", action="store_true",
                     help="GPU: HF-style eager layers inside the graphs (default: each decoder layer "
                          "torch.compile'd once for the whole ladder)")
-    ap.add_argument("--draft-compile", default="regions", choices=["regions", "whole"],
-                    help="GPU: compile the head's layer in draft / draft-extend (default) or their "
-                         "whole bodies (fewer, fused launches per draft step)")
+    ap.add_argument("--draft-compile", default="whole", choices=["regions", "whole"],
+                    help="GPU: compile the whole draft / draft-extend bodies (default: fewer, fused "
+                         "launches per draft step) or only the head's layer in them")
     ap.add_argument("--no-overlap", action="store_true",
                     help="read each round back before queuing the next (default: overlap)")
+    ap.add_argument("--profile", action="store_true",
+                    help="GPU: after the timed runs, one more of each under torch.profiler; print "
+                         "the kernels per round / step and the heaviest ones")
     args = ap.parse_args()
     gpu = torch.cuda.is_available()
     gpu_size, cpu_size, cpu_what = MODELS[args.model]
@@ -192,6 +216,10 @@ def main():
     print(phase_line("EAGLE ", "round", ss, SPEC_PHASES))
     print(phase_line("greedy", "step", gs, GREEDY_PHASES))
     print(cost_line(ss, gs))
+    if args.profile and gpu:
+        with torch.no_grad():
+            profile_kernels("EAGLE", w.generate_spec, prompts, news)
+            profile_kernels("greedy", w.generate_greedy, prompts, news)
     print(f"tokens/s={ss.tokens_per_s:.1f} accept_len={ss.accept_len:.2f} "
           f"speedup_vs_greedy={ss.tokens_per_s / gs.tokens_per_s:.2f} "
           f"greedy_match={match + len(ties)}/{len(greedy)}")

@@ -3,7 +3,8 @@
 #   bash scripts/gpu_suite.sh [tests] [spec] [spec-compile] [eagle] [eagle-deepseek] [bench-host] [bench-runner]
 #                             [bench-attention] [bench-mla] [bench-eagle] [bench-eagle-deepseek] [hf] [hf-compile]
 #                             [bench-hf] [bench-runner-compile: the two compiled variants only; same file names as bench-runner]
-#                             [eagle-whole: the main job with the draft bodies compiled whole]
+#                             [eagle-regions: the main job with only the head's layer compiled in the draft bodies]
+#                             [eagle-profile: the main job, then its kernels per round under torch.profiler]
 # With no arguments, everything. Results and logs go under $OUT (default results/local).
 # PACK=name: write them under a scratch directory instead and leave one $OUT/name.tgz at the end
 # (for a caller that fetches only a few files from $OUT; $OUT itself is never written otherwise).
@@ -40,7 +41,8 @@ want spec && run spec_cuda python3 -m padgraph.spec --backend cuda -q
 want spec-compile && run spec_cuda_compile python3 -m padgraph.spec --backend cuda --torch-compile -q
 want eagle && run eagle python3 examples/eagle.py --model llama
 want eagle-deepseek && run eagle_deepseek python3 examples/eagle.py --model deepseek
-want eagle-whole && run eagle_whole python3 examples/eagle.py --model llama --draft-compile whole
+want eagle-regions && run eagle_regions python3 examples/eagle.py --model llama --draft-compile regions
+want eagle-profile && run eagle_profile python3 examples/eagle.py --model llama --profile
 want bench-host && run bench_host python3 examples/bench_host.py --calls 1000
 want bench-runner && run bench_runner python3 examples/bench_runner.py
 want bench-attention && run bench_attention python3 examples/bench_attention.py

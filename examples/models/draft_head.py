@@ -107,14 +107,19 @@ class DraftHead(nn.Module):
         return self._temperature(self.target.logits(h))
 
     def topk(self, h: Tensor, topk: int):
-        """Draft distribution's top-k: (probs [n, topk] fp32, token ids [n, topk] int64)."""
-        if self.hot_ids is None:
-            probs = torch.softmax(self.logits(h), dim=-1)
-            return probs.topk(topk, dim=-1)
-        logits = self._temperature((h @ self.hot_weight.t()).float())
-        probs = torch.softmax(logits, dim=-1)                              # [n, n_hot]
-        p, i = probs.topk(topk, dim=-1)
-        return p, self.hot_ids[i]
+        """Draft distribution's top-k: (probs [n, topk] fp32, token ids [n, topk] int64).
+
+        The top-k is taken on the lm_head's logits as they come out (a positive temperature keeps
+        their order), and only those k become probabilities: p = exp(t * l - logsumexp(t * l)).
+        No [n, V] probability tensor is written: per draft step that saves three full-vocabulary
+        fp32 passes (scale, softmax, top-k over fp32) at V = 128256."""
+        w = self.target.lm_head.weight if self.hot_ids is None else self.hot_weight
+        logits = h @ w.t()                                                 # [n, V or n_hot]
+        scale = self.log_scale.float().exp()
+        top, i = logits.topk(topk, dim=-1)
+        lse = torch.logsumexp(logits.float() * scale, dim=-1, keepdim=True)
+        p = torch.exp(top.float() * scale - lse)
+        return p, (i if self.hot_ids is None else self.hot_ids[i])
 
     # ---- forwards ----------------------------------------------------------------------
     def _run(self, input_ids, hidden, positions, batch: PagedBatch, kv) -> Tensor:
