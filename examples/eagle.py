@@ -4,11 +4,12 @@
 
 On a GPU: the Llama-3.2-1B-shaped target (deepseek: DeepSeek-V2-Lite widths, 6 layers, 16
 experts; random weights, bf16) on the "cuda" backend, serving 16 requests of varied prompt and
-output lengths; the target's decoder layers and the whole draft / draft-extend bodies are
-torch.compile'd once for the whole ladder and captured in padgraph's graphs (`--no-compile`: eager;
-`--profile`: the kernels per round). On the CPU: a tiny target, fp32, on the "reference" backend,
-8 short requests (it says so). Before the last line: time per phase of a round (draft, verify, draft-extend,
-host/other) and of a greedy step, and what a round costs in greedy steps. The last line is
+output lengths; the target's decoder layers and the draft / draft-extend bodies (llama: whole;
+deepseek: the head's layer) are torch.compile'd once for the whole ladder and captured in
+padgraph's graphs (`--no-compile`: eager; `--profile`: the kernels per round). On the CPU: a
+tiny target, fp32, on the "reference" backend, 8 short requests (it says so). Before the last
+line: time per phase of a round (draft, verify, draft-extend, host/other) and of a greedy step,
+and what a round costs in greedy steps. The last line is
 `tokens/s=… accept_len=… speedup_vs_greedy=… greedy_match=N/N`.
 
 Both loops run with overlap scheduling (round N+1 queued before round N is read back; see
@@ -30,6 +31,8 @@ from distill import build, distill
 from spec_decode import SpecConfig, Worker
 
 
+# --model -> the draft bodies' compile (Worker's draft_compile): whole where it has run on a GPU
+DRAFT_COMPILE = {"llama": "whole", "deepseek": "regions"}
 # --model -> (GPU preset, CPU preset, what the CPU run says it is)
 MODELS = {"llama": ("1b", "tiny", "tiny Llama-like target"),
           "deepseek": ("ds-lite", "ds-tiny", "tiny DeepSeek-like target (MLA + MoE, MTP head)")}
@@ -170,9 +173,10 @@ def main():
     ap.add_argument("--no-compile", action="store_true",
                     help="GPU: HF-style eager layers inside the graphs (default: each decoder layer "
                          "torch.compile'd once for the whole ladder)")
-    ap.add_argument("--draft-compile", default="whole", choices=["regions", "whole"],
-                    help="GPU: compile the whole draft / draft-extend bodies (default: fewer, fused "
-                         "launches per draft step) or only the head's layer in them")
+    ap.add_argument("--draft-compile", default=None, choices=["regions", "whole"],
+                    help="GPU: compile the whole draft / draft-extend bodies (fewer, fused launches "
+                         "per draft step: the llama default) or only the head's layer in them (the "
+                         "deepseek default: its whole draft body has not run on a GPU yet)")
     ap.add_argument("--no-overlap", action="store_true",
                     help="read each round back before queuing the next (default: overlap)")
     ap.add_argument("--profile", action="store_true",
@@ -193,7 +197,8 @@ def main():
                              batch.prompt_lens, batch.new_tokens)
     w = Worker(target, head, spec, backend=backend, max_bs=16, max_context=batch.max_context,
                buckets=pg.Buckets.default(16), overlap=not args.no_overlap,
-               torch_compile=False if args.no_compile else None, draft_compile=args.draft_compile)
+               torch_compile=False if args.no_compile else None,
+               draft_compile=args.draft_compile or DRAFT_COMPILE[args.model])
     with torch.no_grad():
         # compile (GPU: capture) and JIT outside the timed runs: the full batch and bs=1
         for gen in (w.generate_spec, w.generate_greedy):

@@ -412,10 +412,12 @@ class Worker:
     backend: "cuda" | "reference"; runners are compiled on first use and kept, so repeated
     calls replay the same graphs. torch_compile: compile the decoder layers inside the runners
     (`options`); None: on for "cuda", off for "reference" (the eager oracle). draft_compile
-    (with torch_compile): "whole" (the default) compiles the draft and draft-extend bodies whole
-    (tree expansion, top-k, tree build included: fewer, fused launches per draft step; on the H200
-    main job the draft phase fell from 1.98 to 1.52 ms a round), "regions" only the head's layer. overlap: queue round N+1 before reading round N back (see the
-    module docstring and `_loop`); False runs the plain loop (read back, then queue the next).
+    (with torch_compile): "regions" (the default) compiles the head's layer in draft and
+    draft-extend, "whole" their whole bodies (tree expansion, top-k, tree build included: fewer,
+    fused launches per draft step; in the H200 Llama main job the draft phase fell from 1.98 to
+    1.52 ms a round; not yet run on a GPU for the DeepSeek MTP head, hence not the default).
+    overlap: queue round N+1 before reading round N back (see the module docstring and `_loop`);
+    False runs the plain loop (read back, then queue the next).
     max_context bounds prompt + max_new_tokens + the tree margin per request (checked at
     admission); with overlap the worker reserves `overlap_margin` more positions where they fit.
     """
@@ -423,7 +425,7 @@ class Worker:
     def __init__(self, target, head, spec: SpecConfig, *, backend: str = "reference",
                  max_bs: int = 16, max_context: int = 512, eos_id: int | None = None,
                  buckets=None, compile_options: dict | None = None, overlap: bool = True,
-                 torch_compile: bool | None = None, draft_compile: str = "whole"):
+                 torch_compile: bool | None = None, draft_compile: str = "regions"):
         if draft_compile not in ("regions", "whole"):
             raise ValueError(f"draft_compile must be 'regions' or 'whole'; got {draft_compile!r}")
         p = target.lm_head.weight

@@ -39,10 +39,20 @@ def test_regional_compile_of_the_decoder_layers_serves_the_ladder(no_compile_cac
     res = H.run(torch.device("cpu"), n_req=4, max_new=5, max_prompt=6, torch_compile="regions")
     assert res.match == len(res.ref), f"greedy_match={res.match}/{len(res.ref)}, but should be all [{res.line()}]"
     # the layers share one graph (each is handed its own LayerCache, so layer_idx is not
-    # specialised), the final norm and the RoPE tables one each, for every bucket (size-oblivious
-    # tracing), except that the RoPE tables' broadcasting matmul guards on a batch of 1 (torch's
-    # matmul decomposition), so bucket 1 recompiles that small region; no region fell back to eager
+    # specialised), the final norm and the RoPE tables one each, for buckets >= 2 and again for
+    # bucket 1; no region fell back to eager
     assert H.tiny_config().num_hidden_layers > 1 and res.stats.calls.get(1)
+    assert res.stats.compiles == 3 * 2, f"compiles={res.stats.compiles} [{res.stats.table()}]"
+
+
+def test_size_oblivious_regions_share_the_layer_graph_with_bucket_1(no_compile_caches):
+    """torch_compile={"size_oblivious": True}: HF's decoder layers and final norm lower under it,
+    so bucket 1 replays their graphs; only the RoPE tables recompile (torch's matmul
+    decomposition guards on a batch of 1)."""
+    res = H.run(torch.device("cpu"), n_req=4, max_new=5, max_prompt=6, torch_compile="regions",
+                size_oblivious=True)
+    assert res.match == len(res.ref), f"greedy_match={res.match}/{len(res.ref)}, but should be all [{res.line()}]"
+    assert res.stats.calls.get(1)
     assert res.stats.compiles == 3 + 1, f"compiles={res.stats.compiles} [{res.stats.table()}]"
 
 
