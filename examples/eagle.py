@@ -179,6 +179,9 @@ def main():
                          "deepseek default: its whole draft body has not run on a GPU yet)")
     ap.add_argument("--no-overlap", action="store_true",
                     help="read each round back before queuing the next (default: overlap)")
+    ap.add_argument("--draft-topk-chunks", type=int, default=None,
+                    help="the head's top-k over the vocabulary in two passes of this many slices "
+                         "(e.g. 128 for 128256 tokens; default: one torch.topk)")
     ap.add_argument("--profile", action="store_true",
                     help="GPU: after the timed runs, one more of each under torch.profiler; print "
                          "the kernels per round / step and the heaviest ones")
@@ -193,6 +196,7 @@ def main():
                       args.draft_tokens or (8 if gpu else 6))
     batch = BATCH["gpu" if gpu else "cpu"]
     target, head, _ = setup(size, device)
+    head.topk_chunks = args.draft_topk_chunks
     prompts, news = workload(target.cfg.vocab_size, args.n_requests or batch.n, 7,
                              batch.prompt_lens, batch.new_tokens)
     w = Worker(target, head, spec, backend=backend, max_bs=16, max_context=batch.max_context,

@@ -9,6 +9,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
+from models.draft_head import chunked_topk  # noqa: E402
 from models.eagle_head import EagleHead  # noqa: E402
 from models.llama import LlamaConfig, LlamaModel  # noqa: E402
 from spec_decode import SpecConfig, SpecState, Worker  # noqa: E402
@@ -193,3 +194,14 @@ def assert_distilled_head_accepts(target, head_cls):
         greedy, _ = w.generate_greedy(ps, [40] * 4)
     assert [r.output for r in spec_reqs] == [r.output for r in greedy]
     return stats
+
+
+@pytest.mark.parametrize("n,width,k,chunks", [(5, 128256, 4, 128), (3, 1000, 8, 10), (7, 97, 4, 3),
+                                              (2, 64, 4, 32), (4, 60, 4, 7), (1, 256, 4, None)])
+def test_chunked_topk_is_topk(n, width, k, chunks):
+    """Two-pass top-k (the draft head's `topk_chunks`): the same values and indices as one
+    torch.topk on distinct values, the indices of the values it returns; slices that do not
+    divide the row (60 / 7), slices shorter than k (64 / 32 = 2 < 4) and None fall back."""
+    x = torch.randperm(n * width, generator=torch.Generator().manual_seed(width)).float().view(n, width)
+    want, got = x.topk(k, dim=-1), chunked_topk(x, k, chunks)
+    assert torch.equal(got[0], want.values) and torch.equal(got[1], want.indices)

@@ -18,7 +18,26 @@ from torch import Tensor, nn
 from .llama import PagedBatch
 
 
+def chunked_topk(x: Tensor, k: int, chunks: int | None):
+    """`x.topk(k, dim=-1)` of a [n, V] tensor in two passes when `chunks` divides V: the top-k of
+    each of `chunks` slices, then the top-k of those chunks * k candidates. Equal values, the same
+    set of indices where values are distinct. On a GPU a short row is one thread block's sort,
+    while a 128256-wide row takes torch's multi-block radix select (several kernels a call).
+    Falls back to one pass when `chunks` is None or does not divide V into slices of >= k."""
+    n, width = x.shape
+    if not chunks or width % chunks or width // chunks < k:
+        return x.topk(k, dim=-1)
+    part = width // chunks
+    v, i = x.view(n, chunks, part).topk(k, dim=-1)                       # [n, chunks, k]
+    i = i + torch.arange(0, width, part, device=x.device)[None, :, None]
+    v, j = v.reshape(n, chunks * k).topk(k, dim=-1)
+    return v, i.reshape(n, chunks * k).gather(1, j)
+
+
 class DraftHead(nn.Module):
+    # Top-k over the vocabulary in two passes of this many slices (`chunked_topk`); None: one.
+    topk_chunks: int | None = None
+
     def __init__(self, target: nn.Module):
         super().__init__()
         self.cfg = target.cfg
@@ -116,7 +135,7 @@ class DraftHead(nn.Module):
         w = self.target.lm_head.weight if self.hot_ids is None else self.hot_weight
         logits = h @ w.t()                                                 # [n, V or n_hot]
         scale = self.log_scale.float().exp()
-        top, i = logits.topk(topk, dim=-1)
+        top, i = chunked_topk(logits, topk, self.topk_chunks)
         lse = torch.logsumexp(logits.float() * scale, dim=-1, keepdim=True)
         p = torch.exp(top.float() * scale - lse)
         return p, (i if self.hot_ids is None else self.hot_ids[i])
