@@ -67,13 +67,16 @@ def test_bf16_cuda_deepseek_spec_matches_greedy_up_to_ties(oracle):
     assert w.slots.n_free == w.slots.n - 1 and w.rows.n_free == w.rows.n - 1
 
 
-def test_lite_config_fits_and_runs_a_graph_step():
-    """The GPU preset's shapes (V2-Lite widths, 2 layers here) through one captured decode."""
+@pytest.mark.parametrize("draft_compile", ["regions", "whole"])
+def test_lite_config_fits_and_runs_a_graph_step(draft_compile):
+    """The GPU preset's shapes (V2-Lite widths, 2 layers here) through one captured decode, with
+    the MTP draft bodies compiled regionally (the default) or whole."""
     torch.manual_seed(0)
     target = DeepSeekModel(DeepSeekConfig.lite(n_layers=2, vocab_size=4096)).cuda()
     target = target.bfloat16().eval()
     w = Worker(target, MTPHead(target).cuda().bfloat16().eval(), SpecConfig(4, 4, 8),
-               backend="cuda", max_bs=4, max_context=64, buckets=pg.Buckets([1, 2, 4]))
+               backend="cuda", max_bs=4, max_context=64, buckets=pg.Buckets([1, 2, 4]),
+               draft_compile=draft_compile)
     prompts, news = _prompts(4096, 3)
     with torch.no_grad():
         greedy, _ = w.generate_greedy(prompts, [min(n, 8) for n in news])

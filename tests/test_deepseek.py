@@ -154,6 +154,24 @@ def test_mtp_spec_equals_greedy_and_releases(target):
     assert sum(w.runner("verify").stats.padded_lanes.values()) > 0
 
 
+def test_whole_mtp_draft_bodies_compile_to_the_eager_tokens(target):
+    """draft_compile="whole" with the MTP head: the MLA draft and draft-extend bodies compile
+    fullgraph (inductor, CPU) and serve the eager worker's tokens."""
+    head = MTPHead(target).eval()
+    spec, lens = SpecConfig(3, 2, 4), LENS[:3]
+    ps, mx = prompts(target.cfg.vocab_size)[:3], [m for _, m in lens]
+
+    def serve(**kw):
+        w = Worker(target, head, spec, max_bs=4, max_context=64, buckets=pg.Buckets([1, 2, 4]), **kw)
+        with torch.no_grad():
+            return w, w.generate_spec(ps, mx)[0]
+    whole, a = serve(torch_compile=True, draft_compile="whole")
+    _, b = serve()
+    assert [r.output for r in a] == [r.output for r in b]
+    assert "regions" not in whole.options("draft")["torch_compile"]
+    assert all(whole._runners[n].stats.compiles >= 1 for n in ("draft", "draft_extend"))
+
+
 def test_oracle_mtp_head_accepts_long_paths():
     """A 1-layer MoE target and the head that copies it: long accepted paths go through the
     MLA draft-extend and draft programs, and the output still equals greedy."""

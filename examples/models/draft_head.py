@@ -128,12 +128,13 @@ class DraftHead(nn.Module):
     def topk(self, h: Tensor, topk: int):
         """Draft distribution's top-k: (probs [n, topk] fp32, token ids [n, topk] int64).
 
-        The top-k is taken on the lm_head's logits as they come out (a positive temperature keeps
-        their order), and only those k become probabilities: p = exp(t * l - logsumexp(t * l)).
-        No [n, V] probability tensor is written: per draft step that saves three full-vocabulary
-        fp32 passes (scale, softmax, top-k over fp32) at V = 128256."""
-        w = self.target.lm_head.weight if self.hot_ids is None else self.hot_weight
-        logits = h @ w.t()                                                 # [n, V or n_hot]
+        The top-k is taken on the target's logits as they come out (a positive temperature
+        keeps their order), and only those k become probabilities:
+        p = exp(t * l - logsumexp(t * l)). No [n, V] probability tensor is written, which saves
+        the temperature and softmax passes over the full vocabulary per draft step. The full
+        vocabulary goes through `target.logits`, since a tensor-parallel target gathers its
+        vocabulary shards there."""
+        logits = self.target.logits(h) if self.hot_ids is None else h @ self.hot_weight.t()
         scale = self.log_scale.float().exp()
         top, i = chunked_topk(logits, topk, self.topk_chunks)
         lse = torch.logsumexp(logits.float() * scale, dim=-1, keepdim=True)
