@@ -132,6 +132,10 @@ class CompiledBody:
 
         def traced(inputs, state, extents):
             return body(TracedView(name, bucket_of(inputs), {**inputs, **state}, extents))
+        # a code object of this runner's own: dynamo keys its cache and recompile limit by code
+        # object, and every CompiledBody's `traced` would otherwise share one (a process with a
+        # few whole-compiled runners, two graphs each, hit the limit of 8 and failed or fell back)
+        traced = _with_code_name(traced, "padgraph_" + "".join(c if c.isalnum() else "_" for c in name))
 
         def backend(gm, example_inputs):
             from torch._inductor.compile_fx import compile_fx
@@ -229,10 +233,14 @@ def _own_code(f: Callable) -> Callable:
         return f(self, *args, **kwargs)
 
     name = "region_" + "".join(c if c.isalnum() else "_" for c in getattr(f, "__qualname__", "forward"))
-    code = entry.__code__.replace(co_name=name, co_qualname=name) \
-        if hasattr(entry.__code__, "co_qualname") else entry.__code__.replace(co_name=name)
-    own = types.FunctionType(code, entry.__globals__, name, entry.__defaults__, entry.__closure__)
-    return functools.wraps(f)(own)
+    return functools.wraps(f)(_with_code_name(entry, name))
+
+
+def _with_code_name(fn: Callable, name: str) -> Callable:
+    """`fn` (closure cells included) on a new code object of its own, named `name`."""
+    code = fn.__code__.replace(co_name=name, co_qualname=name) \
+        if hasattr(fn.__code__, "co_qualname") else fn.__code__.replace(co_name=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
 class _RegionCall:

@@ -73,6 +73,23 @@ def test_bucket_1_shares_the_graph_when_size_oblivious(size_oblivious, no_compil
     assert runner.stats.compiles == want and runner.stats.recompiles == want - 1, runner.stats.table()
 
 
+def test_many_whole_compiled_runners_in_one_process():
+    """Each runner's body compiles on a code object of its own: a process holds more runners
+    than dynamo's recompile limit (8 per code object) allows graphs on one, each with its
+    bucket-1 graph, and none fails (fullgraph) or falls back to eager."""
+    torch._dynamo.reset()
+    limit = getattr(torch._dynamo.config, "recompile_limit", None) or torch._dynamo.config.cache_size_limit
+    runners = []
+    for i in range(limit + 2):
+        w = torch.randn(8, 8, generator=torch.Generator().manual_seed(i))
+        r = pg.compile(program(), body, backend="reference", state={"w": w}, torch_compile={"fullgraph": True})
+        e = pg.compile(program(), body, backend="reference", state={"w": w})
+        for n, t in ((5, 3), (1, 1)):
+            torch.testing.assert_close(r(**raw(n, t)).y, e(**raw(n, t)).y)
+        runners.append(r)
+    assert all(1 <= r.stats.compiles <= 2 for r in runners), [r.stats.compiles for r in runners]
+
+
 def test_reduce_overhead_is_refused_with_the_reason():
     with pytest.raises(pg.ContractValueError, match="captures the CUDA graphs itself"):
         pg.compile(program(), body, backend="reference", state={"w": torch.zeros(8, 8)},
