@@ -155,12 +155,16 @@ class CompiledBody:
                 if f not in by_fn:
                     by_fn[f] = torch.compile(_own_code(f), backend=backend, **opts)
             self._regions = [(m, by_fn[type(m).forward]) for m in regions]
-            # instances differing in an int attribute (HF's layer_idx) each get their graphs:
-            # let every region compile a few (dynamo's default limit of 8 per code object would
-            # silently run the rest eagerly); identical graphs hit inductor's FX graph cache
-            key = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") \
-                else "cache_size_limit"
-            self._limit = {key: max(getattr(torch._dynamo.config, key), 64, 8 * len(regions))}
+        # Dynamo's limit of 8 graphs per code object would silently run the rest of a ladder
+        # eagerly (fullgraph: fail) once a body specialises more: per bucket (a Python loop over
+        # x.bucket) or, in regions, per instance (HF's layer_idx; identical graphs hit inductor's
+        # FX graph cache). Every bucket, and every region instance, may compile a few graphs;
+        # each one is counted in stats.compiles.
+        key = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") \
+            else "cache_size_limit"
+        n_buckets = len(program.buckets) if program.buckets is not None else 1
+        self._limit = {key: max(getattr(torch._dynamo.config, key), 64, 2 * n_buckets + 8,
+                                8 * len(regions or ()))}
 
     def _mark_dynamic(self, x: PaddedView) -> None:
         """Every padded dim of the view's inputs, and dim 0 of batch-ordered state (it follows
@@ -187,7 +191,7 @@ class CompiledBody:
         inputs = {n: x[n] for n in self._inputs}
         state = {n: x[n] for n in self.program.state}
         extents = {a.name: x.extent(a.name) for a in self.program.axes}
-        with self._shapes():
+        with torch._dynamo.config.patch(**self._limit), self._shapes():
             out = self._fn(inputs, state, extents)
         self._called = True
         return out

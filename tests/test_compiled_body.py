@@ -90,6 +90,26 @@ def test_many_whole_compiled_runners_in_one_process():
     assert all(1 <= r.stats.compiles <= 2 for r in runners), [r.stats.compiles for r in runners]
 
 
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_a_body_that_specialises_per_bucket_compiles_every_bucket(fullgraph):
+    """A body with a Python loop over its bucket size compiles one graph per bucket, all counted;
+    dynamo's limit of 8 graphs per code object would run buckets 9.. eagerly (or fail under
+    fullgraph)."""
+    ladder = list(range(1, 13))
+    prog = pg.Program("per_bucket", inputs={"h": pg.Input((bs, 4), torch.float32, pad=0.0)},
+                      outputs={"y": pg.Output((bs, 4), torch.float32)}, buckets=pg.Buckets(ladder))
+
+    def per_bucket(x):
+        return {"y": x.h * sum(i % 5 for i in range(x.h.shape[0]))}
+
+    runner = pg.compile(prog, per_bucket, backend="reference", torch_compile={"fullgraph": fullgraph})
+    for n in ladder:
+        h = torch.randn(n, 4)
+        torch.testing.assert_close(runner(h=h).y, h * sum(i % 5 for i in range(n)))
+    assert runner.stats.compiles == len(ladder), runner.stats.table()
+    assert runner.stats.recompiles == len(ladder) - 1
+
+
 def test_reduce_overhead_is_refused_with_the_reason():
     with pytest.raises(pg.ContractValueError, match="captures the CUDA graphs itself"):
         pg.compile(program(), body, backend="reference", state={"w": torch.zeros(8, 8)},
