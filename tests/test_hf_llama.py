@@ -47,13 +47,14 @@ def test_regional_compile_of_the_decoder_layers_serves_the_ladder(no_compile_cac
 
 def test_size_oblivious_regions_share_the_layer_graph_with_bucket_1(no_compile_caches):
     """torch_compile={"size_oblivious": True}: HF's decoder layers and final norm lower under it,
-    so bucket 1 replays their graphs; only the RoPE tables recompile (torch's matmul
-    decomposition guards on a batch of 1)."""
+    so bucket 1 replays their graphs (6 graphs without it). With transformers 5.17 the RoPE
+    tables still recompile at bucket 1 (torch's matmul decomposition guards on a batch of 1);
+    5.24's RoPE does not."""
     res = H.run(torch.device("cpu"), n_req=4, max_new=5, max_prompt=6, torch_compile="regions",
                 size_oblivious=True)
     assert res.match == len(res.ref), f"greedy_match={res.match}/{len(res.ref)}, but should be all [{res.line()}]"
     assert res.stats.calls.get(1)
-    assert res.stats.compiles == 3 + 1, f"compiles={res.stats.compiles} [{res.stats.table()}]"
+    assert res.stats.compiles in (3, 3 + 1), f"compiles={res.stats.compiles} [{res.stats.table()}]"
 
 
 def test_the_oracle_judges_only_a_first_divergence_at_a_near_tie_as_a_match():
