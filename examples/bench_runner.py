@@ -203,6 +203,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny model (smoke test)")
     ap.add_argument("--pg-compile", default="regions", choices=["regions", "whole"],
                     help="padgraph+compile: compile the decoder layer (regions) or the whole body")
+    ap.add_argument("--size-oblivious", action="store_true",
+                    help="padgraph+compile: size-oblivious tracing, so bucket 1 shares the graph")
     args = ap.parse_args()
     names, sizes = args.variants.split(","), [int(s) for s in args.sizes.split(",")]
     device = torch.device("cuda")
@@ -223,6 +225,8 @@ def main() -> None:
     with torch.inference_mode():
         pg_compile = {"regions": model.layers, "fullgraph": True} if args.pg_compile == "regions" \
             else {"fullgraph": True}
+        if args.size_oblivious:
+            pg_compile["size_oblivious"] = True
         variants, setup = build_variants(names, step, program, device, pg_compile)
         rows = run_all(variants, setup, batches, sizes, args.iters, cfg, weight_bytes, bw,
                        lambda rows, done: report(rows, setup, names, done, bw, weight_bytes, cfg, args))

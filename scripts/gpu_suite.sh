@@ -3,6 +3,7 @@
 #   bash scripts/gpu_suite.sh [tests] [spec] [spec-compile] [eagle] [eagle-deepseek] [bench-host] [bench-runner]
 #                             [bench-attention] [bench-mla] [bench-eagle] [bench-eagle-deepseek] [hf] [hf-compile]
 #                             [bench-hf] [bench-runner-compile: the two compiled variants only; same file names as bench-runner]
+#                             [bench-runner-oblivious: bench-runner-compile with size-oblivious tracing]
 #                             [eagle-regions: the main job with only the head's layer compiled in the draft bodies]
 #                             [eagle-profile: the main job, then its kernels per round under torch.profiler]
 #                             [eagle-topk-chunks: eagle-profile with the head's top-k in two passes of 128 slices]
@@ -54,6 +55,7 @@ want bench-eagle-deepseek && EAGLE_MODEL=deepseek run bench_eagle_deepseek pytho
 want hf && run hf_llama python3 examples/hf_llama.py
 want hf-compile && run hf_llama_compile python3 examples/hf_llama.py --torch-compile
 want bench-runner-compile && run bench_runner_compile python3 examples/bench_runner.py --variants padgraph+compile,compile-ro --iters 30
+want bench-runner-oblivious && run bench_runner_oblivious python3 examples/bench_runner.py --variants padgraph+compile,compile-ro --iters 30 --size-oblivious
 want bench-hf && run bench_hf python3 examples/bench_hf.py
 echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/pytest_cuda.log "$OUT"/spec_cuda.log "$OUT"/spec_cuda_compile.log 2>/dev/null | tail -6
 exit $rc

@@ -179,6 +179,24 @@ def test_regional_compile_one_graph_serves_every_layer_and_bucket():
     assert all("forward" not in m.__dict__ for m in target.layers)   # modules left as found
 
 
+def test_size_oblivious_regions_give_the_llama_decode_one_graph(no_compile_caches):
+    """torch_compile={"size_oblivious": True} on the example Llama's decode: its layer lowers
+    under it, so buckets 8, 4, 2 and 1 share one graph (the heads are unflattened before the
+    q / k / v split; a view of a column slice guarded on the batch being 1)."""
+    target, kv, prog, body, state = _tiny_decode()
+    runner = pg.compile(prog, body, backend="reference", state=state,
+                        torch_compile={"regions": target.layers, "fullgraph": True, "size_oblivious": True})
+    eager = pg.compile(prog, body, backend="reference", state=state)
+    for i, n in enumerate([8, 3, 2, 1, 5]):
+        raw = _decode_raw(n, kv, i)
+        snapshot = [t.clone() for t in kv.k + kv.v]
+        a = runner(**raw)
+        for t, s in zip(kv.k + kv.v, snapshot):
+            t.copy_(s)
+        assert torch.equal(a.next_token, eager(**raw).next_token), n
+    assert runner.stats.compiles == 1, runner.stats.table()
+
+
 def _logged(fn):
     """A decorator like transformers' deprecate_kwarg: every function it wraps runs one code object."""
     @functools.wraps(fn)

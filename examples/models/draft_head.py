@@ -28,7 +28,7 @@ def chunked_topk(x: Tensor, k: int, chunks: int | None):
     if not chunks or width % chunks or width // chunks < k:
         return x.topk(k, dim=-1)
     part = width // chunks
-    v, i = x.view(n, chunks, part).topk(k, dim=-1)                       # [n, chunks, k]
+    v, i = x.reshape(n, chunks, part).topk(k, dim=-1)                    # [n, chunks, k]
     i = i + torch.arange(0, width, part, device=x.device)[None, :, None]
     v, j = v.reshape(n, chunks * k).topk(k, dim=-1)
     return v, i.reshape(n, chunks * k).gather(1, j)

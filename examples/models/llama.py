@@ -144,13 +144,14 @@ class Attention(nn.Module):
         q_size, kv_size = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=False)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
-        self.splits = (q_size, kv_size, kv_size)
 
     def qkv(self, x: Tensor, positions: Tensor, rope: Rotary):
-        q, k, v = self.qkv_proj(x).split(self.splits, dim=-1)
-        q = rope(q.view(-1, self.n_heads, self.head_dim), positions)  # [n, Hq, D]
-        k = rope(k.view(-1, self.n_kv, self.head_dim), positions)     # [n, Hkv, D]
-        return q, k, v.view(-1, self.n_kv, self.head_dim)
+        # heads unflattened before the split: a view of the contiguous projection, so torch
+        # need not reason about the strides of a view of a column slice (which guards on the
+        # batch being 1 or not, and gives bucket 1 a graph of its own under size-oblivious tracing)
+        qkv = self.qkv_proj(x).view(x.shape[0], self.n_heads + 2 * self.n_kv, self.head_dim)
+        q, k, v = qkv.split((self.n_heads, self.n_kv, self.n_kv), dim=1)
+        return rope(q, positions), rope(k, positions), v               # [n, Hq | Hkv, D]
 
     def forward(self, x, positions, rope, batch: PagedBatch, k_cache, v_cache):
         q, k, v = self.qkv(x, positions, rope)
