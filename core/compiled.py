@@ -28,6 +28,7 @@ own slice of the state instead (`examples/hf_llama.py`, `LayerCache`).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 import types
@@ -135,7 +136,7 @@ class CompiledBody:
         # a code object of this runner's own: dynamo keys its cache and recompile limit by code
         # object, and every CompiledBody's `traced` would otherwise share one (a process with a
         # few whole-compiled runners, two graphs each, hit the limit of 8 and failed or fell back)
-        traced = _with_code_name(traced, "padgraph_" + "".join(c if c.isalnum() else "_" for c in name))
+        traced = _with_code_name(traced, "padgraph_" + name)
 
         def backend(gm, example_inputs):
             from torch._inductor.compile_fx import compile_fx
@@ -162,8 +163,7 @@ class CompiledBody:
         # each one is counted in stats.compiles.
         key = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") \
             else "cache_size_limit"
-        n_buckets = len(program.buckets) if program.buckets is not None else 1
-        self._limit = {key: max(getattr(torch._dynamo.config, key), 64, 2 * n_buckets + 8,
+        self._limit = {key: max(getattr(torch._dynamo.config, key), 64, 2 * len(program.buckets) + 8,
                                 8 * len(regions or ()))}
 
     def _mark_dynamic(self, x: PaddedView) -> None:
@@ -217,7 +217,6 @@ class CompiledBody:
 
 def _shape_patch(size_oblivious: bool) -> Callable:
     """A context factory: torch's size-oblivious shape reasoning while dynamo traces the body."""
-    import contextlib
     import torch.fx.experimental._config as fx_config
     if not size_oblivious or not hasattr(fx_config, "backed_size_oblivious"):
         return contextlib.nullcontext
@@ -236,12 +235,12 @@ def _own_code(f: Callable) -> Callable:
     def entry(self, *args, **kwargs):
         return f(self, *args, **kwargs)
 
-    name = "region_" + "".join(c if c.isalnum() else "_" for c in getattr(f, "__qualname__", "forward"))
-    return functools.wraps(f)(_with_code_name(entry, name))
+    return functools.wraps(f)(_with_code_name(entry, "region_" + getattr(f, "__qualname__", "forward")))
 
 
 def _with_code_name(fn: Callable, name: str) -> Callable:
-    """`fn` (closure cells included) on a new code object of its own, named `name`."""
+    """`fn` (closure cells included) on a new code object of its own, named after `name`."""
+    name = "".join(c if c.isalnum() else "_" for c in name)
     code = fn.__code__.replace(co_name=name, co_qualname=name) \
         if hasattr(fn.__code__, "co_qualname") else fn.__code__.replace(co_name=name)
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)

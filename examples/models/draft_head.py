@@ -135,10 +135,9 @@ class DraftHead(nn.Module):
         vocabulary goes through `target.logits`, since a tensor-parallel target gathers its
         vocabulary shards there."""
         logits = self.target.logits(h) if self.hot_ids is None else h @ self.hot_weight.t()
-        scale = self.log_scale.float().exp()
         top, i = chunked_topk(logits, topk, self.topk_chunks)
-        lse = torch.logsumexp(logits.float() * scale, dim=-1, keepdim=True)
-        p = torch.exp(top.float() * scale - lse)
+        lse = torch.logsumexp(self._temperature(logits.float()), dim=-1, keepdim=True)
+        p = torch.exp(self._temperature(top.float()) - lse)
         return p, (i if self.hot_ids is None else self.hot_ids[i])
 
     # ---- forwards ----------------------------------------------------------------------
