@@ -7,15 +7,19 @@ a kernel that reads outside a real lane's own positions turns its output NaN.
 """
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from attention_cases import K_DRAFT, tree_masks
+from attention_cases import K_DRAFT, merge_case, merge_reference, n_used_of, tree_masks
 
 from padgraph.backends.triton.attention import (
     choose_num_splits, decode_attention, decode_attention_reference, extend_attention,
     extend_attention_reference, tree_verify_attention, tree_verify_attention_reference)
 from padgraph.backends.triton.attention_decode import split_kv_attention
 from padgraph.backends.triton.attention_extend import choose_extend_splits
-from padgraph.backends.triton.attention_split import _COUNTERS, FOLD_MAX_BYTES_TUNED, should_fold
+from padgraph.backends.triton.attention_split import (
+    _COUNTERS, FOLD_MAX_BYTES_TUNED, launch_merge, merge_partials, merge_unroll, partials,
+    should_fold)
 
 N_KV_HEADS = 2
 MAX_CONTEXT = 160
@@ -35,7 +39,8 @@ def make_paged(lens, head_dim, v_head_dim=None, dtype=torch.float32, seed=0, poi
     k_cache = torch.randn(n_slots, N_KV_HEADS, head_dim, generator=gen)
     v_cache = torch.randn(n_slots, N_KV_HEADS, v_head_dim, generator=gen)
     past_end = n_slots - 1
-    req_to_token = torch.full((len(lens) + 1, MAX_CONTEXT), past_end, dtype=torch.int32)
+    width = max([MAX_CONTEXT] + [n for n in lens if n is not PAD])
+    req_to_token = torch.full((len(lens) + 1, width), past_end, dtype=torch.int32)
     req_to_token[0] = 0  # the sink row maps everything to the sink slot
     free = (torch.randperm(n_real, generator=gen) + 1).tolist()
     rows, seq_lens = [], []
@@ -137,17 +142,17 @@ def test_decode_auto_on_cpu_is_the_reference():
 
 
 def test_choose_num_splits_uses_shapes_only():
-    # ~16 programs per SM (5-8 waves), splits >= 256 tokens of the cache width, <= 128 splits
+    # ~16 programs per SM (5-8 waves), splits >= 128 tokens of the cache width, <= 128 splits
     assert choose_num_splits(1, 8, 32768, 132) == 128
-    assert choose_num_splits(8, 8, 4096, 132) == 16
+    assert choose_num_splits(8, 8, 4096, 132) == 32
     assert choose_num_splits(8, 8, 32768, 132) == 33
     assert choose_num_splits(32, 8, 4096, 132) == 9
     assert choose_num_splits(128, 8, 32768, 132) == 3
     assert choose_num_splits(1024, 8, 32768, 132) == 1
-    assert choose_num_splits(1, 8, 512, 132) == 2
+    assert choose_num_splits(1, 8, 512, 132) == 4
     assert choose_num_splits(1, 8, 100, 132) == 1
     for bs in (1, 8, 32, 128):
-        assert 1 <= choose_num_splits(bs, 8, 4096, 132) <= 16
+        assert 1 <= choose_num_splits(bs, 8, 4096, 132) <= 32
 
 
 def test_merge_is_folded_when_the_partials_are_small():
@@ -169,6 +174,85 @@ def test_decode_checks_shapes():
                          impl="triton")
 
 
+# ----------------------------------------------------------------------------- merge
+
+@triton.jit
+def _merge_partials_kernel(MidO, MidLse, Out, n_used, n_rows, n_cols, stride_mo_r, stride_mo_s,
+                           stride_ml_r, R: tl.constexpr, C: tl.constexpr, UNROLL: tl.constexpr):
+    # one program: the folded merge of rows 0 .. n_rows-1 (padded to R), columns to C
+    offs_r = tl.arange(0, R)
+    offs_c = tl.arange(0, C)
+    row_ok = offs_r < n_rows
+    col_ok = offs_c < n_cols
+    o = merge_partials(MidO + offs_r[:, None] * stride_mo_r + offs_c[None, :],
+                       MidLse + offs_r * stride_ml_r, stride_mo_s, 1, n_used, row_ok, col_ok,
+                       UNROLL)
+    tl.store(Out + offs_r[:, None] * n_cols + offs_c[None, :], o,
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+# (n_used, UNROLL): one split; n_used below, at and off a multiple of UNROLL; the most splits
+@pytest.mark.parametrize("n_used,unroll", [(1, 4), (3, 4), (8, 8), (37, 8), (130, 1), (256, 8)])
+def test_folded_merge_partials(n_used, unroll):
+    # rows: 5 of a 16-row tile, one whose every split saw nothing (-> 0, not NaN), one with
+    # empty splits among full ones; 24 of 32 columns; partials past n_used are NaN (never read)
+    mid_o, mid_lse = merge_case(5, 1, n_used + 3, 24, n_used, seed=n_used)
+    mid_o, mid_lse = mid_o[:, 0], mid_lse[:, 0]  # [rows, S, DV], [rows, S]
+    out = torch.full((5, 24), float("nan"))
+    _merge_partials_kernel[(1,)](mid_o, mid_lse, out, n_used, 5, 24, mid_o.stride(0),
+                                 mid_o.stride(1), mid_lse.stride(0), R=16, C=32, UNROLL=unroll)
+    ref = merge_reference(mid_o[:, None], mid_lse[:, None], torch.full((5,), n_used))[:, 0]
+    assert torch.isfinite(out).all() and out[1].abs().sum() == 0
+    torch.testing.assert_close(out, ref.float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits,block_n", [(130, 16), (256, 16), (3, 64)])
+def test_merge_kernel(num_splits, block_n):
+    # the separate merge over rows of requests whose lengths use 1 .. num_splits splits
+    # (n_used > MERGE_S_TILE: several steps); rows of one-split requests are left untouched
+    num_q, n_heads, v_head_dim = 2, 3, 80  # 2 column chunks, the second one masked
+    lens = torch.tensor([4096, 1, 2100, 40, 150], dtype=torch.int32)
+    n_used = n_used_of(lens, num_splits, block_n).repeat_interleave(num_q)
+    mid_o, mid_lse = merge_case(len(lens) * num_q, n_heads, num_splits, v_head_dim, n_used)
+    o = torch.full((len(lens) * num_q, n_heads, v_head_dim), 7.0)
+    launch_merge(mid_o, mid_lse, lens, o, num_q, num_splits, block_n)
+    ref = merge_reference(mid_o, mid_lse, n_used)
+    merged = n_used > 1
+    assert torch.isfinite(o).all()
+    assert (o[~merged] == 7.0).all()  # the split kernel writes these itself
+    torch.testing.assert_close(o[merged], ref[merged].float(), rtol=1e-5, atol=1e-5)
+
+
+def test_merge_unroll_depends_on_tiles_only():
+    assert merge_unroll(16, 128, 4) == 4  # GQA decode d 128: 16 fp32 a thread a split
+    assert merge_unroll(32, 128, 4) == 2  # verify k 8
+    assert merge_unroll(16, 512, 4) == 1  # MLA rows
+    assert merge_unroll(64, 128, 8) == 2  # extend
+    assert merge_unroll(16, 64, 4) == merge_unroll(16, 16, 4) == 4  # capped
+    mid_o, _ = partials(2, 3, 5, 24, "cpu")
+    assert mid_o.shape == (2, 3, 5, 24) and mid_o.stride() == (3 * 5 * 32, 5 * 32, 32, 1)
+
+
+# long requests, a short one and a padded lane; BLOCK_N 16 so that most of the splits are used:
+# 37 splits -> (19, 1, 19, 3) non-empty, 130 -> (38, 1, 19, 3) (MERGE_UNROLL 4 here)
+MANY_SPLIT_LENS = [600, PAD, 300, 37]
+MANY_SPLIT_REQS = [(600, 5), (PAD, 0), (300, 2)]  # extend: (seq_len, new tokens)
+
+
+@pytest.mark.parametrize("num_splits,fold", [(37, True), (37, False), (130, True)])
+def test_decode_many_splits(num_splits, fold):
+    k_cache, v_cache, r2t, rows, lens = make_paged(MANY_SPLIT_LENS, 64, poison=True)
+    q = rand_q(len(MANY_SPLIT_LENS), 8, 64)
+    real = [i for i, n in enumerate(MANY_SPLIT_LENS) if n is not PAD]
+    ref = decode_attention_reference(q, unpoisoned(k_cache), unpoisoned(v_cache), r2t, rows,
+                                     lens)
+    out = split_kv_attention(q, k_cache, v_cache, r2t, rows, lens, None, 1, 64 ** -0.5,
+                             num_splits, block_n=16, fold=fold)
+    assert torch.isfinite(out[real]).all()
+    assert_close(out[real], ref[real], torch.float32)
+    assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
+
+
 # ----------------------------------------------------------------------------- extend
 
 # (seq_len, new tokens) per request; PAD requests have seq_len 1, row 0 and no new tokens
@@ -176,12 +260,12 @@ EXTEND_REQS = [(130, 70), (PAD, 0), (9, 9), (67, 0), (1, 1), (40, 3)]
 N_PAD_TOKENS = 5
 
 
-def extend_case(head_dim, dtype=torch.float32, poison=False, group=1):
-    lens = [n for n, _ in EXTEND_REQS]
+def extend_case(head_dim, dtype=torch.float32, poison=False, group=1, reqs=EXTEND_REQS):
+    lens = [n for n, _ in reqs]
     k_cache, v_cache, r2t, rows, seq_lens = make_paged(lens, head_dim, dtype=dtype,
                                                        poison=poison)
-    n_new = torch.tensor([m for _, m in EXTEND_REQS])
-    qo_indptr = torch.zeros(len(EXTEND_REQS) + 1, dtype=torch.int32)
+    n_new = torch.tensor([m for _, m in reqs])
+    qo_indptr = torch.zeros(len(reqs) + 1, dtype=torch.int32)
     qo_indptr[1:] = torch.cumsum(n_new, 0)
     q = rand_q(int(qo_indptr[-1]) + N_PAD_TOKENS, N_KV_HEADS * group, head_dim, dtype)
     return q, k_cache, v_cache, r2t, rows, seq_lens, qo_indptr
@@ -216,6 +300,20 @@ def test_extend_sinks_and_past_the_end_are_never_read(num_splits):
                                impl="triton", num_splits=num_splits)
         assert torch.isfinite(out).all()
         assert_close(out, ref, torch.float32)
+    assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
+
+
+def test_extend_many_splits():
+    # 9 splits of 128 positions: the folded merge of up to 5 splits over 64-row tiles
+    # (MERGE_UNROLL 4); the new tokens' rows see different numbers of splits
+    q, k_cache, v_cache, r2t, rows, seq_lens, qo_indptr = extend_case(
+        64, poison=True, group=4, reqs=MANY_SPLIT_REQS)
+    ref = extend_attention_reference(q, unpoisoned(k_cache), unpoisoned(v_cache), r2t, rows,
+                                     seq_lens, qo_indptr)
+    out = extend_attention(q, k_cache, v_cache, r2t, rows, seq_lens, qo_indptr, impl="triton",
+                           num_splits=9)
+    assert torch.isfinite(out).all()
+    assert_close(out, ref, torch.float32)
     assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
 
 

@@ -33,7 +33,8 @@ class MLACase:
         n_slots = n_real + 2  # + sink slot 0 + the past-the-end slot
         latent = torch.randn(n_slots, 1, kv_lora_rank + rope_dim, generator=gen)
         past_end = n_slots - 1
-        self.req_to_token = torch.full((len(lens) + 1, MAX_CONTEXT), past_end, dtype=torch.int32)
+        width = max([MAX_CONTEXT] + [n for n in lens if n is not PAD])
+        self.req_to_token = torch.full((len(lens) + 1, width), past_end, dtype=torch.int32)
         self.req_to_token[0] = 0
         free = (torch.randperm(n_real, generator=gen) + 1).tolist()
         rows, seq_lens = [], []
@@ -95,13 +96,14 @@ def test_absorbed_torch_equals_non_absorbed_fp64():
 
 
 def test_mla_policy_uses_shapes_only():
-    # DeepSeek-V2-Lite decode on an H200: 16 heads in one 16-row block; splits ~2 programs / SM
+    # DeepSeek-V2-Lite decode on an H200: 16 heads in one 16-row block; splits ~2 programs / SM,
+    # >= 128 tokens, <= 64
     assert mla_blocks(512, 64, 16)["BLOCK_H"] == 16
     assert mla_blocks(512, 64, 8 * 16)["BLOCK_H"] == 16  # verify, k=8: 8 blocks of 1 draft
-    assert choose_mla_splits(1, 1, 8192, 132) == 32
-    assert choose_mla_splits(8, 1, 8192, 132) == 32
+    assert choose_mla_splits(1, 1, 8192, 132) == 64
+    assert choose_mla_splits(8, 1, 8192, 132) == 33
     assert choose_mla_splits(32, 1, 8192, 132) == 9
-    assert choose_mla_splits(32, 1, 1024, 132) == 4
+    assert choose_mla_splits(32, 1, 1024, 132) == 8
     assert choose_mla_splits(256, 1, 8192, 132) == 2
     assert choose_mla_splits(1, 1, 100, 132) == 1
     # draft-extend, 6 tokens x 16 heads: split while the folded merge stays small; prefill: 1
@@ -151,6 +153,24 @@ def test_decode_merge_folded_or_separate(fold):
                                        num_splits=3, fold=fold)
         assert torch.isfinite(o_latent[real]).all()
         assert_close(case.output(o_latent)[real], ref[real])
+    assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
+
+
+# long requests and a padded lane; BLOCK_N 16 so that most splits are used: 37 splits ->
+# (19, 1, 19) non-empty, merged 4 splits a step when folded
+MANY_SPLIT_LENS = [600, PAD, 300]
+
+
+@pytest.mark.parametrize("kv_lora_rank,rope_dim,fold", [(48, 16, True), (48, 16, False),
+                                                        (96, 32, True)])
+def test_decode_many_splits(kv_lora_rank, rope_dim, fold):
+    case = MLACase(MANY_SPLIT_LENS, kv_lora_rank, rope_dim, poison=True)
+    q_nope, q_rope, q_latent = case.queries(len(MANY_SPLIT_LENS))
+    real = [i for i, n in enumerate(MANY_SPLIT_LENS) if n is not PAD]
+    o_latent = mla_paged_attention(q_latent, *case.paged(), kv_lora_rank, case.sm_scale, DECODE,
+                                   num_splits=37, fold=fold, block_n=16)
+    assert torch.isfinite(o_latent[real]).all()
+    assert_close(case.output(o_latent)[real], case.reference(q_nope, q_rope)[real])
     assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
 
 
@@ -216,6 +236,22 @@ def test_extend_matches_non_absorbed(kv_lora_rank, rope_dim, num_splits):
     assert torch.isfinite(o_latent).all()
     assert o_latent[-N_PAD_TOKENS:].abs().sum() == 0  # padding tokens give 0
     assert_close(case.output(o_latent), case.reference(q_nope, q_rope, qo_indptr=qo_indptr))
+
+
+def test_extend_many_splits():
+    # 9 splits of 80 positions, always folded: a row block's rows see different split counts
+    reqs = [(600, 5), (PAD, 0), (300, 2)]
+    case = MLACase([n for n, _ in reqs], 48, 16, poison=True)
+    qo_indptr = torch.zeros(len(reqs) + 1, dtype=torch.int32)
+    qo_indptr[1:] = torch.cumsum(torch.tensor([m for _, m in reqs]), 0)
+    q_nope, q_rope, q_latent = case.queries(int(qo_indptr[-1]) + N_PAD_TOKENS)
+    latent, r2t, rows, seq_lens = case.paged()
+    o_latent = mla_paged_attention(q_latent, latent, r2t, rows, seq_lens, 48, case.sm_scale,
+                                   CAUSAL, qo_indptr=qo_indptr, num_splits=9, block_n=16)
+    assert torch.isfinite(o_latent).all()
+    assert o_latent[-N_PAD_TOKENS:].abs().sum() == 0
+    assert_close(case.output(o_latent), case.reference(q_nope, q_rope, qo_indptr=qo_indptr))
+    assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
 
 
 # ----------------------------------------------------------------------------- tree verify

@@ -24,16 +24,25 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_split import (finish_split, launch_merge, partials, should_fold, split_len,
-                              tickets)
+from .attention_split import (aligned, finish_split, launch_merge, merge_unroll, partials,
+                              should_fold, split_len, tickets)
 from .kv import resolve_impl
 
 # Split-count policy (see docs/notes/attention.md): aim for ~PROGRAMS_PER_SM programs per SM
 # (2-3 fit at once: 5-8 waves, so the last, partial wave costs <= ~15 %), but never make a
-# split shorter than MIN_SPLIT_TOKENS of the cache width, nor use more than MAX_SPLITS splits
-# (partials memory and the merge's serial read grow with the count).
+# split shorter than MIN_SPLIT_TOKENS of the cache width, nor use more than MAX_SPLITS splits.
+# - MIN_SPLIT_TOKENS 256 -> 128 (2 tiles of BLOCK_N 64): it bounded the merge, which read the
+#   splits one L2 round trip each; the merge now reads MERGE_UNROLL (4 at d 128) splits a round
+#   trip (`attention_split.merge_partials`), while each tile a split saves is an HBM round trip of
+#   the split's serial chain. Changes short contexts only: bs 1 ctx 512 -> 4 splits (was 2 of 4
+#   tiles each), bs 1 / 8 ctx 4096 -> 32 (was 16), all still folded (<= FOLD_MAX_BYTES). Not
+#   measured; the next candidate of a sweep is 64 (1 tile a split: bs 1 ctx 512 -> 8 splits).
+# - PROGRAMS_PER_SM: about wave quantization of the split pass, not the merge: unchanged.
+# - MAX_SPLITS (128: 256 tokens a split at 32K) bounds partials memory and `num_splits` (<=
+#   2 * MAX_SPLITS); at 128 splits the merge is the separate kernel, now spread over bs * H *
+#   DV/64 programs: unchanged (a sweep may try 256 for bs 1 at 32K: 2048 programs of 2 tiles).
 PROGRAMS_PER_SM = 16
-MIN_SPLIT_TOKENS = 256
+MIN_SPLIT_TOKENS = 128
 MAX_SPLITS = 128
 CPU_SM_COUNT = 4  # under the interpreter: few programs keep tests fast
 
@@ -111,10 +120,12 @@ def _split_kv_kernel(
     head_dim, v_head_dim, num_splits, fold,
     GROUP: tl.constexpr, NUM_Q: tl.constexpr, HAS_TREE: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr, MERGE_UNROLL: tl.constexpr,
 ):
     # program (r, kv_head, split): rows m = (query i, head g) of request r's NUM_Q * GROUP
     # query heads sharing kv_head, against one split of r's positions (attention_split.py).
+    stride_mo_t, stride_mo_h, stride_mo_s = (aligned(stride_mo_t), aligned(stride_mo_h),
+                                             aligned(stride_mo_s))  # padded partials
     r = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -177,7 +188,7 @@ def _split_kv_kernel(
                      MidO + q_row[:, None] * stride_mo_t + qh[:, None] * stride_mo_h
                      + offs_dv[None, :],
                      MidLse + q_row * stride_ml_t + qh * stride_ml_h,
-                     stride_mo_s, 1, m_ok, dv_ok)
+                     stride_mo_s, 1, m_ok, dv_ok, MERGE_UNROLL)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -303,7 +314,8 @@ def split_kv_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_
         mid_lse.stride(0), mid_lse.stride(1),
         head_dim, v_head_dim, num_splits, int(fold),
         GROUP=group, NUM_Q=num_q, HAS_TREE=tree_mask is not None,
-        UPCAST=upcast_dots(q.dtype), num_warps=num_warps, num_stages=num_stages, **blocks,
+        UPCAST=upcast_dots(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        MERGE_UNROLL=merge_unroll(blocks["BLOCK_M"], blocks["BLOCK_DV"], num_warps), **blocks,
     )
     if num_splits > 1 and not fold:
         launch_merge(mid_o, mid_lse, seq_lens, o, num_q, num_splits, blocks["BLOCK_N"])

@@ -22,7 +22,8 @@ from .attention_decode import (MAX_SPLITS, MIN_SPLIT_TOKENS, PROGRAMS_PER_SM, at
                                check_kernel_dtypes, check_paged_args, check_qo_indptr,
                                default_sm_scale,
                                gather_kv, mma, sm_count, upcast_dots)
-from .attention_split import finish_split, partials, should_fold, split_len, tickets
+from .attention_split import (aligned, finish_split, merge_unroll, partials, should_fold,
+                              split_len, tickets)
 from .kv import resolve_impl
 
 PARTIALS_MAX_BYTES = 64 << 20  # fp32 partials of a split extend
@@ -54,9 +55,12 @@ def _extend_kernel(
     head_dim, v_head_dim, num_splits,
     GROUP: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    MERGE_UNROLL: tl.constexpr,
 ):
     # program (r, tile, kv_head * S + split): rows m = (new token m // GROUP, head m % GROUP of
     # kv_head's group) of request r, against one split of the positions the tile's rows see
+    stride_mo_t, stride_mo_h, stride_mo_s = (aligned(stride_mo_t), aligned(stride_mo_h),
+                                             aligned(stride_mo_s))  # padded partials
     r = tl.program_id(0)
     tile = tl.program_id(1)
     kvh = tl.program_id(2) // num_splits
@@ -121,7 +125,7 @@ def _extend_kernel(
                      MidO + t[:, None] * stride_mo_t + qh[:, None] * stride_mo_h
                      + offs_dv[None, :],
                      MidLse + t * stride_ml_t + qh * stride_ml_h,
-                     stride_mo_s, 1, m_ok, dv_ok)
+                     stride_mo_s, 1, m_ok, dv_ok, MERGE_UNROLL)
 
 
 def extend_blocks(head_dim: int, v_head_dim: int) -> dict:
@@ -193,6 +197,8 @@ def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
         v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0), o.stride(0), o.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         head_dim, v_head_dim, num_splits,
-        GROUP=group, UPCAST=upcast_dots(q.dtype), num_stages=2, **blocks,
+        GROUP=group, UPCAST=upcast_dots(q.dtype), num_stages=2,
+        MERGE_UNROLL=merge_unroll(blocks["BLOCK_M"], blocks["BLOCK_DV"], blocks["num_warps"]),
+        **blocks,
     )
     return o

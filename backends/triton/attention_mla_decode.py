@@ -28,13 +28,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_decode import MIN_SPLIT_TOKENS, check_kernel_dtypes, mma, sm_count, upcast_dots
-from .attention_split import (finish_split, launch_merge, partials, should_fold, split_len,
-                              tickets)
+from .attention_decode import check_kernel_dtypes, mma, sm_count, upcast_dots
+from .attention_split import (aligned, finish_split, launch_merge, merge_unroll, partials,
+                              should_fold, split_len, tickets)
 
 DECODE, TREE, CAUSAL = 0, 1, 2  # MODE: who sees what (all < seq_len; tree tail; causal)
 PROGRAMS_PER_SM = 2  # an MLA program keeps ~72 KB of tiles in flight: 2 per SM saturate HBM
 MAX_SPLITS = 64
+# Splits >= MIN_SPLIT_TOKENS of the cache width (256 -> 128, 4 tiles of 32, not measured). The cap
+# binds at small batch (bs 1 at 8192: 64 splits, was 32, i.e. 64 of 132 SMs busy instead of 32):
+# past 4 splits MLA merges in the merge kernel, which now spreads over bs * H * 8 programs of
+# 64 columns, one L2 round trip per 32 splits (was bs * 8 programs reading the splits one by one).
+MIN_SPLIT_TOKENS = 128
 PARTIALS_MAX_BYTES = 64 << 20  # fp32 partials of a split causal extend
 
 
@@ -50,7 +55,10 @@ def _mla_kernel(
     n_heads, kv_lora_rank, rope_dim, num_splits, fold,
     NUM_Q: tl.constexpr, MODE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    MERGE_UNROLL: tl.constexpr,
 ):
+    stride_mo_t, stride_mo_h, stride_mo_s = (aligned(stride_mo_t), aligned(stride_mo_h),
+                                             aligned(stride_mo_s))  # padded partials
     blk = tl.program_id(0)
     r = tl.program_id(1)
     split = tl.program_id(2)
@@ -132,7 +140,7 @@ def _mla_kernel(
                      MidO + q_row[:, None] * stride_mo_t + qh[:, None] * stride_mo_h
                      + offs_c[None, :],
                      MidLse + q_row * stride_ml_t + qh * stride_ml_h,
-                     stride_mo_s, 1, m_ok, c_ok)
+                     stride_mo_s, 1, m_ok, c_ok, MERGE_UNROLL)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -223,7 +231,8 @@ def mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, 
         mid_lse.stride(0), mid_lse.stride(1),
         n_heads, kv_lora_rank, width - kv_lora_rank, num_splits, int(fold),
         NUM_Q=num_q if mode != CAUSAL else 1, MODE=mode, UPCAST=upcast_dots(q_latent.dtype),
-        num_stages=num_stages, **blocks,
+        num_stages=num_stages,
+        MERGE_UNROLL=merge_unroll(block_h, blocks["BLOCK_C"], blocks["num_warps"]), **blocks,
     )
     if num_splits > 1 and not fold:
         launch_merge(mid_o, mid_lse, seq_lens, o, num_q, num_splits, blocks["BLOCK_N"])
