@@ -177,11 +177,12 @@ def main():
                     help="GPU: compile the whole draft / draft-extend bodies (fewer, fused launches "
                          "per draft step: the llama default) or only the head's layer in them (the "
                          "deepseek default: its whole draft body has not run on a GPU yet)")
+    ap.add_argument("--draft-lm-head", default="bf16", choices=["bf16", "fp8"],
+                    help="the dtype of the lm_head the draft reads: the target's own (bf16) or an "
+                         "e4m3 copy with row scales (half the bytes; verify keeps the target's, so "
+                         "outputs stay exact; GPU only)")
     ap.add_argument("--no-overlap", action="store_true",
                     help="read each round back before queuing the next (default: overlap)")
-    ap.add_argument("--draft-topk-chunks", type=int, default=None,
-                    help="the head's top-k over the vocabulary in two passes of this many slices "
-                         "(e.g. 128 for 128256 tokens; default: one torch.topk)")
     ap.add_argument("--profile", action="store_true",
                     help="GPU: after the timed runs, one more of each under torch.profiler; print "
                          "the kernels per round / step and the heaviest ones")
@@ -196,7 +197,7 @@ def main():
                       args.draft_tokens or (8 if gpu else 6))
     batch = BATCH["gpu" if gpu else "cpu"]
     target, head, _ = setup(size, device)
-    head.topk_chunks = args.draft_topk_chunks
+    head.set_draft_lm_head(args.draft_lm_head if gpu else "bf16")
     prompts, news = workload(target.cfg.vocab_size, args.n_requests or batch.n, 7,
                              batch.prompt_lens, batch.new_tokens)
     w = Worker(target, head, spec, backend=backend, max_bs=16, max_context=batch.max_context,
@@ -211,7 +212,8 @@ def main():
         spec_reqs, ss = w.generate_spec(prompts, news)
         greedy, gs = w.generate_greedy(prompts, news)
     match, ties, real = compare(greedy, spec_reqs, tie_tol=0.0 if not gpu else TIE_TOL)
-    print(f"EAGLE  steps={spec.steps} topk={spec.topk} k={spec.num_draft_tokens}: "
+    print(f"EAGLE  steps={spec.steps} topk={spec.topk} k={spec.num_draft_tokens} "
+          f"draft lm_head {args.draft_lm_head if gpu else 'bf16'}: "
           f"{ss.tokens} tokens in {ss.seconds:.2f}s, {ss.rounds} rounds launched")
     print(f"greedy: {gs.tokens} tokens in {gs.seconds:.2f}s, {gs.rounds} steps launched")
     print(oracle_line(match, ties, real) + f"; tie tolerance {0.0 if not gpu else TIE_TOL}")

@@ -6,7 +6,6 @@
 #                             [bench-runner-oblivious: bench-runner-compile with size-oblivious tracing]
 #                             [eagle-regions: the main job with only the head's layer compiled in the draft bodies]
 #                             [eagle-profile: the main job, then its kernels per round under torch.profiler]
-#                             [eagle-topk-chunks: eagle-profile with the head's top-k in two passes of 128 slices]
 # With no arguments, everything. Results and logs go under $OUT (default results/local).
 # PACK=name: write them under a scratch directory instead and leave one $OUT/name.tgz at the end
 # (for a caller that fetches only a few files from $OUT; $OUT itself is never written otherwise).
@@ -45,7 +44,6 @@ want eagle && run eagle python3 examples/eagle.py --model llama
 want eagle-deepseek && run eagle_deepseek python3 examples/eagle.py --model deepseek
 want eagle-regions && run eagle_regions python3 examples/eagle.py --model llama --draft-compile regions
 want eagle-profile && run eagle_profile python3 examples/eagle.py --model llama --profile
-want eagle-topk-chunks && run eagle_topk_chunks python3 examples/eagle.py --model llama --profile --draft-topk-chunks 128
 want bench-host && run bench_host python3 examples/bench_host.py --calls 1000
 want bench-runner && run bench_runner python3 examples/bench_runner.py
 want bench-attention && run bench_attention python3 examples/bench_attention.py

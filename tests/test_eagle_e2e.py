@@ -9,7 +9,6 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
-from models.draft_head import chunked_topk  # noqa: E402
 from models.eagle_head import EagleHead  # noqa: E402
 from models.llama import LlamaConfig, LlamaModel  # noqa: E402
 from spec_decode import SpecConfig, SpecState, Worker  # noqa: E402
@@ -196,12 +195,46 @@ def assert_distilled_head_accepts(target, head_cls):
     return stats
 
 
-@pytest.mark.parametrize("n,width,k,chunks", [(5, 128256, 4, 128), (3, 1000, 8, 10), (7, 97, 4, 3),
-                                              (2, 64, 4, 32), (4, 60, 4, 7), (1, 256, 4, None)])
-def test_chunked_topk_is_topk(n, width, k, chunks):
-    """Two-pass top-k (the draft head's `topk_chunks`): the same values and indices as one
-    torch.topk on distinct values, the indices of the values it returns; slices that do not
-    divide the row (60 / 7), slices shorter than k (64 / 32 = 2 < 4) and None fall back."""
-    x = torch.randperm(n * width, generator=torch.Generator().manual_seed(width)).float().view(n, width)
-    want, got = x.topk(k, dim=-1), chunked_topk(x, k, chunks)
-    assert torch.equal(got[0], want.values) and torch.equal(got[1], want.indices)
+def test_fp8_draft_lm_head_logits_and_quantization():
+    """The e4m3 lm_head copy: per-row scales, logits within the quantization error of the bf16
+    ones, the same top-1 for almost every hidden; a zero (padded) hidden gives zero logits; the
+    hot-vocabulary rows are re-quantized when the draft vocabulary changes; off again = None."""
+    from models.draft_head import fp8_logits
+    torch.manual_seed(0)
+    target = LlamaModel(_mid()).eval()
+    head = EagleHead(target)
+    head.set_draft_lm_head("fp8")
+    V, H = target.lm_head.weight.shape
+    assert head.fp8_weight.dtype == torch.float8_e4m3fn and head.fp8_weight.shape == (V, H)
+    assert head.fp8_scale.shape == (1, V) and "fp8_weight" not in head.state_dict()
+    h = torch.randn(64, H)
+    h[5] = 0
+    want, got = target.logits(h), fp8_logits(h, head.fp8_weight, head.fp8_scale).float()
+    assert got.dtype == torch.float32 and not got[5].any()
+    err = (got - want).abs().max() / want.abs().max()
+    assert err < 0.05, err                                  # e4m3: 3 mantissa bits, errors average
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+    head.set_draft_vocab(torch.arange(0, V, 4))
+    assert head.fp8_weight.shape == (V // 4, H)
+    _, ids = head.topk(h, 2)
+    assert (ids % 4 == 0).all()
+    head.set_draft_lm_head("bf16")
+    assert head.fp8_weight is None and head.fp8_scale is None
+    with pytest.raises(ValueError, match="bf16' or 'fp8"):
+        head.set_draft_lm_head("fp16")
+
+
+def test_fp8_draft_lm_head_keeps_outputs_and_acceptance():
+    """Only the draft reads the fp8 copy: speculative output equals greedy token for token, and
+    the accept length stays near the bf16 draft's (the passthrough head accepts a lot here)."""
+    torch.manual_seed(0)
+    target = LlamaModel(_mid()).eval()
+    head = EagleHead(target)
+    head.init_passthrough()
+    head.eval()
+    spec = SpecConfig(4, 2, 6)
+    _, greedy, ref_reqs, ref_stats = run_both(target, head, spec)
+    head.set_draft_lm_head("fp8")
+    _, greedy8, spec_reqs, stats = run_both(target, head, spec)
+    assert [r.output for r in spec_reqs] == [r.output for r in greedy] == [r.output for r in greedy8]
+    assert stats.accept_len >= 0.9 * ref_stats.accept_len, (stats, ref_stats)

@@ -18,26 +18,19 @@ from torch import Tensor, nn
 from .llama import PagedBatch
 
 
-def chunked_topk(x: Tensor, k: int, chunks: int | None):
-    """`x.topk(k, dim=-1)` of a [n, V] tensor in two passes when `chunks` divides V: the top-k of
-    each of `chunks` slices, then the top-k of those chunks * k candidates. Equal values, the same
-    set of indices where values are distinct. On a GPU a short row is one thread block's sort,
-    while a 128256-wide row takes torch's multi-block radix select (several kernels a call).
-    Falls back to one pass when `chunks` is None or does not divide V into slices of >= k."""
-    n, width = x.shape
-    if not chunks or width % chunks or width // chunks < k:
-        return x.topk(k, dim=-1)
-    part = width // chunks
-    v, i = x.reshape(n, chunks, part).topk(k, dim=-1)                    # [n, chunks, k]
-    i = i + torch.arange(0, width, part, device=x.device)[None, :, None]
-    v, j = v.reshape(n, chunks * k).topk(k, dim=-1)
-    return v, i.reshape(n, chunks * k).gather(1, j)
+FP8_MAX = 448.0   # largest finite float8_e4m3fn
+
+
+def fp8_logits(h: Tensor, w8: Tensor, w_scale: Tensor) -> Tensor:
+    """[n, H] hidden x the e4m3 lm_head [V, H] (row scales [1, V]) -> bf16 logits [n, V]. The
+    hidden is quantized per row (its absmax to FP8_MAX); a zero row (a padded lane) stays zero."""
+    x = h.float()
+    s = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX      # [n, 1]
+    x8 = (x / s).to(torch.float8_e4m3fn)
+    return torch._scaled_mm(x8, w8.t(), scale_a=s, scale_b=w_scale, out_dtype=torch.bfloat16)
 
 
 class DraftHead(nn.Module):
-    # Top-k over the vocabulary in two passes of this many slices (`chunked_topk`); None: one.
-    topk_chunks: int | None = None
-
     def __init__(self, target: nn.Module):
         super().__init__()
         self.cfg = target.cfg
@@ -52,6 +45,10 @@ class DraftHead(nn.Module):
         object.__setattr__(self, "target", target)
         self.register_buffer("hot_ids", None)      # [n_hot] draft vocabulary (None: all)
         self.register_buffer("hot_weight", None)   # [n_hot, H] the target lm_head's rows
+        # fp8 copy of the draft's lm_head rows (`set_draft_lm_head`): [V or n_hot, H] e4m3 and
+        # its per-row scale [1, V or n_hot] fp32. None: the draft reads the bf16 lm_head.
+        self.register_buffer("fp8_weight", None, persistent=False)
+        self.register_buffer("fp8_scale", None, persistent=False)
 
     # ---- what a subclass provides ------------------------------------------------------
     @property
@@ -113,13 +110,47 @@ class DraftHead(nn.Module):
         the target's rows for those ids, so a draft step reads n_hot rows instead of V."""
         if token_ids is None:
             self.hot_ids = self.hot_weight = None
+        else:
+            ids = token_ids.to(self.target.lm_head.weight.device).long()
+            self.hot_ids = ids
+            self.hot_weight = self.target.lm_head.weight.detach()[ids].contiguous()
+        if self.fp8_weight is not None:
+            self.set_draft_lm_head("fp8")          # re-quantize the rows now drafted over
+
+    def set_draft_lm_head(self, dtype: str) -> None:
+        """"bf16": the draft reads the target's lm_head (or its hot rows) as they are. "fp8": it
+        reads an e4m3 copy with one fp32 scale per vocabulary row, and quantizes its hidden per
+        row the same way (`torch._scaled_mm`, bf16 logits out), which halves the bytes of the
+        draft's largest read: on a 1B Llama the lm_head is a fifth of the weights and runs once
+        per draft step. Only the draft changes: verify scores every token with the target's own
+        lm_head, so outputs stay exact; a draft logit off by the quantization can only change
+        which tokens are proposed (accept length). The copy costs V * H bytes of memory.
+        Needs the whole vocabulary on this device: a tensor-parallel target gathers its shards
+        in `target.logits`, which the fp8 path would bypass."""
+        if dtype not in ("bf16", "fp8"):
+            raise ValueError(f"draft lm_head dtype must be 'bf16' or 'fp8'; got {dtype!r}")
+        if dtype == "bf16":
+            self.fp8_weight = self.fp8_scale = None
             return
-        ids = token_ids.to(self.target.lm_head.weight.device).long()
-        self.hot_ids = ids
-        self.hot_weight = self.target.lm_head.weight.detach()[ids].contiguous()
+        if hasattr(self.target, "local_logits"):
+            raise ValueError("an fp8 draft lm_head needs the full vocabulary on each rank; "
+                             "this target shards it (tensor parallel)")
+        w = self.target.lm_head.weight if self.hot_weight is None else self.hot_weight
+        with torch.no_grad():
+            w8, scale = [], []
+            for part in w.detach().split(16384):       # bounded fp32 temporaries
+                s = part.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+                w8.append((part.float() / s).to(torch.float8_e4m3fn))
+                scale.append(s)
+        self.fp8_weight = torch.cat(w8)                          # [V, H] e4m3
+        self.fp8_scale = torch.cat(scale).t().contiguous()       # [1, V] fp32
+
+    def _scale(self) -> Tensor:
+        """The draft temperature's multiplier t = exp(log_scale), a 0-d fp32 tensor."""
+        return self.log_scale.float().exp()
 
     def _temperature(self, logits: Tensor) -> Tensor:
-        return logits * self.log_scale.float().exp()
+        return logits * self._scale()
 
     def logits(self, h: Tensor) -> Tensor:
         """Full-vocabulary draft logits [n, V] fp32, temperature applied (training, checks)."""
@@ -130,14 +161,21 @@ class DraftHead(nn.Module):
 
         The top-k is taken on the target's logits as they come out (a positive temperature
         keeps their order), and only those k become probabilities:
-        p = exp(t * l - logsumexp(t * l)). No [n, V] probability tensor is written, which saves
-        the temperature and softmax passes over the full vocabulary per draft step. The full
-        vocabulary goes through `target.logits`, since a tensor-parallel target gathers its
-        vocabulary shards there."""
-        logits = self.target.logits(h) if self.hot_ids is None else h @ self.hot_weight.t()
-        top, i = chunked_topk(logits, topk, self.topk_chunks)
-        lse = torch.logsumexp(self._temperature(logits.float()), dim=-1, keepdim=True)
-        p = torch.exp(self._temperature(top.float()) - lse)
+        p = exp(t * l - logsumexp(t * l)). Top-k and log-sum-exp come from one read of the
+        logits (`topk_logsumexp`: one Triton pass on a GPU, where torch's radix top-k plus a
+        logsumexp read the [n, V] logits twice in five kernels); no [n, V] probability tensor
+        is written. The full vocabulary goes through `target.logits`, since a tensor-parallel
+        target gathers its vocabulary shards there."""
+        from padgraph.backends.triton.topk import topk_logsumexp
+        if self.fp8_weight is not None:
+            logits = fp8_logits(h, self.fp8_weight, self.fp8_scale)
+        elif self.hot_ids is None:
+            logits = self.target.logits(h)
+        else:
+            logits = h @ self.hot_weight.t()
+        t = self._scale()
+        top, i, lse = topk_logsumexp(logits, topk, t)
+        p = torch.exp(t * top - lse[:, None])
         return p, (i if self.hot_ids is None else self.hot_ids[i])
 
     # ---- forwards ----------------------------------------------------------------------

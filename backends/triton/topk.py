@@ -1,0 +1,169 @@
+"""Top-k and log-sum-exp of a row of logits in one read: the draft distribution of a speculative
+step.
+
+A draft step needs the k best tokens of each row of [n, V] logits and their probabilities
+under a temperature t > 0: p = exp(t * l - logsumexp(t * l)). torch does this in two passes
+over the row (`topk`, a multi-block radix select of four kernels for a 128k vocabulary, then
+`logsumexp`), each reading all n * V logits. Here it is one read:
+
+1. `_chunk_kernel`, grid (n, C): a program loads one BLOCK-wide chunk of a row, keeps its k
+   largest values with their indices (k rounds of max + lowest index at that max) and its
+   partial log-sum-exp (max and sum of exp, temperature applied), and writes them:
+   [n, C, k] candidates and [n, C] partials.
+2. `_merge_kernel`, grid (n,): a program merges a row's C * k candidates the same way and its C
+   partial sums into the row's log-sum-exp.
+
+Ties go to the lower vocabulary index, so the result is deterministic (torch's order among equal
+values is unspecified). The temperature is a device scalar (`scale`, a 0-d tensor, e.g. a learned
+parameter's exp), read by the kernel, so a captured graph follows it. Shapes fix the grid; there is
+no host work and no sync, so the op is graph-safe.
+
+`topk_logsumexp` is an opaque custom op under torch.compile (as the attention kernels are,
+compile_ops.py): inductor sees its output shapes and the kernels launch at replay.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .kv import resolve_impl
+
+# A chunk is this many logits (fp32 registers: 4096 over 4 warps is 32 a thread). 128256 / 4096
+# gives 32 chunks a row, so the merge reads 32 * k candidates.
+BLOCK = 4096
+NUM_WARPS = 4
+K_MAX = 64          # the k rounds are unrolled; past this, torch.topk does better
+
+
+@triton.jit
+def _chunk_kernel(x_ptr, scale_ptr, cand_v_ptr, cand_i_ptr, part_m_ptr, part_s_ptr,
+                  V, stride_x, C,
+                  K: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    offs = c * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < V
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=valid,
+                other=float("-inf")).to(tl.float32)
+    t = tl.load(scale_ptr).to(tl.float32)
+    # partial log-sum-exp of t * x over the chunk: (max, sum exp(t * x - max))
+    m = tl.max(x, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.sum(tl.where(valid, tl.exp(t * (x - m_safe)), 0.0), axis=0)
+    base = (row * C + c).to(tl.int64)
+    tl.store(part_m_ptr + base, t * m)
+    tl.store(part_s_ptr + base, s)
+    # top-k of the chunk: k rounds of (max, the lowest index holding it), that lane then masked
+    big = V + BLOCK
+    for j in tl.static_range(K):
+        v = tl.max(x, axis=0)
+        i = tl.min(tl.where((x == v) & valid, offs, big), axis=0)
+        tl.store(cand_v_ptr + base * K + j, v)
+        tl.store(cand_i_ptr + base * K + j, i)
+        valid = valid & (offs != i)
+        x = tl.where(offs == i, float("-inf"), x)
+
+
+@triton.jit
+def _merge_kernel(cand_v_ptr, cand_i_ptr, part_m_ptr, part_s_ptr,
+                  out_v_ptr, out_i_ptr, out_lse_ptr, C, V,
+                  K: tl.constexpr, CK: tl.constexpr, CP: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, CK)
+    n = C * K
+    ok = offs < n
+    base = row.to(tl.int64) * n
+    v = tl.load(cand_v_ptr + base + offs, mask=ok, other=float("-inf"))
+    idx = tl.load(cand_i_ptr + base + offs, mask=ok, other=0)
+    big = V + 2 * n + 1
+    # candidates that are not real logits (a chunk with fewer than K of them) carry index >= V
+    live = ok & (idx < V)
+    for j in tl.static_range(K):
+        best = tl.max(tl.where(live, v, float("-inf")), axis=0)
+        i = tl.min(tl.where(live & (v == best), idx, big), axis=0)
+        tl.store(out_v_ptr + row * K + j, best)
+        tl.store(out_i_ptr + row * K + j, i.to(tl.int64))
+        live = live & (idx != i)
+    cs = tl.arange(0, CP)
+    cok = cs < C
+    pm = tl.load(part_m_ptr + row.to(tl.int64) * C + cs, mask=cok, other=float("-inf"))
+    ps = tl.load(part_s_ptr + row.to(tl.int64) * C + cs, mask=cok, other=0.0)
+    M = tl.max(pm, axis=0)
+    M_safe = tl.where(M == float("-inf"), 0.0, M)
+    S = tl.sum(tl.where(pm == float("-inf"), 0.0, ps * tl.exp(pm - M_safe)), axis=0)
+    tl.store(out_lse_ptr + row, M_safe + tl.log(S))
+
+
+def _check(logits: torch.Tensor, k: int, scale: torch.Tensor) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [n, V]; got shape {tuple(logits.shape)}")
+    if not 1 <= k <= logits.shape[1]:
+        raise ValueError(f"k must be in [1, V={logits.shape[1]}]; got {k}")
+    if scale.numel() != 1:
+        raise ValueError(f"scale must be one value (a 0-d tensor); got shape {tuple(scale.shape)}")
+
+
+def topk_logsumexp_torch(logits: torch.Tensor, k: int, scale: torch.Tensor):
+    """The oracle: (values [n, k] fp32, indices [n, k] int64, logsumexp(scale * logits) [n] fp32)."""
+    _check(logits, k, scale)
+    x = logits.float()
+    v, i = x.topk(k, dim=-1)
+    return v, i, torch.logsumexp(x * scale.float(), dim=-1)
+
+
+def topk_logsumexp_triton(logits: torch.Tensor, k: int, scale: torch.Tensor):
+    _check(logits, k, scale)
+    if k > K_MAX:
+        return topk_logsumexp_torch(logits, k, scale)
+    x = logits if logits.stride(1) == 1 else logits.contiguous()
+    n, V = x.shape
+    C = triton.cdiv(V, BLOCK)
+    dev = x.device
+    cand_v = torch.empty(n, C, k, dtype=torch.float32, device=dev)
+    cand_i = torch.empty(n, C, k, dtype=torch.int32, device=dev)
+    part_m = torch.empty(n, C, dtype=torch.float32, device=dev)
+    part_s = torch.empty(n, C, dtype=torch.float32, device=dev)
+    out_v = torch.empty(n, k, dtype=torch.float32, device=dev)
+    out_i = torch.empty(n, k, dtype=torch.int64, device=dev)
+    out_lse = torch.empty(n, dtype=torch.float32, device=dev)
+    if n == 0:
+        return out_v, out_i, out_lse
+    t = scale.reshape(()).to(device=dev)
+    _chunk_kernel[(n, C)](x, t, cand_v, cand_i, part_m, part_s, V, x.stride(0), C,
+                          K=k, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    _merge_kernel[(n,)](cand_v, cand_i, part_m, part_s, out_v, out_i, out_lse, C, V,
+                        K=k, CK=triton.next_power_of_2(C * k), CP=triton.next_power_of_2(C),
+                        num_warps=NUM_WARPS)
+    return out_v, out_i, out_lse
+
+
+def _topk_logsumexp(logits: torch.Tensor, k: int, scale: torch.Tensor, impl: str = "auto"):
+    if resolve_impl(impl, logits, scale) == "triton":
+        return topk_logsumexp_triton(logits, k, scale)
+    return topk_logsumexp_torch(logits, k, scale)
+
+
+_op = torch.library.custom_op("padgraph::topk_logsumexp", _topk_logsumexp, mutates_args=(),
+                              schema="(Tensor logits, int k, Tensor scale, str impl=\"auto\") "
+                                     "-> (Tensor, Tensor, Tensor)")
+
+
+@_op.register_fake
+def _fake(logits, k, scale, impl="auto"):
+    n = logits.shape[0]
+    return (logits.new_empty(n, k, dtype=torch.float32), logits.new_empty(n, k, dtype=torch.int64),
+            logits.new_empty(n, dtype=torch.float32))
+
+
+def topk_logsumexp(logits: torch.Tensor, k: int, scale: torch.Tensor, impl: str = "auto"):
+    """(values [n, k] fp32, indices [n, k] int64, logsumexp(scale * logits, -1) [n] fp32) of
+    [n, V] logits (bf16 or fp32) and a positive temperature `scale` (0-d tensor).
+
+    `values` are the logits themselves (no temperature), largest first; ties go to the lower
+    index on the Triton path. impl: "auto" (Triton on CUDA tensors, else torch), "triton",
+    "torch". Under torch.compile: an opaque op whose kernels run at replay. While dynamo traces,
+    `resolve_impl` would pick torch for a traced call, so the op keeps the choice to run time."""
+    if torch.compiler.is_compiling():
+        return _op(logits, k, scale, impl)
+    return _topk_logsumexp(logits, k, scale, impl)
