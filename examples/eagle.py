@@ -32,7 +32,9 @@ from spec_decode import SpecConfig, Worker
 
 
 # --model -> the draft bodies' compile (Worker's draft_compile): whole where it has run on a GPU
-DRAFT_COMPILE = {"llama": "whole", "deepseek": "regions"}
+DRAFT_COMPILE = {"llama": "whole", "deepseek": "whole"}
+# --model -> the dtype of the lm_head the draft reads on a GPU (the CPU run reads the target's)
+DRAFT_LM_HEAD = {"llama": "fp8", "deepseek": "fp8"}
 # --model -> (GPU preset, CPU preset, what the CPU run says it is)
 MODELS = {"llama": ("1b", "tiny", "tiny Llama-like target"),
           "deepseek": ("ds-lite", "ds-tiny", "tiny DeepSeek-like target (MLA + MoE, MTP head)")}
@@ -175,12 +177,11 @@ def main():
                          "torch.compile'd once for the whole ladder)")
     ap.add_argument("--draft-compile", default=None, choices=["regions", "whole"],
                     help="GPU: compile the whole draft / draft-extend bodies (fewer, fused launches "
-                         "per draft step: the llama default) or only the head's layer in them (the "
-                         "deepseek default: its whole draft body has not run on a GPU yet)")
-    ap.add_argument("--draft-lm-head", default="bf16", choices=["bf16", "fp8"],
-                    help="the dtype of the lm_head the draft reads: the target's own (bf16) or an "
-                         "e4m3 copy with row scales (half the bytes; verify keeps the target's, so "
-                         "outputs stay exact; GPU only)")
+                         "per draft step: the default) or only the head's layer in them")
+    ap.add_argument("--draft-lm-head", default=None, choices=["bf16", "fp8"],
+                    help="GPU: the lm_head the draft reads: the target's own (bf16) or an e4m3 "
+                         "copy with row scales (half the bytes; the default). Verify keeps the "
+                         "target's, so outputs stay exact")
     ap.add_argument("--no-overlap", action="store_true",
                     help="read each round back before queuing the next (default: overlap)")
     ap.add_argument("--profile", action="store_true",
@@ -197,7 +198,8 @@ def main():
                       args.draft_tokens or (8 if gpu else 6))
     batch = BATCH["gpu" if gpu else "cpu"]
     target, head, _ = setup(size, device)
-    head.set_draft_lm_head(args.draft_lm_head if gpu else "bf16")
+    draft_lm_head = (args.draft_lm_head or DRAFT_LM_HEAD[args.model]) if gpu else "bf16"
+    head.set_draft_lm_head(draft_lm_head)
     prompts, news = workload(target.cfg.vocab_size, args.n_requests or batch.n, 7,
                              batch.prompt_lens, batch.new_tokens)
     w = Worker(target, head, spec, backend=backend, max_bs=16, max_context=batch.max_context,
@@ -213,7 +215,7 @@ def main():
         greedy, gs = w.generate_greedy(prompts, news)
     match, ties, real = compare(greedy, spec_reqs, tie_tol=0.0 if not gpu else TIE_TOL)
     print(f"EAGLE  steps={spec.steps} topk={spec.topk} k={spec.num_draft_tokens} "
-          f"draft lm_head {args.draft_lm_head if gpu else 'bf16'}: "
+          f"draft lm_head {draft_lm_head}: "
           f"{ss.tokens} tokens in {ss.seconds:.2f}s, {ss.rounds} rounds launched")
     print(f"greedy: {gs.tokens} tokens in {gs.seconds:.2f}s, {gs.rounds} steps launched")
     print(oracle_line(match, ties, real) + f"; tie tolerance {0.0 if not gpu else TIE_TOL}")

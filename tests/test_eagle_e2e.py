@@ -218,6 +218,11 @@ def test_fp8_draft_lm_head_logits_and_quantization():
     assert head.fp8_weight.shape == (V // 4, H)
     _, ids = head.topk(h, 2)
     assert (ids % 4 == 0).all()
+    with pytest.raises(ValueError, match="divisible by 16"):
+        head.set_draft_vocab(torch.arange(10))              # 10 rows: no scaled GEMM
+    assert head.fp8_weight is None and head.hot_ids.numel() == 10   # bf16 hot rows, not stale
+    head.set_draft_vocab(None)
+    head.set_draft_lm_head("fp8")
     head.set_draft_lm_head("bf16")
     assert head.fp8_weight is None and head.fp8_scale is None
     with pytest.raises(ValueError, match="bf16' or 'fp8"):

@@ -114,8 +114,9 @@ class DraftHead(nn.Module):
             ids = token_ids.to(self.target.lm_head.weight.device).long()
             self.hot_ids = ids
             self.hot_weight = self.target.lm_head.weight.detach()[ids].contiguous()
-        if self.fp8_weight is not None:
-            self.set_draft_lm_head("fp8")          # re-quantize the rows now drafted over
+        if self.fp8_weight is not None:            # re-quantize the rows now drafted over
+            self.fp8_weight = self.fp8_scale = None    # (bf16 if that fails: never stale rows)
+            self.set_draft_lm_head("fp8")
 
     def set_draft_lm_head(self, dtype: str) -> None:
         """"bf16": the draft reads the target's lm_head (or its hot rows) as they are. "fp8": it
@@ -136,6 +137,9 @@ class DraftHead(nn.Module):
             raise ValueError("an fp8 draft lm_head needs the full vocabulary on each rank; "
                              "this target shards it (tensor parallel)")
         w = self.target.lm_head.weight if self.hot_weight is None else self.hot_weight
+        if w.shape[0] % 16 or w.shape[1] % 16:
+            raise ValueError(f"an fp8 draft lm_head needs rows and hidden size divisible by 16 "
+                             f"(torch._scaled_mm); got {tuple(w.shape)}")
         with torch.no_grad():
             w8, scale = [], []
             for part in w.detach().split(16384):       # bounded fp32 temporaries
