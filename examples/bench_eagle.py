@@ -20,7 +20,7 @@ import time
 import torch
 
 import padgraph as pg
-from eagle import MODELS, TIE_TOL, compare, setup
+from eagle import DRAFT_COMPILE, DRAFT_LM_HEAD, MODELS, TIE_TOL, compare, setup
 from spec_decode import SpecConfig, Worker
 
 BATCHES = (1, 4, 16)
@@ -57,6 +57,7 @@ def main():
                       topk=int(os.environ.get("EAGLE_TOPK", 4)),
                       num_draft_tokens=int(os.environ.get("EAGLE_K", 8)))
     target, head, dinfo = setup(MODELS[MODEL][0], "cuda")
+    head.set_draft_lm_head(DRAFT_LM_HEAD[MODEL])        # as the main job (eagle.py) runs it
     buckets = pg.Buckets.default(max(BATCHES))
     # prompts < 40, + output + tree margin + the overlap round's steps + 1 positions (200 as
     # before at the default spec, more for deeper trees)
@@ -65,7 +66,8 @@ def main():
     kw = dict(max_bs=max(BATCHES), max_context=max_context, buckets=buckets, overlap=OVERLAP)
     workers = {
         "greedy_graphs": Worker(target, head, spec, backend="cuda", **kw),
-        "eagle_graphs": Worker(target, head, spec, backend="cuda", **kw),
+        "eagle_graphs": Worker(target, head, spec, backend="cuda",
+                               draft_compile=DRAFT_COMPILE[MODEL], **kw),
         "eagle_eager": Worker(target, head, spec, backend="reference", **kw),
     }
     rows = []
@@ -91,7 +93,7 @@ def main():
                             f"{len(other)} other)",
             "first_divergences": {"near_tie": ties, "other": other}})
         print(rows[-1], flush=True)
-    write(out_dir, rows, spec, dinfo, time.perf_counter() - t_start)
+        write(out_dir, rows, spec, dinfo, time.perf_counter() - t_start)   # after every bs
 
 
 def write(out_dir, rows, spec, dinfo, seconds):
@@ -101,6 +103,7 @@ def write(out_dir, rows, spec, dinfo, seconds):
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "triton": triton.__version__, "command": " ".join([sys.executable] + sys.argv),
         "model": DESCRIPTION[MODEL],
+        "draft": {"compile": DRAFT_COMPILE[MODEL], "lm_head": DRAFT_LM_HEAD[MODEL]},
         "spec": vars(spec) if hasattr(spec, "__dict__") else str(spec),
         "new_tokens": NEW_TOKENS, "distill": dinfo, "wall_s": seconds,
         "targets": {"eagle_vs_greedy_bs1": ">= 2.0", "graphs_vs_eager_bs1": ">= 3.0"},
@@ -112,7 +115,8 @@ def write(out_dir, rows, spec, dinfo, seconds):
         json.dump({"meta": meta, "rows": rows}, f, indent=2)
     lines = [f"# EAGLE benchmark ({meta['date']})", "",
              f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}; {meta['model']}; "
-             f"steps={spec.steps} topk={spec.topk} k={spec.num_draft_tokens}; "
+             f"steps={spec.steps} topk={spec.topk} k={spec.num_draft_tokens}; draft compiled "
+             f"{DRAFT_COMPILE[MODEL]}, draft lm_head {DRAFT_LM_HEAD[MODEL]}; "
              f"{NEW_TOKENS} new tokens per request; distillation {dinfo['data_s'] + dinfo['train_s']:.0f}s",
              "", f"{meta['scheduling']} (rounds counted as launched)", "",
              f"command: `{meta['command']}`", "",
