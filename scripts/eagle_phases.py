@@ -24,7 +24,7 @@ for name, path in runs:
         "greedy_step_ms": float(g[3]), "tokens_per_s": float(f[1]), "accept_len": float(f[2]),
         "speedup_vs_greedy": float(f[3]), "greedy_match": f"{f[4]}/{f[5]}", "rounds": int(rounds[1])})
 json.dump(out, open(f"{out_dir}/eagle_phases.json", "w"), indent=1)
-md = ["# EAGLE main job, llama, per-round phases (H200)", "", out["env"], "", f"command: `{out['command']}`", "",
+md = ["# EAGLE main job, per-round phases (H200)", "", out["env"], "", f"command: `{out['command']}`", "",
       "| run | draft ms | verify ms | draft-extend ms | host ms | round ms | greedy step ms | round/step | rounds | accept_len | speedup_vs_greedy | greedy_match |",
       "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 for r in out["runs"]:

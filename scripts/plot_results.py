@@ -1,4 +1,4 @@
-"""PNG figures of a results folder's JSON files (attention, MLA, host time), for results/<date>/.
+"""PNG figures of a results folder's JSON files (attention, MLA, host time, EAGLE), for results/<date>/.
 
     python scripts/plot_results.py results/2026-12-01      (needs matplotlib; not a dependency)
 """
@@ -51,10 +51,32 @@ def host(d: Path, name: str) -> None:
     fig.savefig(d / f"{name}.png", dpi=110)
 
 
+def eagle(d: Path, name: str) -> None:
+    """bench_eagle: tokens/s of greedy and EAGLE (graphs) per batch size, speedups annotated."""
+    e = json.loads((d / f"{name}.json").read_text())
+    rows = e["rows"]
+    bs = [r["bs"] for r in rows]
+    x = range(len(bs))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar([i - 0.2 for i in x], [r["greedy_graphs_tok_s"] for r in rows], 0.4, label="greedy (graphs)")
+    ax.bar([i + 0.2 for i in x], [r["eagle_graphs_tok_s"] for r in rows], 0.4, label="EAGLE (graphs)")
+    for i, r in zip(x, rows):
+        ax.annotate(f"{r['speedup_vs_greedy']:.2f}x", (i + 0.2, r["eagle_graphs_tok_s"]), ha="center",
+                    va="bottom", fontsize=9)
+    ax.set_xticks(list(x), [str(b) for b in bs])
+    ax.set(title=f"bench_eagle ({e['meta']['gpu']})", xlabel="bs", ylabel="tokens/s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(d / f"{name}.png", dpi=110)
+
+
 if __name__ == "__main__":
     folder = Path(sys.argv[1])
     attention(folder)
     mla(folder)
+    for n in ("eagle", "eagle_deepseek"):
+        if (folder / f"{n}.json").exists():
+            eagle(folder, n)
     for n in ("bench_host", "bench_host_final"):
         if (folder / f"{n}.json").exists():
             host(folder, n)
