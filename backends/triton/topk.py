@@ -163,7 +163,12 @@ def topk_logsumexp(logits: torch.Tensor, k: int, scale: torch.Tensor, impl: str 
     `values` are the logits themselves (no temperature), largest first; ties go to the lower
     index on the Triton path. impl: "auto" (Triton on CUDA tensors, else torch), "triton",
     "torch". Under torch.compile: an opaque op whose kernels run at replay. While dynamo traces,
-    `resolve_impl` would pick torch for a traced call, so the op keeps the choice to run time."""
+    `resolve_impl` would pick torch for a traced call, so the op keeps the choice to run time.
+
+    The kernels have no backward: where autograd records (grad mode on and logits or scale
+    requiring grad), the differentiable torch reference runs instead, eager or traced."""
+    if torch.is_grad_enabled() and (logits.requires_grad or scale.requires_grad):
+        return topk_logsumexp_torch(logits, k, scale)
     if torch.compiler.is_compiling():
         return _op(logits, k, scale, impl)
     return _topk_logsumexp(logits, k, scale, impl)
