@@ -4,6 +4,7 @@
 #                             [bench-attention] [bench-mla] [bench-eagle] [bench-eagle-deepseek] [hf] [hf-compile]
 #                             [bench-hf] [bench-runner-compile: the two compiled variants only; same file names as bench-runner]
 #                             [bench-runner-oblivious: bench-runner-compile with size-oblivious tracing]
+#                             [bench-topk: the draft top-k kernel against torch, alone and behind the lm_head]
 #                             [eagle-regions: the main job with only the head's layer compiled in the draft bodies]
 #                             [eagle-profile: the main job, then its kernels per round under torch.profiler]
 # With no arguments, everything. Results and logs go under $OUT (default results/local).
@@ -55,5 +56,6 @@ want hf-compile && run hf_llama_compile python3 examples/hf_llama.py --torch-com
 want bench-runner-compile && run bench_runner_compile python3 examples/bench_runner.py --variants padgraph+compile,compile-ro --iters 30
 want bench-runner-oblivious && run bench_runner_oblivious python3 examples/bench_runner.py --variants padgraph+compile,compile-ro --iters 30 --size-oblivious
 want bench-hf && run bench_hf python3 examples/bench_hf.py
+want bench-topk && run bench_topk python3 examples/bench_topk.py
 echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/pytest_cuda.log "$OUT"/spec_cuda.log "$OUT"/spec_cuda_compile.log 2>/dev/null | tail -6
 exit $rc

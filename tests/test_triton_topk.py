@@ -1,6 +1,8 @@
 """The draft's top-k + log-sum-exp kernel (interpreted on CPU) against torch: awkward widths
 (one chunk, a last chunk shorter than k, several chunks), ties to the lowest index, -inf logits,
 bf16 and strided rows, a temperature read from the device, and under torch.compile."""
+import os
+
 import pytest
 import torch
 
@@ -144,3 +146,31 @@ def test_autograd_runs_the_differentiable_reference():
     lse3.sum().backward()
     torch.testing.assert_close(lse3, lse2.detach())
     assert t.grad is not None and t.grad != 0
+
+
+@pytest.mark.parametrize("block,num_warps", [(16, 1), (512, 2), (1024, 1)])
+def test_tuning_knobs_give_the_same_result(block, num_warps):
+    """Chunk widths and warps the benchmark sweeps give torch's result: 63 chunks of 16
+    columns, last chunks of 11 of 16 and 491 of 512 columns, one chunk of 1024."""
+    from padgraph.backends.triton.topk import topk_logsumexp_triton
+    x = _distinct(3, 1003, seed=block)
+    t = torch.tensor(1.3)
+    v, i, lse = topk_logsumexp_triton(x, 5, t, block=block, num_warps=num_warps)
+    want_v, want_i, want_lse = topk_logsumexp_torch(x, 5, t)
+    assert torch.equal(v, want_v) and torch.equal(i, want_i)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="power of two"):
+        topk_logsumexp_triton(x, 5, t, block=1000)
+
+
+def test_bench_topk_smoke(tmp_path):
+    """examples/bench_topk.py --smoke (interpreted, tiny sizes) runs its checks and writes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "examples" / "bench_topk.py"), "--smoke"],
+                       env={**os.environ, "OUT": str(tmp_path), "TRITON_INTERPRET": "1"},
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "topk.md").exists() and (tmp_path / "topk.json").exists()

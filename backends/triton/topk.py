@@ -112,13 +112,18 @@ def topk_logsumexp_torch(logits: torch.Tensor, k: int, scale: torch.Tensor):
     return v, i, torch.logsumexp(x * scale.float(), dim=-1)
 
 
-def topk_logsumexp_triton(logits: torch.Tensor, k: int, scale: torch.Tensor):
+def topk_logsumexp_triton(logits: torch.Tensor, k: int, scale: torch.Tensor,
+                          block: int = BLOCK, num_warps: int = NUM_WARPS):
+    """The kernels; `block` (a power of two) and `num_warps` are tuning knobs
+    (examples/bench_topk.py sweeps them)."""
     _check(logits, k, scale)
+    if block & (block - 1) or block < 16:
+        raise ValueError(f"block must be a power of two >= 16; got {block}")
     if k > K_MAX:
         return topk_logsumexp_torch(logits, k, scale)
     x = logits if logits.stride(1) == 1 else logits.contiguous()
     n, V = x.shape
-    C = triton.cdiv(V, BLOCK)
+    C = triton.cdiv(V, block)
     dev = x.device
     cand_v = torch.empty(n, C, k, dtype=torch.float32, device=dev)
     cand_i = torch.empty(n, C, k, dtype=torch.int32, device=dev)
@@ -131,7 +136,7 @@ def topk_logsumexp_triton(logits: torch.Tensor, k: int, scale: torch.Tensor):
         return out_v, out_i, out_lse
     t = scale.reshape(()).to(device=dev)
     _chunk_kernel[(n, C)](x, t, cand_v, cand_i, part_m, part_s, V, x.stride(0), C,
-                          K=k, BLOCK=BLOCK, num_warps=NUM_WARPS)
+                          K=k, BLOCK=block, num_warps=num_warps)
     _merge_kernel[(n,)](cand_v, cand_i, part_m, part_s, out_v, out_i, out_lse, C, V,
                         K=k, CK=triton.next_power_of_2(C * k), CP=triton.next_power_of_2(C),
                         num_warps=NUM_WARPS)

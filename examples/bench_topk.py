@@ -1,0 +1,144 @@
+"""Benchmark the draft distribution's top-k: padgraph's kernel vs torch, alone and behind the lm_head.
+
+    python examples/bench_topk.py            # H200: Llama-3 vocabulary, a few row counts
+    python examples/bench_topk.py --smoke    # CPU, tiny sizes, interpreter: checks the script
+
+A draft step turns the head's hidden [n, H] into the k best tokens and their probabilities under
+a temperature t: top-k of the logits and logsumexp(t * logits). n = draft rows (requests x topk),
+V = 128256, H = 2048, k = 4, bf16 weights.
+- "top-k stage" on given logits (bf16 as the fp8 path writes them, and fp32 as `target.logits`
+  returns them): torch (`topk` + `logsumexp`, what the head ran before) against
+  `topk_logsumexp`, with a sweep of its chunk width and warps;
+- "draft step": lm_head GEMM + top-k stage, for torch's bf16 GEMM + torch top-k, the bf16 GEMM +
+  the kernel, and the fp8 lm_head (`fp8_logits`) + the kernel.
+Timed as CUDA-graph replays, `triton.testing.do_bench` medians (L2 flushed before each call).
+The floor is the bytes each stage must read (logits for the top-k stage, lm_head weight for a
+step) over the device-to-device copy bandwidth of the same run. Every variant is checked
+against torch first (values equal; indices hold them). Writes topk.md / topk.json to $OUT.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+if "--smoke" in sys.argv:  # before triton is imported: kernels run interpreted on CPU tensors
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench.common import env_info, out_dir  # noqa: E402
+from bench_attention import bench_us, copy_bandwidth, graph_of  # noqa: E402
+from models.draft_head import FP8_MAX, fp8_logits  # noqa: E402
+from padgraph.backends.triton import topk as topk_mod  # noqa: E402
+from padgraph.backends.triton.topk import topk_logsumexp_torch, topk_logsumexp_triton  # noqa: E402
+
+FULL = dict(V=128256, H=2048, rows=(16, 64, 256), k=4,
+            sweep=((4096, 4), (4096, 8), (2048, 4), (2048, 2), (1024, 1), (1024, 2), (512, 1)))
+SMOKE = dict(V=5000, H=64, rows=(4,), k=4, sweep=((4096, 4), (1024, 1)))
+
+
+def quantize(w):
+    s = w.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    return (w.float() / s).to(torch.float8_e4m3fn), s.t().contiguous()
+
+
+def check(got, logits, k, t) -> None:
+    v, i, lse = got
+    want_v, _, want_lse = topk_logsumexp_torch(logits, k, t)
+    assert torch.equal(v, want_v), "top-k values differ from torch"
+    assert torch.equal(logits.float().gather(1, i), v), "indices do not hold the values"
+    torch.testing.assert_close(lse, want_lse, rtol=1e-4, atol=1e-3)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny sizes (script check)")
+    args = ap.parse_args()
+    cfg = SMOKE if args.smoke else FULL
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    V, H, k = cfg["V"], cfg["H"], cfg["k"]
+    gen = torch.Generator(device=device).manual_seed(0)
+    bw = copy_bandwidth(device)
+    w = (0.02 * torch.randn(V, H, generator=gen, device=device)).to(dtype)
+    w8, w_scale = quantize(w)
+    t = torch.tensor(6.0, device=device)
+    rows, sweep_rows, step_rows = [], [], []
+    for n in cfg["rows"]:
+        h = torch.randn(n, H, generator=gen, device=device).to(dtype)
+        for ldtype in (torch.bfloat16, torch.float32):
+            logits = (h @ w.t()).to(ldtype)
+            nbytes = logits.numel() * logits.element_size()
+            torch_us = bench_us(graph_of(lambda: topk_logsumexp_torch(logits, k, t)))
+            best = None
+            for block, warps in cfg["sweep"]:
+                fn = lambda: topk_logsumexp_triton(logits, k, t, block=block, num_warps=warps)  # noqa: E731
+                check(fn(), logits, k, t)
+                us = bench_us(graph_of(fn))
+                sweep_rows.append({"n": n, "logits": str(ldtype).split(".")[-1], "block": block,
+                                   "num_warps": warps, "us": us})
+                if best is None or us < best[0]:
+                    best = (us, block, warps)
+            default = next(r["us"] for r in sweep_rows[::-1] if r["n"] == n and
+                           r["block"] == topk_mod.BLOCK and r["num_warps"] == topk_mod.NUM_WARPS)
+            rows.append({"n": n, "logits": str(ldtype).split(".")[-1], "torch_us": torch_us,
+                         "kernel_us": default, "best_us": best[0], "best_block": best[1],
+                         "best_num_warps": best[2], "floor_us": nbytes / bw * 1e6,
+                         "speedup_default": torch_us / default, "speedup_best": torch_us / best[0]})
+            print(rows[-1], flush=True)
+        # one draft step: lm_head + top-k stage (checked, then timed)
+        variants = {
+            "bf16 GEMM + torch": lambda: topk_logsumexp_torch((h @ w.t()).float(), k, t),
+            "bf16 GEMM + kernel": lambda: topk_logsumexp_triton((h @ w.t()).float(), k, t),
+            "fp8 GEMM + kernel": lambda: topk_logsumexp_triton(fp8_logits(h, w8, w_scale), k, t),
+        }
+        step = {"n": n, "floor_bf16_us": w.numel() * w.element_size() / (bw / 2) * 1e6,
+                "floor_fp8_us": w8.numel() / (bw / 2) * 1e6}
+        for name, fn in variants.items():
+            fp8 = name.startswith("fp8")
+            check(fn(), fp8_logits(h, w8, w_scale) if fp8 else (h @ w.t()).float(), k, t)
+            step[name] = bench_us(graph_of(fn))
+        step_rows.append(step)
+        print(step, flush=True)
+    write(rows, sweep_rows, step_rows, bw, cfg, device)
+
+
+def write(rows, sweep_rows, step_rows, bw, cfg, device) -> None:
+    meta = {**env_info(), "copy_bandwidth_GBps": bw / 1e9, "V": cfg["V"], "H": cfg["H"],
+            "k": cfg["k"], "device": device.type}
+    out = out_dir()
+    (out / "topk.json").write_text(json.dumps(
+        {"meta": meta, "stage": rows, "sweep": sweep_rows, "step": step_rows}, indent=1))
+    md = [f"# Draft top-k ({meta['gpu']})", "",
+          f"- date {meta['date']}, torch {meta['torch']}, triton {meta['triton']}",
+          f"- command: `{meta['command']}`",
+          f"- V {cfg['V']}, H {cfg['H']}, k {cfg['k']}; copy bandwidth {bw / 1e9:.0f} GB/s "
+          "(read + write); floors count reads at half of it",
+          *(["- CPU smoke run: the kernels run in Triton's interpreter, so these times mean "
+             "nothing"] if device.type == "cpu" else []), "",
+          "## Top-k stage on given logits (torch topk + logsumexp vs topk_logsumexp)", "",
+          "| n | logits | torch µs | kernel µs (default) | best µs (block, warps) | floor µs | "
+          "speedup (default / best) |", "|---:|---|---:|---:|---|---:|---|"]
+    for r in rows:
+        md.append(f"| {r['n']} | {r['logits']} | {r['torch_us']:.1f} | {r['kernel_us']:.1f} | "
+                  f"{r['best_us']:.1f} ({r['best_block']}, {r['best_num_warps']}) | "
+                  f"{r['floor_us']:.1f} | {r['speedup_default']:.2f}x / {r['speedup_best']:.2f}x |")
+    md += ["", "## One draft step: lm_head GEMM + top-k stage", "",
+           "| n | bf16 GEMM + torch µs | bf16 GEMM + kernel µs | fp8 GEMM + kernel µs | "
+           "bf16 weight floor µs | fp8 weight floor µs |", "|---:|---:|---:|---:|---:|---:|"]
+    for s in step_rows:
+        md.append(f"| {s['n']} | {s['bf16 GEMM + torch']:.1f} | {s['bf16 GEMM + kernel']:.1f} | "
+                  f"{s['fp8 GEMM + kernel']:.1f} | {s['floor_bf16_us']:.1f} | "
+                  f"{s['floor_fp8_us']:.1f} |")
+    (out / "topk.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    print(f"wrote {out / 'topk.md'} and .json")
+
+
+if __name__ == "__main__":
+    main()
