@@ -174,3 +174,18 @@ def test_bench_topk_smoke(tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert (tmp_path / "topk.md").exists() and (tmp_path / "topk.json").exists()
+
+
+def test_infinite_and_nan_logits():
+    """+inf logits: picked first, lse +inf (torch's); NaN rows: indices stay in [0, V), so a
+    draft token never indexes past the embedding."""
+    x = _distinct(3, BLOCK + 40, seed=8)
+    x[0, [7, BLOCK + 3]] = float("inf")
+    x[1] = float("nan")
+    x[2, 100:200] = float("nan")
+    v, i, lse = topk_logsumexp(x, 4, torch.tensor(2.0), impl="triton")
+    want_v, want_i, want_lse = topk_logsumexp_torch(x, 4, torch.tensor(2.0))
+    assert i[0, :2].tolist() == [7, BLOCK + 3] and torch.equal(v[0], want_v[0])
+    assert lse[0] == float("inf") == want_lse[0]
+    assert ((i >= 0) & (i < x.shape[1])).all()
+    assert torch.isnan(lse[1:]).all() and torch.isnan(want_lse[1:]).all()

@@ -47,9 +47,10 @@ def _chunk_kernel(x_ptr, scale_ptr, cand_v_ptr, cand_i_ptr, part_m_ptr, part_s_p
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=valid,
                 other=float("-inf")).to(tl.float32)
     t = tl.load(scale_ptr).to(tl.float32)
-    # partial log-sum-exp of t * x over the chunk: (max, sum exp(t * x - max))
+    # partial log-sum-exp of t * x over the chunk: (max, sum exp(t * x - max)); an infinite max
+    # is not subtracted (a chunk of -inf sums to 0, one holding +inf to +inf, as torch's)
     m = tl.max(x, axis=0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    m_safe = tl.where(tl.abs(m) == float("inf"), 0.0, m)
     s = tl.sum(tl.where(valid, tl.exp(t * (x - m_safe)), 0.0), axis=0)
     base = (row * C + c).to(tl.int64)
     tl.store(part_m_ptr + base, t * m)
@@ -83,14 +84,16 @@ def _merge_kernel(cand_v_ptr, cand_i_ptr, part_m_ptr, part_s_ptr,
         best = tl.max(tl.where(live, v, float("-inf")), axis=0)
         i = tl.min(tl.where(live & (v == best), idx, big), axis=0)
         tl.store(out_v_ptr + row * K + j, best)
-        tl.store(out_i_ptr + row * K + j, i.to(tl.int64))
+        # in range whatever the logits hold: a row of NaN leaves no live candidate (the index
+        # feeds an embedding lookup, where an id >= V would read out of bounds)
+        tl.store(out_i_ptr + row * K + j, tl.minimum(i, V - 1).to(tl.int64))
         live = live & (idx != i)
     cs = tl.arange(0, CP)
     cok = cs < C
     pm = tl.load(part_m_ptr + row.to(tl.int64) * C + cs, mask=cok, other=float("-inf"))
     ps = tl.load(part_s_ptr + row.to(tl.int64) * C + cs, mask=cok, other=0.0)
     M = tl.max(pm, axis=0)
-    M_safe = tl.where(M == float("-inf"), 0.0, M)
+    M_safe = tl.where(tl.abs(M) == float("inf"), 0.0, M)
     S = tl.sum(tl.where(pm == float("-inf"), 0.0, ps * tl.exp(pm - M_safe)), axis=0)
     tl.store(out_lse_ptr + row, M_safe + tl.log(S))
 
@@ -166,8 +169,9 @@ def topk_logsumexp(logits: torch.Tensor, k: int, scale: torch.Tensor, impl: str 
     [n, V] logits (bf16 or fp32) and a positive temperature `scale` (0-d tensor).
 
     `values` are the logits themselves (no temperature), largest first; ties go to the lower
-    index on the Triton path. impl: "auto" (Triton on CUDA tensors, else torch), "triton",
-    "torch". Under torch.compile: an opaque op whose kernels run at replay. While dynamo traces,
+    index on the Triton path, and indices are in [0, V) even for NaN logits (which NaN entries
+    rank where is unspecified; torch ranks them first). impl: "auto" (Triton on CUDA tensors,
+    else torch), "triton", "torch". Under torch.compile: an opaque op whose kernels run at replay. While dynamo traces,
     `resolve_impl` would pick torch for a traced call, so the op keeps the choice to run time.
 
     The kernels have no backward: where autograd records (grad mode on and logits or scale
