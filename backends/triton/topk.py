@@ -171,8 +171,9 @@ def topk_logsumexp(logits: torch.Tensor, k: int, scale: torch.Tensor, impl: str 
     `values` are the logits themselves (no temperature), largest first; ties go to the lower
     index on the Triton path, and indices are in [0, V) even for NaN logits (which NaN entries
     rank where is unspecified; torch ranks them first). impl: "auto" (Triton on CUDA tensors,
-    else torch), "triton", "torch". Under torch.compile: an opaque op whose kernels run at replay. While dynamo traces,
-    `resolve_impl` would pick torch for a traced call, so the op keeps the choice to run time.
+    else torch), "triton", "torch". Under torch.compile: an opaque op whose kernels run at
+    replay. While dynamo traces, `resolve_impl` would pick torch for a traced call, so the op
+    keeps the choice to run time.
 
     The kernels have no backward: where autograd records (grad mode on and logits or scale
     requiring grad), the differentiable torch reference runs instead, eager or traced."""
