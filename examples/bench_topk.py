@@ -33,18 +33,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench.common import env_info, out_dir  # noqa: E402
 from bench_attention import bench_us, copy_bandwidth, graph_of  # noqa: E402
-from models.draft_head import FP8_MAX, fp8_logits  # noqa: E402
+from models.draft_head import fp8_logits, fp8_rows  # noqa: E402
 from padgraph.backends.triton import topk as topk_mod  # noqa: E402
 from padgraph.backends.triton.topk import topk_logsumexp_torch, topk_logsumexp_triton  # noqa: E402
 
 FULL = dict(V=128256, H=2048, rows=(16, 64, 256), k=4,
             sweep=((4096, 4), (4096, 8), (2048, 4), (2048, 2), (1024, 1), (1024, 2), (512, 1)))
 SMOKE = dict(V=5000, H=64, rows=(4,), k=4, sweep=((4096, 4), (1024, 1)))
-
-
-def quantize(w):
-    s = w.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
-    return (w.float() / s).to(torch.float8_e4m3fn), s.t().contiguous()
 
 
 def check(got, logits, k, t) -> None:
@@ -66,7 +61,8 @@ def main():
     gen = torch.Generator(device=device).manual_seed(0)
     bw = copy_bandwidth(device)
     w = (0.02 * torch.randn(V, H, generator=gen, device=device)).to(dtype)
-    w8, w_scale = quantize(w)
+    w8, w_scale = fp8_rows(w)
+    w_scale = w_scale.t().contiguous()                      # [1, V], as the head keeps it
     t = torch.tensor(6.0, device=device)
     rows, sweep_rows, step_rows = [], [], []
     for n in cfg["rows"]:

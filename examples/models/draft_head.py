@@ -21,12 +21,18 @@ from .llama import PagedBatch
 FP8_MAX = 448.0   # largest finite float8_e4m3fn
 
 
+def fp8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """[m, K] -> (e4m3 [m, K], fp32 scales [m, 1]): each row scaled so its absmax is FP8_MAX
+    (a zero row stays zero)."""
+    x = x.float()
+    s = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    return (x / s).to(torch.float8_e4m3fn), s
+
+
 def fp8_logits(h: Tensor, w8: Tensor, w_scale: Tensor) -> Tensor:
-    """[n, H] hidden x the e4m3 lm_head [V, H] (row scales [1, V]) -> bf16 logits [n, V]. The
-    hidden is quantized per row (its absmax to FP8_MAX); a zero row (a padded lane) stays zero."""
-    x = h.float()
-    s = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX      # [n, 1]
-    x8 = (x / s).to(torch.float8_e4m3fn)
+    """[n, H] hidden x the e4m3 lm_head [V, H] (row scales [1, V]) -> bf16 logits [n, V]; the
+    hidden is quantized per row (`fp8_rows`)."""
+    x8, s = fp8_rows(h)                                                    # [n, H], [n, 1]
     return torch._scaled_mm(x8, w8.t(), scale_a=s, scale_b=w_scale, out_dtype=torch.bfloat16)
 
 
@@ -140,12 +146,8 @@ class DraftHead(nn.Module):
         if w.shape[0] % 16 or w.shape[1] % 16:
             raise ValueError(f"an fp8 draft lm_head needs rows and hidden size divisible by 16 "
                              f"(torch._scaled_mm); got {tuple(w.shape)}")
-        with torch.no_grad():
-            w8, scale = [], []
-            for part in w.detach().split(16384):       # bounded fp32 temporaries
-                s = part.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
-                w8.append((part.float() / s).to(torch.float8_e4m3fn))
-                scale.append(s)
+        with torch.no_grad():                      # in slices: bounded fp32 temporaries
+            w8, scale = zip(*(fp8_rows(part) for part in w.detach().split(16384)))
         self.fp8_weight = torch.cat(w8)                          # [V, H] e4m3
         self.fp8_scale = torch.cat(scale).t().contiguous()       # [1, V] fp32
 
