@@ -285,3 +285,23 @@ def test_whole_draft_bodies_compile_fullgraph_and_give_the_eager_tokens(models):
         assert whole._runners[name].stats.compiles >= 1, name
     with pytest.raises(ValueError, match="draft_compile"):
         _worker(target, head, True, draft_compile="all")
+
+
+def test_fp8_draft_lm_head_in_whole_compiled_draft_bodies(no_compile_caches):
+    """The fp8 draft lm_head (`_scaled_mm` of the row-quantized hidden) inside the whole-compiled
+    draft and draft-extend bodies: the tokens of the eager oracle with the same head, and
+    greedy's. A head of its own: the fp8 copy is the head's state."""
+    torch.manual_seed(0)
+    target = LlamaModel(LlamaConfig.tiny(n_layers=1)).eval()
+    head = EagleHead.copy_of_target(target).eval()
+    head.set_draft_lm_head("fp8")
+    spec = SpecConfig(steps=2, topk=2, num_draft_tokens=3)
+    lens = LENS[:3]
+    prompts, news = _prompts(target.cfg.vocab_size, lens), [n for _, n in lens]
+    eager = _worker(target, head, True, spec=spec)
+    whole = _worker(target, head, True, spec=spec, torch_compile=True, draft_compile="whole")
+    (ra, sa), (rb, _) = _run(whole, "spec", prompts, news), _run(eager, "spec", prompts, news)
+    greedy, _ = _run(eager, "greedy", prompts, news)
+    assert [r.output for r in ra] == [r.output for r in rb] == [r.output for r in greedy]
+    assert sa.accept_len > 1.5                 # an oracle head still accepts through fp8 logits
+    assert whole._runners["draft"].stats.compiles >= 1
