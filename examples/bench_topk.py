@@ -13,7 +13,8 @@ V = 128256, H = 2048, k = 4, bf16 weights.
   the kernel, and the fp8 lm_head (`fp8_logits`) + the kernel.
 Timed as CUDA-graph replays, `triton.testing.do_bench` medians (L2 flushed before each call).
 The floor is the bytes each stage must read (logits for the top-k stage, lm_head weight for a
-step) over the device-to-device copy bandwidth of the same run. Every variant is checked
+step) over the device-to-device copy bandwidth of the same run (read + write, as
+bench_attention counts it). Every variant is checked
 against torch first (values equal; indices hold them). Writes topk.md / topk.json to $OUT.
 """
 from __future__ import annotations
@@ -69,6 +70,7 @@ def main():
         h = torch.randn(n, H, generator=gen, device=device).to(dtype)
         for ldtype in (torch.bfloat16, torch.float32):
             logits = (h @ w.t()).to(ldtype)
+            name = str(ldtype).split(".")[-1]
             nbytes = logits.numel() * logits.element_size()
             torch_us = bench_us(graph_of(lambda: topk_logsumexp_torch(logits, k, t)))
             best = None
@@ -76,13 +78,13 @@ def main():
                 fn = lambda: topk_logsumexp_triton(logits, k, t, block=block, num_warps=warps)  # noqa: E731
                 check(fn(), logits, k, t)
                 us = bench_us(graph_of(fn))
-                sweep_rows.append({"n": n, "logits": str(ldtype).split(".")[-1], "block": block,
+                sweep_rows.append({"n": n, "logits": name, "block": block,
                                    "num_warps": warps, "us": us})
                 if best is None or us < best[0]:
                     best = (us, block, warps)
-            default = next(r["us"] for r in sweep_rows[::-1] if r["n"] == n and
-                           r["block"] == topk_mod.BLOCK and r["num_warps"] == topk_mod.NUM_WARPS)
-            rows.append({"n": n, "logits": str(ldtype).split(".")[-1], "torch_us": torch_us,
+            default = next(r["us"] for r in sweep_rows if r["n"] == n and r["logits"] == name
+                           and (r["block"], r["num_warps"]) == (topk_mod.BLOCK, topk_mod.NUM_WARPS))
+            rows.append({"n": n, "logits": name, "torch_us": torch_us,
                          "kernel_us": default, "best_us": best[0], "best_block": best[1],
                          "best_num_warps": best[2], "floor_us": nbytes / bw * 1e6,
                          "speedup_default": torch_us / default, "speedup_best": torch_us / best[0]})
@@ -93,8 +95,8 @@ def main():
             "bf16 GEMM + kernel": lambda: topk_logsumexp_triton((h @ w.t()).float(), k, t),
             "fp8 GEMM + kernel": lambda: topk_logsumexp_triton(fp8_logits(h, w8, w_scale), k, t),
         }
-        step = {"n": n, "floor_bf16_us": w.numel() * w.element_size() / (bw / 2) * 1e6,
-                "floor_fp8_us": w8.numel() / (bw / 2) * 1e6}
+        step = {"n": n, "floor_bf16_us": w.numel() * w.element_size() / bw * 1e6,
+                "floor_fp8_us": w8.numel() / bw * 1e6}
         for name, fn in variants.items():
             fp8 = name.startswith("fp8")
             check(fn(), fp8_logits(h, w8, w_scale) if fp8 else (h @ w.t()).float(), k, t)
@@ -114,7 +116,7 @@ def write(rows, sweep_rows, step_rows, bw, cfg, device) -> None:
           f"- date {meta['date']}, torch {meta['torch']}, triton {meta['triton']}",
           f"- command: `{meta['command']}`",
           f"- V {cfg['V']}, H {cfg['H']}, k {cfg['k']}; copy bandwidth {bw / 1e9:.0f} GB/s "
-          "(read + write); floors count reads at half of it",
+          "(read + write); a floor is the bytes a stage must read over it",
           *(["- CPU smoke run: the kernels run in Triton's interpreter, so these times mean "
              "nothing"] if device.type == "cpu" else []), "",
           "## Top-k stage on given logits (torch topk + logsumexp vs topk_logsumexp)", "",
