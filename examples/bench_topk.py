@@ -10,7 +10,8 @@ V = 128256, H = 2048, k = 4, bf16 weights.
   returns them): torch (`topk` + `logsumexp`, what the head ran before) against
   `topk_logsumexp`, with a sweep of its chunk width and warps;
 - "draft step": lm_head GEMM + top-k stage, for torch's bf16 GEMM + torch top-k, the bf16 GEMM +
-  the kernel, and the fp8 lm_head (`fp8_logits`) + the kernel.
+  the kernel, the fp8 lm_head (`fp8_logits`) + the kernel, and the fused fp8 lm_head + top-k
+  kernel (`fp8_lm_head_topk`, a few tile shapes).
 Timed as CUDA-graph replays, `triton.testing.do_bench` medians (L2 flushed before each call).
 The floor is the bytes each stage must read (logits for the top-k stage, lm_head weight for a
 step) over the device-to-device copy bandwidth of the same run (read + write, as
@@ -36,11 +37,15 @@ from bench.common import env_info, out_dir  # noqa: E402
 from bench_attention import bench_us, copy_bandwidth, graph_of  # noqa: E402
 from models.draft_head import fp8_logits, fp8_rows  # noqa: E402
 from padgraph.backends.triton import topk as topk_mod  # noqa: E402
+from padgraph.backends.triton.lm_head_topk import (  # noqa: E402
+    fp8_lm_head_topk_torch, fp8_lm_head_topk_triton)
 from padgraph.backends.triton.topk import topk_logsumexp_torch, topk_logsumexp_triton  # noqa: E402
 
 FULL = dict(V=128256, H=2048, rows=(16, 64, 256), k=4,
-            sweep=((4096, 4), (4096, 8), (2048, 4), (2048, 2), (1024, 1), (1024, 2), (512, 1)))
-SMOKE = dict(V=5000, H=64, rows=(4,), k=4, sweep=((4096, 4), (1024, 1)))
+            sweep=((4096, 4), (4096, 8), (2048, 4), (2048, 2), (1024, 1), (1024, 2), (512, 1)),
+            fused=((128, 128, 4, 3), (64, 128, 4, 4), (128, 64, 4, 4), (256, 128, 8, 3)))
+SMOKE = dict(V=5000, H=64, rows=(4,), k=4, sweep=((4096, 4), (1024, 1)),
+             fused=((128, 64, 4, 3),))    # fused: (block_v, block_h, num_warps, num_stages)
 
 
 def check(got, logits, k, t) -> None:
@@ -95,11 +100,22 @@ def main():
             "bf16 GEMM + kernel": lambda: topk_logsumexp_triton((h @ w.t()).float(), k, t),
             "fp8 GEMM + kernel": lambda: topk_logsumexp_triton(fp8_logits(h, w8, w_scale), k, t),
         }
+        x8, sx = fp8_rows(h)
+        fused_ref = fp8_lm_head_topk_torch(x8, sx, w8, w_scale, k, t)
+        for bv, bh, warps, stages in cfg["fused"]:
+            def fused(bv=bv, bh=bh, warps=warps, stages=stages):
+                return fp8_lm_head_topk_triton(x8, sx, w8, w_scale, k, t, block_v=bv, block_h=bh,
+                                               num_warps=warps, num_stages=stages)
+            v, _, lse = fused()            # fp32 logits in another summation order: close
+            torch.testing.assert_close(v, fused_ref[0], rtol=1e-3, atol=1e-3)
+            torch.testing.assert_close(lse, fused_ref[2], rtol=1e-3, atol=1e-3)
+            variants[f"fp8 fused ({bv}, {bh}, {warps}, {stages})"] = fused
         step = {"n": n, "floor_bf16_us": w.numel() * w.element_size() / bw * 1e6,
                 "floor_fp8_us": w8.numel() / bw * 1e6}
         for name, fn in variants.items():
-            fp8 = name.startswith("fp8")
-            check(fn(), fp8_logits(h, w8, w_scale) if fp8 else (h @ w.t()).float(), k, t)
+            if not name.startswith("fp8 fused"):    # fused: checked against its reference above
+                fp8 = name.startswith("fp8")
+                check(fn(), fp8_logits(h, w8, w_scale) if fp8 else (h @ w.t()).float(), k, t)
             step[name] = bench_us(graph_of(fn))
         step_rows.append(step)
         print(step, flush=True)
@@ -126,13 +142,14 @@ def write(rows, sweep_rows, step_rows, bw, cfg, device) -> None:
         md.append(f"| {r['n']} | {r['logits']} | {r['torch_us']:.1f} | {r['kernel_us']:.1f} | "
                   f"{r['best_us']:.1f} ({r['best_block']}, {r['best_num_warps']}) | "
                   f"{r['floor_us']:.1f} | {r['speedup_default']:.2f}x / {r['speedup_best']:.2f}x |")
-    md += ["", "## One draft step: lm_head GEMM + top-k stage", "",
-           "| n | bf16 GEMM + torch µs | bf16 GEMM + kernel µs | fp8 GEMM + kernel µs | "
-           "bf16 weight floor µs | fp8 weight floor µs |", "|---:|---:|---:|---:|---:|---:|"]
+    names = [k for k in step_rows[0] if k not in ("n", "floor_bf16_us", "floor_fp8_us")]
+    md += ["", "## One draft step: lm_head GEMM + top-k stage (µs; fp8 fused: block_v, block_h, "
+           "warps, stages)", "",
+           "| n | " + " | ".join(names) + " | bf16 weight floor | fp8 weight floor |",
+           "|---:|" + "---:|" * (len(names) + 2)]
     for s in step_rows:
-        md.append(f"| {s['n']} | {s['bf16 GEMM + torch']:.1f} | {s['bf16 GEMM + kernel']:.1f} | "
-                  f"{s['fp8 GEMM + kernel']:.1f} | {s['floor_bf16_us']:.1f} | "
-                  f"{s['floor_fp8_us']:.1f} |")
+        md.append(f"| {s['n']} | " + " | ".join(f"{s[k]:.1f}" for k in names) +
+                  f" | {s['floor_bf16_us']:.1f} | {s['floor_fp8_us']:.1f} |")
     (out / "topk.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     print(f"wrote {out / 'topk.md'} and .json")

@@ -178,10 +178,11 @@ def main():
     ap.add_argument("--draft-compile", default=None, choices=["regions", "whole"],
                     help="GPU: compile the whole draft / draft-extend bodies (fewer, fused launches "
                          "per draft step: the default) or only the head's layer in them")
-    ap.add_argument("--draft-lm-head", default=None, choices=["bf16", "fp8"],
+    ap.add_argument("--draft-lm-head", default=None, choices=["bf16", "fp8", "fp8-fused"],
                     help="GPU: the lm_head the draft reads: the target's own (bf16) or an e4m3 "
-                         "copy with row scales (half the bytes; the default). Verify keeps the "
-                         "target's, so outputs stay exact")
+                         "copy with row scales (half the bytes; the default); fp8-fused: that "
+                         "copy read by one kernel with the top-k in its epilogue. Verify keeps "
+                         "the target's, so outputs stay exact")
     ap.add_argument("--no-overlap", action="store_true",
                     help="read each round back before queuing the next (default: overlap)")
     ap.add_argument("--profile", action="store_true",

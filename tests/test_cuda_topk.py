@@ -1,7 +1,7 @@
-"""GPU tests of the draft's top-k + log-sum-exp kernel at Llama-3's vocabulary (128256): equal
+"""GPU tests of the draft's top-k + log-sum-exp kernels at Llama-3's vocabulary (128256): equal
 to torch.topk / torch.logsumexp on fp32 and bf16 logits, inside a captured CUDA graph (new
-logits and a new temperature at replay), and as an opaque op in an inductor graph; plus the fp8
-draft lm_head's scaled GEMM on the GPU.
+logits and a new temperature at replay), and as an opaque op in an inductor graph; the fp8 draft
+lm_head's scaled GEMM, and the fused fp8 lm_head + top-k kernel against its fp32 reference.
 
 Run on a GPU: `pytest -m cuda tests/test_cuda_topk.py` (skipped without one).
 """
@@ -95,3 +95,23 @@ def test_fp8_draft_lm_head_on_the_gpu():
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75
     p, ids = head.topk(h, 4)
     assert p.shape == ids.shape == (64, 4) and (p > 0).all() and (p.sum(-1) <= 1 + 1e-4).all()
+
+
+@pytest.mark.parametrize("n", [16, 64, 100])
+def test_fused_fp8_lm_head_topk_at_the_1b_shape(n):
+    """The fused fp8 lm_head + top-k kernel at [n, 2048] x [128256, 2048] against its fp32
+    reference: the same values and lse up to summation order, indices that hold them."""
+    from models.draft_head import fp8_rows
+    from padgraph.backends.triton.lm_head_topk import fp8_lm_head_topk, fp8_lm_head_topk_torch
+    g = torch.Generator(device="cuda").manual_seed(n)
+    x8, sx = fp8_rows(torch.randn(n, 2048, device="cuda", generator=g))
+    w8, sw = fp8_rows(0.02 * torch.randn(V, 2048, device="cuda", generator=g))
+    sw = sw.t().contiguous()
+    t = torch.tensor(6.0, device="cuda")
+    v, i, lse = fp8_lm_head_topk(x8, sx, w8, sw, 4, t)
+    want_v, _, want_lse = fp8_lm_head_topk_torch(x8, sx, w8, sw, 4, t)
+    torch.testing.assert_close(v, want_v, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-4, atol=1e-4)
+    logits = (x8.float() @ w8.float().t()) * sx * sw
+    torch.testing.assert_close(logits.gather(1, i), v, rtol=1e-4, atol=1e-4)
+    assert ((i >= 0) & (i < V)).all()

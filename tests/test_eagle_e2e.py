@@ -225,7 +225,7 @@ def test_fp8_draft_lm_head_logits_and_quantization():
     head.set_draft_lm_head("fp8")
     head.set_draft_lm_head("bf16")
     assert head.fp8_weight is None and head.fp8_scale is None
-    with pytest.raises(ValueError, match="bf16' or 'fp8"):
+    with pytest.raises(ValueError, match="'bf16', 'fp8' or 'fp8-fused'"):
         head.set_draft_lm_head("fp16")
 
 
@@ -243,3 +243,25 @@ def test_fp8_draft_lm_head_keeps_outputs_and_acceptance():
     _, greedy8, spec_reqs, stats = run_both(target, head, spec)
     assert [r.output for r in spec_reqs] == [r.output for r in greedy] == [r.output for r in greedy8]
     assert stats.accept_len >= 0.9 * ref_stats.accept_len, (stats, ref_stats)
+
+
+def test_fused_fp8_draft_lm_head_matches_the_unfused_draft():
+    """"fp8-fused" proposes what the unfused fp8 draft proposes, up to near-ties between its
+    fp32 and the bf16 logits, and follows a draft-vocabulary change. On CPU tensors the op runs
+    its torch reference (the kernel: test_triton_lm_head_topk.py)."""
+    torch.manual_seed(0)
+    target = LlamaModel(_mid()).eval()
+    head = EagleHead(target)
+    head.init_passthrough()
+    head.eval()
+    h = torch.randn(6, target.cfg.hidden_size)
+    head.set_draft_lm_head("fp8")
+    p, ids = head.topk(h, 3)
+    head.set_draft_lm_head("fp8-fused")
+    assert head.fp8_fused and head.fp8_weight is not None
+    pf, idsf = head.topk(h, 3)
+    assert (ids[:, 0] == idsf[:, 0]).float().mean() >= 0.8
+    torch.testing.assert_close(pf.sum(-1), p.sum(-1), rtol=0.05, atol=0.02)
+    head.set_draft_vocab(torch.arange(0, target.cfg.vocab_size, 2))
+    assert head.fp8_fused and head.fp8_weight.shape[0] == target.cfg.vocab_size // 2
+    assert (head.topk(h, 3)[1] % 2 == 0).all()

@@ -55,6 +55,7 @@ class DraftHead(nn.Module):
         # its per-row scale [1, V or n_hot] fp32. None: the draft reads the bf16 lm_head.
         self.register_buffer("fp8_weight", None, persistent=False)
         self.register_buffer("fp8_scale", None, persistent=False)
+        self.fp8_fused = False                      # the fp8 copy read by the fused kernel
 
     # ---- what a subclass provides ------------------------------------------------------
     @property
@@ -121,8 +122,9 @@ class DraftHead(nn.Module):
             self.hot_ids = ids
             self.hot_weight = self.target.lm_head.weight.detach()[ids].contiguous()
         if self.fp8_weight is not None:            # re-quantize the rows now drafted over
+            mode = "fp8-fused" if self.fp8_fused else "fp8"
             self.fp8_weight = self.fp8_scale = None    # (bf16 if that fails: never stale rows)
-            self.set_draft_lm_head("fp8")
+            self.set_draft_lm_head(mode)
 
     def set_draft_lm_head(self, dtype: str) -> None:
         """"bf16": the draft reads the target's lm_head (or its hot rows) as they are. "fp8": it
@@ -133,9 +135,13 @@ class DraftHead(nn.Module):
         lm_head, so outputs stay exact; a draft logit off by the quantization can only change
         which tokens are proposed (accept length). The copy costs V * H bytes of memory.
         Needs the whole vocabulary on this device: a tensor-parallel target gathers its shards
-        in `target.logits`, which the fp8 path would bypass."""
-        if dtype not in ("bf16", "fp8"):
-            raise ValueError(f"draft lm_head dtype must be 'bf16' or 'fp8'; got {dtype!r}")
+        in `target.logits`, which the fp8 path would bypass. "fp8-fused": the same copy, read by
+        one kernel that takes the top-k in the GEMM's epilogue (`fp8_lm_head_topk`: the [n, V]
+        logits are never written; they stay fp32 there, bf16 unfused)."""
+        if dtype not in ("bf16", "fp8", "fp8-fused"):
+            raise ValueError(f"draft lm_head dtype must be 'bf16', 'fp8' or 'fp8-fused'; "
+                             f"got {dtype!r}")
+        self.fp8_fused = dtype == "fp8-fused"
         if dtype == "bf16":
             self.fp8_weight = self.fp8_scale = None
             return
@@ -169,20 +175,28 @@ class DraftHead(nn.Module):
         keeps their order), and only those k become probabilities:
         p = exp(t * l - logsumexp(t * l)). Top-k and log-sum-exp come from one read of the
         logits (`topk_logsumexp`: one Triton pass on a GPU, where torch's radix top-k plus a
-        logsumexp read the [n, V] logits twice in five kernels); no [n, V] probability tensor
-        is written. The full vocabulary goes through `target.logits`, since a tensor-parallel
+        logsumexp read the [n, V] logits twice in five kernels), or, with "fp8-fused", from the
+        GEMM's epilogue; no [n, V] probability tensor is written. The full vocabulary goes through `target.logits`, since a tensor-parallel
         target gathers its vocabulary shards there."""
+        from padgraph.backends.triton.lm_head_topk import fp8_lm_head_topk
         from padgraph.backends.triton.topk import topk_logsumexp
-        if self.fp8_weight is not None:
-            logits = fp8_logits(h, self.fp8_weight, self.fp8_scale)
-        elif self.hot_ids is None:
-            logits = self.target.logits(h)
-        else:
-            logits = h @ self.hot_weight.t()
         t = self._scale()
-        top, i, lse = topk_logsumexp(logits, topk, t)
+        if self.fp8_weight is not None and self.fp8_fused:
+            x8, sx = fp8_rows(h)                                         # [n, H], [n, 1]
+            top, i, lse = fp8_lm_head_topk(x8, sx, self.fp8_weight, self.fp8_scale, topk, t)
+        else:
+            top, i, lse = topk_logsumexp(self._draft_logits(h), topk, t)
         p = torch.exp(t * top - lse[:, None])
         return p, (i if self.hot_ids is None else self.hot_ids[i])
+
+    def _draft_logits(self, h: Tensor) -> Tensor:
+        """[n, H] -> the logits the draft ranks [n, V or n_hot]: the fp8 copy's (bf16), the
+        target's (through `target.logits`), or the hot rows'."""
+        if self.fp8_weight is not None:
+            return fp8_logits(h, self.fp8_weight, self.fp8_scale)
+        if self.hot_ids is None:
+            return self.target.logits(h)
+        return h @ self.hot_weight.t()
 
     # ---- forwards ----------------------------------------------------------------------
     def _run(self, input_ids, hidden, positions, batch: PagedBatch, kv) -> Tensor:

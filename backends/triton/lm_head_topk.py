@@ -1,0 +1,160 @@
+"""The draft's fp8 lm_head GEMM with top-k and log-sum-exp in its epilogue: the [n, V] logits
+are never written.
+
+Unfused, a draft step runs `torch._scaled_mm` (writes [n, V] bf16 logits) and then
+`topk_logsumexp` (reads them back). Here one kernel does both:
+
+`_fused_kernel`, grid (C = cdiv(V, BLOCK_V), row blocks): a program computes a [BLOCK_M,
+BLOCK_V] tile of logits, acc = x8 @ w8[cols].T over the hidden in BLOCK_H steps (e4m3 inputs,
+fp32 accumulator), scaled by the rows' and columns' fp32 scales; then, as `topk._chunk_kernel`
+does for one row, each row's partial log-sum-exp (temperature applied) and its k best columns
+(k rounds of max + lowest index). Candidates and partials have `topk`'s layout ([n, C, k],
+[n, C]), so `topk._merge_kernel` finishes the rows.
+
+The logits stay fp32 (the unfused path rounds them to bf16 first), so a near-tie can rank the
+other way; the draft's proposals are all that depends on it. The torch reference beside it is
+the oracle. An opaque custom op under torch.compile, like the other kernels.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .kv import resolve_impl
+from .topk import K_MAX, NUM_WARPS as MERGE_WARPS, _merge_kernel, topk_logsumexp_torch
+
+BLOCK_V = 128     # vocabulary columns a program (C = 1002 programs for 128256)
+BLOCK_H = 128     # hidden a dot step
+NUM_WARPS = 4
+NUM_STAGES = 3
+
+
+@triton.jit
+def _fused_kernel(X, SX, W, SW, Scale, CandV, CandI, PartM, PartS,
+                  n, V, H, stride_x, stride_w, C,
+                  K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
+                  BLOCK_H: tl.constexpr):
+    c = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)          # [BLOCK_M]
+    cols = c * BLOCK_V + tl.arange(0, BLOCK_V)                          # [BLOCK_V]
+    rok, cok = rows < n, cols < V
+    acc = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        hs = h0 + tl.arange(0, BLOCK_H)
+        hok = hs < H
+        x = tl.load(X + rows[:, None].to(tl.int64) * stride_x + hs[None, :],
+                    mask=rok[:, None] & hok[None, :], other=0.0)           # [BLOCK_M, BLOCK_H]
+        w = tl.load(W + cols[None, :].to(tl.int64) * stride_w + hs[:, None],
+                    mask=cok[None, :] & hok[:, None], other=0.0)           # [BLOCK_H, BLOCK_V]
+        acc = tl.dot(x, w, acc)
+    sx = tl.load(SX + rows, mask=rok, other=0.0)
+    sw = tl.load(SW + cols, mask=cok, other=0.0)
+    valid = cok[None, :] & rok[:, None]                                   # [BLOCK_M, BLOCK_V]
+    logit = tl.where(valid, acc * sx[:, None] * sw[None, :], float("-inf"))
+    t = tl.load(Scale).to(tl.float32)
+    # each row's partial log-sum-exp over the chunk (an infinite max is not subtracted)
+    m = tl.max(logit, axis=1)                                             # [BLOCK_M]
+    m_safe = tl.where(tl.abs(m) == float("inf"), 0.0, m)
+    s = tl.sum(tl.where(valid, tl.exp(t * (logit - m_safe[:, None])), 0.0), axis=1)
+    base = rows.to(tl.int64) * C + c
+    tl.store(PartM + base, t * m, mask=rok)
+    tl.store(PartS + base, s, mask=rok)
+    big = V + BLOCK_V
+    for j in tl.static_range(K):
+        v = tl.max(logit, axis=1)
+        i = tl.min(tl.where(valid & (logit == v[:, None]), cols[None, :], big), axis=1)
+        tl.store(CandV + base * K + j, v, mask=rok)
+        tl.store(CandI + base * K + j, i, mask=rok)
+        hit = cols[None, :] == i[:, None]
+        valid = valid & ~hit
+        logit = tl.where(hit, float("-inf"), logit)
+
+
+def _check(x8, sx, w8, sw, k, scale) -> None:
+    if x8.dtype != torch.float8_e4m3fn or w8.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"x8 and w8 must be float8_e4m3fn; got {x8.dtype} and {w8.dtype}")
+    if x8.dim() != 2 or w8.dim() != 2 or x8.shape[1] != w8.shape[1]:
+        raise ValueError(f"x8 must be [n, H] and w8 [V, H]; got {tuple(x8.shape)} and "
+                         f"{tuple(w8.shape)}")
+    n, V = x8.shape[0], w8.shape[0]
+    if sx.numel() != n or sw.numel() != V:
+        raise ValueError(f"scales must hold one value a row: sx {n}, sw {V}; got "
+                         f"{sx.numel()} and {sw.numel()}")
+    if not 1 <= k <= V:
+        raise ValueError(f"k must be in [1, V={V}]; got {k}")
+    if scale.numel() != 1:
+        raise ValueError(f"scale must be one value (a 0-d tensor); got shape {tuple(scale.shape)}")
+
+
+def fp8_lm_head_topk_torch(x8, sx, w8, sw, k: int, scale: torch.Tensor):
+    """The oracle: logits = (x8 @ w8.T) * sx * sw in fp32, then `topk_logsumexp_torch`."""
+    _check(x8, sx, w8, sw, k, scale)
+    logits = (x8.float() @ w8.float().t()) * sx.reshape(-1, 1).float() * sw.reshape(1, -1).float()
+    return topk_logsumexp_torch(logits, k, scale)
+
+
+def fp8_lm_head_topk_triton(x8, sx, w8, sw, k: int, scale: torch.Tensor, block_v: int = BLOCK_V,
+                            block_h: int = BLOCK_H, num_warps: int = NUM_WARPS,
+                            num_stages: int = NUM_STAGES):
+    """The kernels; block_v / block_h / num_warps / num_stages are tuning knobs."""
+    _check(x8, sx, w8, sw, k, scale)
+    if k > K_MAX:
+        return fp8_lm_head_topk_torch(x8, sx, w8, sw, k, scale)
+    x8 = x8 if x8.stride(1) == 1 else x8.contiguous()
+    w8 = w8 if w8.stride(1) == 1 else w8.contiguous()
+    (n, H), V, dev = x8.shape, w8.shape[0], x8.device
+    C = triton.cdiv(V, block_v)
+    block_m = min(64, max(16, triton.next_power_of_2(max(n, 1))))
+    cand_v = torch.empty(n, C, k, dtype=torch.float32, device=dev)
+    cand_i = torch.empty(n, C, k, dtype=torch.int32, device=dev)
+    part_m = torch.empty(n, C, dtype=torch.float32, device=dev)
+    part_s = torch.empty(n, C, dtype=torch.float32, device=dev)
+    out_v = torch.empty(n, k, dtype=torch.float32, device=dev)
+    out_i = torch.empty(n, k, dtype=torch.int64, device=dev)
+    out_lse = torch.empty(n, dtype=torch.float32, device=dev)
+    if n == 0:
+        return out_v, out_i, out_lse
+    sx = sx.reshape(-1).float().contiguous()
+    sw = sw.reshape(-1).float().contiguous()
+    t = scale.reshape(()).to(device=dev)
+    _fused_kernel[(C, triton.cdiv(n, block_m))](
+        x8, sx, w8, sw, t, cand_v, cand_i, part_m, part_s, n, V, H, x8.stride(0), w8.stride(0), C,
+        K=k, BLOCK_M=block_m, BLOCK_V=block_v, BLOCK_H=block_h, num_warps=num_warps,
+        num_stages=num_stages)
+    _merge_kernel[(n,)](cand_v, cand_i, part_m, part_s, out_v, out_i, out_lse, C, V,
+                        K=k, CK=triton.next_power_of_2(C * k), CP=triton.next_power_of_2(C),
+                        num_warps=MERGE_WARPS)
+    return out_v, out_i, out_lse
+
+
+def _fp8_lm_head_topk(x8, sx, w8, sw, k: int, scale: torch.Tensor, impl: str = "auto"):
+    if resolve_impl(impl, x8, w8) == "triton":
+        return fp8_lm_head_topk_triton(x8, sx, w8, sw, k, scale)
+    return fp8_lm_head_topk_torch(x8, sx, w8, sw, k, scale)
+
+
+_op = torch.library.custom_op(
+    "padgraph::fp8_lm_head_topk", _fp8_lm_head_topk, mutates_args=(),
+    schema="(Tensor x8, Tensor sx, Tensor w8, Tensor sw, int k, Tensor scale, "
+           "str impl=\"auto\") -> (Tensor, Tensor, Tensor)")
+
+
+@_op.register_fake
+def _fake(x8, sx, w8, sw, k, scale, impl="auto"):
+    n = x8.shape[0]
+    return (x8.new_empty(n, k, dtype=torch.float32), x8.new_empty(n, k, dtype=torch.int64),
+            x8.new_empty(n, dtype=torch.float32))
+
+
+def fp8_lm_head_topk(x8, sx, w8, sw, k: int, scale: torch.Tensor, impl: str = "auto"):
+    """(values [n, k] fp32, indices [n, k] int64, logsumexp(scale * logits) [n] fp32) of the
+    logits (x8 @ w8.T) * sx * sw, never written: x8 [n, H] and w8 [V, H] e4m3, sx [n, 1] and
+    sw [1, V] fp32 row scales (`fp8_rows`), `scale` a 0-d temperature. Ties go to the lower
+    index; indices are in [0, V). impl as `topk_logsumexp`; under torch.compile an opaque op.
+    With autograd recording, the torch reference runs (the kernels have no backward)."""
+    if torch.is_grad_enabled() and scale.requires_grad:
+        return fp8_lm_head_topk_torch(x8, sx, w8, sw, k, scale)
+    if torch.compiler.is_compiling():
+        return _op(x8, sx, w8, sw, k, scale, impl)
+    return _fp8_lm_head_topk(x8, sx, w8, sw, k, scale, impl)
