@@ -5,6 +5,7 @@
 #                             [bench-hf] [bench-runner-compile: the two compiled variants only; same file names as bench-runner]
 #                             [bench-runner-oblivious: bench-runner-compile with size-oblivious tracing]
 #                             [bench-topk: the draft top-k kernel against torch, alone and behind the lm_head]
+#                             [eagle-fused: the main job with the fused fp8 lm_head + top-k draft kernel]
 #                             [eagle-regions: the main job with only the head's layer compiled in the draft bodies]
 #                             [eagle-profile: the main job, then its kernels per round under torch.profiler]
 # With no arguments, everything. Results and logs go under $OUT (default results/local).
@@ -45,6 +46,7 @@ want eagle && run eagle python3 examples/eagle.py --model llama
 want eagle-deepseek && run eagle_deepseek python3 examples/eagle.py --model deepseek
 want eagle-regions && run eagle_regions python3 examples/eagle.py --model llama --draft-compile regions
 want eagle-profile && run eagle_profile python3 examples/eagle.py --model llama --profile
+want eagle-fused && run eagle_fused python3 examples/eagle.py --model llama --profile --draft-lm-head fp8-fused
 want bench-host && run bench_host python3 examples/bench_host.py --calls 1000
 want bench-runner && run bench_runner python3 examples/bench_runner.py
 want bench-attention && run bench_attention python3 examples/bench_attention.py
