@@ -287,14 +287,16 @@ def test_whole_draft_bodies_compile_fullgraph_and_give_the_eager_tokens(models):
         _worker(target, head, True, draft_compile="all")
 
 
-def test_fp8_draft_lm_head_in_whole_compiled_draft_bodies(no_compile_caches):
-    """The fp8 draft lm_head (`_scaled_mm` of the row-quantized hidden) inside the whole-compiled
-    draft and draft-extend bodies: the tokens of the eager oracle with the same head, and
-    greedy's. A head of its own: the fp8 copy is the head's state."""
+@pytest.mark.parametrize("mode", ["fp8", "fp8-fused"])
+def test_fp8_draft_lm_head_in_whole_compiled_draft_bodies(mode, no_compile_caches):
+    """The fp8 draft lm_head (`_scaled_mm` of the row-quantized hidden, or the fused
+    `padgraph::fp8_lm_head_topk` op) inside the whole-compiled draft and draft-extend bodies:
+    the tokens of the eager oracle with the same head, and greedy's. A head of its own: the fp8
+    copy is the head's state."""
     torch.manual_seed(0)
     target = LlamaModel(LlamaConfig.tiny(n_layers=1)).eval()
     head = EagleHead.copy_of_target(target).eval()
-    head.set_draft_lm_head("fp8")
+    head.set_draft_lm_head(mode)
     spec = SpecConfig(steps=2, topk=2, num_draft_tokens=3)
     lens = LENS[:3]
     prompts, news = _prompts(target.cfg.vocab_size, lens), [n for _, n in lens]
