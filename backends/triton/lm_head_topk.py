@@ -9,7 +9,7 @@ BLOCK_V] tile of logits, acc = x8 @ w8[cols].T over the hidden in BLOCK_H steps 
 fp32 accumulator), scaled by the rows' and columns' fp32 scales; then, as `topk._chunk_kernel`
 does for one row, each row's partial log-sum-exp (temperature applied) and its k best columns
 (k rounds of max + lowest index). Candidates and partials have `topk`'s layout ([n, C, k],
-[n, C]), so `topk._merge_kernel` finishes the rows.
+[n, C], `topk.Partials`), so the same merge finishes the rows.
 
 The logits stay fp32 (the unfused path rounds them to bf16 first), so a near-tie can rank the
 other way; the draft's proposals are all that depends on it. The torch reference beside it is
@@ -21,8 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .compile_ops import opaque_under_compile
 from .kv import resolve_impl
-from .topk import K_MAX, NUM_WARPS as MERGE_WARPS, _merge_kernel, topk_logsumexp_torch
+from .topk import K_MAX, Partials, topk_logsumexp_torch
 
 BLOCK_V = 128     # vocabulary columns a program (C = 1002 programs for 128256)
 BLOCK_H = 128     # hidden a dot step
@@ -103,58 +104,26 @@ def fp8_lm_head_topk_triton(x8, sx, w8, sw, k: int, scale: torch.Tensor, block_v
         return fp8_lm_head_topk_torch(x8, sx, w8, sw, k, scale)
     x8 = x8 if x8.stride(1) == 1 else x8.contiguous()
     w8 = w8 if w8.stride(1) == 1 else w8.contiguous()
-    (n, H), V, dev = x8.shape, w8.shape[0], x8.device
-    C = triton.cdiv(V, block_v)
-    block_m = min(64, max(16, triton.next_power_of_2(max(n, 1))))
-    cand_v = torch.empty(n, C, k, dtype=torch.float32, device=dev)
-    cand_i = torch.empty(n, C, k, dtype=torch.int32, device=dev)
-    part_m = torch.empty(n, C, dtype=torch.float32, device=dev)
-    part_s = torch.empty(n, C, dtype=torch.float32, device=dev)
-    out_v = torch.empty(n, k, dtype=torch.float32, device=dev)
-    out_i = torch.empty(n, k, dtype=torch.int64, device=dev)
-    out_lse = torch.empty(n, dtype=torch.float32, device=dev)
-    if n == 0:
-        return out_v, out_i, out_lse
-    sx = sx.reshape(-1).float().contiguous()
-    sw = sw.reshape(-1).float().contiguous()
-    t = scale.reshape(()).to(device=dev)
-    _fused_kernel[(C, triton.cdiv(n, block_m))](
-        x8, sx, w8, sw, t, cand_v, cand_i, part_m, part_s, n, V, H, x8.stride(0), w8.stride(0), C,
-        K=k, BLOCK_M=block_m, BLOCK_V=block_v, BLOCK_H=block_h, num_warps=num_warps,
-        num_stages=num_stages)
-    _merge_kernel[(n,)](cand_v, cand_i, part_m, part_s, out_v, out_i, out_lse, C, V,
-                        K=k, CK=triton.next_power_of_2(C * k), CP=triton.next_power_of_2(C),
-                        num_warps=MERGE_WARPS)
-    return out_v, out_i, out_lse
+    (n, H), V = x8.shape, w8.shape[0]
+    parts = Partials.empty(n, triton.cdiv(V, block_v), k, x8.device)
+    if n:
+        block_m = min(64, max(16, triton.next_power_of_2(n)))
+        sx = sx.reshape(-1).float().contiguous()                     # [n]
+        sw = sw.reshape(-1).float().contiguous()                     # [V]
+        _fused_kernel[(parts.C, triton.cdiv(n, block_m))](
+            x8, sx, w8, sw, scale.reshape(()).to(device=x8.device), *parts, n, V, H,
+            x8.stride(0), w8.stride(0), parts.C, K=k, BLOCK_M=block_m, BLOCK_V=block_v,
+            BLOCK_H=block_h, num_warps=num_warps, num_stages=num_stages)
+    return parts.merge(V)
 
 
-def _fp8_lm_head_topk(x8, sx, w8, sw, k: int, scale: torch.Tensor, impl: str = "auto"):
-    if resolve_impl(impl, x8, w8) == "triton":
-        return fp8_lm_head_topk_triton(x8, sx, w8, sw, k, scale)
-    return fp8_lm_head_topk_torch(x8, sx, w8, sw, k, scale)
-
-
-_op = torch.library.custom_op(
-    "padgraph::fp8_lm_head_topk", _fp8_lm_head_topk, mutates_args=(),
-    schema="(Tensor x8, Tensor sx, Tensor w8, Tensor sw, int k, Tensor scale, "
-           "str impl=\"auto\") -> (Tensor, Tensor, Tensor)")
-
-
-@_op.register_fake
-def _fake(x8, sx, w8, sw, k, scale, impl="auto"):
-    n = x8.shape[0]
-    return (x8.new_empty(n, k, dtype=torch.float32), x8.new_empty(n, k, dtype=torch.int64),
-            x8.new_empty(n, dtype=torch.float32))
-
-
+@opaque_under_compile(reference=fp8_lm_head_topk_torch)
 def fp8_lm_head_topk(x8, sx, w8, sw, k: int, scale: torch.Tensor, impl: str = "auto"):
     """(values [n, k] fp32, indices [n, k] int64, logsumexp(scale * logits) [n] fp32) of the
     logits (x8 @ w8.T) * sx * sw, never written: x8 [n, H] and w8 [V, H] e4m3, sx [n, 1] and
     sw [1, V] fp32 row scales (`fp8_rows`), `scale` a 0-d temperature. Ties go to the lower
     index; indices are in [0, V). impl as `topk_logsumexp`; under torch.compile an opaque op.
     With autograd recording, the torch reference runs (the kernels have no backward)."""
-    if torch.is_grad_enabled() and scale.requires_grad:
-        return fp8_lm_head_topk_torch(x8, sx, w8, sw, k, scale)
-    if torch.compiler.is_compiling():
-        return _op(x8, sx, w8, sw, k, scale, impl)
-    return _fp8_lm_head_topk(x8, sx, w8, sw, k, scale, impl)
+    if resolve_impl(impl, x8, w8) == "triton":
+        return fp8_lm_head_topk_triton(x8, sx, w8, sw, k, scale)
+    return fp8_lm_head_topk_torch(x8, sx, w8, sw, k, scale)

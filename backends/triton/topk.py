@@ -20,13 +20,18 @@ no host work and no sync, so the op is graph-safe.
 
 `topk_logsumexp` is an opaque custom op under torch.compile (as the attention kernels are,
 compile_ops.py): inductor sees its output shapes and the kernels launch at replay.
+`Partials` holds what a chunk kernel leaves for the merge; the fused fp8 lm_head kernel
+(lm_head_topk.py) writes the same and merges the same way.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from .compile_ops import opaque_under_compile
 from .kv import resolve_impl
 
 # A chunk is this many logits (fp32 registers: 4096 over 4 warps is 32 a thread). 128256 / 4096
@@ -98,6 +103,39 @@ def _merge_kernel(cand_v_ptr, cand_i_ptr, part_m_ptr, part_s_ptr,
     tl.store(out_lse_ptr + row, M_safe + tl.log(S))
 
 
+class Partials(NamedTuple):
+    """Per-chunk results the merge reduces: a row's k best (value, index) of each of its C
+    chunks and each chunk's partial log-sum-exp (max, sum), as the chunk kernels write them."""
+    cand_v: torch.Tensor   # [n, C, k] fp32
+    cand_i: torch.Tensor   # [n, C, k] int32
+    part_m: torch.Tensor   # [n, C] fp32 temperature x chunk max
+    part_s: torch.Tensor   # [n, C] fp32 sum of exp(t * (x - max))
+
+    @classmethod
+    def empty(cls, n: int, C: int, k: int, device) -> "Partials":
+        f32 = dict(dtype=torch.float32, device=device)
+        return cls(torch.empty(n, C, k, **f32), torch.empty(n, C, k, dtype=torch.int32,
+                                                             device=device),
+                   torch.empty(n, C, **f32), torch.empty(n, C, **f32))
+
+    @property
+    def C(self) -> int:
+        return self.part_m.shape[1]
+
+    def merge(self, V: int):
+        """(values [n, k] fp32, indices [n, k] int64, lse [n] fp32): `_merge_kernel` per row."""
+        n, C, k = self.cand_v.shape
+        dev = self.cand_v.device
+        out_v = torch.empty(n, k, dtype=torch.float32, device=dev)
+        out_i = torch.empty(n, k, dtype=torch.int64, device=dev)
+        out_lse = torch.empty(n, dtype=torch.float32, device=dev)
+        if n:
+            _merge_kernel[(n,)](*self, out_v, out_i, out_lse, C, V, K=k,
+                                CK=triton.next_power_of_2(C * k), CP=triton.next_power_of_2(C),
+                                num_warps=NUM_WARPS)
+        return out_v, out_i, out_lse
+
+
 def _check(logits: torch.Tensor, k: int, scale: torch.Tensor) -> None:
     if logits.dim() != 2:
         raise ValueError(f"logits must be [n, V]; got shape {tuple(logits.shape)}")
@@ -126,44 +164,14 @@ def topk_logsumexp_triton(logits: torch.Tensor, k: int, scale: torch.Tensor,
         return topk_logsumexp_torch(logits, k, scale)
     x = logits if logits.stride(1) == 1 else logits.contiguous()
     n, V = x.shape
-    C = triton.cdiv(V, block)
-    dev = x.device
-    cand_v = torch.empty(n, C, k, dtype=torch.float32, device=dev)
-    cand_i = torch.empty(n, C, k, dtype=torch.int32, device=dev)
-    part_m = torch.empty(n, C, dtype=torch.float32, device=dev)
-    part_s = torch.empty(n, C, dtype=torch.float32, device=dev)
-    out_v = torch.empty(n, k, dtype=torch.float32, device=dev)
-    out_i = torch.empty(n, k, dtype=torch.int64, device=dev)
-    out_lse = torch.empty(n, dtype=torch.float32, device=dev)
-    if n == 0:
-        return out_v, out_i, out_lse
-    t = scale.reshape(()).to(device=dev)
-    _chunk_kernel[(n, C)](x, t, cand_v, cand_i, part_m, part_s, V, x.stride(0), C,
-                          K=k, BLOCK=block, num_warps=num_warps)
-    _merge_kernel[(n,)](cand_v, cand_i, part_m, part_s, out_v, out_i, out_lse, C, V,
-                        K=k, CK=triton.next_power_of_2(C * k), CP=triton.next_power_of_2(C),
-                        num_warps=NUM_WARPS)
-    return out_v, out_i, out_lse
+    parts = Partials.empty(n, triton.cdiv(V, block), k, x.device)
+    if n:
+        _chunk_kernel[(n, parts.C)](x, scale.reshape(()).to(device=x.device), *parts, V,
+                                    x.stride(0), parts.C, K=k, BLOCK=block, num_warps=num_warps)
+    return parts.merge(V)
 
 
-def _topk_logsumexp(logits: torch.Tensor, k: int, scale: torch.Tensor, impl: str = "auto"):
-    if resolve_impl(impl, logits, scale) == "triton":
-        return topk_logsumexp_triton(logits, k, scale)
-    return topk_logsumexp_torch(logits, k, scale)
-
-
-_op = torch.library.custom_op("padgraph::topk_logsumexp", _topk_logsumexp, mutates_args=(),
-                              schema="(Tensor logits, int k, Tensor scale, str impl=\"auto\") "
-                                     "-> (Tensor, Tensor, Tensor)")
-
-
-@_op.register_fake
-def _fake(logits, k, scale, impl="auto"):
-    n = logits.shape[0]
-    return (logits.new_empty(n, k, dtype=torch.float32), logits.new_empty(n, k, dtype=torch.int64),
-            logits.new_empty(n, dtype=torch.float32))
-
-
+@opaque_under_compile(reference=topk_logsumexp_torch)
 def topk_logsumexp(logits: torch.Tensor, k: int, scale: torch.Tensor, impl: str = "auto"):
     """(values [n, k] fp32, indices [n, k] int64, logsumexp(scale * logits, -1) [n] fp32) of
     [n, V] logits (bf16 or fp32) and a positive temperature `scale` (0-d tensor).
@@ -173,12 +181,10 @@ def topk_logsumexp(logits: torch.Tensor, k: int, scale: torch.Tensor, impl: str 
     rank where is unspecified; torch ranks them first). impl: "auto" (Triton on CUDA tensors,
     else torch), "triton", "torch". Under torch.compile: an opaque op whose kernels run at
     replay. While dynamo traces, `resolve_impl` would pick torch for a traced call, so the op
-    keeps the choice to run time.
+    keeps the choice to run time (`compile_ops.opaque_under_compile`).
 
     The kernels have no backward: where autograd records (grad mode on and logits or scale
     requiring grad), the differentiable torch reference runs instead, eager or traced."""
-    if torch.is_grad_enabled() and (logits.requires_grad or scale.requires_grad):
-        return topk_logsumexp_torch(logits, k, scale)
-    if torch.compiler.is_compiling():
-        return _op(logits, k, scale, impl)
-    return _topk_logsumexp(logits, k, scale, impl)
+    if resolve_impl(impl, logits, scale) == "triton":
+        return topk_logsumexp_triton(logits, k, scale)
+    return topk_logsumexp_torch(logits, k, scale)
