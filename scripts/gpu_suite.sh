@@ -8,6 +8,7 @@
 #                             [eagle-fused: the main job with the fused fp8 lm_head + top-k draft kernel]
 #                             [eagle-regions: the main job with only the head's layer compiled in the draft bodies]
 #                             [eagle-profile: the main job, then its kernels per round under torch.profiler]
+#                             [tests-parallel: the cuda tests as four pytest processes at once]
 # With no arguments, everything. Results and logs go under $OUT (default results/local).
 # PACK=name: write them under a scratch directory instead and leave one $OUT/name.tgz at the end
 # (for a caller that fetches only a few files from $OUT; $OUT itself is never written otherwise).
@@ -39,6 +40,17 @@ rc=0
 run() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS
   timeout "$LIMIT" "$@" 2>&1 | tee "$OUT/$name.log"; local r=${PIPESTATUS[0]}
   echo "=== $name: exit $r in $((SECONDS - t0)) s"; [ "$r" = 0 ] || rc=1; }
+if want tests-parallel; then  # the same tests as four pytest processes at once on the one GPU (about 250 s)
+  echo "=== tests-parallel"; t0=$SECONDS
+  P="python3 -m pytest -m cuda -q -p no:cacheprovider --timeout=300 -o addopts= --durations=5"
+  timeout "$LIMIT" $P tests/test_cuda_deepseek.py -k "lite and whole" >"$OUT/pytest_cuda_lite.log" 2>&1 & p1=$!
+  timeout "$LIMIT" $P tests/test_cuda_deepseek.py -k "not (lite and whole)" >"$OUT/pytest_cuda_deepseek.log" 2>&1 & p2=$!
+  timeout "$LIMIT" $P tests/test_cuda_eagle.py tests/test_spec_overlap.py tests/test_compiled_body.py >"$OUT/pytest_cuda_eagle.log" 2>&1 & p3=$!
+  timeout "$LIMIT" $P tests/test_cuda_attention.py tests/test_cuda_mla.py tests/test_cuda_backend.py tests/test_cuda_contract.py tests/test_cuda_topk.py tests/test_compile_ops.py tests/test_tp.py >"$OUT/pytest_cuda_kernels.log" 2>&1 & p4=$!
+  for p in $p1 $p2 $p3 $p4; do wait $p || rc=1; done
+  for f in lite deepseek eagle kernels; do echo "$f: $(tail -1 "$OUT/pytest_cuda_$f.log")"; done
+  echo "=== tests-parallel: $((SECONDS - t0)) s"
+fi
 want tests && run pytest_cuda python3 -m pytest -m cuda tests -q -p no:cacheprovider --timeout=300 -o addopts=""
 want spec && run spec_cuda python3 -m padgraph.spec --backend cuda -q
 want spec-compile && run spec_cuda_compile python3 -m padgraph.spec --backend cuda --torch-compile -q
@@ -59,5 +71,5 @@ want bench-runner-compile && run bench_runner_compile python3 examples/bench_run
 want bench-runner-oblivious && run bench_runner_oblivious python3 examples/bench_runner.py --variants padgraph+compile,compile-ro --iters 30 --size-oblivious
 want bench-hf && run bench_hf python3 examples/bench_hf.py
 want bench-topk && run bench_topk python3 examples/bench_topk.py
-echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/pytest_cuda.log "$OUT"/spec_cuda.log "$OUT"/spec_cuda_compile.log 2>/dev/null | tail -6
+echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/pytest_cuda*.log "$OUT"/spec_cuda.log "$OUT"/spec_cuda_compile.log 2>/dev/null | tail -6
 exit $rc
