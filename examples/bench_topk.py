@@ -79,7 +79,8 @@ def main():
             nbytes = logits.numel() * logits.element_size()
             torch_us = bench_us(graph_of(lambda: topk_logsumexp_torch(logits, k, t)))
             best = None
-            for block, warps in cfg["sweep"]:
+            default_cfg = (topk_mod.BLOCK, topk_mod.NUM_WARPS)
+            for block, warps in dict.fromkeys((default_cfg, *cfg["sweep"])):
                 fn = lambda: topk_logsumexp_triton(logits, k, t, block=block, num_warps=warps)  # noqa: E731
                 check(fn(), logits, k, t)
                 us = bench_us(graph_of(fn))
@@ -110,8 +111,15 @@ def main():
             torch.testing.assert_close(v, fused_ref[0], rtol=1e-3, atol=1e-3)
             torch.testing.assert_close(lse, fused_ref[2], rtol=1e-3, atol=1e-3)
             variants[f"fp8 fused ({bv}, {bh}, {warps}, {stages})"] = fused
+        # the default tile with Triton's sm90 fp8 accumulation (no promotion): what it costs
+        fast = lambda: fp8_lm_head_topk_triton(x8, sx, w8, w_scale, k, t, precise=False)  # noqa: E731
+        fast_err = (fast()[0] - fused_ref[0]).abs().max().item()
+        prec_err = (fp8_lm_head_topk_triton(x8, sx, w8, w_scale, k, t)[0]
+                    - fused_ref[0]).abs().max().item()
+        variants["fp8 fused, unpromoted accumulation"] = fast
         step = {"n": n, "floor_bf16_us": w.numel() * w.element_size() / bw * 1e6,
-                "floor_fp8_us": w8.numel() / bw * 1e6}
+                "floor_fp8_us": w8.numel() / bw * 1e6,
+                "fused_max_err": prec_err, "fused_unpromoted_max_err": fast_err}
         for name, fn in variants.items():
             if not name.startswith("fp8 fused"):    # fused: checked against its reference above
                 fp8 = name.startswith("fp8")
@@ -142,14 +150,17 @@ def write(rows, sweep_rows, step_rows, bw, cfg, device) -> None:
         md.append(f"| {r['n']} | {r['logits']} | {r['torch_us']:.1f} | {r['kernel_us']:.1f} | "
                   f"{r['best_us']:.1f} ({r['best_block']}, {r['best_num_warps']}) | "
                   f"{r['floor_us']:.1f} | {r['speedup_default']:.2f}x / {r['speedup_best']:.2f}x |")
-    names = [k for k in step_rows[0] if k not in ("n", "floor_bf16_us", "floor_fp8_us")]
+    errs = ("fused_max_err", "fused_unpromoted_max_err")
+    names = [k for k in step_rows[0] if k not in ("n", "floor_bf16_us", "floor_fp8_us", *errs)]
     md += ["", "## One draft step: lm_head GEMM + top-k stage (µs; fp8 fused: block_v, block_h, "
            "warps, stages)", "",
-           "| n | " + " | ".join(names) + " | bf16 weight floor | fp8 weight floor |",
-           "|---:|" + "---:|" * (len(names) + 2)]
+           "| n | " + " | ".join(names) + " | bf16 weight floor | fp8 weight floor | "
+           "fused max abs err (promoted / not) |",
+           "|---:|" + "---:|" * (len(names) + 2) + "---|"]
     for s in step_rows:
         md.append(f"| {s['n']} | " + " | ".join(f"{s[k]:.1f}" for k in names) +
-                  f" | {s['floor_bf16_us']:.1f} | {s['floor_fp8_us']:.1f} |")
+                  f" | {s['floor_bf16_us']:.1f} | {s['floor_fp8_us']:.1f} | "
+                  f"{s['fused_max_err']:.1e} / {s['fused_unpromoted_max_err']:.1e} |")
     (out / "topk.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     print(f"wrote {out / 'topk.md'} and .json")

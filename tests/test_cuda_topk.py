@@ -100,7 +100,10 @@ def test_fp8_draft_lm_head_on_the_gpu():
 @pytest.mark.parametrize("n", [16, 64, 100])
 def test_fused_fp8_lm_head_topk_at_the_1b_shape(n):
     """The fused fp8 lm_head + top-k kernel at [n, 2048] x [128256, 2048] against its fp32
-    reference: the same values and lse up to summation order, indices that hold them."""
+    reference: the same values and lse up to summation order, indices that hold them. The bound
+    is 1e-3: Hopper's fp8 tensor cores accumulate with fewer mantissa bits than fp32 inside each
+    BLOCK_H step, and the kernel promotes after every step; unpromoted (Triton's sm90 default)
+    the whole hidden accumulated that way was 3.5e-3 off at n = 64 and 100."""
     from models.draft_head import fp8_rows
     from padgraph.backends.triton.lm_head_topk import fp8_lm_head_topk, fp8_lm_head_topk_torch
     g = torch.Generator(device="cuda").manual_seed(n)
@@ -110,8 +113,8 @@ def test_fused_fp8_lm_head_topk_at_the_1b_shape(n):
     t = torch.tensor(6.0, device="cuda")
     v, i, lse = fp8_lm_head_topk(x8, sx, w8, sw, 4, t)
     want_v, _, want_lse = fp8_lm_head_topk_torch(x8, sx, w8, sw, 4, t)
-    torch.testing.assert_close(v, want_v, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(lse, want_lse, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(v, want_v, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-3, atol=1e-3)
     logits = (x8.float() @ w8.float().t()) * sx * sw
-    torch.testing.assert_close(logits.gather(1, i), v, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits.gather(1, i), v, rtol=1e-3, atol=1e-3)
     assert ((i >= 0) & (i < V)).all()
