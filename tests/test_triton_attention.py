@@ -142,15 +142,20 @@ def test_decode_auto_on_cpu_is_the_reference():
 
 
 def test_choose_num_splits_uses_shapes_only():
-    # ~16 programs per SM (5-8 waves), splits >= 128 tokens of the cache width, <= 128 splits
-    assert choose_num_splits(1, 8, 32768, 132) == 128
-    assert choose_num_splits(8, 8, 4096, 132) == 32
-    assert choose_num_splits(8, 8, 32768, 132) == 33
-    assert choose_num_splits(32, 8, 4096, 132) == 9
-    assert choose_num_splits(128, 8, 32768, 132) == 3
+    # splits >= 128 tokens of the cache width, <= 128 splits
+    # decode: ~2 programs an SM (the H200 sweep's best region)
+    assert choose_num_splits(1, 8, 32768, 132) == 33
+    assert choose_num_splits(8, 8, 4096, 132) == 5
+    assert choose_num_splits(8, 8, 32768, 132) == 5
+    assert choose_num_splits(32, 8, 4096, 132) == 2
+    assert choose_num_splits(128, 8, 32768, 132) == 1
     assert choose_num_splits(1024, 8, 32768, 132) == 1
     assert choose_num_splits(1, 8, 512, 132) == 4
     assert choose_num_splits(1, 8, 100, 132) == 1
+    # tree verify (k = 8 query rows a request): ~16 an SM, as before
+    assert choose_num_splits(1, 8, 32768, 132, num_q=8) == 128
+    assert choose_num_splits(8, 8, 4096, 132, num_q=8) == 32
+    assert choose_num_splits(32, 8, 4096, 132, num_q=8) == 9
     for bs in (1, 8, 32, 128):
         assert 1 <= choose_num_splits(bs, 8, 4096, 132) <= 32
 

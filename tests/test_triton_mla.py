@@ -105,6 +105,10 @@ def test_mla_policy_uses_shapes_only():
     assert choose_mla_splits(32, 1, 8192, 132) == 9
     assert choose_mla_splits(32, 1, 1024, 132) == 8
     assert choose_mla_splits(256, 1, 8192, 132) == 2
+    # the wide decode tile (bs * row blocks >= 8): at most one program an SM
+    assert choose_mla_splits(8, 1, 8192, 132, wide=True) == 16
+    assert choose_mla_splits(32, 1, 8192, 132, wide=True) == 4
+    assert choose_mla_splits(256, 1, 8192, 132, wide=True) == 1
     assert choose_mla_splits(1, 1, 100, 132) == 1
     # draft-extend, 6 tokens x 16 heads: split while the folded merge stays small; prefill: 1
     assert choose_mla_extend_splits(1, 6, 16, 16, 8192, 512, 576, 132) == 11

@@ -41,7 +41,15 @@ from .kv import resolve_impl
 # - MAX_SPLITS (128: 256 tokens a split at 32K) bounds partials memory and `num_splits` (<=
 #   2 * MAX_SPLITS); at 128 splits the merge is the separate kernel, now spread over bs * H *
 #   DV/64 programs: unchanged (a sweep may try 256 for bs 1 at 32K: 2048 programs of 2 tiles).
+# - DECODE_PROGRAMS_PER_SM (one query a request): the H200 sweep of 2026-12-01 (bench_attention,
+#   32/8 heads, d 128, BLOCK_N 64) was fastest at 256-1024 programs, 2-8 per SM, where 16 an SM
+#   asked for 4-8x more splits: bs 8 ctx 4096 best at 4 splits (49.6 us eager) against the 32
+#   then chosen (63.0); bs 32 ctx 4096 at 2 (142.0 against 151-165 for 8-16); bs 128 ctx 4096
+#   at 1 (510.6 against 3's ~520); bs 8 ctx 32768 at 8 (262.7 against 33's ~275); bs 1 ctx
+#   32768 at 32 (55.1 against 128's 69.7). 2 an SM gives 33 / 5 / 2 / 1 / 5 / 33 there.
+#   Tree verify (k query rows a request) keeps PROGRAMS_PER_SM: it was not swept.
 PROGRAMS_PER_SM = 16
+DECODE_PROGRAMS_PER_SM = 2
 MIN_SPLIT_TOKENS = 128
 MAX_SPLITS = 128
 CPU_SM_COUNT = 4  # under the interpreter: few programs keep tests fast
@@ -200,9 +208,12 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_num_splits(bs: int, n_kv_heads: int, max_context: int, n_sm: int) -> int:
-    """Static split count from shapes only: ~PROGRAMS_PER_SM programs per SM, bounded splits."""
-    want = triton.cdiv(PROGRAMS_PER_SM * n_sm, max(1, bs * n_kv_heads))
+def choose_num_splits(bs: int, n_kv_heads: int, max_context: int, n_sm: int,
+                      num_q: int = 1) -> int:
+    """Static split count from shapes only: ~DECODE_PROGRAMS_PER_SM programs per SM for decode
+    (num_q 1), ~PROGRAMS_PER_SM for tree verify (num_q > 1), bounded splits."""
+    per_sm = DECODE_PROGRAMS_PER_SM if num_q == 1 else PROGRAMS_PER_SM
+    want = triton.cdiv(per_sm * n_sm, max(1, bs * n_kv_heads))
     cap = max(1, max_context // MIN_SPLIT_TOKENS)
     return max(1, min(want, cap, MAX_SPLITS))
 
@@ -288,7 +299,8 @@ def split_kv_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_
     bs, n_kv_heads, v_head_dim = n_rows // num_q, k_cache.shape[1], v_cache.shape[2]
     group = n_q_heads // n_kv_heads
     if num_splits is None:
-        num_splits = choose_num_splits(bs, n_kv_heads, req_to_token.shape[1], sm_count(q.device))
+        num_splits = choose_num_splits(bs, n_kv_heads, req_to_token.shape[1], sm_count(q.device),
+                                       num_q)
     if not 1 <= num_splits <= 2 * MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1 .. {2 * MAX_SPLITS}; got {num_splits}")
     if fold is None:

@@ -40,6 +40,17 @@ MAX_SPLITS = 64
 # past 4 splits MLA merges in the merge kernel, which now spreads over bs * H * 8 programs of
 # 64 columns, one L2 round trip per 32 splits (was bs * 8 programs reading the splits one by one).
 MIN_SPLIT_TOKENS = 128
+# Decode with many (request, row block) pairs reads 64 latent rows an iteration over 8 warps
+# (no spills, one program an SM) and aims at one program an SM. H200 sweep of 2026-12-01
+# (bench_mla, DeepSeek-V2-Lite sizes, ctx 8192): bs 8 best at 64/2/8 with 16 splits (58.1 us
+# eager) against the 32/2/4 policy's 33 splits (62.4); bs 32 at 64/2/8 with 4 splits (142.7)
+# against 9 (172.1). bs 1 kept 32/2/4 at 64 splits (62.1 against 74.7 for 64/2/8).
+# Its splits: floor(SMs / pairs), so that bs 8 gets the 16 it was best at (not 17), with the
+# merge folded up to 16 splits of 16 rows (512 KiB of partials read by the last program: folded,
+# bs 8 took 58.1 us at 16 splits against 72.7 with the merge kernel).
+WIDE_MIN_PAIRS = 8
+WIDE_TILE = dict(BLOCK_N=64, num_warps=8)
+WIDE_FOLD_MAX_BYTES = 512 << 10
 PARTIALS_MAX_BYTES = 64 << 20  # fp32 partials of a split causal extend
 
 
@@ -156,9 +167,12 @@ def mla_blocks(kv_lora_rank: int, rope_dim: int, rows: int) -> dict:
                 BLOCK_R=max(16, triton.next_power_of_2(rope_dim)), num_warps=4)
 
 
-def choose_mla_splits(bs: int, n_blocks: int, max_context: int, n_sm: int) -> int:
-    """Static split count from shapes only: ~PROGRAMS_PER_SM programs per SM, bounded splits."""
-    want = triton.cdiv(PROGRAMS_PER_SM * n_sm, max(1, bs * n_blocks))
+def choose_mla_splits(bs: int, n_blocks: int, max_context: int, n_sm: int,
+                      wide: bool = False) -> int:
+    """Static split count from shapes only, bounded: ~PROGRAMS_PER_SM programs per SM, or with
+    the wide decode tile at most one an SM."""
+    pairs = max(1, bs * n_blocks)
+    want = max(1, n_sm // pairs) if wide else triton.cdiv(PROGRAMS_PER_SM * n_sm, pairs)
     cap = max(1, max_context // MIN_SPLIT_TOKENS)
     return max(1, min(want, cap, MAX_SPLITS))
 
@@ -190,25 +204,30 @@ def mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, 
     bs = req_pool_indices.shape[0]
     rows = n_heads * (num_q if mode != CAUSAL else 2)
     blocks = mla_blocks(kv_lora_rank, width - kv_lora_rank, rows)
+    block_h = blocks["BLOCK_H"]
+    # CAUSAL: enough row blocks for the longest possible request (all n_tok tokens)
+    n_blocks = triton.cdiv((num_q if mode != CAUSAL else n_tok) * n_heads, block_h)
+    wide = (mode == DECODE and block_n is None and num_warps is None
+            and bs * n_blocks >= WIDE_MIN_PAIRS)
+    if wide:
+        blocks.update(WIDE_TILE)
     if block_n is not None:
         blocks["BLOCK_N"] = block_n
     if num_warps is not None:
         blocks["num_warps"] = num_warps
-    block_h = blocks["BLOCK_H"]
-    # CAUSAL: enough row blocks for the longest possible request (all n_tok tokens)
-    n_blocks = triton.cdiv((num_q if mode != CAUSAL else n_tok) * n_heads, block_h)
     if num_splits is None and mode == CAUSAL:
         num_splits = choose_mla_extend_splits(bs, n_tok, n_heads, block_h, req_to_token.shape[1],
                                               kv_lora_rank, width, sm_count(q_latent.device))
     elif num_splits is None:
         num_splits = choose_mla_splits(bs, n_blocks, req_to_token.shape[1],
-                                       sm_count(q_latent.device))
+                                       sm_count(q_latent.device), wide)
     if not 1 <= num_splits <= 4 * MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1 .. {4 * MAX_SPLITS}; got {num_splits}")
     if mode == CAUSAL:  # a causal block's splits depend on its range: only the folded merge
         fold = True
     elif fold is None:
-        fold = should_fold(num_splits, min(block_h, rows), kv_lora_rank)
+        fold = should_fold(num_splits, min(block_h, rows), kv_lora_rank,
+                           WIDE_FOLD_MAX_BYTES if wide else None)
     alloc = torch.zeros if mode == CAUSAL else torch.empty  # CAUSAL: padding tokens stay 0
     o = alloc(n_tok, n_heads, kv_lora_rank, dtype=q_latent.dtype, device=q_latent.device)
     if n_tok == 0 or bs == 0:
