@@ -143,11 +143,14 @@ def test_decode_auto_on_cpu_is_the_reference():
 
 def test_choose_num_splits_uses_shapes_only():
     # splits >= 128 tokens of the cache width, <= 128 splits
-    # decode: ~2 programs an SM (the H200 sweep's best region)
-    assert choose_num_splits(1, 8, 32768, 132) == 33
+    # decode: ~2 programs an SM (faster on the H200 there) ...
     assert choose_num_splits(8, 8, 4096, 132) == 5
-    assert choose_num_splits(8, 8, 32768, 132) == 5
     assert choose_num_splits(32, 8, 4096, 132) == 2
+    assert choose_num_splits(32, 8, 32768, 132) == 2
+    assert choose_num_splits(128, 8, 512, 132) == 1
+    # ... but ~16 past 4096 tokens with < 256 (request, kv head) pairs
+    assert choose_num_splits(1, 8, 32768, 132) == 128
+    assert choose_num_splits(8, 8, 32768, 132) == 33
     assert choose_num_splits(128, 8, 32768, 132) == 1
     assert choose_num_splits(1024, 8, 32768, 132) == 1
     assert choose_num_splits(1, 8, 512, 132) == 4

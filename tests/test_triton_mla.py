@@ -105,7 +105,7 @@ def test_mla_policy_uses_shapes_only():
     assert choose_mla_splits(32, 1, 8192, 132) == 9
     assert choose_mla_splits(32, 1, 1024, 132) == 8
     assert choose_mla_splits(256, 1, 8192, 132) == 2
-    # the wide decode tile (bs * row blocks >= 8): at most one program an SM
+    # the wide decode tile (bs * row blocks >= 32 picks it): at most one program an SM
     assert choose_mla_splits(8, 1, 8192, 132, wide=True) == 16
     assert choose_mla_splits(32, 1, 8192, 132, wide=True) == 4
     assert choose_mla_splits(256, 1, 8192, 132, wide=True) == 1
@@ -128,6 +128,19 @@ def test_decode_matches_non_absorbed(kv_lora_rank, rope_dim, num_splits):
     o_latent = mla_decode_attention(q_latent, *case.paged(), kv_lora_rank, case.sm_scale,
                                     num_splits=num_splits, impl="triton")
     assert o_latent.shape == (len(DECODE_LENS), N_HEADS, kv_lora_rank)
+    assert_close(case.output(o_latent), case.reference(q_nope, q_rope))
+
+
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_wide_decode_tile_matches_non_absorbed(num_splits):
+    """>= WIDE_MIN_PAIRS (request, row block) pairs take the 64-row, 8-warp tile (policy splits,
+    or forced ones folded at 3); padded lanes and lengths 1 / 64 / 65 among them."""
+    from padgraph.backends.triton.attention_mla_decode import WIDE_MIN_PAIRS
+    lens = ([70, PAD, 1, 64, 65, 33] * 6)[:WIDE_MIN_PAIRS]
+    case = MLACase(lens, 96, 32)
+    q_nope, q_rope, q_latent = case.queries(len(lens))
+    o_latent = mla_decode_attention(q_latent, *case.paged(), 96, case.sm_scale,
+                                    num_splits=num_splits, impl="triton")
     assert_close(case.output(o_latent), case.reference(q_nope, q_rope))
 
 

@@ -46,10 +46,17 @@ from .kv import resolve_impl
 #   asked for 4-8x more splits: bs 8 ctx 4096 best at 4 splits (49.6 us eager) against the 32
 #   then chosen (63.0); bs 32 ctx 4096 at 2 (142.0 against 151-165 for 8-16); bs 128 ctx 4096
 #   at 1 (510.6 against 3's ~520); bs 8 ctx 32768 at 8 (262.7 against 33's ~275); bs 1 ctx
-#   32768 at 32 (55.1 against 128's 69.7). 2 an SM gives 33 / 5 / 2 / 1 / 5 / 33 there.
+#   32768 at 32 (55.1 against 128's 69.7). In CUDA graphs (bench_attention, same day) 2 an SM
+#   was faster than 16 at every point with ctx <= 4096 or bs * kv heads >= 256 (bs 8 ctx 4096
+#   53.2 us against 60.6, bs 32 ctx 4096 142.6 against 152.6, bs 128 ctx 512 81.4 against
+#   94.6) but slower at long contexts with few (request, head) pairs: bs 1 ctx 32768 60.1
+#   against 56.0 (33 splits against 128 + merge), bs 8 ctx 32768 299.3 against 275.9 (5
+#   against 33). There, with each split a long serial chain, 16 an SM stays
+#   (LONG_CONTEXT / LONG_CONTEXT_PAIRS below).
 #   Tree verify (k query rows a request) keeps PROGRAMS_PER_SM: it was not swept.
 PROGRAMS_PER_SM = 16
 DECODE_PROGRAMS_PER_SM = 2
+LONG_CONTEXT, LONG_CONTEXT_PAIRS = 4096, 256
 MIN_SPLIT_TOKENS = 128
 MAX_SPLITS = 128
 CPU_SM_COUNT = 4  # under the interpreter: few programs keep tests fast
@@ -210,9 +217,11 @@ def sm_count(device: torch.device) -> int:
 
 def choose_num_splits(bs: int, n_kv_heads: int, max_context: int, n_sm: int,
                       num_q: int = 1) -> int:
-    """Static split count from shapes only: ~DECODE_PROGRAMS_PER_SM programs per SM for decode
-    (num_q 1), ~PROGRAMS_PER_SM for tree verify (num_q > 1), bounded splits."""
-    per_sm = DECODE_PROGRAMS_PER_SM if num_q == 1 else PROGRAMS_PER_SM
+    """Static split count from shapes only, bounded: ~DECODE_PROGRAMS_PER_SM programs per SM
+    for decode (num_q 1), except past LONG_CONTEXT with fewer than LONG_CONTEXT_PAIRS
+    (request, kv head) pairs; ~PROGRAMS_PER_SM there and for tree verify (num_q > 1)."""
+    long_few = max_context > LONG_CONTEXT and bs * n_kv_heads < LONG_CONTEXT_PAIRS
+    per_sm = DECODE_PROGRAMS_PER_SM if num_q == 1 and not long_few else PROGRAMS_PER_SM
     want = triton.cdiv(per_sm * n_sm, max(1, bs * n_kv_heads))
     cap = max(1, max_context // MIN_SPLIT_TOKENS)
     return max(1, min(want, cap, MAX_SPLITS))
