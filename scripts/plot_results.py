@@ -70,10 +70,29 @@ def eagle(d: Path, name: str) -> None:
     fig.savefig(d / f"{name}.png", dpi=110)
 
 
+def topk(d: Path) -> None:
+    t = json.loads((d / "topk.json").read_text())
+    steps = t["step"]
+    names = [k for k in steps[0] if k not in ("n", "floor_bf16_us", "floor_fp8_us", "fused_max_err",
+                                                "fused_unpromoted_max_err")]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(names)
+    for j, name in enumerate(names):
+        ax.bar([i + j * width for i in range(len(steps))], [s[name] for s in steps], width, label=name)
+    ax.plot([i + 0.4 - width / 2 for i in range(len(steps))], [s["floor_fp8_us"] for s in steps], "k_",
+            ms=40, label="fp8 weight floor")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(steps))], [f"n={s['n']}" for s in steps])
+    ax.set(title="one draft step: lm_head + top-k (µs, lower is better)", ylabel="µs")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(d / "topk.png", dpi=110)
+
+
 if __name__ == "__main__":
     folder = Path(sys.argv[1])
-    attention(folder)
-    mla(folder)
+    for name, fn in (("attention", attention), ("mla", mla), ("topk", topk)):
+        if (folder / f"{name}.json").exists():
+            fn(folder)
     for n in ("eagle", "eagle_deepseek"):
         if (folder / f"{n}.json").exists():
             eagle(folder, n)

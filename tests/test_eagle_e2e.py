@@ -265,3 +265,28 @@ def test_fused_fp8_draft_lm_head_matches_the_unfused_draft():
     head.set_draft_vocab(torch.arange(0, target.cfg.vocab_size, 2))
     assert head.fp8_fused and head.fp8_weight.shape[0] == target.cfg.vocab_size // 2
     assert (head.topk(h, 3)[1] % 2 == 0).all()
+
+
+def test_fused_fp8_draft_lm_head_past_its_row_bound_runs_the_unfused_path(monkeypatch):
+    """Past FUSED_MAX_ROWS rows (where the fused kernel was slower on the H200) "fp8-fused"
+    takes the unfused fp8 path: exactly its proposals; up to the bound, the fused op."""
+    from models import draft_head
+    torch.manual_seed(0)
+    target = LlamaModel(_mid()).eval()
+    head = EagleHead(target)
+    head.init_passthrough()
+    head.eval()
+    h = torch.randn(6, target.cfg.hidden_size)
+    head.set_draft_lm_head("fp8")
+    want = head.topk(h, 3)
+    head.set_draft_lm_head("fp8-fused")
+    calls = []
+    real = draft_head.fp8_logits
+    monkeypatch.setattr(draft_head, "fp8_logits", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(draft_head, "FUSED_MAX_ROWS", 5)
+    got = head.topk(h, 3)
+    assert calls and all(torch.equal(a, b) for a, b in zip(got, want))
+    calls.clear()
+    monkeypatch.setattr(draft_head, "FUSED_MAX_ROWS", 6)
+    head.topk(h, 3)
+    assert not calls

@@ -17,6 +17,12 @@ from torch import Tensor, nn
 
 from .llama import PagedBatch
 
+# Rows up to which "fp8-fused" runs the fused lm_head + top-k kernel (H200, 2026-12-01,
+# examples/bench_topk.py, V 128256 x H 2048): 88.5 / 115.9 us a draft step at 16 / 64 rows
+# against 126.2 / 143.5 unfused, but 364.9 against 240.1 at 256 (its tiles re-read the weight
+# once per 64-row block). Between 64 and 256 it was not measured.
+FUSED_MAX_ROWS = 64
+
 
 FP8_MAX = 448.0   # largest finite float8_e4m3fn
 
@@ -137,7 +143,8 @@ class DraftHead(nn.Module):
         Needs the whole vocabulary on this device: a tensor-parallel target gathers its shards
         in `target.logits`, which the fp8 path would bypass. "fp8-fused": the same copy, read by
         one kernel that takes the top-k in the GEMM's epilogue (`fp8_lm_head_topk`: the [n, V]
-        logits are never written; they stay fp32 there, bf16 unfused)."""
+        logits are never written; they stay fp32 there, bf16 unfused) for up to FUSED_MAX_ROWS
+        rows, the unfused fp8 path past them (the row count is a bucket's: fixed per graph)."""
         if dtype not in ("bf16", "fp8", "fp8-fused"):
             raise ValueError(f"draft lm_head dtype must be 'bf16', 'fp8' or 'fp8-fused'; "
                              f"got {dtype!r}")
@@ -181,7 +188,7 @@ class DraftHead(nn.Module):
         from padgraph.backends.triton.lm_head_topk import fp8_lm_head_topk
         from padgraph.backends.triton.topk import topk_logsumexp
         t = self._scale()
-        if self.fp8_weight is not None and self.fp8_fused:
+        if self.fp8_weight is not None and self.fp8_fused and h.shape[0] <= FUSED_MAX_ROWS:
             x8, sx = fp8_rows(h)                                         # [n, H], [n, 1]
             top, i, lse = fp8_lm_head_topk(x8, sx, self.fp8_weight, self.fp8_scale, topk, t)
         else:
