@@ -1,7 +1,8 @@
 """The standard LLM runner programs, declared once with their pad values.
 
-decode, target verify (k tree tokens per request), EAGLE multi-step draft (`steps`, `topk`) and
-EAGLE draft-extend (up to `steps + 1` tokens per request, packed along their own axis). The pad
+decode, target verify (k tree tokens per request), EAGLE multi-step draft (`steps`, `topk`),
+EAGLE draft-extend (up to `steps + 1` tokens per request, packed along their own axis) and the
+target's extend over whole prompts (prefill: bucketed by packed tokens, not requests). The pad
 values are the contract every runner of this family shares (spec/SPEC.md): `seq_lens` 1,
 `out_cache_loc` the sink slot 0, `req_pool_indices` the reserved row 0, token ids, positions,
 top-k and hidden states 0, accept lengths 1, tree mask all ones, `qo_indptr` repeats its last
@@ -25,8 +26,9 @@ from .program import Input, Output, Program, State
 
 @dataclass(frozen=True)
 class RunnerAxes:
-    """The axes a runner program's outputs may use: `bs` (bucketed) and, for draft-extend,
-    `tokens` (capacity `bs * (steps + 1)`)."""
+    """The axes a runner program's outputs may use: `bs` (the requests) and, for draft-extend
+    and extend, `tokens` (draft-extend: capacity `bs * (steps + 1)`; extend: the bucketed axis,
+    with `bs` its dependent `reqs`)."""
 
     bs: Axis
     tokens: Axis | None = None
@@ -135,3 +137,25 @@ def draft_extend_program(steps: int, hidden_size: int, hidden_dtype: torch.dtype
         "qo_indptr": Input((bs + 1,), torch.int32, pad=Edge()),
     }
     return _program(name, inputs, outputs, RunnerAxes(bs, tokens), state, buckets)
+
+
+def extend_program(outputs: OutputsSpec, *, buckets: Buckets | None = None,
+                   state: Mapping[str, State] | None = None, name: str = "extend") -> Program:
+    """Target extend (prefill): the batch's prompts packed request after request.
+
+    The bucketed axis is `tokens` (the packed prompt tokens), so a graph serves every batch
+    whose prompts sum to at most its bucket, however they are split into requests; `reqs` is a
+    dependent axis of capacity `tokens` (every request owns at least one token). Padded tokens
+    belong to no request (`qo_indptr` repeats its last value) and write the sink slot; padded
+    requests own no tokens. Outputs use `RunnerAxes(bs=reqs, tokens=tokens)`.
+    """
+    tokens = Axis("tokens")
+    reqs = Axis("reqs", capacity=tokens)
+    inputs = {
+        "input_ids": Input((tokens,), torch.int64, pad=0),
+        "positions": Input((tokens,), torch.int64, pad=0),
+        "out_cache_loc": Input((tokens,), torch.int64, pad=0),  # sink slot 0
+        **_per_request(reqs),
+        "qo_indptr": Input((reqs + 1,), torch.int32, pad=Edge()),
+    }
+    return _program(name, inputs, outputs, RunnerAxes(reqs, tokens), state, buckets)

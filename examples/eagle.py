@@ -185,6 +185,10 @@ def main():
                          "copy with row scales (half the bytes); fp8-fused (the default): that "
                          "copy read by one kernel with the top-k in its epilogue. Verify keeps "
                          "the target's, so outputs stay exact")
+    ap.add_argument("--prefill", default="eager", choices=["eager", "runner"],
+                    help="the prompts' prefill: plain torch calls (the default), or the prefill "
+                         "program on the worker's backend (GPU: CUDA graphs per bucket of packed "
+                         "prompt tokens, layers compiled as in decode). Both count in the timing")
     ap.add_argument("--no-overlap", action="store_true",
                     help="read each round back before queuing the next (default: overlap)")
     ap.add_argument("--profile", action="store_true",
@@ -208,7 +212,8 @@ def main():
     w = Worker(target, head, spec, backend=backend, max_bs=16, max_context=batch.max_context,
                buckets=pg.Buckets.default(16), overlap=not args.no_overlap,
                torch_compile=False if args.no_compile else None,
-               draft_compile=args.draft_compile or DRAFT_COMPILE[args.model])
+               draft_compile=args.draft_compile or DRAFT_COMPILE[args.model],
+               prefill=args.prefill)
     with torch.no_grad():
         # compile (GPU: capture) and JIT outside the timed runs: the full batch and bs=1
         for gen in (w.generate_spec, w.generate_greedy):

@@ -48,7 +48,7 @@ import padgraph as pg
 from padgraph.backends.triton import eagle as ops
 from padgraph.backends.triton.kv import KVCache, RowAllocator, SlotAllocator
 from padgraph.runners import (decode_program, draft_extend_program, draft_program,
-                              verify_program)
+                              extend_program, verify_program)
 
 
 @dataclass(frozen=True)
@@ -118,6 +118,26 @@ def decode_body(target):
         top2 = logits.topk(2, dim=-1).values                         # [bs, 2]
         return {"next_token": logits.argmax(-1), "top2_gap": top2[:, 0] - top2[:, 1]}
     return body
+
+
+def extend_body(target):
+    """Prefill: the target over the packed prompts; every token's hidden (the draft's prefill
+    reads them) and each request's last one (the caller applies the lm_head to the real rows)."""
+    def body(x):
+        hidden = target.forward_extend_hidden(
+            x.input_ids, x.positions, _kv(x), x.req_to_token, x.req_pool_indices, x.seq_lens,
+            x.qo_indptr, x.out_cache_loc)                            # [tokens, H]
+        last = (x.qo_indptr[1:] - 1).clamp_min(0).long()             # [reqs]
+        return {"hidden": hidden, "last_hidden": hidden[last]}
+    return body
+
+
+def prefill_buckets(max_tokens: int) -> pg.Buckets:
+    """Packed-token ladder for the prefill program: 16, 24, 32, 48, 64, ... (powers of two and
+    1.5x them), up to max_tokens: a batch pads by at most a third."""
+    sizes = sorted({s for i in range(4, max(4, max_tokens.bit_length()) + 1)
+                    for s in (1 << i, 3 << (i - 1)) if s <= max_tokens})
+    return pg.Buckets(sizes + ([max_tokens] if not sizes or sizes[-1] != max_tokens else []))
 
 
 def verify_body(target, spec: SpecConfig):
@@ -222,6 +242,17 @@ def programs(cfg, spec: SpecConfig, hidden_dtype, buckets=None,
     }
 
 
+def extend_prefill_program(cfg, hidden_dtype, max_tokens: int,
+                           cache_names=("k_cache", "v_cache")) -> pg.Program:
+    """The prefill runner program (bucketed by packed prompt tokens, `prefill_buckets`)."""
+    O = pg.Output
+    state = {**{n: pg.State(sink=0) for n in cache_names}, "req_to_token": pg.State(sink=0)}
+    return extend_program(lambda a: {
+        "hidden": O((a.tokens, cfg.hidden_size), hidden_dtype),
+        "last_hidden": O((a.bs, cfg.hidden_size), hidden_dtype)},
+        buckets=prefill_buckets(max_tokens), state=state, name="prefill")
+
+
 def bodies(target, head, spec: SpecConfig) -> dict:
     return {"decode": decode_body(target), "verify": verify_body(target, spec),
             "draft": draft_body(head, spec), "draft_extend": draft_extend_body(head, spec)}
@@ -264,7 +295,7 @@ class GreedyState(LoopState):
 
 @dataclass
 class PrefillBatch:
-    """The batch's prompts packed request after request (prefill runs eagerly)."""
+    """The batch's prompts packed request after request (the prefill's inputs)."""
     ids: Tensor           # [n_tok] int64
     positions: Tensor     # [n_tok] int64
     rows: Tensor          # [bs] int32 req_to_token rows
@@ -420,14 +451,23 @@ class Worker:
     False runs the plain loop (read back, then queue the next).
     max_context bounds prompt + max_new_tokens + the tree margin per request (checked at
     admission); with overlap the worker reserves `overlap_margin` more positions where they fit.
+    prefill: "eager" runs the target's extend over the prompts as plain torch calls; "runner"
+    through the "prefill" program on the worker's backend (cuda: one graph per bucket of packed
+    prompt tokens, `prefill_buckets`, the decoder layers compiled as in decode), followed by the
+    lm_head of the requests' last rows (eager: real rows only). prefill_tokens: the top of
+    that ladder (default max_bs * max_context, all a batch can hold); a batch past it runs
+    through the runner's overflow policy.
     """
 
     def __init__(self, target, head, spec: SpecConfig, *, backend: str = "reference",
                  max_bs: int = 16, max_context: int = 512, eos_id: int | None = None,
                  buckets=None, compile_options: dict | None = None, overlap: bool = True,
-                 torch_compile: bool | None = None, draft_compile: str = "regions"):
+                 torch_compile: bool | None = None, draft_compile: str = "regions",
+                 prefill: str = "eager", prefill_tokens: int | None = None):
         if draft_compile not in ("regions", "whole"):
             raise ValueError(f"draft_compile must be 'regions' or 'whole'; got {draft_compile!r}")
+        if prefill not in ("eager", "runner"):
+            raise ValueError(f"prefill must be 'eager' or 'runner'; got {prefill!r}")
         p = target.lm_head.weight
         self.target, self.head, self.spec, self.eos_id = target, head, spec, eos_id
         self.backend, self.max_bs, self.max_context = backend, max_bs, max_context
@@ -449,13 +489,19 @@ class Worker:
                                  cache_names=tuple(cache_state(self.kv)))
         self.bodies = bodies(target, head, spec) if head is not None else {
             "decode": decode_body(target)}
+        self.prefill_mode = prefill
+        if prefill == "runner":     # a batch holds at most max_bs * max_context prompt tokens
+            self.programs["prefill"] = extend_prefill_program(
+                target.cfg, p.dtype, prefill_tokens or max_bs * max_context,
+                tuple(cache_state(self.kv)))
+            self.bodies["prefill"] = extend_body(target)
         self.compile_options = compile_options or {}
         self.torch_compile = backend == "cuda" if torch_compile is None else torch_compile
         self.draft_compile = draft_compile
         self._runners: dict = {}
 
     def state(self, name: str) -> dict:
-        kv = self.kv if name in ("decode", "verify") else self.dkv
+        kv = self.kv if name in ("decode", "verify", "prefill") else self.dkv
         return {**cache_state(kv), "req_to_token": self.kv.req_to_token}
 
     def options(self, name: str) -> dict:
@@ -469,7 +515,8 @@ class Worker:
             if name in ("draft", "draft_extend") and self.draft_compile == "whole":
                 opts["torch_compile"] = {"fullgraph": True}
             else:
-                layers = self.target.layers if name in ("decode", "verify") else [self.head.layer]
+                layers = (self.target.layers if name in ("decode", "verify", "prefill")
+                          else [self.head.layer])
                 opts["torch_compile"] = {"regions": layers, "fullgraph": True}
         return opts
 
@@ -620,10 +667,15 @@ class Worker:
             clock.mark("host")
             pending = launched
 
-    # ---- prefill (eager) ---------------------------------------------------------------
+    # ---- prefill (eager, or the "prefill" runner) ---------------------------------------
     def prefill(self, reqs):
         """Target extend over the prompts; (last logits [bs, V], hidden, PrefillBatch)."""
         b = pack_prompts(reqs, self.kv.req_to_token)
+        if self.prefill_mode == "runner":
+            out = self.runner("prefill")(input_ids=b.ids, positions=b.positions,
+                                         out_cache_loc=b.loc, seq_lens=b.seq_lens,
+                                         req_pool_indices=b.rows, qo_indptr=b.qo)
+            return self.target.logits(out.last_hidden), out.hidden, b
         logits, hidden = self.target.forward_extend(b.ids, b.positions, self.kv,
                                                     self.kv.req_to_token, b.rows, b.seq_lens,
                                                     b.qo, b.loc)

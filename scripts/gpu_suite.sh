@@ -6,6 +6,7 @@
 #                             [bench-runner-oblivious: bench-runner-compile with size-oblivious tracing]
 #                             [bench-topk: the draft top-k kernel against torch, alone and behind the lm_head]
 #                             [eagle-fused: the main job with the fused fp8 lm_head + top-k draft kernel]
+#                             [eagle-prefill: both main jobs with the prompts' prefill through the prefill program]
 #                             [eagle-regions: the main job with only the head's layer compiled in the draft bodies]
 #                             [eagle-profile: the main job, then its kernels per round under torch.profiler]
 #                             [tests-parallel: the cuda tests as four pytest processes at once]
@@ -58,6 +59,8 @@ want eagle && run eagle python3 examples/eagle.py --model llama
 want eagle-deepseek && run eagle_deepseek python3 examples/eagle.py --model deepseek
 want eagle-regions && run eagle_regions python3 examples/eagle.py --model llama --draft-compile regions
 want eagle-profile && run eagle_profile python3 examples/eagle.py --model llama --profile
+want eagle-prefill && run eagle_prefill python3 examples/eagle.py --model llama --prefill runner
+want eagle-prefill && run eagle_deepseek_prefill python3 examples/eagle.py --model deepseek --prefill runner
 want eagle-fused && run eagle_fused python3 examples/eagle.py --model llama --profile --draft-lm-head fp8-fused
 want bench-host && run bench_host python3 examples/bench_host.py --calls 1000
 want bench-runner && run bench_runner python3 examples/bench_runner.py

@@ -1,5 +1,6 @@
-"""The four runner programs: declared pad values, axes, and pg.check with the example model's
-bodies (no pad leakage, no state writes outside raw targets and sinks, deterministic)."""
+"""The runner programs (decode, verify, draft, draft-extend, prefill): declared pad values, axes,
+and pg.check with the example model's bodies (no pad leakage, no state writes outside raw
+targets and sinks, deterministic)."""
 import os
 import sys
 
@@ -8,13 +9,13 @@ import torch
 
 import padgraph as pg
 from padgraph.runners import (decode_program, draft_extend_program, draft_program,
-                              verify_program)
+                              extend_program, verify_program)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 from models.eagle_head import EagleHead  # noqa: E402
 from models.llama import LlamaConfig, LlamaModel  # noqa: E402
-from spec_decode import SpecConfig, Worker  # noqa: E402
+from spec_decode import SpecConfig, Worker, prefill_buckets  # noqa: E402
 
 
 def pads(p):
@@ -39,6 +40,28 @@ def test_declared_pad_values():
     assert plan.capacity("tokens", 8) == 32 and plan.shape("qo_indptr", 8) == (9,)
 
 
+def test_extend_program_is_bucketed_by_tokens():
+    """Prefill: the bucket follows the packed tokens; requests are a dependent axis of capacity
+    tokens, padded requests own no tokens (qo_indptr repeats), padded tokens write the sink."""
+    ex = extend_program(lambda a: {"h": pg.Output((a.tokens, 4), torch.float32),
+                                   "last": pg.Output((a.bs, 4), torch.float32)},
+                        buckets=pg.Buckets([16, 32, 64]))
+    assert [a.name for a in ex.axes] == ["tokens", "reqs"]
+    assert pads(ex) == {"input_ids": pg.Fill(0), "positions": pg.Fill(0),
+                        "out_cache_loc": pg.Fill(0), "seq_lens": pg.Fill(1),
+                        "req_pool_indices": pg.Fill(0), "qo_indptr": pg.Edge()}
+    plan = pg.Plan(ex)
+    assert plan.bucket_for({"tokens": 17, "reqs": 3}) == 32
+    assert plan.bucket_for({"tokens": 16, "reqs": 16}) == 16
+    assert plan.shape("qo_indptr", 32) == (33,) and plan.shape("input_ids", 32) == (32,)
+
+
+def test_prefill_buckets():
+    assert list(prefill_buckets(100)) == [16, 24, 32, 48, 64, 96, 100]
+    assert list(prefill_buckets(128)) == [16, 24, 32, 48, 64, 96, 128]
+    assert list(prefill_buckets(10)) == [10]
+
+
 def test_tokens_axis_is_decided_separately():
     de = draft_extend_program(3, 8, torch.float32, lambda a: {
         "y": pg.Output((a.bs,), torch.int32)}, buckets=pg.Buckets([1, 2, 4, 8]))
@@ -56,7 +79,8 @@ def worker():
     torch.manual_seed(0)
     target = LlamaModel(LlamaConfig.tiny()).eval()
     head = EagleHead(target).eval()
-    w = Worker(target, head, SPEC, max_bs=8, max_context=48, buckets=pg.Buckets([1, 2, 4, 8]))
+    w = Worker(target, head, SPEC, max_bs=8, max_context=48, buckets=pg.Buckets([1, 2, 4, 8]),
+               prefill="runner")
     rt = w.kv.req_to_token                                   # every row but 0 owns 48 slots
     rt[1:] = torch.randperm(w.slots.n - 1)[: 8 * 48].int().view(8, 48) + 1
     return w
@@ -92,6 +116,13 @@ def sample_for(name, w):
             return dict(topk_p=p, topk_index=torch.randint(0, V, (bs, topk), generator=gen),
                         hidden_states=torch.randn(bs, H, generator=gen), positions=L.long(),
                         seq_lens=L, req_pool_indices=rows, out_cache_loc=slots(pos))
+        if name == "prefill":               # whole prompts from position 0, packed
+            qo = torch.cat([torch.zeros(1, dtype=torch.int32), L.cumsum(0).int()])
+            pos = torch.cat([torch.arange(int(n)) for n in L])
+            row_of = rows.long().repeat_interleave(L.long())
+            return dict(input_ids=ids(int(qo[-1])), positions=pos,
+                        out_cache_loc=rt[row_of, pos].long(), seq_lens=L,
+                        req_pool_indices=rows, qo_indptr=qo)
         acc = torch.randint(1, S + 2, (bs,), generator=gen).int()
         qo = torch.cat([torch.zeros(1, dtype=torch.int32), acc.cumsum(0).int()])
         n = int(qo[-1])
@@ -103,7 +134,7 @@ def sample_for(name, w):
     return sample
 
 
-@pytest.mark.parametrize("name", ["decode", "verify", "draft", "draft_extend"])
+@pytest.mark.parametrize("name", ["decode", "verify", "draft", "draft_extend", "prefill"])
 def test_check_runner_programs(worker, name):
     with torch.no_grad():
         res = pg.check(worker.programs[name], worker.bodies[name], state=worker.state(name),

@@ -342,6 +342,13 @@ class DeepSeekModel(nn.Module):
         last = (qo_indptr[1:] - 1).clamp_min(0).long()               # [bs]
         return self.logits(hidden[last]), hidden
 
+    def forward_extend_hidden(self, input_ids, positions, kv, req_to_token, req_pool_indices,
+                              seq_lens, qo_indptr, out_cache_loc, impl="auto"):
+        """Packed [n_tok] → hidden [n_tok, hidden] only (the prefill program)."""
+        batch = mla_extend_batch(self.cfg, req_to_token, req_pool_indices, seq_lens, qo_indptr,
+                                 out_cache_loc, impl)
+        return self._run(input_ids, positions, batch, kv)
+
     def forward_verify(self, input_ids, positions, kv, req_to_token, req_pool_indices, seq_lens,
                        tree_mask, out_cache_loc, impl="auto"):
         """[bs*k] tree tokens (seq_lens = prefix + k) → (logits [bs*k, V], hidden [bs*k, hidden])."""

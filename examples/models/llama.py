@@ -230,6 +230,14 @@ class PagedForwards:
         last = (qo_indptr[1:] - 1).clamp_min(0).long()               # [bs]
         return self.logits(hidden[last]), hidden
 
+    def forward_extend_hidden(self, input_ids, positions, kv, req_to_token, req_pool_indices,
+                              seq_lens, qo_indptr, out_cache_loc, impl="auto"):
+        """Packed [n_tok] tokens → hidden [n_tok, H] only (the prefill program: the caller takes
+        the lm_head of the requests' last rows, not of every padded request)."""
+        batch = extend_batch(req_to_token, req_pool_indices, seq_lens, qo_indptr, out_cache_loc,
+                             impl)
+        return self._run(input_ids, positions, batch, kv)
+
     def forward_verify(self, input_ids, positions, kv, req_to_token, req_pool_indices, seq_lens,
                        tree_mask, out_cache_loc, impl="auto"):
         """[bs*k] tree tokens (seq_lens = prefix + k) → (logits [bs*k, V], hidden [bs*k, H])."""

@@ -1,0 +1,126 @@
+"""The prefill program (`Worker(prefill="runner")`): the target's extend over whole prompts as a
+runner, bucketed by packed prompt tokens. On the CPU (reference backend, the oracle) it must give
+exactly the eager prefill's tokens and greedy's top-2 gaps, for a Llama and a DeepSeek (MLA + MoE)
+target, eager and with the decoder layers compiled; on a GPU, the cuda backend's graphs give the
+eager prefill's tokens."""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from models.deepseek import DeepSeekConfig, DeepSeekModel  # noqa: E402
+from models.eagle_head import EagleHead  # noqa: E402
+from models.llama import LlamaConfig, LlamaModel  # noqa: E402
+from models.mtp_head import MTPHead  # noqa: E402
+from spec_decode import SpecConfig, Worker  # noqa: E402
+from test_eagle_e2e import assert_released  # noqa: E402
+
+import padgraph as pg  # noqa: E402
+
+LENS = [(5, 1), (9, 7), (3, 13), (7, 2), (4, 12), (6, 5), (1, 6)]   # (prompt, max_new)
+SPEC = SpecConfig(steps=3, topk=2, num_draft_tokens=5)
+
+
+def _prompts(vocab, lens=LENS, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n, _ in lens]
+
+
+def _models(kind):
+    torch.manual_seed(0)
+    if kind == "llama":
+        target = LlamaModel(LlamaConfig.tiny(n_layers=1)).eval()   # copy_of_target: 1 layer
+        return target, EagleHead.copy_of_target(target).eval()
+    target = DeepSeekModel(DeepSeekConfig.tiny(n_layers=2, n_dense_layers=1), seed=1).eval()
+    return target, MTPHead(target).eval()
+
+
+def _worker(target, head, prefill, **kw):
+    return Worker(target, head, SPEC, max_bs=8, max_context=48, prefill=prefill,
+                  buckets=pg.Buckets([1, 2, 4, 8]), **kw)
+
+
+def _run(w, mode, prompts, news):
+    with torch.no_grad():
+        return (w.generate_spec if mode == "spec" else w.generate_greedy)(prompts, news)
+
+
+def _same(a, b):
+    (ra, sa), (rb, sb) = a, b
+    assert [r.output for r in ra] == [r.output for r in rb]
+    for x, y in zip(ra, rb):
+        torch.testing.assert_close(torch.tensor(x.gaps), torch.tensor(y.gaps), rtol=0, atol=1e-4)
+    assert (sa.tokens, sa.accepted, sa.request_rounds) == (sb.tokens, sb.accepted, sb.request_rounds)
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek"])
+def test_prefill_runner_equals_eager_prefill(kind):
+    target, head = _models(kind)
+    prompts, news = _prompts(target.cfg.vocab_size), [m for _, m in LENS]
+    eager, runner = _worker(target, head, "eager"), _worker(target, head, "runner")
+    for mode in ("spec", "greedy"):
+        _same(_run(runner, mode, prompts, news), _run(eager, mode, prompts, news))
+    st = runner.runner("prefill").stats
+    n_tok = sum(n for n, _ in LENS)                   # 35 packed tokens: bucket 48
+    assert dict(st.calls) == {48: 2} and st.padded_lanes[48] > 0 and st.eager_fallbacks == 0
+    assert "prefill" not in eager._runners and n_tok == 35
+    # a smaller batch lands in a smaller bucket of the same runner
+    _same(_run(runner, "greedy", prompts[:2], news[:2]), _run(eager, "greedy", prompts[:2], news[:2]))
+    assert st.calls[16] == 1
+    assert_released(runner)
+
+
+def test_batch_past_the_prefill_ladder_runs_the_overflow_policy():
+    """prefill_tokens caps the ladder; a batch past it runs eagerly through the runner (its
+    overflow policy), with the same tokens."""
+    target, head = _models("llama")
+    prompts, news = _prompts(target.cfg.vocab_size), [m for _, m in LENS]
+    small = _worker(target, head, "runner", prefill_tokens=24)
+    assert list(small.programs["prefill"].buckets) == [16, 24]
+    _same(_run(small, "greedy", prompts, news), _run(_worker(target, head, "eager"), "greedy",
+                                                     prompts, news))
+    assert small.runner("prefill").stats.eager_fallbacks == 1
+
+
+def test_compiled_prefill_runner_gives_the_eager_tokens():
+    """With the decoder layers compiled (the GPU default), the prefill runner's layers compile
+    for the token ladder and serve the eager prefill's tokens (greedy: the spec runners'
+    compiles are covered in test_spec_overlap.py)."""
+    target, head = _models("llama")
+    prompts, news = _prompts(target.cfg.vocab_size), [m for _, m in LENS]
+    compiled = _worker(target, head, "runner", torch_compile=True)
+    assert "regions" in compiled.options("prefill")["torch_compile"]
+    eager = _worker(target, head, "eager")
+    for p, n in ((prompts, news), (prompts[:2], news[:2])):      # buckets 48, then 16
+        (ra, _), (rb, _) = _run(compiled, "greedy", p, n), _run(eager, "greedy", p, n)
+        assert [r.output for r in ra] == [r.output for r in rb]
+    st = compiled.runner("prefill").stats
+    assert st.compiles >= 1 and st.calls[48] == st.calls[16] == 1
+
+
+def test_prefill_mode_is_checked():
+    target, head = _models("llama")
+    with pytest.raises(ValueError, match="prefill must be 'eager' or 'runner'"):
+        _worker(target, head, "graphs")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["llama", "deepseek"])
+def test_cuda_prefill_runner_gives_the_eager_prefill_tokens(kind):
+    """cuda backend, tiny bf16 models: the prefill graphs (one per bucket of packed tokens) give
+    the eager prefill's tokens for spec and greedy, in two buckets."""
+    target, head = _models(kind)
+    target, head = target.cuda().to(torch.bfloat16), head.cuda().to(torch.bfloat16)
+    prompts, news = _prompts(target.cfg.vocab_size), [m for _, m in LENS]
+    kw = dict(backend="cuda")
+    runner, eager = _worker(target, head, "runner", **kw), _worker(target, head, "eager", **kw)
+    for mode in ("spec", "greedy"):
+        for p, n in ((prompts, news), (prompts[:2], news[:2])):
+            (ra, _), (rb, _) = _run(runner, mode, p, n), _run(eager, mode, p, n)
+            assert [r.output for r in ra] == [r.output for r in rb], (kind, mode, len(p))
+    st = runner.runner("prefill").stats
+    assert st.calls[48] == 2 and st.calls[16] == 2 and st.eager_fallbacks == 0
