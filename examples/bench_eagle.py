@@ -29,8 +29,11 @@ MODEL = os.environ.get("EAGLE_MODEL", "llama")
 DESCRIPTION = {"llama": "Llama-3.2-1B shape, random init (scaled residual), bf16",
                "deepseek": "DeepSeek-like (MLA + dense masked MoE), V2-Lite widths, 6 layers, "
                            "16 experts top-6, MTP-style head, random init, bf16"}
-RESULT = "eagle" if MODEL == "llama" else f"eagle_{MODEL}"
 OVERLAP = True     # overlap scheduling for every loop (spec_decode.Worker)
+# the graph workers' prefill (spec_decode.Worker(prefill=)): "eager" (default) or "runner"
+PREFILL = os.environ.get("EAGLE_PREFILL", "eager")
+RESULT = ("eagle" if MODEL == "llama" else f"eagle_{MODEL}") + \
+    ("_prefill" if PREFILL == "runner" else "")
 OVERLAP_NOTE = ("overlap scheduling on: each loop queues round (greedy: step) N+1 before it "
                 "reads N back; finished requests leave one round late")
 
@@ -65,8 +68,8 @@ def main():
                       + max(spec.num_draft_tokens, spec.steps * spec.topk))
     kw = dict(max_bs=max(BATCHES), max_context=max_context, buckets=buckets, overlap=OVERLAP)
     workers = {
-        "greedy_graphs": Worker(target, head, spec, backend="cuda", **kw),
-        "eagle_graphs": Worker(target, head, spec, backend="cuda",
+        "greedy_graphs": Worker(target, head, spec, backend="cuda", prefill=PREFILL, **kw),
+        "eagle_graphs": Worker(target, head, spec, backend="cuda", prefill=PREFILL,
                                draft_compile=DRAFT_COMPILE[MODEL], **kw),
         "eagle_eager": Worker(target, head, spec, backend="reference", **kw),
     }
@@ -108,6 +111,7 @@ def write(out_dir, rows, spec, dinfo, seconds):
         "new_tokens": NEW_TOKENS, "distill": dinfo, "wall_s": seconds,
         "targets": {"eagle_vs_greedy_bs1": ">= 2.0", "graphs_vs_eager_bs1": ">= 3.0"},
         "overlap": OVERLAP, "scheduling": OVERLAP_NOTE if OVERLAP else "overlap off",
+        "prefill": PREFILL,
     }
     meta["spec"] = {"steps": spec.steps, "topk": spec.topk, "k": spec.num_draft_tokens}
     os.makedirs(out_dir, exist_ok=True)
@@ -116,7 +120,7 @@ def write(out_dir, rows, spec, dinfo, seconds):
     lines = [f"# EAGLE benchmark ({meta['date']})", "",
              f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}; {meta['model']}; "
              f"steps={spec.steps} topk={spec.topk} k={spec.num_draft_tokens}; draft compiled "
-             f"{DRAFT_COMPILE[MODEL]}, draft lm_head {DRAFT_LM_HEAD[MODEL]}; "
+             f"{DRAFT_COMPILE[MODEL]}, draft lm_head {DRAFT_LM_HEAD[MODEL]}; prefill {PREFILL}; "
              f"{NEW_TOKENS} new tokens per request; distillation {dinfo['data_s'] + dinfo['train_s']:.0f}s",
              "", f"{meta['scheduling']} (rounds counted as launched)", "",
              f"command: `{meta['command']}`", "",
