@@ -25,6 +25,9 @@ from spec_decode import SpecConfig, Worker
 
 BATCHES = (1, 4, 16)
 NEW_TOKENS = 128
+# Continuous admission: QUEUE requests through max(BATCHES) rows, outputs uniform in
+# QUEUE_NEW (within the workers' max_context); a request that finishes frees its row for the next.
+QUEUE, QUEUE_NEW = 64, (64, 129)
 MODEL = os.environ.get("EAGLE_MODEL", "llama")
 DESCRIPTION = {"llama": "Llama-3.2-1B shape, random init (scaled residual), bf16",
                "deepseek": "DeepSeek-like (MLA + dense masked MoE), V2-Lite widths, 6 layers, "
@@ -97,9 +100,32 @@ def main():
             "first_divergences": {"near_tie": ties, "other": other}})
         print(rows[-1], flush=True)
         write(out_dir, rows, spec, dinfo, time.perf_counter() - t_start)   # after every bs
+    # continuous admission: the graph workers, QUEUE requests of varied output lengths
+    g = torch.Generator().manual_seed(99)
+    prompts = prompts_for(QUEUE, target.cfg.vocab_size, seed=99)
+    news = torch.randint(*QUEUE_NEW, (QUEUE,), generator=g).tolist()
+    res = {}
+    for name in ("greedy_graphs", "eagle_graphs"):
+        mode = "greedy" if name.startswith("greedy") else "spec"
+        w = workers[name]
+        with torch.no_grad():
+            (w.generate_greedy if mode == "greedy" else w.generate_spec)(
+                prompts[:max(BATCHES)], [8] * max(BATCHES))          # warm
+            res[name] = (w.generate_greedy if mode == "greedy" else w.generate_spec)(prompts, news)
+    exact, ties, other = compare(res["greedy_graphs"][0], res["eagle_graphs"][0], TIE_TOL)
+    gs, es = res["greedy_graphs"][1], res["eagle_graphs"][1]
+    queue = {"requests": QUEUE, "rows": max(BATCHES), "new_tokens": list(QUEUE_NEW),
+             "greedy_graphs_tok_s": gs.tokens_per_s, "eagle_graphs_tok_s": es.tokens_per_s,
+             "accept_len": es.accept_len, "speedup_vs_greedy": es.tokens_per_s / gs.tokens_per_s,
+             "rounds": {"greedy_steps": gs.rounds, "eagle_rounds": es.rounds},
+             "prefills": {"greedy": gs.prefills, "eagle": es.prefills},
+             "greedy_match": f"{exact + len(ties)}/{QUEUE} ({exact} exact, {len(ties)} tie, "
+                             f"{len(other)} other)"}
+    print(queue, flush=True)
+    write(out_dir, rows, spec, dinfo, time.perf_counter() - t_start, queue)
 
 
-def write(out_dir, rows, spec, dinfo, seconds):
+def write(out_dir, rows, spec, dinfo, seconds, queue=None):
     import triton
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -116,7 +142,7 @@ def write(out_dir, rows, spec, dinfo, seconds):
     meta["spec"] = {"steps": spec.steps, "topk": spec.topk, "k": spec.num_draft_tokens}
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"{RESULT}.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=2)
+        json.dump({"meta": meta, "rows": rows, "continuous": queue}, f, indent=2)
     lines = [f"# EAGLE benchmark ({meta['date']})", "",
              f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}; {meta['model']}; "
              f"steps={spec.steps} topk={spec.topk} k={spec.num_draft_tokens}; draft compiled "
@@ -133,6 +159,17 @@ def write(out_dir, rows, spec, dinfo, seconds):
                      f"{r['eagle_eager_tok_s']:.0f} | {r['accept_len']:.2f} | "
                      f"{r['speedup_vs_greedy']:.2f}x | {r['graphs_vs_eager']:.2f}x | "
                      f"{r['greedy_match']} |")
+    if queue:
+        q = queue
+        lines += ["", f"## Continuous admission: {q['requests']} requests through {q['rows']} "
+                  f"rows, {q['new_tokens'][0]}-{q['new_tokens'][1] - 1} new tokens each", "",
+                  "| greedy graphs tok/s | EAGLE graphs tok/s | accept len | speedup vs greedy | "
+                  "steps / rounds | prefill batches (greedy / EAGLE) | greedy match |",
+                  "|---|---|---|---|---|---|---|",
+                  f"| {q['greedy_graphs_tok_s']:.0f} | {q['eagle_graphs_tok_s']:.0f} | "
+                  f"{q['accept_len']:.2f} | {q['speedup_vs_greedy']:.2f}x | "
+                  f"{q['rounds']['greedy_steps']} / {q['rounds']['eagle_rounds']} | "
+                  f"{q['prefills']['greedy']} / {q['prefills']['eagle']} | {q['greedy_match']} |"]
     with open(os.path.join(out_dir, f"{RESULT}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

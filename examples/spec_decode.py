@@ -1,9 +1,12 @@
-"""EAGLE speculative decoding (and plain greedy decoding) over padgraph's four runner programs.
+"""EAGLE speculative decoding (and plain greedy decoding) over padgraph's runner programs.
 
 Every step of the loop is a call of a compiled program (backend "cuda" on a GPU, "reference" on
-the CPU): draft → verify → draft-extend for EAGLE, decode for greedy. Prefill runs eagerly. The
-batch shrinks as requests finish (EOS or max tokens), so raw batch sizes are odd; a finished
-request's KV slots and req_to_token row go back to the allocators at once.
+the CPU): draft → verify → draft-extend for EAGLE, decode for greedy. Prefill runs eagerly, or
+through the "prefill" program (`Worker(prefill="runner")`). The batch shrinks as requests finish
+(EOS or max tokens), so raw batch sizes are odd; a finished request's KV slots and req_to_token
+row go back to the allocators once no round in flight uses them. Given more requests than
+max_bs, the rest wait and are admitted as rows free up (continuous admission: each admission
+is prefilled and appended to the running batch before the next round is queued).
 
 Per-request KV: a request owns one req_to_token row and, from admission, the slots for its whole
 budget (prompt + max_new_tokens + tree scratch), so draft and verify tokens use the slots of the
@@ -274,6 +277,12 @@ class LoopState:
                                 for f in fields(self)})
 
 
+    def concat(self, other: "LoopState") -> "LoopState":
+        """This batch's requests, then `other`'s (admitted into the running batch)."""
+        return replace(self, **{f.name: torch.cat([getattr(self, f.name), getattr(other, f.name)])
+                                for f in fields(self)})
+
+
 def _blocks(t: Tensor, bs: int, keep: Tensor) -> Tensor:
     return t.reshape(bs, -1).index_select(0, keep).reshape(-1, *t.shape[1:])   # no host sync
 
@@ -416,6 +425,7 @@ class RunStats:
     request_rounds: int = 0    # real request-rounds, for the mean accept length
     discarded: int = 0         # lane-rounds run for an already finished request (overlap)
     overlap: bool = False
+    prefills: int = 0          # prefill batches: 1, more with continuous admission
     phases: dict[str, float] = field(default_factory=dict)   # seconds: prefill, draft, verify,
     #                            draft_extend, host (EAGLE) or prefill, decode, host (greedy);
     #                            host: waiting for the previous readback + processing it
@@ -528,16 +538,26 @@ class Worker:
         return self._runners[name]
 
     # ---- request lifecycle -------------------------------------------------------------
-    def admit(self, prompts, max_new_tokens) -> list[Request]:
-        if len(prompts) > self.max_bs:
-            raise ValueError(f"at most max_bs={self.max_bs} requests per batch; got {len(prompts)}")
-        reqs = []
+    def check_requests(self, prompts, max_new_tokens) -> None:
+        """Every request must fit max_context with the tree margin (before any is admitted)."""
+        if len(prompts) != len(max_new_tokens):
+            raise ValueError(f"{len(prompts)} prompts but {len(max_new_tokens)} max_new_tokens")
         for i, (prompt, n_new) in enumerate(zip(prompts, max_new_tokens)):
-            need = len(prompt) + n_new + self.margin
-            if need > self.max_context:
+            if len(prompt) + n_new + self.margin > self.max_context:
                 raise ValueError(f"request {i}: prompt {len(prompt)} + max_new_tokens {n_new} + "
                                  f"tree margin {self.margin} must fit max_context "
                                  f"{self.max_context}")
+
+    def admit(self, prompts, max_new_tokens, rids=None) -> list[Request]:
+        """Rows and KV slots for these requests (ids `rids`, default 0, 1, ...)."""
+        if len(prompts) > self.rows.n_free:
+            raise ValueError(f"{len(prompts)} requests but {self.rows.n_free} free rows "
+                             f"(max_bs={self.max_bs} running at once)")
+        self.check_requests(prompts, max_new_tokens)
+        reqs = []
+        rids = range(len(prompts)) if rids is None else rids
+        for i, prompt, n_new in zip(rids, prompts, max_new_tokens):
+            need = len(prompt) + n_new + self.margin
             if self.overlap:     # room for the extra round, as far as max_context allows
                 need = min(need + self.overlap_margin, self.max_context)
             r = Request(i, list(prompt), n_new, row=self.rows.alloc(1)[0],
@@ -546,15 +566,15 @@ class Worker:
             reqs.append(r)
         return reqs
 
-    def spec_overlap_fits(self, reqs) -> bool:
-        """Whether every request got the positions an EAGLE round past its end touches; where
-        one did not (max_context too small), the batch runs without overlap (with a warning)."""
+    def spec_overlap_fits(self, prompts, max_new_tokens) -> bool:
+        """Whether every request gets the positions an EAGLE round past its end touches; where
+        one does not (max_context too small), the run goes without overlap (with a warning)."""
         if not self.overlap:
             return False
-        short = [r.rid for r in reqs if len(r.slots) < len(r.prompt) + r.max_new_tokens
-                 + self.margin + self.overlap_margin]
+        short = [i for i, (p, n) in enumerate(zip(prompts, max_new_tokens))
+                 if len(p) + n + self.margin + self.overlap_margin > self.max_context]
         if short:
-            warnings.warn(f"overlap off for this batch: requests {short} lack the "
+            warnings.warn(f"overlap off for this run: requests {short} lack the "
                           f"{self.overlap_margin} positions past prompt + max_new_tokens + tree "
                           f"margin that the round after their end needs (max_context "
                           f"{self.max_context})", stacklevel=3)
@@ -598,8 +618,9 @@ class Worker:
 
     # ---- the loop ----------------------------------------------------------------------
     def _loop(self, active: list[Request], st: LoopState, step, consume, stats: RunStats,
-              clock: PhaseClock, overlap: bool) -> None:
-        """Run rounds until every request has finished.
+              clock: PhaseClock, overlap: bool, refill: "_Refill | None" = None) -> None:
+        """Run rounds until every request has finished (and, with `refill`, every queued one
+        has been admitted and finished).
 
         step(st) queues one round for st's batch, starts its `Readback` and returns (the state
         the next round starts from, the readback); it needs nothing from the host. consume(req,
@@ -617,7 +638,12 @@ class Worker:
         N — one token left, and every round emits at least one — is kept out of round N+1
         instead (its rows dropped before that round is queued, released at round N's
         readback): greedy decoding without EOS then never runs a discarded lane, and a batch
-        ends without a trailing round. Why that is safe: all rounds run on one
+        ends without a trailing round.
+
+        refill (continuous admission): before each round is queued, queued requests take the
+        rows freed so far; they are prefilled (queued behind the round in flight) and their
+        state is appended to the batch's, so the round about to be queued runs them too. Rows
+        are freed as above, so an admitted request never gets a row a round in flight uses. Why that is safe: all rounds run on one
         stream, in order, so when round N+1's readback event has completed, round N+1 and
         everything queued before it have finished; the rows were dropped before round N+2, so
         no round queued later uses them. A released row or slot is therefore touched by no
@@ -628,12 +654,14 @@ class Worker:
         stats.overlap = overlap
         pending = None                  # (lanes, Readback) of a queued round not yet read back
         late: list[Request] = []        # finished, but in the batch of the round in flight
-        while active or pending:
+        while active or pending or (refill is not None and refill.waiting):
             launched, kept_out = None, []
             if active and overlap and pending is not None:   # round N is in flight
                 kept_out = [r for r in active if _sure_to_finish(r)]
                 if kept_out:
                     active, st = self._drop_done(active, st, gone=_sure_to_finish)
+            if refill is not None and refill.waiting:        # after kept_out: all in round N
+                active, st = refill(active, st)
             if active:
                 st, rb = step(st)       # round N+1, from round N's state on the device
                 stats.rounds += 1
@@ -726,15 +754,21 @@ class Worker:
         return nxt, rb
 
     def generate_spec(self, prompts, max_new_tokens) -> tuple[list[Request], RunStats]:
+        """EAGLE over the requests: up to max_bs run at once; past that the rest wait and are
+        admitted as rows free up (continuous admission). (Requests in prompt order, stats.)"""
         stats, t0 = RunStats(), _now(self)
         clock = PhaseClock(self.kv.req_to_token.is_cuda)
-        reqs = self.admit(prompts, max_new_tokens)
-        overlap = self.spec_overlap_fits(reqs)
-        logits, hidden, b = self.prefill(reqs)
-        first = logits.argmax(-1)
-        st = self.draft_prefill(first, hidden, b)
-        active, st = self.retire(reqs, st, [[t] for t in to_host(first)[0]])
-        clock.mark("prefill")
+        self.check_requests(prompts, max_new_tokens)
+        overlap = self.spec_overlap_fits(prompts, max_new_tokens)
+
+        def prefill_batch(reqs):
+            logits, hidden, b = self.prefill(reqs)
+            first = logits.argmax(-1)
+            st = self.draft_prefill(first, hidden, b)
+            active, st = self.retire(reqs, st, [[t] for t in to_host(first)[0]])
+            stats.prefills += 1
+            clock.mark("prefill")
+            return active, st
 
         def consume(r: Request, values) -> bool:
             acc, toks = values
@@ -742,9 +776,11 @@ class Worker:
             stats.request_rounds += 1
             return self.emit(r, toks[:acc])
 
+        refill = _Refill(self, prompts, max_new_tokens, prefill_batch)
+        active, st = refill([], None)
         self._loop(active, st, lambda s: self.spec_round(s, clock), consume, stats, clock,
-                   overlap)
-        return reqs, self._finish(stats, t0, clock, reqs)
+                   overlap, refill)
+        return refill.reqs, self._finish(stats, t0, clock, refill.reqs)
 
     # ---- greedy ------------------------------------------------------------------------
     def decode_step(self, st: GreedyState, clock: PhaseClock):
@@ -759,17 +795,22 @@ class Worker:
         return GreedyState(st.rows, s1, out.next_token), rb
 
     def generate_greedy(self, prompts, max_new_tokens) -> tuple[list[Request], RunStats]:
+        """Greedy decoding over the requests, admitted as `generate_spec` admits them."""
         stats, t0 = RunStats(), _now(self)
         clock = PhaseClock(self.kv.req_to_token.is_cuda)
-        reqs = self.admit(prompts, max_new_tokens)
-        logits, _, b = self.prefill(reqs)
-        first, top2 = logits.argmax(-1), logits.topk(2, dim=-1).values
-        st = GreedyState(rows=b.rows, seq_lens=b.seq_lens, cur=first)
-        toks, gaps = to_host(first, top2[:, 0] - top2[:, 1])
-        for r, g in zip(reqs, gaps):
-            r.gaps = [g]
-        active, st = self.retire(reqs, st, [[t] for t in toks])
-        clock.mark("prefill")
+        self.check_requests(prompts, max_new_tokens)
+
+        def prefill_batch(reqs):
+            logits, _, b = self.prefill(reqs)
+            first, top2 = logits.argmax(-1), logits.topk(2, dim=-1).values
+            st = GreedyState(rows=b.rows, seq_lens=b.seq_lens, cur=first)
+            toks, gaps = to_host(first, top2[:, 0] - top2[:, 1])
+            for r, g in zip(reqs, gaps):
+                r.gaps = [g]
+            active, st = self.retire(reqs, st, [[t] for t in toks])
+            stats.prefills += 1
+            clock.mark("prefill")
+            return active, st
 
         def consume(r: Request, values) -> bool:
             tok, gap = values
@@ -778,15 +819,47 @@ class Worker:
 
         # greedy's extra step writes position prompt + max_new - 1: always inside the
         # reservation, so greedy overlaps whenever the worker does
+        refill = _Refill(self, prompts, max_new_tokens, prefill_batch)
+        active, st = refill([], None)
         self._loop(active, st, lambda s: self.decode_step(s, clock), consume, stats, clock,
-                   self.overlap)
-        return reqs, self._finish(stats, t0, clock, reqs)
+                   self.overlap, refill)
+        return refill.reqs, self._finish(stats, t0, clock, refill.reqs)
 
     def _finish(self, stats: RunStats, t0: float, clock: PhaseClock, reqs) -> RunStats:
         stats.seconds = _now(self) - t0
         stats.phases = clock.totals()
         stats.tokens = sum(len(r.output) for r in reqs)
         return stats
+
+
+class _Refill:
+    """Continuous admission for one generate_* call: the requests not yet admitted, in order;
+    a call admits as many as there are free rows, prefills them and appends them to the running
+    batch ((active, state) -> (active, state); state None: no batch yet)."""
+
+    def __init__(self, worker: Worker, prompts, max_new_tokens, prefill_batch):
+        self.worker, self.prefill_batch = worker, prefill_batch
+        self.queue = list(zip(range(len(prompts)), prompts, max_new_tokens))
+        self.reqs: list[Request] = []
+
+    @property
+    def waiting(self) -> bool:
+        return bool(self.queue)
+
+    def __call__(self, active: list[Request], st: LoopState | None):
+        n = min(len(self.queue), self.worker.rows.n_free)
+        if n == 0:
+            return active, st
+        batch, self.queue = self.queue[:n], self.queue[n:]
+        rids, prompts, news = zip(*batch)
+        new = self.worker.admit(list(prompts), list(news), rids=list(rids))
+        self.reqs.extend(new)
+        new_active, new_st = self.prefill_batch(new)
+        if not new_active:
+            return active, st
+        if st is None or not active:
+            return new_active, new_st
+        return active + new_active, st.concat(new_st)
 
 
 def _now(worker) -> float:

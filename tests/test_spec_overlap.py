@@ -194,7 +194,7 @@ def test_overlap_off_where_the_extra_round_does_not_fit(models):
     w0 = _worker(target, head, True)
     fits = max(len(p) + n for p, n in zip(prompts, news)) + w0.margin   # no room for it
     w = _worker(target, head, True, max_context=fits)
-    with pytest.warns(UserWarning, match="overlap off for this batch"):
+    with pytest.warns(UserWarning, match="overlap off for this run"):
         on = _run(w, "spec", prompts, news)
     assert not on[1].overlap and on[1].discarded == 0
     ref = _run(_worker(target, head, False), "spec", prompts, news)

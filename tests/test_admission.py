@@ -1,0 +1,129 @@
+"""Continuous admission in spec_decode's Worker: more requests than max_bs. The rest wait and
+take rows as running requests finish; each admission is prefilled and appended to the running
+batch. On the CPU (reference backend) every request must get exactly the tokens it gets when
+served alone, with overlap on or off, for EAGLE and greedy; no row is handed out while a round
+in flight uses it, and every row and slot comes back."""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import spec_decode  # noqa: E402
+from models.eagle_head import EagleHead  # noqa: E402
+from models.llama import LlamaConfig, LlamaModel  # noqa: E402
+from spec_decode import SpecConfig, Worker  # noqa: E402
+from test_eagle_e2e import assert_released  # noqa: E402
+
+import padgraph as pg  # noqa: E402
+
+SPEC = SpecConfig(steps=3, topk=2, num_draft_tokens=5)
+# 11 requests for 4 rows: done at prefill (1), sure to finish in their first round (2), long ones
+LENS = [(5, 1), (9, 7), (3, 13), (7, 2), (4, 22), (6, 5), (8, 10), (2, 1), (5, 2), (3, 9),
+        (6, 4)]
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.manual_seed(0)
+    target = LlamaModel(LlamaConfig.tiny(n_layers=1)).eval()
+    return {"random": (target, EagleHead(target).eval()),
+            "oracle": (target, EagleHead.copy_of_target(target).eval())}
+
+
+def _prompts(vocab, lens=LENS, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n, _ in lens]
+
+
+def _worker(target, head, overlap=True, max_bs=4, **kw):
+    return Worker(target, head, SPEC, max_bs=max_bs, max_context=64, overlap=overlap,
+                  buckets=pg.Buckets([b for b in (1, 2, 4, 8) if b <= max_bs]), **kw)
+
+
+def _run(w, mode, prompts, news):
+    with torch.no_grad():
+        return (w.generate_spec if mode == "spec" else w.generate_greedy)(prompts, news)
+
+
+@pytest.fixture(scope="module")
+def alone(models):
+    """Each request's greedy tokens, served alone."""
+    target, head = models["random"]
+    w = _worker(target, head, max_bs=1)
+    prompts, news = _prompts(target.cfg.vocab_size), [n for _, n in LENS]
+    return [_run(w, "greedy", [p], [n])[0][0].output for p, n in zip(prompts, news)]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("head_kind", ["random", "oracle"])
+def test_more_requests_than_rows_give_each_its_own_tokens(models, alone, overlap, head_kind):
+    target, head = models[head_kind]
+    prompts, news = _prompts(target.cfg.vocab_size), [n for _, n in LENS]
+    w = _worker(target, head, overlap)
+    for mode in ("spec", "greedy"):
+        reqs, st = _run(w, mode, prompts, news)
+        assert [r.rid for r in reqs] == list(range(len(LENS)))
+        assert [r.output for r in reqs] == alone, (mode, overlap, head_kind)
+        assert [len(r.output) for r in reqs] == news
+        assert st.prefills > 1 and st.overlap == overlap
+        assert st.tokens == sum(news)
+        if mode == "greedy":
+            assert all(len(r.gaps) == len(r.output) for r in reqs)
+        assert_released(w)
+
+
+def test_admitted_rows_are_never_in_flight(models, monkeypatch):
+    """Every admission takes rows that no queued-but-unread round uses: with overlap, a row
+    freed by a request that finished in round N is handed out only once round N+1 (which still
+    held it) has been read back."""
+    target, head = models["oracle"]
+    prompts, news = _prompts(target.cfg.vocab_size), [n for _, n in LENS]
+    w = _worker(target, head, True)
+    in_flight: list = []             # readbacks of rounds queued and not yet read back
+    checked = []
+    orig_round, orig_admit = Worker.spec_round, Worker.admit
+    orig_wait = spec_decode.Readback.wait
+
+    def spec_round(self, st, clock):
+        nxt, rb = orig_round(self, st, clock)
+        rb.rows = set(st.rows.tolist())
+        in_flight.append(rb)
+        return nxt, rb
+
+    def wait(self):
+        out = orig_wait(self)
+        for i, rb in enumerate(in_flight):
+            if rb is self:
+                del in_flight[i]
+                break
+        return out
+
+    def admit(self, prompts, news, rids=None):
+        reqs = orig_admit(self, prompts, news, rids)
+        busy = set().union(*(rb.rows for rb in in_flight)) if in_flight else set()
+        assert not busy & {r.row for r in reqs}, (busy, [r.row for r in reqs])
+        checked.append(len(busy))
+        return reqs
+
+    monkeypatch.setattr(Worker, "spec_round", spec_round)
+    monkeypatch.setattr(Worker, "admit", admit)
+    monkeypatch.setattr(spec_decode.Readback, "wait", wait)
+    reqs, st = _run(w, "spec", prompts, news)
+    assert st.prefills > 2 and all(r.done for r in reqs)
+    assert sum(1 for b in checked if b) >= 2      # admissions while a round was in flight
+    assert_released(w)
+
+
+def test_admission_checks_every_request_first(models):
+    """A request that cannot fit max_context fails the call before any request is admitted."""
+    target, head = models["random"]
+    w = _worker(target, head)
+    prompts = _prompts(target.cfg.vocab_size)
+    news = [n for _, n in LENS[:-1]] + [64]
+    with pytest.raises(ValueError, match="request 10"):
+        _run(w, "spec", prompts, news)
+    assert_released(w)
