@@ -133,7 +133,8 @@ def phase_line(name: str, unit: str, stats, phases) -> str:
     how = (f"overlap on, {stats.discarded} lane-{unit}s discarded" if stats.overlap
            else "overlap off")
     return (f"{name} ms per {unit} (mean of {stats.rounds} launched, {how}): {parts}  = "
-            f"{sum(ms.values()):.2f}; prefill {1e3 * stats.phases.get('prefill', 0.0):.1f} ms once")
+            f"{sum(ms.values()):.2f}; prefill {1e3 * stats.phases.get('prefill', 0.0):.1f} ms "
+            + ("once" if stats.prefills <= 1 else f"in {stats.prefills} batches"))
 
 
 HOST_NOTE = ("host/other = the host waiting for the previous {unit}'s readback + emitting and "
