@@ -47,11 +47,15 @@ def prompts_for(bs: int, vocab: int, seed: int):
     return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lens]
 
 
-def measure(worker: Worker, mode: str, prompts, new_tokens: int):
+def measure(worker: Worker, mode: str, prompts, new_tokens):
+    """A warm-up run (8 tokens each, at most one batch of prompts), then the timed run;
+    new_tokens: one count for all requests, or one per request."""
     gen = worker.generate_greedy if mode == "greedy" else worker.generate_spec
+    news = new_tokens if isinstance(new_tokens, list) else [new_tokens] * len(prompts)
+    warm = prompts[:worker.max_bs]
     with torch.no_grad():
-        gen(prompts, [8] * len(prompts))                 # capture / JIT / warm caches
-        reqs, st = gen(prompts, [new_tokens] * len(prompts))
+        gen(warm, [8] * len(warm))                       # capture / JIT / warm caches
+        reqs, st = gen(prompts, news)
     return reqs, st
 
 
@@ -104,14 +108,8 @@ def main():
     g = torch.Generator().manual_seed(99)
     prompts = prompts_for(QUEUE, target.cfg.vocab_size, seed=99)
     news = torch.randint(*QUEUE_NEW, (QUEUE,), generator=g).tolist()
-    res = {}
-    for name in ("greedy_graphs", "eagle_graphs"):
-        mode = "greedy" if name.startswith("greedy") else "spec"
-        w = workers[name]
-        with torch.no_grad():
-            (w.generate_greedy if mode == "greedy" else w.generate_spec)(
-                prompts[:max(BATCHES)], [8] * max(BATCHES))          # warm
-            res[name] = (w.generate_greedy if mode == "greedy" else w.generate_spec)(prompts, news)
+    res = {name: measure(workers[name], "greedy" if name.startswith("greedy") else "spec",
+                         prompts, news) for name in ("greedy_graphs", "eagle_graphs")}
     exact, ties, other = compare(res["greedy_graphs"][0], res["eagle_graphs"][0], TIE_TOL)
     gs, es = res["greedy_graphs"][1], res["eagle_graphs"][1]
     queue = {"requests": QUEUE, "rows": max(BATCHES), "new_tokens": list(QUEUE_NEW),

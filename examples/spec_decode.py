@@ -53,6 +53,8 @@ from padgraph.backends.triton.kv import KVCache, RowAllocator, SlotAllocator
 from padgraph.runners import (decode_program, draft_extend_program, draft_program,
                               extend_program, verify_program)
 
+from models.llama import last_tokens
+
 
 @dataclass(frozen=True)
 class SpecConfig:
@@ -130,8 +132,7 @@ def extend_body(target):
         hidden = target.forward_extend_hidden(
             x.input_ids, x.positions, _kv(x), x.req_to_token, x.req_pool_indices, x.seq_lens,
             x.qo_indptr, x.out_cache_loc)                            # [tokens, H]
-        last = (x.qo_indptr[1:] - 1).clamp_min(0).long()             # [reqs]
-        return {"hidden": hidden, "last_hidden": hidden[last]}
+        return {"hidden": hidden, "last_hidden": hidden[last_tokens(x.qo_indptr)]}
     return body
 
 
@@ -214,12 +215,17 @@ def draft_extend_body(head, spec: SpecConfig):
 
 # ---------------------------------------------------------------------------------- programs
 
+def _state_decl(cache_names) -> dict[str, pg.State]:
+    """The runners' bound state: the caches (sink slot 0) and req_to_token (sink row 0)."""
+    return {**{n: pg.State(sink=0) for n in cache_names}, "req_to_token": pg.State(sink=0)}
+
+
 def programs(cfg, spec: SpecConfig, hidden_dtype, buckets=None,
              cache_names=("k_cache", "v_cache")) -> dict[str, pg.Program]:
     """The four runner programs with this model's outputs and cache state names."""
     H, k, S, topk = cfg.hidden_size, spec.num_draft_tokens, spec.steps, spec.topk
     O = pg.Output
-    state = {**{n: pg.State(sink=0) for n in cache_names}, "req_to_token": pg.State(sink=0)}
+    state = _state_decl(cache_names)
     return {
         "decode": decode_program(lambda a: {
             "next_token": O((a.bs,), torch.int64), "top2_gap": O((a.bs,), torch.float32)},
@@ -249,11 +255,10 @@ def extend_prefill_program(cfg, hidden_dtype, max_tokens: int,
                            cache_names=("k_cache", "v_cache")) -> pg.Program:
     """The prefill runner program (bucketed by packed prompt tokens, `prefill_buckets`)."""
     O = pg.Output
-    state = {**{n: pg.State(sink=0) for n in cache_names}, "req_to_token": pg.State(sink=0)}
     return extend_program(lambda a: {
         "hidden": O((a.tokens, cfg.hidden_size), hidden_dtype),
         "last_hidden": O((a.bs, cfg.hidden_size), hidden_dtype)},
-        buckets=prefill_buckets(max_tokens), state=state, name="prefill")
+        buckets=prefill_buckets(max_tokens), state=_state_decl(cache_names), name="prefill")
 
 
 def bodies(target, head, spec: SpecConfig) -> dict:
@@ -550,10 +555,14 @@ class Worker:
 
     def admit(self, prompts, max_new_tokens, rids=None) -> list[Request]:
         """Rows and KV slots for these requests (ids `rids`, default 0, 1, ...)."""
+        self.check_requests(prompts, max_new_tokens)
+        return self._admit(prompts, max_new_tokens, rids)
+
+    def _admit(self, prompts, max_new_tokens, rids=None) -> list[Request]:
+        """`admit` for requests `check_requests` has passed."""
         if len(prompts) > self.rows.n_free:
             raise ValueError(f"{len(prompts)} requests but {self.rows.n_free} free rows "
                              f"(max_bs={self.max_bs} running at once)")
-        self.check_requests(prompts, max_new_tokens)
         reqs = []
         rids = range(len(prompts)) if rids is None else rids
         for i, prompt, n_new in zip(rids, prompts, max_new_tokens):
@@ -638,18 +647,18 @@ class Worker:
         N — one token left, and every round emits at least one — is kept out of round N+1
         instead (its rows dropped before that round is queued, released at round N's
         readback): greedy decoding without EOS then never runs a discarded lane, and a batch
-        ends without a trailing round.
-
-        refill (continuous admission): before each round is queued, queued requests take the
-        rows freed so far; they are prefilled (queued behind the round in flight) and their
-        state is appended to the batch's, so the round about to be queued runs them too. Rows
-        are freed as above, so an admitted request never gets a row a round in flight uses. Why that is safe: all rounds run on one
+        ends without a trailing round. Why that is safe: all rounds run on one
         stream, in order, so when round N+1's readback event has completed, round N+1 and
         everything queued before it have finished; the rows were dropped before round N+2, so
         no round queued later uses them. A released row or slot is therefore touched by no
         round still in flight, and a later reuse (the allocators hand them to the next batch's
         admission, which writes req_to_token from the host) cannot race with one. Releasing at
         once would rely on that host write being ordered behind the in-flight round.
+
+        refill (continuous admission): before each round is queued, queued requests take the
+        rows freed so far; they are prefilled (queued behind the round in flight) and their
+        state is appended to the batch's, so the round about to be queued runs them too. Rows
+        are freed as above, so an admitted request never gets a row a round in flight uses.
         """
         stats.overlap = overlap
         pending = None                  # (lanes, Readback) of a queued round not yet read back
@@ -758,8 +767,6 @@ class Worker:
         admitted as rows free up (continuous admission). (Requests in prompt order, stats.)"""
         stats, t0 = RunStats(), _now(self)
         clock = PhaseClock(self.kv.req_to_token.is_cuda)
-        self.check_requests(prompts, max_new_tokens)
-        overlap = self.spec_overlap_fits(prompts, max_new_tokens)
 
         def prefill_batch(reqs):
             logits, hidden, b = self.prefill(reqs)
@@ -776,7 +783,8 @@ class Worker:
             stats.request_rounds += 1
             return self.emit(r, toks[:acc])
 
-        refill = _Refill(self, prompts, max_new_tokens, prefill_batch)
+        refill = _Refill(self, prompts, max_new_tokens, prefill_batch)   # checks them all
+        overlap = self.spec_overlap_fits(prompts, max_new_tokens)
         active, st = refill([], None)
         self._loop(active, st, lambda s: self.spec_round(s, clock), consume, stats, clock,
                    overlap, refill)
@@ -798,7 +806,6 @@ class Worker:
         """Greedy decoding over the requests, admitted as `generate_spec` admits them."""
         stats, t0 = RunStats(), _now(self)
         clock = PhaseClock(self.kv.req_to_token.is_cuda)
-        self.check_requests(prompts, max_new_tokens)
 
         def prefill_batch(reqs):
             logits, _, b = self.prefill(reqs)
@@ -819,7 +826,7 @@ class Worker:
 
         # greedy's extra step writes position prompt + max_new - 1: always inside the
         # reservation, so greedy overlaps whenever the worker does
-        refill = _Refill(self, prompts, max_new_tokens, prefill_batch)
+        refill = _Refill(self, prompts, max_new_tokens, prefill_batch)   # checks them all
         active, st = refill([], None)
         self._loop(active, st, lambda s: self.decode_step(s, clock), consume, stats, clock,
                    self.overlap, refill)
@@ -838,6 +845,7 @@ class _Refill:
     batch ((active, state) -> (active, state); state None: no batch yet)."""
 
     def __init__(self, worker: Worker, prompts, max_new_tokens, prefill_batch):
+        worker.check_requests(prompts, max_new_tokens)      # all of them, before any is admitted
         self.worker, self.prefill_batch = worker, prefill_batch
         self.queue = list(zip(range(len(prompts)), prompts, max_new_tokens))
         self.reqs: list[Request] = []
@@ -852,7 +860,7 @@ class _Refill:
             return active, st
         batch, self.queue = self.queue[:n], self.queue[n:]
         rids, prompts, news = zip(*batch)
-        new = self.worker.admit(list(prompts), list(news), rids=list(rids))
+        new = self.worker._admit(list(prompts), list(news), rids=list(rids))
         self.reqs.extend(new)
         new_active, new_st = self.prefill_batch(new)
         if not new_active:

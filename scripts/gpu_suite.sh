@@ -47,7 +47,7 @@ if want tests-parallel; then  # the same tests as four pytest processes at once 
   timeout "$LIMIT" $P tests/test_cuda_deepseek.py -k "lite and whole" >"$OUT/pytest_cuda_lite.log" 2>&1 & p1=$!
   timeout "$LIMIT" $P tests/test_cuda_deepseek.py -k "not (lite and whole)" >"$OUT/pytest_cuda_deepseek.log" 2>&1 & p2=$!
   timeout "$LIMIT" $P tests/test_cuda_eagle.py tests/test_spec_overlap.py tests/test_compiled_body.py tests/test_prefill_runner.py >"$OUT/pytest_cuda_eagle.log" 2>&1 & p3=$!
-  timeout "$LIMIT" $P tests/test_cuda_attention.py tests/test_cuda_mla.py tests/test_cuda_backend.py tests/test_cuda_contract.py tests/test_cuda_topk.py tests/test_compile_ops.py tests/test_tp.py >"$OUT/pytest_cuda_kernels.log" 2>&1 & p4=$!
+  timeout "$LIMIT" $P tests/test_cuda_attention.py tests/test_cuda_mla.py tests/test_cuda_backend.py tests/test_cuda_contract.py tests/test_cuda_topk.py tests/test_tp.py >"$OUT/pytest_cuda_kernels.log" 2>&1 & p4=$!
   for p in $p1 $p2 $p3 $p4; do wait $p || rc=1; done
   for f in lite deepseek eagle kernels; do echo "$f: $(tail -1 "$OUT/pytest_cuda_$f.log")"; done
   echo "=== tests-parallel: $((SECONDS - t0)) s"

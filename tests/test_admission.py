@@ -85,7 +85,7 @@ def test_admitted_rows_are_never_in_flight(models, monkeypatch):
     w = _worker(target, head, True)
     in_flight: list = []             # readbacks of rounds queued and not yet read back
     checked = []
-    orig_round, orig_admit = Worker.spec_round, Worker.admit
+    orig_round, orig_admit = Worker.spec_round, Worker._admit
     orig_wait = spec_decode.Readback.wait
 
     def spec_round(self, st, clock):
@@ -110,7 +110,7 @@ def test_admitted_rows_are_never_in_flight(models, monkeypatch):
         return reqs
 
     monkeypatch.setattr(Worker, "spec_round", spec_round)
-    monkeypatch.setattr(Worker, "admit", admit)
+    monkeypatch.setattr(Worker, "_admit", admit)
     monkeypatch.setattr(spec_decode.Readback, "wait", wait)
     reqs, st = _run(w, "spec", prompts, news)
     assert st.prefills > 2 and all(r.done for r in reqs)

@@ -245,16 +245,21 @@ def test_fp8_draft_lm_head_keeps_outputs_and_acceptance():
     assert stats.accept_len >= 0.9 * ref_stats.accept_len, (stats, ref_stats)
 
 
-def test_fused_fp8_draft_lm_head_matches_the_unfused_draft():
-    """"fp8-fused" proposes what the unfused fp8 draft proposes, up to near-ties between its
-    fp32 and the bf16 logits, and follows a draft-vocabulary change. On CPU tensors the op runs
-    its torch reference (the kernel: test_triton_lm_head_topk.py)."""
+def _passthrough_head_and_hiddens():
+    """A mid-sized target, its head from the passthrough start, and 6 random hiddens."""
     torch.manual_seed(0)
     target = LlamaModel(_mid()).eval()
     head = EagleHead(target)
     head.init_passthrough()
     head.eval()
-    h = torch.randn(6, target.cfg.hidden_size)
+    return target, head, torch.randn(6, target.cfg.hidden_size)
+
+
+def test_fused_fp8_draft_lm_head_matches_the_unfused_draft():
+    """"fp8-fused" proposes what the unfused fp8 draft proposes, up to near-ties between its
+    fp32 and the bf16 logits, and follows a draft-vocabulary change. On CPU tensors the op runs
+    its torch reference (the kernel: test_triton_lm_head_topk.py)."""
+    target, head, h = _passthrough_head_and_hiddens()
     head.set_draft_lm_head("fp8")
     p, ids = head.topk(h, 3)
     head.set_draft_lm_head("fp8-fused")
@@ -271,12 +276,7 @@ def test_fused_fp8_draft_lm_head_past_its_row_bound_runs_the_unfused_path(monkey
     """Past FUSED_MAX_ROWS rows (where the fused kernel was slower on the H200) "fp8-fused"
     takes the unfused fp8 path: exactly its proposals; up to the bound, the fused op."""
     from models import draft_head
-    torch.manual_seed(0)
-    target = LlamaModel(_mid()).eval()
-    head = EagleHead(target)
-    head.init_passthrough()
-    head.eval()
-    h = torch.randn(6, target.cfg.hidden_size)
+    target, head, h = _passthrough_head_and_hiddens()
     head.set_draft_lm_head("fp8")
     want = head.topk(h, 3)
     head.set_draft_lm_head("fp8-fused")

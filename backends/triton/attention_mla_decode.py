@@ -40,11 +40,11 @@ MAX_SPLITS = 64
 # past 4 splits MLA merges in the merge kernel, which now spreads over bs * H * 8 programs of
 # 64 columns, one L2 round trip per 32 splits (was bs * 8 programs reading the splits one by one).
 MIN_SPLIT_TOKENS = 128
-# Decode with >= WIDE_MIN_PAIRS (request, row block) pairs reads 64 latent rows an iteration over 8 warps
-# (no spills, one program an SM) and aims at one program an SM. H200 sweep of 2026-12-01
-# (bench_mla, DeepSeek-V2-Lite sizes, ctx 8192): bs 8 best at 64/2/8 with 16 splits (58.1 us
-# eager) against the 32/2/4 policy's 33 splits (62.4); bs 32 at 64/2/8 with 4 splits (142.7)
-# against 9 (172.1). bs 1 kept 32/2/4 at 64 splits (62.1 against 74.7 for 64/2/8). In CUDA
+# Decode with >= WIDE_MIN_PAIRS (request, row block) pairs reads 64 latent rows an iteration
+# over 8 warps (no spills, one program an SM) and aims at one program an SM. H200 sweep of
+# 2026-12-01 (bench_mla, DeepSeek-V2-Lite sizes, ctx 8192): bs 8 best at 64/2/8 with 16 splits
+# (58.1 us eager) against the 32/2/4 policy's 33 splits (62.4); bs 32 at 64/2/8 with 4 splits
+# (142.7) against 9 (172.1). bs 1 kept 32/2/4 at 64 splits (62.1 against 74.7 for 64/2/8). In CUDA
 # graphs (bench_mla, same day) it took bs 32 from 197.8 to 145.0 us at ctx 8192 and from 784.8
 # to 523.8 at 32768, but bs 8 from 50.2 to 58.5 at 8192 (the eager sweep had counted the merge
 # kernel's launch): from 32 pairs on, then (bs 8 keeps the 32/2/4 tile with 33 splits + merge).

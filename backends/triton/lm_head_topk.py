@@ -14,9 +14,9 @@ does for one row, each row's partial log-sum-exp (temperature applied) and its k
 The partial products of each BLOCK_H step are promoted to the fp32 accumulator (on sm90 Triton
 would otherwise let the whole hidden accumulate in the tensor cores' narrower fp8 accumulator,
 0.35% off at H = 2048 on the H200). The logits stay fp32 (the unfused path rounds them to bf16
-first), so a near-tie can rank the
-other way; the draft's proposals are all that depends on it. The torch reference beside it is
-the oracle. An opaque custom op under torch.compile, like the other kernels.
+first), so a near-tie can rank the other way; the draft's proposals are all that depends on it.
+The torch reference beside it is the oracle. An opaque custom op under torch.compile, like the
+other kernels.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .llama import MLP, PagedBatch, RMSNorm, Rotary, init_weights
+from .llama import MLP, PagedBatch, RMSNorm, Rotary, init_weights, last_tokens
 
 
 @dataclass(frozen=True)
@@ -336,11 +336,10 @@ class DeepSeekModel(nn.Module):
     def forward_extend(self, input_ids, positions, kv, req_to_token, req_pool_indices, seq_lens,
                        qo_indptr, out_cache_loc, impl="auto"):
         """Packed [n_tok] → (logits at each request's last token [bs, V], hidden [n_tok, hidden])."""
-        batch = mla_extend_batch(self.cfg, req_to_token, req_pool_indices, seq_lens, qo_indptr,
-                                 out_cache_loc, impl)
-        hidden = self._run(input_ids, positions, batch, kv)
-        last = (qo_indptr[1:] - 1).clamp_min(0).long()               # [bs]
-        return self.logits(hidden[last]), hidden
+        hidden = self.forward_extend_hidden(input_ids, positions, kv, req_to_token,
+                                            req_pool_indices, seq_lens, qo_indptr,
+                                            out_cache_loc, impl)
+        return self.logits(hidden[last_tokens(qo_indptr)]), hidden
 
     def forward_extend_hidden(self, input_ids, positions, kv, req_to_token, req_pool_indices,
                               seq_lens, qo_indptr, out_cache_loc, impl="auto"):

@@ -210,6 +210,12 @@ def init_weights(module: nn.Module, std: float, generator: torch.Generator | Non
 
 # ----------------------------------------------------------------------------------------- model
 
+def last_tokens(qo_indptr: Tensor) -> Tensor:
+    """[bs] int64 row of each request's last token in a packed extend (a request without
+    tokens, a padded one, gives the row before its start, clamped to 0)."""
+    return (qo_indptr[1:] - 1).clamp_min(0).long()
+
+
 class PagedForwards:
     """The paged forwards of a target, given its `_run(ids, positions, batch, kv) -> hidden` and
     `logits(hidden)`: every target (single GPU or one tensor-parallel rank) shares them."""
@@ -224,11 +230,10 @@ class PagedForwards:
     def forward_extend(self, input_ids, positions, kv, req_to_token, req_pool_indices, seq_lens,
                        qo_indptr, out_cache_loc, impl="auto"):
         """Packed [n_tok] tokens → (logits at each request's last token [bs, V], hidden [n_tok, H])."""
-        batch = extend_batch(req_to_token, req_pool_indices, seq_lens, qo_indptr, out_cache_loc,
-                             impl)
-        hidden = self._run(input_ids, positions, batch, kv)
-        last = (qo_indptr[1:] - 1).clamp_min(0).long()               # [bs]
-        return self.logits(hidden[last]), hidden
+        hidden = self.forward_extend_hidden(input_ids, positions, kv, req_to_token,
+                                            req_pool_indices, seq_lens, qo_indptr,
+                                            out_cache_loc, impl)
+        return self.logits(hidden[last_tokens(qo_indptr)]), hidden
 
     def forward_extend_hidden(self, input_ids, positions, kv, req_to_token, req_pool_indices,
                               seq_lens, qo_indptr, out_cache_loc, impl="auto"):
