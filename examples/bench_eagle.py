@@ -33,10 +33,11 @@ DESCRIPTION = {"llama": "Llama-3.2-1B shape, random init (scaled residual), bf16
                "deepseek": "DeepSeek-like (MLA + dense masked MoE), V2-Lite widths, 6 layers, "
                            "16 experts top-6, MTP-style head, random init, bf16"}
 OVERLAP = True     # overlap scheduling for every loop (spec_decode.Worker)
-# the graph workers' prefill (spec_decode.Worker(prefill=)): "eager" (default) or "runner"
-PREFILL = os.environ.get("EAGLE_PREFILL", "eager")
+# the graph workers' prefill (spec_decode.Worker(prefill=)): "runner" (default: the prefill
+# program, CUDA graphs per bucket of packed prompt tokens) or "eager" (plain torch calls)
+PREFILL = os.environ.get("EAGLE_PREFILL", "runner")
 RESULT = ("eagle" if MODEL == "llama" else f"eagle_{MODEL}") + \
-    ("_prefill" if PREFILL == "runner" else "")
+    ("_eager_prefill" if PREFILL == "eager" else "")
 OVERLAP_NOTE = ("overlap scheduling on: each loop queues round (greedy: step) N+1 before it "
                 "reads N back; finished requests leave one round late")
 

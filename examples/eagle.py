@@ -186,10 +186,11 @@ def main():
                          "copy with row scales (half the bytes); fp8-fused (the default): that "
                          "copy read by one kernel with the top-k in its epilogue. Verify keeps "
                          "the target's, so outputs stay exact")
-    ap.add_argument("--prefill", default="eager", choices=["eager", "runner"],
-                    help="the prompts' prefill: plain torch calls (the default), or the prefill "
-                         "program on the worker's backend (GPU: CUDA graphs per bucket of packed "
-                         "prompt tokens, layers compiled as in decode). Both count in the timing")
+    ap.add_argument("--prefill", default=None, choices=["eager", "runner"],
+                    help="the prompts' prefill: the prefill program on the worker's backend (GPU "
+                         "default: CUDA graphs per bucket of packed prompt tokens, layers "
+                         "compiled as in decode), or plain torch calls (CPU default). Both "
+                         "count in the timing")
     ap.add_argument("--no-overlap", action="store_true",
                     help="read each round back before queuing the next (default: overlap)")
     ap.add_argument("--profile", action="store_true",
@@ -214,7 +215,7 @@ def main():
                buckets=pg.Buckets.default(16), overlap=not args.no_overlap,
                torch_compile=False if args.no_compile else None,
                draft_compile=args.draft_compile or DRAFT_COMPILE[args.model],
-               prefill=args.prefill)
+               prefill=args.prefill or ("runner" if gpu else "eager"))
     with torch.no_grad():
         # compile (GPU: capture) and JIT outside the timed runs: the full batch and bs=1
         for gen in (w.generate_spec, w.generate_greedy):

@@ -6,7 +6,7 @@
 #                             [bench-runner-oblivious: bench-runner-compile with size-oblivious tracing]
 #                             [bench-topk: the draft top-k kernel against torch, alone and behind the lm_head]
 #                             [eagle-fused: the main job with the fused fp8 lm_head + top-k draft kernel]
-#                             [eagle-prefill: both main jobs and bench_eagle (eagle_prefill.{md,json}) with the prompts' prefill through the prefill program]
+#                             [eagle-eager-prefill: both main jobs and bench_eagle (eagle_eager_prefill.{md,json}) with the prompts' prefill as plain torch calls (the default: the prefill program)]
 #                             [eagle-regions: the main job with only the head's layer compiled in the draft bodies]
 #                             [eagle-profile: the main job, then its kernels per round under torch.profiler]
 #                             [tests-parallel: the cuda tests as four pytest processes at once]
@@ -59,9 +59,9 @@ want eagle && run eagle python3 examples/eagle.py --model llama
 want eagle-deepseek && run eagle_deepseek python3 examples/eagle.py --model deepseek
 want eagle-regions && run eagle_regions python3 examples/eagle.py --model llama --draft-compile regions
 want eagle-profile && run eagle_profile python3 examples/eagle.py --model llama --profile
-want eagle-prefill && run eagle_prefill python3 examples/eagle.py --model llama --prefill runner
-want eagle-prefill && run eagle_deepseek_prefill python3 examples/eagle.py --model deepseek --prefill runner
-want eagle-prefill && EAGLE_PREFILL=runner run bench_eagle_prefill python3 examples/bench_eagle.py
+want eagle-eager-prefill && run eagle_eager_prefill python3 examples/eagle.py --model llama --prefill eager
+want eagle-eager-prefill && run eagle_deepseek_eager_prefill python3 examples/eagle.py --model deepseek --prefill eager
+want eagle-eager-prefill && EAGLE_PREFILL=eager run bench_eagle_eager_prefill python3 examples/bench_eagle.py
 want eagle-fused && run eagle_fused python3 examples/eagle.py --model llama --profile --draft-lm-head fp8-fused
 want bench-host && run bench_host python3 examples/bench_host.py --calls 1000
 want bench-runner && run bench_runner python3 examples/bench_runner.py

@@ -93,7 +93,7 @@ if __name__ == "__main__":
     for name, fn in (("attention", attention), ("mla", mla), ("topk", topk)):
         if (folder / f"{name}.json").exists():
             fn(folder)
-    for n in ("eagle", "eagle_deepseek", "eagle_prefill", "eagle_deepseek_prefill"):
+    for n in ("eagle", "eagle_deepseek", "eagle_eager_prefill", "eagle_deepseek_eager_prefill"):
         if (folder / f"{n}.json").exists():
             eagle(folder, n)
     for n in ("bench_host", "bench_host_final"):
