@@ -54,8 +54,12 @@ def host(d: Path, name: str) -> None:
 def eagle(d: Path, name: str) -> None:
     """bench_eagle: tokens/s of greedy and EAGLE (graphs) per batch size, speedups annotated."""
     e = json.loads((d / f"{name}.json").read_text())
-    rows = e["rows"]
-    bs = [r["bs"] for r in rows]
+    rows = list(e["rows"])
+    bs = [str(r["bs"]) for r in rows]
+    if "continuous" in e:   # the continuous-admission row: requests through rows
+        c = e["continuous"]
+        rows.append(c)
+        bs.append(f"{c['requests']} req\n{c['rows']} rows")
     x = range(len(bs))
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.bar([i - 0.2 for i in x], [r["greedy_graphs_tok_s"] for r in rows], 0.4, label="greedy (graphs)")
@@ -63,8 +67,9 @@ def eagle(d: Path, name: str) -> None:
     for i, r in zip(x, rows):
         ax.annotate(f"{r['speedup_vs_greedy']:.2f}x", (i + 0.2, r["eagle_graphs_tok_s"]), ha="center",
                     va="bottom", fontsize=9)
-    ax.set_xticks(list(x), [str(b) for b in bs])
-    ax.set(title=f"bench_eagle ({e['meta']['gpu']})", xlabel="bs", ylabel="tokens/s")
+    ax.set_xticks(list(x), bs)
+    ax.set(title=f"bench_eagle ({e['meta']['gpu']}, prefill {e['meta'].get('prefill', 'eager')})",
+           xlabel="bs", ylabel="tokens/s")
     ax.legend()
     fig.tight_layout()
     fig.savefig(d / f"{name}.png", dpi=110)

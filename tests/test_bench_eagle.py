@@ -1,0 +1,80 @@
+"""bench_eagle's measurement on the CPU (reference backend, tiny model): rows of several
+batches, each timed several times with the median run counted, add up to what the batches did,
+and the first-divergence check compares the right requests."""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+
+import bench_eagle  # noqa: E402
+from models.eagle_head import EagleHead  # noqa: E402
+from models.llama import LlamaConfig, LlamaModel  # noqa: E402
+from spec_decode import RunStats, SpecConfig, Worker  # noqa: E402
+
+import padgraph as pg  # noqa: E402
+
+
+def _worker():
+    torch.manual_seed(0)
+    target = LlamaModel(LlamaConfig.tiny(n_layers=1)).eval()
+    head = EagleHead.copy_of_target(target).eval()
+    return Worker(target, head, SpecConfig(steps=3, topk=2, num_draft_tokens=5), max_bs=4,
+                  max_context=64, buckets=pg.Buckets([1, 2, 4]))
+
+
+def test_row_batches_give_distinct_requests_per_row():
+    b1, b4, b16 = (bench_eagle.row_batches(bs, 1000) for bs in (1, 4, 16))
+    assert (len(b1), len(b4), len(b16)) == (16, 4, 1)
+    assert all(len(b) == bs for bs, bb in ((1, b1), (4, b4), (16, b16)) for b in bb)
+    assert len({tuple(p) for b in b1 for p in b}) == 16          # not one request 16 times
+
+
+def test_measure_sums_median_runs_and_keeps_request_order():
+    w = _worker()
+    vocab = w.target.cfg.vocab_size
+    batches = [bench_eagle.prompts_for(2, vocab, seed=s) for s in (1, 2, 3)]
+    news = [6, [3, 9], 5]
+    greedy, g, g_per = bench_eagle.measure(w, "greedy", batches, news, repeats=3)
+    spec, e, e_per = bench_eagle.measure(w, "spec", batches, news, repeats=3)
+    assert [len(r.output) for r in greedy] == [6, 6, 3, 9, 5, 5]
+    assert [r.output for r in spec] == [r.output for r in greedy]   # oracle head: exact
+    assert len(g_per) == len(e_per) == 3
+    for tot, per in ((g, g_per), (e, e_per)):
+        assert tot.tokens == sum(s.tokens for s in per) == 34
+        assert abs(tot.seconds - sum(s.seconds for s in per)) < 1e-12
+        assert tot.rounds == sum(s.rounds for s in per)
+        assert tot.accepted == sum(s.accepted for s in per)
+    assert e.accept_len > 1.5
+    match, div = bench_eagle.match_line(greedy, spec)
+    assert match.startswith("6/6 (6 exact") and div == {"near_tie": [], "other": []}
+
+
+def test_total_of_no_runs_and_one_run():
+    s = RunStats(tokens=10, seconds=0.5, rounds=4, accepted=8, request_rounds=4, overlap=True)
+    t = bench_eagle.total([s])
+    assert (t.tokens, t.seconds, t.accept_len, t.overlap) == (10, 0.5, 2.0, True)
+    assert bench_eagle.total([]).tokens_per_s == 0.0
+
+
+def test_main_job_log_parser(tmp_path):
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+    import main_jobs
+    log = ("EAGLE  ms per round (mean of 33 launched, overlap on, 12 lane-rounds discarded): "
+           "draft 0.84  verify 1.46  draft-extend 0.19  host/other 0.03  = 2.52; prefill 12.6 ms once\n"
+           "greedy ms per step (mean of 124 launched, overlap on, 0 lane-steps discarded): decode "
+           "1.34  host/other 0.01  = 1.35; prefill 12.1 ms once\n"
+           "tokens/s=12017.0 accept_len=3.44 speedup_vs_greedy=1.87 greedy_match=16/16\n")
+    r = main_jobs.parse(log)
+    assert r["eagle"]["phases_ms"] == {"draft": 0.84, "verify": 1.46, "draft-extend": 0.19,
+                                       "host/other": 0.03}
+    assert (r["eagle"]["launched"], r["greedy"]["ms"], r["greedy"]["prefill_ms"]) == (33, 1.35, 12.1)
+    assert (r["speedup_vs_greedy"], r["greedy_match"], r["round_over_step"]) == (1.87, "16/16", 1.867)
+    (tmp_path / "a.log").write_text(log)
+    (tmp_path / "env.txt").write_text("date=2026-12-01 gpu=NVIDIA H200 torch=2.11.0 triton=3.6.0")
+    main_jobs.main(tmp_path, ["llama=a.log"])
+    import json
+    j = json.loads((tmp_path / "main_jobs.json").read_text())
+    assert j["meta"]["gpu"] == "NVIDIA H200" and j["runs"]["llama"]["tokens_s"] == 12017.0
+    assert (tmp_path / "main_jobs.png").exists() and "1.867" in (tmp_path / "main_jobs.md").read_text()
