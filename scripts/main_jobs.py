@@ -54,7 +54,11 @@ def main(folder: Path, pairs: list[str]) -> None:
                   f"{g.get('ms', '')} | {r.get('round_over_step', '')} | "
                   f"{e.get('prefill_ms', '')} / {g.get('prefill_ms', '')} |")
     (folder / "main_jobs.md").write_text("\n".join(md) + "\n")
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:                  # md + json only (matplotlib is not a dependency)
+        print("matplotlib not installed: no main_jobs.png")
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))

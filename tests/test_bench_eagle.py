@@ -77,4 +77,9 @@ def test_main_job_log_parser(tmp_path):
     import json
     j = json.loads((tmp_path / "main_jobs.json").read_text())
     assert j["meta"]["gpu"] == "NVIDIA H200" and j["runs"]["llama"]["tokens_s"] == 12017.0
-    assert (tmp_path / "main_jobs.png").exists() and "1.867" in (tmp_path / "main_jobs.md").read_text()
+    assert "1.867" in (tmp_path / "main_jobs.md").read_text()
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (tmp_path / "main_jobs.png").exists()
