@@ -34,12 +34,17 @@ event and processes its results (emit, detect finished requests). A request that
 round N has already been queued into round N+1: that lane's results are discarded, its rows
 are dropped before round N+2 is queued, and its KV is released once round N+1 has been read
 back (`Worker._loop`); a request sure to finish in the round in flight (one token left) is kept
-out of the next round instead. The run is the same token for token as without overlap; it costs
-at most one trailing round (`RunStats.rounds` counts it) and at most one discarded lane-round
-per request (none for a finish foreseen: greedy without EOS runs none).
+out of the next round instead. The run is the same token for token as without overlap; with
+at most max_bs requests it costs at most one trailing round (`RunStats.rounds` counts it) and
+at most one discarded lane-round per request (none for a finish foreseen: greedy without EOS
+runs none). With more requests (continuous admission) a row freed by a finish found one round
+late is handed out one round later too, so a queued request can start later and the run can
+take a few more rounds than without overlap.
 """
 from __future__ import annotations
 
+import contextlib
+import operator
 import time
 import warnings
 from dataclasses import dataclass, field, fields, replace
@@ -61,6 +66,26 @@ class SpecConfig:
     steps: int = 4          # draft depth (steps - 1 draft forwards)
     topk: int = 4           # expansion width per step
     num_draft_tokens: int = 8   # k: tree nodes verified per request, root included
+
+    def __post_init__(self):
+        for name in ("steps", "topk", "num_draft_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise TypeError(f"SpecConfig.{name} must be an int; got {v!r}")
+        if self.steps < 1 or self.topk < 1:
+            raise ValueError(f"SpecConfig: steps and topk must be >= 1; got steps={self.steps}, "
+                             f"topk={self.topk}")
+        if not 2 <= self.num_draft_tokens <= self.n_candidates + 1:
+            raise ValueError(
+                f"SpecConfig: num_draft_tokens (k, root included) must be in 2 .. "
+                f"{self.n_candidates + 1}: the root plus at most the {self.n_candidates} "
+                f"candidates that steps={self.steps}, topk={self.topk} draft (topk + "
+                f"(steps - 1) * topk**2); got {self.num_draft_tokens}")
+
+    @property
+    def n_candidates(self) -> int:
+        """Draft tokens a round scores: topk at the first step, topk**2 at each later one."""
+        return self.topk + (self.steps - 1) * self.topk ** 2
 
     @property
     def n_path(self) -> int:
@@ -416,7 +441,9 @@ class RunStats:
 
     rounds counts the rounds (EAGLE) or decode steps (greedy) launched on the device. With
     overlap that includes a trailing round queued before the host knew every request had
-    finished (every lane of it discarded), so it is at most one more than without overlap;
+    finished (every lane of it discarded), so with at most max_bs requests it is at most one
+    more than without overlap (with continuous admission, rows freed one round late can delay
+    the queued requests' start by a round each time);
     `round_seconds` divides the loop's time by it. accepted and request_rounds count only
     real request-rounds, whose results were emitted; discarded counts the lane-rounds whose
     results were thrown away (a request finished one round earlier, unforeseen: at most one
@@ -544,10 +571,31 @@ class Worker:
 
     # ---- request lifecycle -------------------------------------------------------------
     def check_requests(self, prompts, max_new_tokens) -> None:
-        """Every request must fit max_context with the tree margin (before any is admitted)."""
+        """Before any request is admitted: each has a non-empty prompt of token ids in
+        [0, vocab), max_new_tokens >= 1 (an int), and fits max_context with the tree margin."""
         if len(prompts) != len(max_new_tokens):
             raise ValueError(f"{len(prompts)} prompts but {len(max_new_tokens)} max_new_tokens")
+        vocab = self.target.cfg.vocab_size
         for i, (prompt, n_new) in enumerate(zip(prompts, max_new_tokens)):
+            try:
+                if isinstance(n_new, bool):
+                    raise TypeError
+                n_new = operator.index(n_new)
+            except TypeError:
+                raise TypeError(f"request {i}: max_new_tokens must be an int; got {n_new!r}") \
+                    from None
+            if n_new < 1:
+                raise ValueError(f"request {i}: max_new_tokens must be >= 1; got {n_new}")
+            ids = torch.as_tensor(prompt)
+            if ids.dim() != 1 or ids.numel() == 0:
+                raise ValueError(f"request {i}: the prompt must be a non-empty 1-d sequence of "
+                                 f"token ids; got shape {tuple(ids.shape)}")
+            if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+                raise TypeError(f"request {i}: prompt token ids must be integers; got {ids.dtype}")
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= vocab:
+                raise ValueError(f"request {i}: prompt token ids must be in [0, {vocab}); got "
+                                 f"{lo if lo < 0 else hi}")
             if len(prompt) + n_new + self.margin > self.max_context:
                 raise ValueError(f"request {i}: prompt {len(prompt)} + max_new_tokens {n_new} + "
                                  f"tree margin {self.margin} must fit max_context "
@@ -565,14 +613,22 @@ class Worker:
                              f"(max_bs={self.max_bs} running at once)")
         reqs = []
         rids = range(len(prompts)) if rids is None else rids
-        for i, prompt, n_new in zip(rids, prompts, max_new_tokens):
-            need = len(prompt) + n_new + self.margin
-            if self.overlap:     # room for the extra round, as far as max_context allows
-                need = min(need + self.overlap_margin, self.max_context)
-            r = Request(i, list(prompt), n_new, row=self.rows.alloc(1)[0],
-                        slots=self.slots.alloc(need))
-            self.kv.req_to_token[r.row, :need] = torch.tensor(r.slots, dtype=torch.int32)
-            reqs.append(r)
+        try:
+            for i, prompt, n_new in zip(rids, prompts, max_new_tokens):
+                need = len(prompt) + n_new + self.margin
+                if self.overlap:     # room for the extra round, as far as max_context allows
+                    need = min(need + self.overlap_margin, self.max_context)
+                r = Request(i, [int(t) for t in prompt], int(n_new), row=self.rows.alloc(1)[0])
+                reqs.append(r)
+                r.slots = self.slots.alloc(need)
+                self.kv.req_to_token[r.row, :need] = torch.tensor(r.slots, dtype=torch.int32)
+        except BaseException:       # none of this batch stays held
+            for r in reqs:
+                if r.slots:
+                    self.release(r)
+                else:
+                    self.rows.free([r.row])
+            raise
         return reqs
 
     def spec_overlap_fits(self, prompts, max_new_tokens) -> bool:
@@ -664,6 +720,11 @@ class Worker:
         pending = None                  # (lanes, Readback) of a queued round not yet read back
         late: list[Request] = []        # finished, but in the batch of the round in flight
         while active or pending or (refill is not None and refill.waiting):
+            if not active and pending is None and self.rows.n_free == 0:
+                raise RuntimeError(
+                    f"{len(refill.queue)} requests wait for a row but none of the "
+                    f"{self.rows.n - 1} is free and none is running: rows admitted outside this "
+                    f"call (Worker.admit) must be released first")
             launched, kept_out = None, []
             if active and overlap and pending is not None:   # round N is in flight
                 kept_out = [r for r in active if _sure_to_finish(r)]
@@ -785,9 +846,10 @@ class Worker:
 
         refill = _Refill(self, prompts, max_new_tokens, prefill_batch)   # checks them all
         overlap = self.spec_overlap_fits(prompts, max_new_tokens)
-        active, st = refill([], None)
-        self._loop(active, st, lambda s: self.spec_round(s, clock), consume, stats, clock,
-                   overlap, refill)
+        with self._abandon_on_error(refill):
+            active, st = refill([], None)
+            self._loop(active, st, lambda s: self.spec_round(s, clock), consume, stats, clock,
+                       overlap, refill)
         return refill.reqs, self._finish(stats, t0, clock, refill.reqs)
 
     # ---- greedy ------------------------------------------------------------------------
@@ -827,10 +889,30 @@ class Worker:
         # greedy's extra step writes position prompt + max_new - 1: always inside the
         # reservation, so greedy overlaps whenever the worker does
         refill = _Refill(self, prompts, max_new_tokens, prefill_batch)   # checks them all
-        active, st = refill([], None)
-        self._loop(active, st, lambda s: self.decode_step(s, clock), consume, stats, clock,
-                   self.overlap, refill)
+        with self._abandon_on_error(refill):
+            active, st = refill([], None)
+            self._loop(active, st, lambda s: self.decode_step(s, clock), consume, stats, clock,
+                       self.overlap, refill)
         return refill.reqs, self._finish(stats, t0, clock, refill.reqs)
+
+    @contextlib.contextmanager
+    def _abandon_on_error(self, refill: "_Refill"):
+        """A generate call that raises (a bad request past the checks, an interrupt, a failing
+        kernel) gives back every row and slot it admitted before the error propagates: the
+        queued device work is waited for first (no round in flight may still use them), so the
+        worker's next call starts from free rows, as after a call that returned."""
+        try:
+            yield
+        except BaseException:
+            if self.kv.req_to_token.is_cuda:
+                try:
+                    torch.cuda.synchronize()
+                except Exception:       # a device error: the rows still come back
+                    pass
+            for r in refill.reqs:
+                if r.slots:             # still held (release empties them)
+                    self.release(r)
+            raise
 
     def _finish(self, stats: RunStats, t0: float, clock: PhaseClock, reqs) -> RunStats:
         stats.seconds = _now(self) - t0
