@@ -92,7 +92,9 @@ class TracedView:
         self._names = tuple(buffers)
 
     def __getattr__(self, name: str):          # only for names that are not buffers (rule 2.7)
-        if name.startswith("_"):
+        if name.startswith("__") and name.endswith("__"):   # dunders: plain protocol probes
+            raise AttributeError(name)
+        if name in ("_names", "_extents"):                   # read before __init__ set them
             raise AttributeError(name)
         raise ContractAttributeError(self._no_buffer(name))
 

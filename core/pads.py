@@ -44,7 +44,22 @@ def as_pad(p):
 
     Anything else is kept as given, for `pg.Program` to reject with the program and input named.
     """
-    return Fill(p) if isinstance(p, (bool, int, float)) else p
+    p = as_number(p)
+    return Fill(p) if is_number(p) else p
+
+
+def as_number(p):
+    """A numpy scalar (np.int64(3), np.float32(0.5), np.bool_(True)) as the Python number it
+    holds; anything else as given."""
+    if type(p).__module__ == "numpy" and hasattr(p, "item") and getattr(p, "ndim", None) == 0:
+        v = p.item()
+        return v if isinstance(v, (bool, int, float)) else p
+    return p
+
+
+def is_number(p) -> bool:
+    """A real number as a pad: bool, int, float (numpy scalars through `as_number` first)."""
+    return isinstance(p, numbers.Real)
 
 
 def pad_value(pad: Pad):
@@ -71,6 +86,9 @@ def _holds(v, dtype: torch.dtype) -> str | None:
     """None when `dtype` holds v exactly; else what a value of that dtype must be."""
     if dtype == torch.bool:
         return None if v in (0, 1) else "0, 1, False or True (a bool dtype)"
+    if dtype.is_complex:        # outputs only (Program rejects complex inputs): a real pad
+        real = {torch.complex32: torch.float16, torch.complex64: torch.float32}.get(dtype, torch.float64)
+        return None if _fits_float(v, real) else f"a real value {dtype} holds"
     if dtype.is_floating_point:
         if _fits_float(v, dtype):
             return None

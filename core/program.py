@@ -13,7 +13,7 @@ import torch
 from .axes import Affine, Axis, Dim, as_affine
 from .buckets import Buckets
 from .errors import ContractError, ContractTypeError, ContractValueError, mismatch
-from .pads import Pad, as_pad, pad_problem
+from .pads import Pad, as_number, as_pad, is_number, pad_problem
 
 
 def _check_shape(shape, owner: str) -> tuple:
@@ -59,6 +59,9 @@ class Output:
     shape: tuple
     dtype: torch.dtype
     pad: int | float | bool = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "pad", as_number(self.pad))   # a numpy scalar as its number
 
 
 @dataclass(frozen=True)
@@ -175,8 +178,9 @@ def _validate(p: Program) -> None:
         _validate_input(p, n, s)
     for n, s in p.outputs.items():
         _validate_buffer(p, n, s, Output, "output")
-        problem = pad_problem(as_pad(s.pad) if isinstance(s.pad, (bool, int, float)) else s.pad, s.dtype)
-        if problem is None and not isinstance(s.pad, (bool, int, float)):
+        pad = as_number(s.pad)
+        problem = pad_problem(as_pad(pad) if is_number(pad) else pad, s.dtype)
+        if problem is None and not is_number(pad):
             problem = (ContractTypeError, "a number", f"{s.pad!r} ({type(s.pad).__name__})")
         if problem is not None:
             cls, expected, got = problem

@@ -28,6 +28,7 @@ class ReferenceRunner(Runner):
         outs = run_padded(self, bucket, raw, ext, self.device)
         return self._into_arena(outs, bucket)
 
+    @torch.no_grad()
     def run_at(self, size: int, **raw: torch.Tensor) -> Mapping[str, torch.Tensor]:
         """Run at a forced size >= the fitting one (pg.check compares sizes); outputs sliced, fresh."""
         ext = self.plan.extents(raw, self.device)

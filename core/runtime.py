@@ -25,6 +25,14 @@ from .state import BoundState
 log = logging.getLogger("padgraph")
 
 
+_PROGRAM = "<program>"      # Outputs.__dict__ key of the program's name: no attribute can shadow it
+
+
+def _named(outs) -> str:
+    name = outs.__dict__.get(_PROGRAM)
+    return f"{where(name)}: " if name is not None else ""
+
+
 class Outputs(dict):
     """The outputs of one call, by name: `out.logits` or `out["logits"]`."""
 
@@ -32,7 +40,9 @@ class Outputs(dict):
         try:
             return self[name]
         except KeyError:
-            raise ContractAttributeError(f"no output {name!r}: outputs must be one of {sorted(self)}, got {name!r}") from None
+            raise ContractAttributeError(
+                f"{_named(self)}no output {name!r}: outputs must be one "
+                f"of {sorted(self)}, got {name!r}") from None
 
 
 @dataclass
@@ -123,6 +133,15 @@ class Runner:
         past the device extent (clamped into [0, bound]) hold pads, `x.extent` returns it, and
         output lanes past it hold the output's pad. The cuda backend reads it on the device only.
         """
+        with torch.no_grad():           # rule 10.5: inference only, outputs never require grad
+            pinned = self.device
+            try:
+                return self._call(raw, extents)
+            except BaseException:
+                self.device = pinned     # rule 10.6: a call that raises pins no device
+                raise
+
+    def _call(self, raw, extents) -> Outputs:
         device = self.device
         if device is None or (device.index is None and device.type != "cpu"):
             device = self._resolve_device(raw, device)
@@ -210,21 +229,23 @@ class Runner:
         extents: that holds their bounds, so outputs reach the bounds as on the ladder)."""
         if self.overflow == "error":
             raise self.plan.overflow_error(ext)
+        size = self.plan.fit(ext)
+        run_ext, run_raw = self._cut(raw, ext, dev) if dev else (ext, raw)
+        outs = self._run_eager(size, run_raw, run_ext)
+        # counted (and warned about) once it ran: a call that raises changes no stats (10.6)
         if not self._warned_overflow:
             log.warning("program %r: raw extents %s are past the largest bucket %d; running eagerly "
                         "(counted in stats.eager_fallbacks; warned once)", self.program.name, dict(ext),
                         self.plan.buckets[-1])
             self._warned_overflow = True
         self.stats.eager_fallbacks += 1
-        size = self.plan.fit(ext)
-        run_ext, run_raw = self._cut(raw, ext, dev) if dev else (ext, raw)
-        outs = self._run_eager(size, run_raw, run_ext)
         # fresh tensors: a body may return (a view of) bound state, which an output must not alias
         outs = {name: t.clone() for name, t in outs.items()}
         return mask_outputs(self.program, outs, self._device_dims, run_ext.__getitem__) if dev else outs
 
     def _finish(self, outs: Mapping[str, torch.Tensor], ext: Mapping[str, int]) -> Outputs:
         res = Outputs()
+        res.__dict__[_PROGRAM] = self.program.name
         for name, dims in self._out_slices.items():
             t = outs[name]
             for d, axis, af in dims:
@@ -244,7 +265,9 @@ class Runner:
                 if v.requires_grad or v.shape != shape or v.stride() != stride or v.data_ptr() != ptr:
                     break
             else:
-                return Outputs(zip(self._out_slices, (h[0] for h in hit)))
+                res = Outputs(zip(self._out_slices, (h[0] for h in hit)))
+                res.__dict__[_PROGRAM] = self.program.name
+                return res
         res = self._finish(outs, ext)
         if len(self._views) > 4096:
             self._views.clear()
@@ -254,7 +277,7 @@ class Runner:
     def check_outputs(self, outs, bucket: int) -> None:
         """The body returned every declared output at the bucket's padded shape and dtype."""
         if not isinstance(outs, Mapping) or set(outs) != set(self.program.outputs):
-            got = sorted(outs) if isinstance(outs, Mapping) else type(outs).__name__
+            got = sorted(outs, key=repr) if isinstance(outs, Mapping) else type(outs).__name__
             raise ContractValueError(mismatch(self.program.name, None, "the body's return value",
                                               f"a dict with keys {sorted(self.program.outputs)}", got))
         for name, spec in self.program.outputs.items():

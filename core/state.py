@@ -16,6 +16,7 @@ bytes t holds. Inference tensors have no version counter: their leaves are check
 from __future__ import annotations
 
 import bisect
+import copy
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -195,7 +196,7 @@ def _structure_change(node: _Node) -> str:
 
 
 # ---- memory a tensor touches --------------------------------------------------------------------
-_MAX_RUNS = 1 << 22   # runs listed per tensor by the exact overlap test; past it, overlap is assumed
+_MAX_RUNS = 1 << 22   # runs listed at once per tensor by the exact overlap test; past it, halves
 
 
 def byte_span(t: torch.Tensor) -> tuple[int, int] | None:
@@ -229,6 +230,32 @@ def _runs(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     return torch.sort(starts).values * size + t.data_ptr(), run * size
 
 
+def _tensors_share(a: torch.Tensor, b: torch.Tensor, ra=None, rb=None) -> bool:
+    """Whether tensors a and b share a byte, exactly. ra / rb: their `_runs` if already listed.
+
+    Byte spans first; then the runs. A tensor with more than _MAX_RUNS runs is split in two
+    along its largest dim and each half compared (only halves whose spans meet go further), so
+    memory stays bounded and no overlap is ever assumed."""
+    sa, sb = byte_span(a), byte_span(b)
+    if sa is None or sb is None or sa[1] <= sb[0] or sb[1] <= sa[0]:
+        return False
+    ra = _runs(a) if ra is None else ra
+    if ra is None:
+        return any(_tensors_share(h, b, rb=rb) for h in _halves(a))
+    rb = _runs(b) if rb is None else rb
+    if rb is None:
+        return any(_tensors_share(a, h, ra=ra) for h in _halves(b))
+    return _share_a_byte(ra, rb)
+
+
+def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """t split in two along its largest dim that touches new bytes (size > 1, stride != 0)."""
+    d = max((i for i in range(t.dim()) if t.shape[i] > 1 and t.stride(i) != 0),
+            key=lambda i: t.shape[i])
+    n = t.shape[d]
+    return t.narrow(d, 0, n // 2), t.narrow(d, n // 2, n - n // 2)
+
+
 def _share_a_byte(a: tuple[torch.Tensor, int] | None, b: tuple[torch.Tensor, int] | None) -> bool:
     """Whether a run of a and a run of b share a byte (runs from `_runs`; None: assume they do)."""
     if a is None or b is None:
@@ -258,6 +285,10 @@ class BoundState:
     """
 
     def __init__(self, program: Program, state: Mapping[str, object] | None):
+        if state is not None and not isinstance(state, Mapping):
+            raise ContractTypeError(mismatch(program.name, None, "state=",
+                                             "a mapping of state name -> tensor or pytree of tensors",
+                                             type(state).__name__))
         state = dict(state or {})
         declared, given = set(program.state), set(state)
         if declared != given:
@@ -350,7 +381,7 @@ class BoundState:
             s = self._spans[i]
             if s.hi > lo and s.device == t.device:
                 mine = _runs(t) if mine is _UNSET else mine
-                if _share_a_byte(mine, self._state_runs(i)):
+                if _tensors_share(t, s.tensor, mine, self._state_runs(i)):
                     return s.label
             i -= 1
         return None
@@ -410,17 +441,32 @@ def _rebuild(value, cut, spec=None):
     if isinstance(value, torch.Tensor):
         return cut(value)
     if isinstance(value, list):
-        return [_rebuild(v, cut) for v in value]
+        items = [_rebuild(v, cut) for v in value]
+        if type(value) is list:
+            return items
+        new = copy.copy(value)               # a list subclass keeps its type (bound as a list)
+        list.__setitem__(new, slice(None), items)
+        return new
     if type(value) is tuple:
         return tuple(_rebuild(v, cut) for v in value)
     if type(value) is dict:
         return {k: _rebuild(v, cut) for k, v in value.items()}
+    if isinstance(value, dict) and _is_pytree_leaf(value):   # a dict subclass pytree does not know
+        new = copy.copy(value)                                # (bound as a dict: _container)
+        for k, v in value.items():
+            dict.__setitem__(new, k, _rebuild(v, cut))
+        return new
     if not _is_pytree_leaf(value):
         kids, tree = pytree.tree_flatten(value, is_leaf=lambda c: c is not value)
         return pytree.tree_unflatten([_rebuild(k, cut) for k in kids], tree)
     if dataclasses.is_dataclass(value):
-        return dataclasses.replace(value, **{f.name: _rebuild(getattr(value, f.name), cut)
-                                             for f in dataclasses.fields(value) if f.init})
+        fs = dataclasses.fields(value)
+        new = dataclasses.replace(value, **{f.name: _rebuild(getattr(value, f.name), cut)
+                                            for f in fs if f.init})
+        for f in fs:                   # init=False fields: replace() leaves them to __post_init__
+            if not f.init and hasattr(value, f.name):
+                object.__setattr__(new, f.name, _rebuild(getattr(value, f.name), cut))
+        return new
     return value
 
 

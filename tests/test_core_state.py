@@ -283,14 +283,18 @@ def test_overlaps_compares_devices():
     assert st.overlaps(torch.empty(4, device="meta")) is None
 
 
-def test_overlaps_is_conservative_past_the_listing_limit(monkeypatch):
+def test_overlaps_stays_exact_past_the_listing_limit(monkeypatch):
+    """Past _MAX_RUNS runs a tensor is halved until its runs can be listed: still exact."""
     import padgraph.state as state_mod
     big = torch.zeros(8, 16)
-    st = _bind(s=big[:, :4])
-    assert st.overlaps(big[:, 8:12]) is None
-    monkeypatch.setattr(state_mod, "_MAX_RUNS", 4)
-    st = _bind(s=big[:, :4])
-    assert st.overlaps(big[:, 8:12]) == "s"       # too many runs to list: reported, never missed
+    for limit in (1 << 22, 4, 1):
+        monkeypatch.setattr(state_mod, "_MAX_RUNS", limit)
+        st = _bind(s=big[:, :4])
+        assert st.overlaps(big[:, 8:12]) is None, limit          # beside it: never assumed
+        assert st.overlaps(big[:, 3:5]) == "s", limit             # one shared column
+        assert st.overlaps(big[7:, 3]) == "s", limit              # one shared element
+        assert st.overlaps(big[:, 4:].t()) is None, limit
+        assert st.overlaps(big.t()[1::2]) == "s", limit           # odd columns 1 and 3
 
 
 def test_runner_refuses_a_strided_input_into_state_and_accepts_one_beside_it():

@@ -1,0 +1,190 @@
+"""Edge cases of rules 2, 6, 7 and 10 that a runner must hold like the common ones.
+
+2.6 / 6.4  messages name the program; a body's non-string key is a ContractValueError;
+2.7        numpy scalars are numbers as pads; a complex output with a real pad is legal; an
+           undeclared `_name` on the view is a ContractAttributeError, compiled or not; a large
+           strided input that touches no state byte is accepted (the exact test never assumes);
+7.1        a `state=` that is not a mapping is a ContractError;
+7.7        batch-ordered state in a dict subclass or a dataclass with an init=False field is cut
+           to the bucket like any other;
+10.5       outputs never require grad, even for requires-grad inputs, past the ladder, or when
+           the body returns a Parameter state; the runner keeps no earlier input alive;
+10.6       a call that raises changes neither the runner's device nor its stats.
+"""
+import dataclasses
+import gc
+import weakref
+
+import numpy as np
+import pytest
+import torch
+
+import padgraph as pg
+from padgraph.spec import support as S
+
+bs = pg.Axis("bs")
+LADDER = pg.Buckets([1, 2, 4])
+
+
+def _program(name="edges", dtype=torch.float32, pad=0.0, **kw):
+    return pg.Program(name, inputs={"a": pg.Input((bs, 2), dtype, pad=pad)},
+                      outputs=kw.pop("outputs", {"y": pg.Output((bs, 2), torch.float32)}),
+                      buckets=LADDER, **kw)
+
+
+# ---- 10.5 -------------------------------------------------------------------------------------
+def test_r10_5_outputs_of_requires_grad_inputs_do_not_require_grad(compile, device):
+    runner = compile(_program(), lambda x: {"y": x.a})       # the padded input as it is
+    for n in (3, 9):                                           # on the ladder, and past it
+        out = runner(a=torch.randn(n, 2, device=device, requires_grad=True)).y
+        S.assert_equal("out.requires_grad", out.requires_grad, False, f"10.5, {n} rows")
+        S.assert_equal("out.grad_fn", out.grad_fn, None, f"10.5, {n} rows")
+
+
+def test_r10_5_a_requires_grad_input_is_not_kept_alive(compile, device):
+    runner = compile(_program(), lambda x: {"y": x.a * 2})
+    a = torch.randn(3, 2, device=device, requires_grad=True)
+    ref = weakref.ref(a)
+    out = runner(a=a)
+    del a, out
+    gc.collect()
+    S.assert_equal("input alive after the call", ref() is not None, False, "10.5")
+
+
+@pytest.mark.parametrize("copy_outputs", [False, True])
+def test_r10_5_a_parameter_state_returned_gives_a_plain_copy(compile, device, copy_outputs):
+    p = _program("pstate", outputs={"w": pg.Output((3,), torch.float32)}, state={"wt": pg.State()})
+    w = torch.nn.Parameter(torch.ones(3, device=device))
+    runner = compile(p, lambda x: {"w": x.wt}, state={"wt": w}, copy_outputs=copy_outputs)
+    out = runner(a=torch.zeros(2, 2, device=device)).w
+    S.assert_equal("out.requires_grad", out.requires_grad, False, "10.5 with 6.3")
+    S.assert_equal("out shares the Parameter's memory", out.data_ptr() == w.data_ptr(), False, "6.3")
+
+
+# ---- 10.6 -------------------------------------------------------------------------------------
+def test_r10_6_a_rejected_call_pins_no_device(backend, device):
+    runner = pg.compile(_program(), lambda x: {"y": x.a * 2}, backend=backend, overflow="error")
+    before = runner.device
+    with pytest.raises(pg.BucketOverflowError):
+        runner(a=torch.zeros(9, 2, device="meta"))
+    S.assert_equal("runner.device", runner.device, before, "10.6")
+    out = runner(a=torch.ones(2, 2, device=device)).y          # the next valid call runs (2.5)
+    S.assert_equal("y", out, torch.full((2, 2), 2.0, device=device), "10.6, next call")
+
+
+def test_r10_6_a_failing_call_past_the_ladder_counts_no_fallback(compile, device):
+    class Boom(Exception):
+        pass
+
+    def body(x):
+        if x.bucket > 4:
+            raise Boom("body fails")
+        return {"y": x.a + 1}
+    runner = compile(_program(), body)
+    with pytest.raises(Boom):
+        runner(a=torch.zeros(9, 2, device=device))
+    S.assert_equal("stats.eager_fallbacks", runner.stats.eager_fallbacks, 0, "10.6")
+    p = _program("rows", state={"c": pg.State(rows=bs)})
+    runner = compile(p, lambda x: {"y": x.a + x.c}, state={"c": torch.zeros(4, 2, device=device)})
+    with pytest.raises(pg.ContractError):                      # 7.7: no rows past the ladder
+        runner(a=torch.zeros(9, 2, device=device))
+    S.assert_equal("stats.eager_fallbacks", runner.stats.eager_fallbacks, 0, "10.6, rows state")
+
+
+# ---- 2.6 / 6.4 --------------------------------------------------------------------------------
+def test_r6_4_a_non_string_key_is_a_contract_value_error(compile, device):
+    runner = compile(_program("keys"), lambda x: {"y": x.a, 0: x.a})
+    with pytest.raises(pg.ContractValueError, match="'keys'"):
+        runner(a=torch.ones(2, 2, device=device))
+
+
+def test_r2_6_an_unknown_output_names_the_program(compile, device):
+    out = compile(_program("named"), lambda x: {"y": x.a * 1})(a=torch.ones(2, 2, device=device))
+    with pytest.raises(pg.ContractAttributeError, match="program 'named'"):
+        out.nope
+
+
+# ---- 2.7 --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("pad,dtype", [(np.int64(3), torch.int64), (np.float32(0.5), torch.float32),
+                                       (np.bool_(True), torch.bool)], ids=["int64", "float32", "bool_"])
+def test_r2_7_numpy_scalar_pads_are_numbers(compile, device, pad, dtype):
+    p = pg.Program("np", inputs={"a": pg.Input((bs,), dtype, pad=pad)},
+                   outputs={"y": pg.Output((bs,), dtype, pad=pad)}, buckets=LADDER)
+    runner = compile(p, lambda x: {"y": x.a[-1:].expand(x.bucket).clone()})   # the last lane
+    out = runner(a=torch.zeros(3, dtype=dtype, device=device)).y             # bucket 4: a pad
+    S.assert_equal("y (the padded lane)", out, torch.full((3,), pad.item(), dtype=dtype,
+                                                          device=device), "2.7")
+
+
+def test_r2_7_a_complex_output_with_a_real_pad_is_legal(compile, device):
+    p = _program("cplx", outputs={"y": pg.Output((bs, 2), torch.complex64)})
+    out = compile(p, lambda x: {"y": torch.complex(x.a, -x.a)})(a=torch.ones(2, 2, device=device)).y
+    S.assert_equal("y", out, torch.complex(torch.ones(2, 2), -torch.ones(2, 2)).to(device), "2.7")
+    with pytest.raises(pg.ContractTypeError):
+        pg.Program("cin", inputs={"a": pg.Input((bs,), torch.complex64, pad=0)}, outputs={},
+                   buckets=LADDER)
+
+
+@pytest.mark.parametrize("tc", [False, True], ids=["eager", "torch_compile"])
+def test_r2_7_an_undeclared_underscore_name_is_a_contract_attribute_error(compile, device, tc):
+    def body(x):
+        x._scratch
+        return {"y": x.a}
+    with pytest.raises(pg.ContractAttributeError, match="_scratch"):
+        compile(_program("under"), body, torch_compile=tc)(a=torch.ones(2, 2, device=device))
+
+
+def test_r2_7_a_large_strided_input_beside_state_is_accepted(compile, device):
+    n = (1 << 22) + 2                        # more runs than the overlap test lists at once
+    p = pg.Program("interleaved", inputs={"a": pg.Input((bs, n), torch.float32, pad=0.0)},
+                   outputs={"y": pg.Output((bs,), torch.float32)}, state={"s": pg.State()},
+                   buckets=pg.Buckets([1, 2]))
+    buf = torch.zeros(n, 2, device=device)
+    runner = compile(p, lambda x: {"y": x.a[:, :4].sum(1)}, state={"s": buf[:, 1]})
+    runner(a=buf[:, 0].unsqueeze(0))         # even columns: no byte of the odd ones
+    with pytest.raises(pg.ContractValueError, match="share memory"):
+        runner(a=buf[:, 1].unsqueeze(0))     # the state's own bytes
+
+
+# ---- 7.1 / 7.7 --------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", ["tensor", "list", "int"])
+def test_r7_1_a_state_that_is_not_a_mapping_is_a_contract_error(compile, device, bad):
+    value = {"tensor": torch.zeros(3, device=device), "list": [torch.zeros(3, device=device)],
+             "int": 5}[bad]
+    with pytest.raises(pg.ContractError, match="'st1'"):
+        compile(_program("st1", state={"kv": pg.State()}), lambda x: {"y": x.a}, state=value)
+
+
+class _MyDict(dict):
+    pass
+
+
+@dataclasses.dataclass
+class _Late:
+    k: torch.Tensor
+    v: torch.Tensor = dataclasses.field(init=False, default=None)
+
+
+def _rows_seen(compile, device, value, read):
+    p = pg.Program("rows", inputs={"a": pg.Input((bs,), torch.float32, pad=0.0)},
+                   outputs={"seen": pg.Output((bs,), torch.int64)}, state={"c": pg.State(rows=bs)},
+                   buckets=LADDER)
+    runner = compile(p, lambda x: {"seen": torch.zeros(x.bucket, dtype=torch.int64,
+                                                       device=x.a.device) + read(x.c)},
+                     state={"c": value})
+    return runner(a=torch.zeros(1, device=device)).seen.tolist()
+
+
+def test_r7_7_a_dict_subclass_is_cut_to_the_bucket(compile, device):
+    seen = _rows_seen(compile, device, _MyDict(k=torch.zeros(4, 2, device=device)),
+                      lambda c: c["k"].shape[0] + 10 * isinstance(c, _MyDict))
+    S.assert_equal("rows seen (+10: the subclass kept)", seen, [11], "7.7")
+
+
+def test_r7_7_a_dataclass_init_false_field_is_cut_to_the_bucket(compile, device):
+    c = _Late(torch.zeros(4, 2, device=device))
+    c.v = torch.zeros(4, 3, device=device)
+    seen = _rows_seen(compile, device, c, lambda c: -1 if c.v is None else c.v.shape[0])
+    S.assert_equal("rows of the init=False field seen", seen, [1], "7.7")
+
+
