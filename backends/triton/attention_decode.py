@@ -149,7 +149,9 @@ def _split_kv_kernel(
     n_used = tl.cdiv(seq_len, share)
     start = split * share
     end = tl.minimum(start + share, seq_len)
-    if start < end:  # empty splits read nothing and write nothing (the merge skips them)
+    # empty splits read nothing and write nothing (the merge skips them); split 0 of a request
+    # with seq_len 0 runs with no tile and writes the 0 the reference gives (nothing to attend)
+    if (start < end) | (split == 0):
         row = tl.load(ReqPoolIdx + r).to(tl.int64)
         offs_m = tl.arange(0, BLOCK_M)
         qi = offs_m // GROUP  # query index within the request
@@ -196,7 +198,7 @@ def _split_kv_kernel(
             acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST)
             m_i = m_new
 
-        finish_split(acc, m_i, l_i, split, n_used, fold,
+        finish_split(acc, m_i, l_i, split, tl.maximum(n_used, 1), fold,
                      Counters + r * tl.num_programs(1) + kvh,
                      Out + q_row[:, None] * stride_o_t + qh[:, None] * stride_o_h
                      + offs_dv[None, :],
@@ -315,6 +317,8 @@ def split_kv_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_
     if fold is None:
         fold = should_fold(num_splits, num_q * group, v_head_dim)
     blocks = kernel_blocks(head_dim, v_head_dim, num_q * group, block_n)
+    # the kernels index 1-d metadata with unit stride (a no-op for the dense tensors runners pass)
+    req_pool_indices, seq_lens = req_pool_indices.contiguous(), seq_lens.contiguous()
     o = q.new_empty(n_rows, n_q_heads, v_head_dim)
     if n_rows == 0:
         return o
@@ -325,7 +329,7 @@ def split_kv_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_
     # always an int32 counter buffer (one signature, one compile); only a folded merge uses it
     fold = fold and num_splits > 1
     counters, fold = tickets(q.device, bs * n_kv_heads if fold else 0, fold)
-    tree = tree_mask.view(torch.uint8) if tree_mask is not None else req_pool_indices
+    tree = tree_mask.contiguous().view(torch.uint8) if tree_mask is not None else req_pool_indices
     _split_kv_kernel[(bs, n_kv_heads, num_splits)](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, tree, o, mid_o, mid_lse,
         counters, sm_scale,

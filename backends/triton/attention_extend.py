@@ -190,6 +190,9 @@ def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
     else:
         mid_o, mid_lse = partials(1, 1, 1, 1, q.device)
     grid = (bs, n_tiles, n_kv_heads * num_splits)
+    # the kernel indexes 1-d metadata with unit stride (a no-op for dense tensors)
+    req_pool_indices, seq_lens = req_pool_indices.contiguous(), seq_lens.contiguous()
+    qo_indptr = qo_indptr.contiguous()
     _extend_kernel[grid](
         q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, qo_indptr, mid_o,
         mid_lse, counters, sm_scale,

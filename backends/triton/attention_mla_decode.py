@@ -92,7 +92,9 @@ def _mla_kernel(
     n_used = tl.cdiv(kv_len, share)  # the same for every split of this (request, row block)
     start = split * share
     end = tl.minimum(start + share, kv_len)
-    if (blk * BLOCK_H < n_rows) & (start < end):  # else: nothing to read, nothing to write
+    # else nothing to read, nothing to write; split 0 of a request with seq_len 0 runs with no
+    # tile and writes the 0 the reference gives
+    if (blk * BLOCK_H < n_rows) & ((start < end) | (split == 0)):
         row = tl.load(ReqPoolIdx + r).to(tl.int64)
         offs_m = blk * BLOCK_H + tl.arange(0, BLOCK_H)
         m_ok = offs_m < n_rows
@@ -147,7 +149,7 @@ def _mla_kernel(
             acc = acc * alpha[:, None] + mma(p.to(kv.dtype), kv, UPCAST)
             m_i = m_new
 
-        finish_split(acc, m_i, l_i, split, n_used, fold,
+        finish_split(acc, m_i, l_i, split, tl.maximum(n_used, 1), fold,
                      Counters + r * tl.num_programs(0) + blk,
                      Out + q_row[:, None] * stride_o_t + qh[:, None] * stride_o_h
                      + offs_c[None, :],
@@ -243,8 +245,10 @@ def mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, 
         mid_o, mid_lse = partials(n_tok, n_heads, num_splits, kv_lora_rank, q_latent.device)
     else:  # every request is finished by its only program
         mid_o, mid_lse = partials(1, 1, 1, 1, q_latent.device)
-    tree = tree_mask.view(torch.uint8) if tree_mask is not None else req_pool_indices
-    indptr = qo_indptr if qo_indptr is not None else req_pool_indices
+    # the kernel indexes 1-d metadata with unit stride (a no-op for dense tensors)
+    req_pool_indices, seq_lens = req_pool_indices.contiguous(), seq_lens.contiguous()
+    tree = tree_mask.contiguous().view(torch.uint8) if tree_mask is not None else req_pool_indices
+    indptr = qo_indptr.contiguous() if qo_indptr is not None else req_pool_indices
     _mla_kernel[(n_blocks, bs, num_splits)](
         q_latent, latent_cache, req_to_token, req_pool_indices, seq_lens, indptr, tree, o,
         mid_o, mid_lse, counters, sm_scale,

@@ -301,6 +301,10 @@ def verify_greedy(tokens, tree_mask, predict, req_to_token, req_pool_indices, se
         return verify_greedy_reference(tokens, tree_mask, predict, req_to_token,
                                        req_pool_indices, seq_lens, steps)
     dev = tokens.device
+    if req_to_token.stride(-1) != 1:     # written in place: a dense copy would lose the commit
+        raise ValueError(f"req_to_token must be contiguous in its last dim; strides "
+                         f"{req_to_token.stride()}")
+    req_pool_indices, seq_lens = req_pool_indices.contiguous(), seq_lens.contiguous()
     accept_len = torch.empty(bs, dtype=torch.int32, device=dev)
     accept_index = torch.empty(bs, steps + 1, dtype=torch.long, device=dev)
     out_tokens = torch.empty(bs, steps + 1, dtype=torch.long, device=dev)
@@ -403,6 +407,11 @@ def pack_draft_extend(accept_len, accept_index, out_tokens, hidden, seq_lens, re
                                            req_to_token, req_pool_indices, n_valid[0])
     dev, n_tok = out_tokens.device, bs * n_path
     H = hidden.shape[1]
+    if req_to_token.stride(-1) != 1:
+        req_to_token = req_to_token.contiguous()     # read only here
+    hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    accept_len, seq_lens = accept_len.contiguous(), seq_lens.contiguous()
+    req_pool_indices = req_pool_indices.contiguous()
     input_ids = torch.empty(n_tok, dtype=torch.long, device=dev)
     positions = torch.empty(n_tok, dtype=torch.long, device=dev)
     loc = torch.empty(n_tok, dtype=torch.long, device=dev)

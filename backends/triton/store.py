@@ -70,7 +70,7 @@ def store_kv(k_cache, v_cache, loc, k, v, impl: str = "auto") -> None:
     if n_tok == 0:
         return
     _store_kv_kernel[(n_tok,)](
-        k_cache, v_cache, loc, k, v,
+        k_cache, v_cache, loc.contiguous(), k, v,
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         n_kv_heads, head_dim, v_head_dim,

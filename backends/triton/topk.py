@@ -102,7 +102,10 @@ def _merge_kernel(cand_v_ptr, cand_i_ptr, part_m_ptr, part_s_ptr,
     ps = tl.load(part_s_ptr + row.to(tl.int64) * C + cs, mask=cok, other=0.0)
     M = tl.max(pm, axis=0)
     M_safe = tl.where(tl.abs(M) == float("inf"), 0.0, M)
-    S = tl.sum(tl.where(pm == float("-inf"), 0.0, ps * tl.exp(pm - M_safe)), axis=0)
+    # a chunk with no finite logit adds nothing, unless it held a NaN (its sum is NaN then):
+    # a NaN anywhere in the row makes the row's log-sum-exp NaN, as torch's
+    S = tl.sum(tl.where((pm == float("-inf")) & (ps == ps), 0.0, ps * tl.exp(pm - M_safe)),
+               axis=0)
     tl.store(out_lse_ptr + row, M_safe + tl.log(S))
 
 
