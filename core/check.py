@@ -9,6 +9,15 @@ every padded size must return on the raw lanes. A body that cannot run exact (it
 from `x.bucket`, or fails on an empty dependent axis) falls back to the tightest size, noted in
 the result: padded lanes of dependent axes then count as raw there.
 
+Trials: odd trials first run another draw at the largest bucket (a previous call) and start from
+the state it leaves, so padded lanes that reuse an earlier call's leftovers (a stale slot table)
+are seen writing rows no raw lane targets. Each bucket also runs once with every lane padded (raw
+extents 0, as a capture's warm-up): rows it writes outside the sinks (and outside rows the exact
+run writes anyway, such as a counter) are padded lanes' writes whatever the order of the writes.
+A sink row that a raw lane wrote in the exact run must keep that write at every size. An exact
+run that indexes out of bounds while padded sizes run is a pad-leakage finding: its raw lanes
+read padded ones. The exact run gets row-major copies of the raw inputs, as every runner's body.
+
 Which rows a run writes is seen twice, so a padded lane that writes the value a row already held
 is still caught:
   1. on the state as bound: rows whose contents changed;
@@ -33,15 +42,17 @@ caller's sampler the exception propagates, with a note naming the trial's extent
 """
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 import torch
 
+from .eager import make_view
 from .errors import ContractError, ContractValueError, mismatch
 from .plan import Plan
-from .program import Program
+from .program import Program, padded_dims
 from .reference import ReferenceRunner
 from .view import PaddedView
 
@@ -244,7 +255,9 @@ def _exact_run(runner: ReferenceRunner, raw: Mapping[str, torch.Tensor], ext: Ma
     """prepare + body on the raw tensors themselves (no padded lane on any axis); outputs cloned."""
     plan, name = runner.plan, runner.program.name
     device = runner.device or next(iter(raw.values())).device
-    buffers: dict[str, object] = {n: raw[n].to(device).clone() for n in runner.program.inputs}
+    # row-major copies, as every runner hands its body dense inputs (rule 10.1)
+    buffers: dict[str, object] = {n: raw[n].to(device).clone(memory_format=torch.contiguous_format)
+                                  for n in runner.program.inputs}
     buffers.update(runner.state.at(ext[plan.bucket_axis]))
     extents = {a: torch.tensor(n, dtype=torch.int32, device=device) for a, n in ext.items()}
     x = PaddedView(name, ext[plan.bucket_axis], buffers, extents)
@@ -305,6 +318,7 @@ class _Ctx:
     rtol: float
     atol: float
     noted: set = field(default_factory=set)
+    all_pad_done: set = field(default_factory=set)   # sizes whose all-pad run was checked
 
     def note(self, key: str, text: str) -> None:
         """Add a note once per key (the first occurrence's text)."""
@@ -332,8 +346,15 @@ def check(program: Program, body: Callable, *, state: Mapping | None = None, pre
     for trial in range(trials):
         raw = sample(gen) if sample is not None else default_sample(program, gen, device)
         ext = runner.plan.extents(raw, runner.device)
+        # odd trials start from the state a previous call leaves (another draw, run at the
+        # largest bucket), as a runner's calls follow each other: padded lanes that reuse what an
+        # earlier call left (a stale slot table) then write rows no raw lane of this call targets
+        prev = None
+        if trial % 2 == 1:
+            prev = sample(gen) if sample is not None else default_sample(program, gen, device)
         try:
-            _trial(ctx, raw, ext, gen, sizes_per_trial, trial)
+            with _after(ctx, runner, prev, trial):
+                _trial(ctx, raw, ext, gen, sizes_per_trial, trial)
         except _BodyRaised as e:
             if sample is not None:
                 _add_note(e.error, f"pg.check({program.name!r}): trial {trial}, raw extents {ext}, size {e.size}")
@@ -345,6 +366,26 @@ def check(program: Program, body: Callable, *, state: Mapping | None = None, pre
         ctx.note("sampler", f"the default sampler drew the integer inputs {_int_inputs(program)} in 0..3; if they "
                  f"are indices, findings may come from invalid draws: pass sample= to check real inputs")
     return ctx.result
+
+
+@contextlib.contextmanager
+def _after(ctx: _Ctx, runner: ReferenceRunner, prev: dict | None, trial: int):
+    """Run `prev` (raw inputs of a previous call) first, and restore the state after the trial."""
+    if prev is None:
+        yield
+        return
+    snap = ctx.state.snapshot()
+    try:
+        try:
+            with torch.no_grad():
+                runner.run_at(runner.plan.buckets[-1], **prev)
+        except Exception as e:
+            ctx.note("previous", f"a previous call (trial {trial}) raised ({type(e).__name__}: {e}); "
+                     f"such trials start from the state as bound")
+            ctx.state.restore(snap)
+        yield
+    finally:
+        ctx.state.restore(snap)
 
 
 def _add_note(e: Exception, text: str) -> None:
@@ -367,7 +408,7 @@ def _sizes(plan: Plan, fit: int, gen: torch.Generator, n: int) -> list[int]:
     return sorted(picks)
 
 
-def _baseline(ctx: _Ctx, raw, ext, snap) -> tuple[_Seen, Callable]:
+def _baseline(ctx: _Ctx, raw, ext, snap, trial: int) -> tuple[_Seen, Callable]:
     """The exact run observed (else the tightest size's, noted), and how to run it again."""
     runner = ctx.runner
     bs = ext[runner.plan.bucket_axis]
@@ -379,9 +420,58 @@ def _baseline(ctx: _Ctx, raw, ext, snap) -> tuple[_Seen, Callable]:
         tight = _guarded(fit, lambda: runner.run_at(fit, **raw))
         seen = _observe(ctx, snap, tight)           # raises when the body fails padded too
         seen.what = f"the tightest size {fit}"
+        if isinstance(e, _BodyRaised) and _out_of_bounds(e.error):
+            # it ran padded but indexed past the raw tensors exact: raw lanes read padded ones
+            ctx.add("pad-leakage", "body", f"the exact run (raw tensors, no padded lane) indexed out "
+                    f"of bounds ({e}) while padded sizes ran: the raw lanes read padded lanes",
+                    ext, ext[runner.plan.bucket_axis], trial)
         ctx.note("exact", f"the exact run (raw tensors, no padded lane on any axis) failed ({e}); in that trial "
                  f"and any like it the baseline is the tightest size, whose padded lanes on dependent axes count as raw")
         return seen, tight
+
+
+def _out_of_bounds(e: Exception) -> bool:
+    return isinstance(e, IndexError) or "out of bounds" in str(e) or "out of range" in str(e)
+
+
+def _all_pad_writes(ctx: _Ctx, raw: dict, ext: dict, size: int, trial: int, targets: list) -> None:
+    """Once per size: every lane padded (raw extents 0, as a capture's warm-up runs), from the
+    state as the trial found it. A row written there outside the sinks (and, for batch-ordered
+    state, the padded lanes' own rows) is a padded lane's write, whatever the order of the
+    lanes' writes; rows the exact run wrote (`targets`: written whatever the lanes, as a call
+    counter) are left to the other views."""
+    if size in ctx.all_pad_done:
+        return
+    ctx.all_pad_done.add(size)
+    runner, plan = ctx.runner, ctx.runner.plan
+    zero = {a: 0 for a in ext}
+    cut = {}
+    for n, spec in runner.program.inputs.items():
+        t = raw[n]
+        for d, af in padded_dims(spec.shape):
+            t = t.narrow(d, 0, max(0, af.offset))
+        cut[n] = t
+    device = runner.device or next(iter(raw.values())).device
+    snap = ctx.state.snapshot()
+    try:
+        with torch.no_grad():
+            x = make_view(runner, size, cut, zero, device)
+            if runner.prepare is not None:
+                runner.prepare(x)
+            runner.body(x)
+    except Exception as e:      # the cuda backend's capture would fail the same way
+        ctx.note(f"all-pad {size}", f"the body raised with every lane padded at size {size} "
+                 f"({type(e).__name__}: {e}), as a capture's warm-up runs it: writes were not checked there")
+        return
+    finally:
+        after = ctx.state.snapshot()
+        ctx.state.restore(snap)
+    allowed = ctx.state.allowed({plan.bucket_axis: 0}, size, plan.bucket_axis)
+    for label, ok_rows, a, b, t in zip(ctx.state.labels, allowed, after, snap, targets):
+        extra = _changed_rows(a, b) - ok_rows - t
+        if extra:
+            ctx.add("state-write", f"state {label!r}", f"rows {_rows(sorted(extra))} written with every "
+                    f"lane padded (raw extents 0), that are not sinks", zero, size, trial, sorted(extra))
 
 
 def _trial(ctx: _Ctx, raw: dict, ext: dict, gen, n_sizes: int, trial: int) -> None:
@@ -389,10 +479,12 @@ def _trial(ctx: _Ctx, raw: dict, ext: dict, gen, n_sizes: int, trial: int) -> No
     bs = ext[runner.plan.bucket_axis]
     snap = ctx.state.snapshot()
     try:
-        base, again_run = _baseline(ctx, raw, ext, snap)
+        base, again_run = _baseline(ctx, raw, ext, snap, trial)
         again = again_run()
         _compare(ctx, "nondeterminism", base, _Seen(again, ctx.state.snapshot(), []), ext, bs, trial, 0.0, 0.0)
         for size in _sizes(runner.plan, runner.plan.fit(ext), gen, n_sizes):
+            if size in runner.plan.buckets:
+                _all_pad_writes(ctx, raw, ext, size, trial, base.written)
             seen = _observe(ctx, snap, _guarded(size, lambda: runner.run_at(size, **raw)))
             stray = _state_writes(ctx, base.written, seen.written, ext, size, trial)
             _compare(ctx, "pad-leakage", base, seen, ext, size, trial, ctx.rtol, ctx.atol, stray)
@@ -411,8 +503,13 @@ def _compare(ctx: _Ctx, kind: str, base: _Seen, seen: _Seen, ext, size, trial, r
         if not ok:
             ctx.add(kind, f"output {name!r}", f"raw lanes differ from {what}: {how}", ext, size, trial)
     allowed = ctx.state.allowed(ext, size, ctx.runner.plan.bucket_axis)
-    for label, sinks, ref, t, skip in zip(ctx.state.labels, allowed, base.state, seen.state, stray):
-        ok, how = _same(_drop_rows(ref, sinks | skip), _drop_rows(t, sinks | skip), rtol, atol)
+    wrote = base.written or [set() for _ in ctx.state.tensors]
+    for label, sinks, ref, t, skip, own in zip(ctx.state.labels, allowed, base.state, seen.state,
+                                               stray, wrote):
+        # a sink row a raw lane wrote in the baseline must keep that write (a padded lane's
+        # write there would replace a raw request's data)
+        drop = (sinks - own) | skip
+        ok, how = _same(_drop_rows(ref, drop), _drop_rows(t, drop), rtol, atol)
         if not ok:
             k = "state-leakage" if kind == "pad-leakage" else kind
             ctx.add(k, f"state {label!r}", f"contents differ from {what}: {how}", ext, size, trial)

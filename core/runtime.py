@@ -146,7 +146,8 @@ class Runner:
         if device is None or (device.index is None and device.type != "cpu"):
             device = self._resolve_device(raw, device)
         ext = self.plan.extents(raw, device, self.allow_host_inputs)
-        dev = self._device_extents(extents, device) if extents else None
+        dev = self._device_extents(extents, device) if extents is not None else None
+        dev = dev or None           # {}: no device extent
         self.state.check()          # first: a moved state's old range means nothing to aliasing
         self._check_aliasing(raw)
         self.device = device        # only once the call is valid: a rejected call pins nothing
