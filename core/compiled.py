@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import time
 import types
 from typing import Callable, Iterable, Mapping
@@ -53,9 +54,16 @@ def _options(program: Program, spec) -> dict:
     patches = dict(torch._inductor.list_mode_options(mode)) if mode != "default" else {}
     patches.update(opts.pop("options", None) or {})
     patches["triton.cudagraphs"] = False
-    return {"fullgraph": opts.pop("fullgraph", False), "dynamic": opts.pop("dynamic", None),
-            "size_oblivious": bool(opts.pop("size_oblivious", False)),
-            "patches": patches, "regions": _regions(program, opts.pop("regions", None)), **opts}
+    out = {"fullgraph": opts.pop("fullgraph", False), "dynamic": opts.pop("dynamic", None),
+           "size_oblivious": bool(opts.pop("size_oblivious", False)),
+           "patches": patches, "regions": _regions(program, opts.pop("regions", None))}
+    passed = set(inspect.signature(torch.compile).parameters) - {"model", "backend", "mode", "options"}
+    unknown = sorted(k for k in opts if k not in passed)
+    if unknown:
+        raise ContractValueError(mismatch(program.name, None, "torch_compile options",
+                                          f"among {sorted(passed | {'mode', 'options', 'regions', 'size_oblivious'})}",
+                                          f"unknown {unknown}"))
+    return {**out, **opts}
 
 
 def _regions(program: Program, regions) -> list | None:
@@ -68,6 +76,14 @@ def _regions(program: Program, regions) -> list | None:
         raise ContractValueError(mismatch(program.name, None, "torch_compile regions",
                                           "a non-empty nn.Module, ModuleList or iterable of modules",
                                           f"{type(regions).__name__}" + (f" holding {bad}" if bad else " (empty)")))
+    mods = list({id(m): m for m in mods}.values())      # a module listed twice (tied layers): once
+    ids = {id(m) for m in mods}
+    nested = [f"{type(m).__name__} inside {type(outer).__name__}" for outer in mods
+              for m in outer.modules() if m is not outer and id(m) in ids]
+    if nested:
+        raise ContractValueError(mismatch(program.name, None, "torch_compile regions",
+                                          "modules none of which holds another (compile the outer one)",
+                                          "; ".join(nested)))
     return mods
 
 
@@ -193,8 +209,16 @@ class CompiledBody:
         inputs = {n: x[n] for n in self._inputs}
         state = {n: x[n] for n in self.program.state}
         extents = {a.name: x.extent(a.name) for a in self.program.axes}
-        with torch._dynamo.config.patch(**self._limit), self._shapes():
-            out = self._fn(inputs, state, extents)
+        try:
+            with torch._dynamo.config.patch(**self._limit), self._shapes():
+                out = self._fn(inputs, state, extents)
+        except torch._dynamo.exc.Unsupported as e:
+            if not _observed(e):
+                raise
+            # fullgraph: dynamo saw the body raise while tracing (nothing ran yet); the body
+            # eagerly raises the very exception, unchanged in type (rule 5.2), or, where the
+            # exception is caught inside it (hasattr), runs as it would eagerly
+            return self._body(x)
         self._called = True
         return out
 
@@ -258,4 +282,16 @@ class _RegionCall:
         for t in torch.utils._pytree.tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] in self.sizes:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
-        return self.fn(self.module, *args, **kwargs)
+        try:
+            return self.fn(self.module, *args, **kwargs)
+        except torch._dynamo.exc.Unsupported as e:
+            if not _observed(e):
+                raise
+            return type(self.module).forward(self.module, *args, **kwargs)   # its own exception
+
+
+def _observed(e: Exception) -> bool:
+    """A fullgraph trace that stopped because the traced code raises (dynamo's "Observed
+    exception"): the code run eagerly raises the same exception."""
+    observed = getattr(torch._dynamo.exc, "ObservedException", None)
+    return observed is not None and isinstance(e.__cause__, observed)

@@ -56,7 +56,7 @@ def compile(program: Program, body: Callable, backend: str = "reference", *, sta
     if not isinstance(program, Program):
         raise ContractValueError(f"compile: program must be a pg.Program, got {type(program).__name__}")
     cls = _resolve(backend)
-    if torch_compile:
+    if torch_compile is not None and torch_compile is not False:   # {}: compile, default options
         options["torch_compile"] = torch_compile
     return cls(program, body, state=state, prepare=prepare, overflow=overflow,
                copy_outputs=copy_outputs, **options)

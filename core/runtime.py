@@ -111,7 +111,7 @@ class Runner:
         self.state = BoundState(program, state)
         self.device = _device(program, device) if device is not None else self.state.device()
         self.stats = Stats()
-        if torch_compile:
+        if torch_compile is not None and torch_compile is not False:   # {}: default options
             from .compiled import CompiledBody   # local: plain runners never import dynamo
             self.body = CompiledBody(program, body, torch_compile, self.stats, self.state)
         self._warned_overflow = False
