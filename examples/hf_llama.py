@@ -74,12 +74,16 @@ def flatten_cache(cache: StaticCache):
     return leaves, (type(cache), layers)
 
 
-def unflatten_cache(leaves, context) -> StaticCache:
-    """A cache of the same class over `leaves` (views of rows [0, bucket)), sharing the write counters;
-    it carries one `LayerCache` per layer for the decoder layers' hooks (see `LayerCache`)."""
+def unflatten_cache(leaves, context, own_counters: bool = True) -> StaticCache:
+    """A cache of the same class over `leaves` (views of rows [0, bucket)); it carries one
+    `LayerCache` per layer for the decoder layers' hooks (see `LayerCache`). As the runner's
+    state (own_counters): write counters of its own, which every call sets from its inputs, so
+    a call never writes the caller's cache's counters and no input can alias them. The eager
+    prefill's view shares the caller's (own_counters=False): they then say where the cache is."""
     cls, layers = context
     cache = cls.__new__(cls)
-    Cache.__init__(cache, layers=[_static_layer(*spec, k, v) for spec, k, v in zip(layers, leaves[0::2], leaves[1::2])])
+    Cache.__init__(cache, layers=[_static_layer(c, n, counter.clone() if own_counters else counter, k, v)
+                                  for (c, n, counter), k, v in zip(layers, leaves[0::2], leaves[1::2])])
     cache.layer_views = [LayerCache(layer) for layer in cache.layers]
     return cache
 
@@ -120,7 +124,7 @@ def hand_each_layer_its_cache(model: LlamaForCausalLM) -> None:
 def _static_layer(cls, max_cache_len: int, counter, keys, values) -> StaticLayer:
     layer = cls(max_cache_len=max_cache_len)
     layer.keys, layer.values = keys, values                    # [rows, n_kv_heads, max_cache_len, head_dim]
-    layer.cumulative_length = counter                          # the write column, shared with the full cache
+    layer.cumulative_length = counter                          # the write column (this view's own)
     layer.dtype, layer.device = keys.dtype, keys.device
     layer.batch_size, layer.num_heads = keys.shape[:2]
     layer.k_head_dim, layer.v_head_dim = keys.shape[-1], values.shape[-1]
@@ -131,7 +135,7 @@ def _static_layer(cls, max_cache_len: int, counter, keys, values) -> StaticLayer
 def rows_view(cache: StaticCache, n: int) -> StaticCache:
     """The cache over rows [0, n): what the body of a call in bucket n receives."""
     leaves, context = flatten_cache(cache)
-    return unflatten_cache([t[:n] for t in leaves], context)
+    return unflatten_cache([t[:n] for t in leaves], context, own_counters=False)
 
 
 def new_cache(model: LlamaForCausalLM, max_rows: int, max_cache_len: int) -> tuple[StaticCache, torch.Tensor]:
@@ -227,8 +231,30 @@ def compact(cache: StaticCache, seen: torch.Tensor, keep: list[int]) -> None:
         t[:len(keep)] = t.index_select(0, idx)
 
 
+def check_requests(model, seen: torch.Tensor, prompts: list[list[int]], max_new: list[int]) -> None:
+    """Raise ValueError before any write unless the requests fit: at most one per cache row,
+    non-empty prompts of ids in [0, vocab), max_new >= 1 each, and the longest prompt plus the
+    largest budget (less the last token, never written) within the cache's columns."""
+    rows, cols, vocab = seen.shape[0], seen.shape[1], model.config.vocab_size
+    if len(prompts) != len(max_new):
+        raise ValueError(f"{len(prompts)} prompts but {len(max_new)} max_new values")
+    if not prompts or len(prompts) > rows:
+        raise ValueError(f"{len(prompts)} requests for a cache of {rows} rows (1 .. {rows})")
+    for i, (p, n) in enumerate(zip(prompts, max_new)):
+        if not p or min(p) < 0 or max(p) >= vocab:
+            raise ValueError(f"request {i}: the prompt must be non-empty token ids in [0, {vocab})")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"request {i}: max_new must be an int >= 1; got {n!r}")
+    need = max(map(len, prompts)) + max(max_new) - 1
+    if need > cols:
+        raise ValueError(f"the longest prompt ({max(map(len, prompts))}) plus the largest max_new "
+                         f"({max(max_new)}) less one needs {need} cache columns; the cache has {cols}")
+
+
 def serve(model, runner, cache, seen, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:
-    """Greedy tokens per request: eager prefill, then one runner call per step; the batch shrinks."""
+    """Greedy tokens per request: eager prefill, then one runner call per step; the batch shrinks.
+    The requests are checked against the cache and the vocabulary before anything is written."""
+    check_requests(model, seen, prompts, max_new)
     first, width = prefill(model, cache, seen, prompts)
     device = seen.device
     lens = torch.tensor([len(p) for p in prompts], device=device)
