@@ -115,6 +115,7 @@ class Runner:
             from .compiled import CompiledBody   # local: plain runners never import dynamo
             self.body = CompiledBody(program, body, torch_compile, self.stats, self.state)
         self._warned_overflow = False
+        self._pending_compiles = (0, 0, 0.0)   # compiles of calls that raised (rule 10.6)
         # output -> ((dim, axis name, affine), ...): slicing without re-deriving shapes per call
         self._out_slices = {n: tuple((d, a.axis.name, a) for d, a in padded_dims(s.shape))
                             for n, s in program.outputs.items()}
@@ -134,12 +135,23 @@ class Runner:
         output lanes past it hold the output's pad. The cuda backend reads it on the device only.
         """
         with torch.no_grad():           # rule 10.5: inference only, outputs never require grad
-            pinned = self.device
+            pinned, st = self.device, self.stats
+            compiled = (st.compiles, st.recompiles, st.compile_seconds)
             try:
-                return self._call(raw, extents)
+                out = self._call(raw, extents)
             except BaseException:
-                self.device = pinned     # rule 10.6: a call that raises pins no device
+                self.device = pinned     # rule 10.6: a call that raises pins no device, and its
+                self._pending_compiles = tuple(   # compiles count with the next call that returns
+                    p + (now - was) for p, now, was in
+                    zip(self._pending_compiles, (st.compiles, st.recompiles, st.compile_seconds), compiled))
+                st.compiles, st.recompiles, st.compile_seconds = compiled
                 raise
+            if self._pending_compiles != (0, 0, 0.0):
+                st.compiles, st.recompiles, st.compile_seconds = (
+                    a + b for a, b in zip((st.compiles, st.recompiles, st.compile_seconds),
+                                          self._pending_compiles))
+                self._pending_compiles = (0, 0, 0.0)
+            return out
 
     def _call(self, raw, extents) -> Outputs:
         device = self.device

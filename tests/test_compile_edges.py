@@ -136,3 +136,19 @@ def test_unknown_option_is_a_contract_error_naming_the_program():
     program and 'torch_compile' (SPEC 2.6: messages name the program)."""
     with pytest.raises(pg.ContractError, match="audit"):
         pg.compile(prog(state=False), lambda x: {"y": x.h}, torch_compile={"fulgraph": True})
+
+
+def test_a_call_that_raises_changes_no_stats():
+    """SPEC 10.6: a compiled body whose output has the wrong dtype raises ContractValueError (6.4)
+    and leaves the compile counters as they were; its compiles count with the next call that
+    returns (the graphs stay cached, so that call compiles nothing itself)."""
+    state = {"bad": True}
+    r = pg.compile(prog(state=False), lambda x: {"y": x.h.double() if state["bad"] else x.h * 2},
+                   torch_compile=True)
+    with pytest.raises(pg.ContractValueError):
+        r(h=torch.ones(3, 4))
+    assert (r.stats.compiles, r.stats.recompiles, r.stats.compile_seconds) == (0, 0, 0.0), r.stats.table()
+    state["bad"] = False
+    torch._dynamo.reset()
+    assert torch.equal(r(h=torch.ones(3, 4)).y, torch.full((3, 4), 2.0))
+    assert r.stats.compiles >= 2 and r.stats.compile_seconds > 0, r.stats.table()
