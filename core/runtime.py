@@ -56,6 +56,20 @@ class Stats:
     compiles: int = 0          # graphs inductor compiled for a torch_compile'd body
     recompiles: int = 0        # of those, compiled after the body's first call
     compile_seconds: float = 0.0   # wall time of the body calls that compiled (dynamo + inductor)
+
+    def compile_counts(self) -> tuple:
+        return self.compiles, self.recompiles, self.compile_seconds
+
+    def defer_compiles(self, before: tuple, deferred: tuple | None) -> tuple:
+        """Take back what a call that raised counted since `before`; returns it added to
+        `deferred` (rule 10.6: a raising call changes no stats)."""
+        taken = tuple(now - was for now, was in zip(self.compile_counts(), before))
+        self.compiles, self.recompiles, self.compile_seconds = before
+        return taken if deferred is None else tuple(a + b for a, b in zip(deferred, taken))
+
+    def add_compiles(self, counts: tuple) -> None:
+        self.compiles, self.recompiles, self.compile_seconds = (
+            a + b for a, b in zip(self.compile_counts(), counts))
     capture: dict = field(default_factory=dict)                             # bucket -> {seconds, bytes}
 
     def record(self, bucket: int, raw: int) -> None:
@@ -115,7 +129,8 @@ class Runner:
             from .compiled import CompiledBody   # local: plain runners never import dynamo
             self.body = CompiledBody(program, body, torch_compile, self.stats, self.state)
         self._warned_overflow = False
-        self._pending_compiles = (0, 0, 0.0)   # compiles of calls that raised (rule 10.6)
+        self._compiled = torch_compile is not None and torch_compile is not False
+        self._deferred = None      # compile counts of calls that raised, for the next that returns
         # output -> ((dim, axis name, affine), ...): slicing without re-deriving shapes per call
         self._out_slices = {n: tuple((d, a.axis.name, a) for d, a in padded_dims(s.shape))
                             for n, s in program.outputs.items()}
@@ -135,22 +150,18 @@ class Runner:
         output lanes past it hold the output's pad. The cuda backend reads it on the device only.
         """
         with torch.no_grad():           # rule 10.5: inference only, outputs never require grad
-            pinned, st = self.device, self.stats
-            compiled = (st.compiles, st.recompiles, st.compile_seconds)
+            pinned = self.device
+            before = self.stats.compile_counts() if self._compiled else None
             try:
                 out = self._call(raw, extents)
             except BaseException:
                 self.device = pinned     # rule 10.6: a call that raises pins no device, and its
-                self._pending_compiles = tuple(   # compiles count with the next call that returns
-                    p + (now - was) for p, now, was in
-                    zip(self._pending_compiles, (st.compiles, st.recompiles, st.compile_seconds), compiled))
-                st.compiles, st.recompiles, st.compile_seconds = compiled
+                if before is not None:   # compiles count with the next call that returns
+                    self._deferred = self.stats.defer_compiles(before, self._deferred)
                 raise
-            if self._pending_compiles != (0, 0, 0.0):
-                st.compiles, st.recompiles, st.compile_seconds = (
-                    a + b for a, b in zip((st.compiles, st.recompiles, st.compile_seconds),
-                                          self._pending_compiles))
-                self._pending_compiles = (0, 0, 0.0)
+            if self._deferred is not None:
+                self.stats.add_compiles(self._deferred)
+                self._deferred = None
             return out
 
     def _call(self, raw, extents) -> Outputs:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .llama import MLP, PagedBatch, RMSNorm, Rotary, init_weights, last_tokens
+from .llama import MLP, PagedBatch, PagedForwards, RMSNorm, Rotary, init_weights
 
 
 @dataclass(frozen=True)
@@ -291,7 +291,7 @@ def init_deepseek(module: nn.Module, cfg: DeepSeekConfig, generator: torch.Gener
 
 # ----------------------------------------------------------------------------------- model
 
-class DeepSeekModel(nn.Module):
+class DeepSeekModel(PagedForwards, nn.Module):
     """The target. `kv.latent[layer]` are [n_slots, 1, kv_lora_rank + rope_dim] latent rows."""
 
     def __init__(self, cfg: DeepSeekConfig, seed: int = 0):
@@ -325,36 +325,15 @@ class DeepSeekModel(nn.Module):
     def logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(hidden).float()
 
-    def forward_decode(self, input_ids, positions, kv, req_to_token, req_pool_indices, seq_lens,
-                       out_cache_loc, impl="auto"):
-        """[bs] tokens → (logits [bs, V] fp32, hidden [bs, hidden])."""
-        batch = mla_decode_batch(self.cfg, req_to_token, req_pool_indices, seq_lens,
-                                 out_cache_loc, impl)
-        hidden = self._run(input_ids, positions, batch, kv)
-        return self.logits(hidden), hidden
+    # the paged forwards are PagedForwards'; the metadata is MLA's (one latent head per slot)
+    def _decode_batch(self, *args):
+        return mla_decode_batch(self.cfg, *args)
 
-    def forward_extend(self, input_ids, positions, kv, req_to_token, req_pool_indices, seq_lens,
-                       qo_indptr, out_cache_loc, impl="auto"):
-        """Packed [n_tok] → (logits at each request's last token [bs, V], hidden [n_tok, hidden])."""
-        hidden = self.forward_extend_hidden(input_ids, positions, kv, req_to_token,
-                                            req_pool_indices, seq_lens, qo_indptr,
-                                            out_cache_loc, impl)
-        return self.logits(hidden[last_tokens(qo_indptr)]), hidden
+    def _extend_batch(self, *args):
+        return mla_extend_batch(self.cfg, *args)
 
-    def forward_extend_hidden(self, input_ids, positions, kv, req_to_token, req_pool_indices,
-                              seq_lens, qo_indptr, out_cache_loc, impl="auto"):
-        """Packed [n_tok] → hidden [n_tok, hidden] only (the prefill program)."""
-        batch = mla_extend_batch(self.cfg, req_to_token, req_pool_indices, seq_lens, qo_indptr,
-                                 out_cache_loc, impl)
-        return self._run(input_ids, positions, batch, kv)
-
-    def forward_verify(self, input_ids, positions, kv, req_to_token, req_pool_indices, seq_lens,
-                       tree_mask, out_cache_loc, impl="auto"):
-        """[bs*k] tree tokens (seq_lens = prefix + k) → (logits [bs*k, V], hidden [bs*k, hidden])."""
-        batch = mla_tree_batch(self.cfg, req_to_token, req_pool_indices, seq_lens, tree_mask,
-                               out_cache_loc, impl)
-        hidden = self._run(input_ids, positions, batch, kv)
-        return self.logits(hidden), hidden
+    def _tree_batch(self, *args):
+        return mla_tree_batch(self.cfg, *args)
 
     def forward_dense(self, input_ids: Tensor, last_only: bool = False):
         """[B, T] → (logits [B, T, V] (or [B, V] with last_only), hidden [B, T, hidden]),

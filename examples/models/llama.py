@@ -218,12 +218,23 @@ def last_tokens(qo_indptr: Tensor) -> Tensor:
 
 class PagedForwards:
     """The paged forwards of a target, given its `_run(ids, positions, batch, kv) -> hidden` and
-    `logits(hidden)`: every target (single GPU or one tensor-parallel rank) shares them."""
+    `logits(hidden)`: every target (single GPU, one tensor-parallel rank, the MLA target)
+    shares them. The attention metadata comes from `_decode_batch` / `_extend_batch` /
+    `_tree_batch`: GQA's here, the MLA target overrides them."""
+
+    def _decode_batch(self, *args):
+        return decode_batch(*args)
+
+    def _extend_batch(self, *args):
+        return extend_batch(*args)
+
+    def _tree_batch(self, *args):
+        return tree_batch(*args)
 
     def forward_decode(self, input_ids, positions, kv, req_to_token, req_pool_indices, seq_lens,
                        out_cache_loc, impl="auto"):
         """[bs] tokens → (logits [bs, V] fp32, hidden [bs, H])."""
-        batch = decode_batch(req_to_token, req_pool_indices, seq_lens, out_cache_loc, impl)
+        batch = self._decode_batch(req_to_token, req_pool_indices, seq_lens, out_cache_loc, impl)
         hidden = self._run(input_ids, positions, batch, kv)
         return self.logits(hidden), hidden
 
@@ -239,15 +250,15 @@ class PagedForwards:
                               seq_lens, qo_indptr, out_cache_loc, impl="auto"):
         """Packed [n_tok] tokens → hidden [n_tok, H] only (the prefill program: the caller takes
         the lm_head of the requests' last rows, not of every padded request)."""
-        batch = extend_batch(req_to_token, req_pool_indices, seq_lens, qo_indptr, out_cache_loc,
-                             impl)
+        batch = self._extend_batch(req_to_token, req_pool_indices, seq_lens, qo_indptr,
+                                   out_cache_loc, impl)
         return self._run(input_ids, positions, batch, kv)
 
     def forward_verify(self, input_ids, positions, kv, req_to_token, req_pool_indices, seq_lens,
                        tree_mask, out_cache_loc, impl="auto"):
         """[bs*k] tree tokens (seq_lens = prefix + k) → (logits [bs*k, V], hidden [bs*k, H])."""
-        batch = tree_batch(req_to_token, req_pool_indices, seq_lens, tree_mask, out_cache_loc,
-                           impl)
+        batch = self._tree_batch(req_to_token, req_pool_indices, seq_lens, tree_mask,
+                                 out_cache_loc, impl)
         hidden = self._run(input_ids, positions, batch, kv)
         return self.logits(hidden), hidden
 
