@@ -9,7 +9,7 @@
 #                             [eagle-eager-prefill: both main jobs and bench_eagle (eagle_eager_prefill.{md,json}) with the prompts' prefill as plain torch calls (the default: the prefill program)]
 #                             [eagle-regions: the main job with only the head's layer compiled in the draft bodies]
 #                             [eagle-profile: the main job, then its kernels per round under torch.profiler]
-#                             [tests-parallel: the cuda tests as four pytest processes at once]
+#                             [tests-parallel: the cuda tests as five pytest processes and the cuda conformance suite, at once]
 # With no arguments, everything. Results and logs go under $OUT (default results/local).
 # PACK=name: write them under a scratch directory instead and leave one $OUT/name.tgz at the end
 # (for a caller that fetches only a few files from $OUT; $OUT itself is never written otherwise).
@@ -41,15 +41,17 @@ rc=0
 run() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS
   timeout "$LIMIT" "$@" 2>&1 | tee "$OUT/$name.log"; local r=${PIPESTATUS[0]}
   echo "=== $name: exit $r in $((SECONDS - t0)) s"; [ "$r" = 0 ] || rc=1; }
-if want tests-parallel; then  # the same tests as four pytest processes at once on the one GPU (about 250 s)
+if want tests-parallel; then  # the cuda tests and the cuda conformance suite as six processes at once on the one GPU
   echo "=== tests-parallel"; t0=$SECONDS
-  P="python3 -m pytest -m cuda -q -p no:cacheprovider --timeout=300 -o addopts= --durations=5"
+  P="python3 -m pytest -m cuda -q -p no:cacheprovider --timeout=400 -o addopts= --durations=5"
   timeout "$LIMIT" $P tests/test_cuda_deepseek.py -k "lite and whole" >"$OUT/pytest_cuda_lite.log" 2>&1 & p1=$!
   timeout "$LIMIT" $P tests/test_cuda_deepseek.py -k "not (lite and whole)" >"$OUT/pytest_cuda_deepseek.log" 2>&1 & p2=$!
-  timeout "$LIMIT" $P tests/test_cuda_eagle.py tests/test_spec_overlap.py tests/test_compiled_body.py tests/test_prefill_runner.py >"$OUT/pytest_cuda_eagle.log" 2>&1 & p3=$!
-  timeout "$LIMIT" $P tests/test_cuda_attention.py tests/test_cuda_mla.py tests/test_cuda_backend.py tests/test_cuda_contract.py tests/test_cuda_topk.py tests/test_tp.py >"$OUT/pytest_cuda_kernels.log" 2>&1 & p4=$!
-  for p in $p1 $p2 $p3 $p4; do wait $p || rc=1; done
-  for f in lite deepseek eagle kernels; do echo "$f: $(tail -1 "$OUT/pytest_cuda_$f.log")"; done
+  timeout "$LIMIT" $P tests/test_cuda_eagle.py tests/test_prefill_runner.py >"$OUT/pytest_cuda_eagle_a.log" 2>&1 & p3=$!
+  timeout "$LIMIT" $P tests/test_spec_overlap.py tests/test_compiled_body.py >"$OUT/pytest_cuda_eagle_b.log" 2>&1 & p4=$!
+  timeout "$LIMIT" $P tests/test_cuda_attention.py tests/test_cuda_mla.py tests/test_cuda_backend.py tests/test_cuda_contract.py tests/test_cuda_topk.py tests/test_tp.py tests/test_triton_seq_len_zero.py >"$OUT/pytest_cuda_kernels.log" 2>&1 & p5=$!
+  timeout "$LIMIT" python3 -m padgraph.spec --backend cuda -q >"$OUT/spec_cuda.log" 2>&1 & p6=$!
+  for p in $p1 $p2 $p3 $p4 $p5 $p6; do wait $p || rc=1; done
+  for f in pytest_cuda_lite pytest_cuda_deepseek pytest_cuda_eagle_a pytest_cuda_eagle_b pytest_cuda_kernels spec_cuda; do echo "$f: $(tail -1 "$OUT/$f.log")"; done
   echo "=== tests-parallel: $((SECONDS - t0)) s"
 fi
 want tests && run pytest_cuda python3 -m pytest -m cuda tests -q -p no:cacheprovider --timeout=300 -o addopts=""
