@@ -9,6 +9,7 @@
 #                             [eagle-eager-prefill: both main jobs and bench_eagle (eagle_eager_prefill.{md,json}) with the prompts' prefill as plain torch calls (the default: the prefill program)]
 #                             [eagle-regions: the main job with only the head's layer compiled in the draft bodies]
 #                             [eagle-profile: the main job, then its kernels per round under torch.profiler]
+#                             [sweep-eagle, sweep-eagle-deepseek: EAGLE over several draft trees (steps, topk, k) against greedy]
 #                             [tests-parallel: the cuda tests as five pytest processes and the cuda conformance suite, at once]
 # With no arguments, everything. Results and logs go under $OUT (default results/local).
 # PACK=name: write them under a scratch directory instead and leave one $OUT/name.tgz at the end
@@ -76,6 +77,8 @@ want hf-compile && run hf_llama_compile python3 examples/hf_llama.py --torch-com
 want bench-runner-compile && run bench_runner_compile python3 examples/bench_runner.py --variants padgraph+compile,compile-ro --iters 30
 want bench-runner-oblivious && run bench_runner_oblivious python3 examples/bench_runner.py --variants padgraph+compile,compile-ro --iters 30 --size-oblivious
 want bench-hf && run bench_hf python3 examples/bench_hf.py
+want sweep-eagle && run sweep_eagle python3 examples/sweep_eagle.py
+want sweep-eagle-deepseek && EAGLE_MODEL=deepseek run sweep_eagle_deepseek python3 examples/sweep_eagle.py
 want bench-topk && run bench_topk python3 examples/bench_topk.py
 echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/pytest_cuda*.log "$OUT"/spec_cuda.log "$OUT"/spec_cuda_compile.log 2>/dev/null | tail -6
 exit $rc

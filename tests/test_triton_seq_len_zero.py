@@ -28,6 +28,15 @@ def nan_filled_empty():
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]   # cpu: the interpreter
 
 
+def close(out, ref, zero_rows):
+    """The seq_len-0 rows exactly 0 (NaN if never written); the others as the fp32 reference, to
+    the interpreter's fp32 rounding on the CPU and to TF32 dot products on a GPU."""
+    assert ref[zero_rows].abs().sum() == 0
+    assert out[zero_rows].isnan().sum() == 0 and out[zero_rows].abs().sum() == 0, out[zero_rows]
+    tol = 1e-4 if out.device.type == "cpu" else 5e-3
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+
+
 def paged(lens, n_kv, hd, seed=0, dev="cpu"):
     g = torch.Generator().manual_seed(seed)
     n_slots = sum(lens) + 1
@@ -50,8 +59,7 @@ def test_decode_seq_len_zero_gives_zero(num_splits, dev):
     ref = decode_attention_reference(q, k, v, r2t, rows, sl)
     with nan_filled_empty():
         out = decode_attention(q, k, v, r2t, rows, sl, num_splits=num_splits, impl="triton")
-    assert ref[0].abs().sum() == 0
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)   # row 0: 0 (NaN if never written)
+    close(out, ref, 0)
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -63,7 +71,7 @@ def test_tree_verify_seq_len_zero_gives_zero(dev):
     ref = tree_verify_attention_reference(q, k, v, r2t, rows, sl, mask)
     with nan_filled_empty():
         out = tree_verify_attention(q, k, v, r2t, rows, sl, mask, num_splits=2, impl="triton")
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    close(out, ref, slice(0, K))
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -74,7 +82,7 @@ def test_mla_decode_seq_len_zero_gives_zero(dev):
     ref = mla_decode_attention(q, lat, r2t, rows, sl, r, 0.2, impl="torch")
     with nan_filled_empty():
         out = mla_decode_attention(q, lat, r2t, rows, sl, r, 0.2, num_splits=2, impl="triton")
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    close(out, ref, 0)
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -87,4 +95,4 @@ def test_mla_tree_verify_seq_len_zero_gives_zero(dev):
     with nan_filled_empty():
         out = mla_tree_verify_attention(q, lat, r2t, rows, sl, mask, r, 0.2, num_splits=2,
                                         impl="triton")
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    close(out, ref, slice(0, K))

@@ -113,8 +113,12 @@ def _warm(steps: Steps, name: str, bucket: int, warmup: int, stream) -> None:
                 steps.warm(bucket)
         stream.synchronize()
     except Exception as e:
-        raise CaptureError(f"{where(name)}: the body failed in eager warm-up at bucket {bucket} "
-                           f"(before capture): {type(e).__name__}: {e}") from e
+        # the body's own error, of the type and message an eager call raises (rule 10.7): a
+        # ContractError of the view stays one on every backend; the note says where it came from
+        if hasattr(e, "add_note"):   # Python >= 3.11
+            e.add_note(f"{where(name)}: raised by the body in eager warm-up at bucket {bucket} "
+                       f"(compile, before capture)")
+        raise
 
 
 def _end(graph) -> BaseException | None:
