@@ -39,6 +39,7 @@ import torch
 
 from .errors import ContractAttributeError, ContractKeyError, ContractValueError, mismatch
 from .program import Program, padded_dims
+from .view import PaddedView, read_only
 
 _MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune")
 
@@ -105,7 +106,15 @@ class TracedView:
         for name, value in buffers.items():     # setattr, not __dict__.update: dynamo traces it
             setattr(self, name, value)
         self.program, self.bucket, self._extents = program, bucket, extents
-        self._names = tuple(buffers)
+        self._names = tuple(buffers)            # set last: the view is read-only from here on
+
+    def __setattr__(self, name: str, value) -> None:   # as PaddedView's (rule 2.7)
+        if "_names" in self.__dict__:
+            raise ContractAttributeError(read_only(self.program, name))
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        raise ContractAttributeError(read_only(self.program, name))
 
     def __getattr__(self, name: str):          # only for names that are not buffers (rule 2.7)
         if name.startswith("__") and name.endswith("__"):   # dunders: plain protocol probes

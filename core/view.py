@@ -8,6 +8,12 @@ import torch
 from .errors import ContractAttributeError, ContractKeyError
 
 
+def read_only(program: str, name: str) -> str:
+    return (f"program {program!r}: the padded view is read-only, got an assignment to x.{name}; "
+            f"write into a buffer in place (x.<buffer>[...] = ..., x.<buffer>.copy_(...)) or keep "
+            f"the value in a local")
+
+
 class PaddedView:
     """`x.<input>` padded static tensors, `x.<state>` bound state, `x.bucket`, `x.extent(axis)`."""
 
@@ -15,10 +21,17 @@ class PaddedView:
 
     def __init__(self, program: str, bucket: int, buffers: Mapping[str, object],
                  extents: Mapping[str, torch.Tensor]):
-        self.program = program
-        self.bucket = bucket
-        self._buffers = buffers
-        self._extents = extents
+        set_ = object.__setattr__       # the view itself is read-only (__setattr__ below)
+        set_(self, "program", program)
+        set_(self, "bucket", bucket)
+        set_(self, "_buffers", buffers)
+        set_(self, "_extents", extents)
+
+    def __setattr__(self, name: str, value) -> None:
+        raise ContractAttributeError(read_only(self.program, name))
+
+    def __delattr__(self, name: str) -> None:
+        raise ContractAttributeError(read_only(self.program, name))
 
     def __getattr__(self, name: str):
         try:

@@ -2,7 +2,8 @@
 
 2.6 / 6.4  messages name the program; a body's non-string key is a ContractValueError;
 2.7        numpy scalars are numbers as pads; a complex output with a real pad is legal; an
-           undeclared `_name` on the view is a ContractAttributeError, compiled or not; a large
+           undeclared `_name` on the view is a ContractAttributeError, compiled or not; the view
+           is read-only (assignment, deletion: ContractAttributeError), compiled or not; a large
            strided input that touches no state byte is accepted (the exact test never assumes);
 7.1        a `state=` that is not a mapping is a ContractError;
 7.7        batch-ordered state in a dict subclass or a dataclass with an init=False field is cut
@@ -132,6 +133,22 @@ def test_r2_7_an_undeclared_underscore_name_is_a_contract_attribute_error(compil
         return {"y": x.a}
     with pytest.raises(pg.ContractAttributeError, match="_scratch"):
         compile(_program("under"), body, torch_compile=tc)(a=torch.ones(2, 2, device=device))
+
+
+@pytest.mark.parametrize("tc", [False, True], ids=["eager", "torch_compile"])
+@pytest.mark.parametrize("target", ["a", "extra", "bucket"])
+def test_r2_7_the_view_is_read_only(compile, device, tc, target):
+    def body(x):
+        setattr(x, target, x.a * 2)
+        return {"y": x.a}
+    with pytest.raises(pg.ContractAttributeError, match=f"read-only.*x.{target}"):
+        compile(_program("ro"), body, torch_compile=tc)(a=torch.ones(2, 2, device=device))
+
+    def deleting(x):
+        del x.a
+        return {"y": x.a}
+    with pytest.raises(pg.ContractAttributeError, match="read-only"):
+        compile(_program("ro"), deleting, torch_compile=tc)(a=torch.ones(2, 2, device=device))
 
 
 def test_r2_7_a_large_strided_input_beside_state_is_accepted(compile, device):
