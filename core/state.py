@@ -422,11 +422,13 @@ class BoundState:
 
     # ---- for pg.check ----------------------------------------------------------------------------
     def snapshot(self) -> list[torch.Tensor]:
-        return [t.clone() for t in self._tensors]
+        with torch.no_grad():      # a Parameter's copy without autograd history
+            return [t.clone() for t in self._tensors]
 
     def restore(self, snap: list[torch.Tensor]) -> None:
-        for t, s in zip(self._tensors, snap):
-            t.copy_(s)
+        with torch.no_grad():      # in place into a Parameter (a leaf that requires grad)
+            for t, s in zip(self._tensors, snap):
+                t.copy_(s)
 
     def named(self) -> list[tuple[str, torch.Tensor]]:
         """(label, tensor) of every leaf: "kv" for a tensor, "kv[3]", "cache.key_cache[1]" inside one."""

@@ -21,7 +21,7 @@ import time
 import torch
 
 import padgraph as pg
-from eagle import DRAFT_COMPILE, DRAFT_LM_HEAD, MODELS, TIE_TOL, first_divergences, setup
+from eagle import DRAFT_COMPILE, DRAFT_LM_HEAD, GPU_TREE, MODELS, TIE_TOL, first_divergences, setup
 from spec_decode import RunStats, SpecConfig, Worker
 
 BATCHES = (1, 4, 16)
@@ -106,9 +106,10 @@ def main():
     out_dir = os.environ.get("OUT", ".")
     t_start = time.perf_counter()
     print(OVERLAP_NOTE if OVERLAP else "overlap scheduling off", flush=True)
-    spec = SpecConfig(steps=int(os.environ.get("EAGLE_STEPS", 5)),
-                      topk=int(os.environ.get("EAGLE_TOPK", 4)),
-                      num_draft_tokens=int(os.environ.get("EAGLE_K", 8)))
+    steps, topk, k = GPU_TREE[MODEL]                     # the main job's tree (eagle.py)
+    spec = SpecConfig(steps=int(os.environ.get("EAGLE_STEPS", steps)),
+                      topk=int(os.environ.get("EAGLE_TOPK", topk)),
+                      num_draft_tokens=int(os.environ.get("EAGLE_K", k)))
     target, head, dinfo = setup(MODELS[MODEL][0], "cuda")
     head.set_draft_lm_head(DRAFT_LM_HEAD[MODEL])        # as the main job (eagle.py) runs it
     buckets = pg.Buckets.default(max(BATCHES))

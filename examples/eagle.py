@@ -37,6 +37,12 @@ DRAFT_COMPILE = {"llama": "whole", "deepseek": "whole"}
 # copy, read by the fused lm_head + top-k kernel (H200, Llama: draft 0.84 ms a round against
 # 0.91 unfused, the same accept length)
 DRAFT_LM_HEAD = {"llama": "fp8-fused", "deepseek": "fp8-fused"}
+# --model -> the draft tree on a GPU, (steps, topk, k). Llama: (3, 4, 8) from the tree sweep
+# (examples/sweep_eagle.py, H200, one process): against (5, 4, 8) it gave 2.03x / 1.35x greedy at
+# bs 1 / 16 instead of 1.92x / 1.16x, a round of 1.41 greedy steps at bs 1 instead of 1.69 (accept
+# 3.02 against 3.48: two draft steps fewer cost less than the half token they found). DeepSeek:
+# (5, 4, 8), not swept yet.
+GPU_TREE = {"llama": (3, 4, 8), "deepseek": (5, 4, 8)}
 # --model -> (GPU preset, CPU preset, what the CPU run says it is)
 MODELS = {"llama": ("1b", "tiny", "tiny Llama-like target"),
           "deepseek": ("ds-lite", "ds-tiny", "tiny DeepSeek-like target (MLA + MoE, MTP head)")}
@@ -203,8 +209,8 @@ def main():
     if not gpu:
         torch.set_num_threads(1)   # 2 OpenMP threads on 2 shared cores spin (~20x slower)
         print(f"no GPU: {cpu_what}, fp32, padgraph 'reference' backend on the CPU")
-    spec = SpecConfig(args.steps or 5, args.topk or (4 if gpu else 2),
-                      args.draft_tokens or (8 if gpu else 6))
+    steps, topk, k = GPU_TREE[args.model] if gpu else (5, 2, 6)
+    spec = SpecConfig(args.steps or steps, args.topk or topk, args.draft_tokens or k)
     batch = BATCH["gpu" if gpu else "cpu"]
     target, head, _ = setup(size, device)
     draft_lm_head = (args.draft_lm_head or DRAFT_LM_HEAD[args.model]) if gpu else "bf16"
