@@ -25,7 +25,7 @@ import time
 import torch
 
 import padgraph as pg
-from bench_eagle import measure, prompts_for
+from bench_eagle import match_line, measure, prompts_for
 from eagle import DRAFT_COMPILE, DRAFT_LM_HEAD, MODELS, setup
 from spec_decode import RunStats, SpecConfig, Worker
 
@@ -62,7 +62,11 @@ def main(argv=None):
     ap.add_argument("--trees", default=None,
                     help="steps,topk,k;... (default: the module's TREES)")
     ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--render", metavar="JSON", default=None,
+                    help="only write the md and png of an earlier run's json")
     args = ap.parse_args(argv)
+    if args.render:
+        return render(args.render)
     model = os.environ.get("EAGLE_MODEL", "llama")
     gpu = args.device == "cuda"
     trees = TREES if args.trees is None else [tuple(int(v) for v in t.split(","))
@@ -106,9 +110,10 @@ def main(argv=None):
             reqs, r = row(w, "spec", batches[bs], new)
             g_reqs, g = greedy[bs]
             same = sum(a.output == b.output for a, b in zip(reqs, g_reqs))
+            match, _ = match_line(g_reqs, reqs)
             r.update(speedup_vs_greedy=r["tok_s"] / g["tok_s"],
                      round_in_greedy_steps=r["ms_per_round"] / g["ms_per_round"],
-                     exact_greedy=f"{same}/{len(reqs)}")
+                     exact_greedy=f"{same}/{len(reqs)}", greedy_match=match)
             entry["rows"][bs] = r
         entry["setup_and_run_s"] = time.perf_counter() - t0
         results.append(entry)
@@ -132,17 +137,28 @@ def write(out_dir, model, args, dinfo, sizes, new, greedy, results, seconds, gpu
             "new_tokens": new, "repeats": REPEATS, "sizes": list(sizes), "distill": dinfo,
             "wall_s": seconds}
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+    path = os.path.join(out_dir, f"{name}.json")
+    with open(path, "w") as f:
         json.dump({"meta": meta, "greedy": greedy, "trees": results}, f, indent=2)
+    render(path)
+
+
+def render(path: str) -> None:
+    """<name>.md and <name>.png beside a sweep's <name>.json (also: --render PATH)."""
+    with open(path) as f:
+        d = json.load(f)
+    meta, greedy, results = d["meta"], d["greedy"], d["trees"]
+    sizes = [str(bs) for bs in meta["sizes"]]
+    base = path[:-len(".json")]
     hdr = " | ".join(f"bs {bs}: speedup / accept / round in steps (draft, verify, extend ms)"
                      for bs in sizes)
     lines = [f"# EAGLE tree sweep ({meta['date']})", "",
-             f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}; {model}; "
-             f"{new} new tokens; each batch timed {REPEATS} times, median counted",
-             "", f"command: `{meta['command']}`", "",
+             f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}; {meta['model']}; "
+             f"{meta['new_tokens']} new tokens; each batch timed {meta['repeats']} times, median "
+             "counted", "", f"command: `{meta['command']}`", "",
              "greedy ms per step: " + ", ".join(f"bs {bs} {greedy[bs]['ms_per_round']:.2f}"
                                                 for bs in sizes), "",
-             f"| steps | topk | k | {hdr} | exact greedy |",
+             f"| steps | topk | k | {hdr} | greedy match |",
              "|---|---|---|" + "---|" * len(sizes) + "---|"]
     for e in results:
         cells = []
@@ -152,13 +168,15 @@ def write(out_dir, model, args, dinfo, sizes, new, greedy, results, seconds, gpu
             cells.append(f"{r['speedup_vs_greedy']:.2f}x / {r['accept_len']:.2f} / "
                          f"{r['round_in_greedy_steps']:.2f} ({ph.get('draft', 0):.2f}, "
                          f"{ph.get('verify', 0):.2f}, {ph.get('draft_extend', 0):.2f})")
-        same = ", ".join(e["rows"][bs]["exact_greedy"] for bs in sizes)
+        same = ", ".join(e["rows"][bs].get("greedy_match", e["rows"][bs]["exact_greedy"])
+                         for bs in sizes)
         lines.append(f"| {e['steps']} | {e['topk']} | {e['k']} | " + " | ".join(cells) +
                      f" | {same} |")
     lines += ["", "round in steps: EAGLE ms per round over greedy ms per step, prefill excluded; "
-              "exact greedy: requests whose tokens equal greedy's (the rest diverge at bf16 "
-              "near-ties, see bench_eagle)"]
-    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+              "greedy match: requests that equal greedy up to their first divergence at a bf16 "
+              "top-2 near-tie (bench_eagle's rule; a run before that rule was in the sweep gives "
+              "only the exactly equal ones)"]
+    with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     try:
@@ -174,12 +192,13 @@ def write(out_dir, model, args, dinfo, sizes, new, greedy, results, seconds, gpu
         ax.scatter(xs, ys, label=f"bs {bs}")
         for e, x, y in zip(results, xs, ys):
             ax.annotate(f"{e['steps']},{e['topk']},{e['k']}", (x, y), fontsize=7)
-    ax.set_xlabel("round cost (greedy steps)")
+    ax.set_xlabel("round cost (greedy steps, prefill excluded)")
     ax.set_ylabel("speedup vs greedy")
-    ax.set_title(f"EAGLE tree sweep, {model} ({meta['device']})", fontsize=9)
+    ax.set_title(f"EAGLE tree sweep (steps,topk,k), {meta['model']} ({meta['device']})", fontsize=9)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, f"{name}.png"), dpi=120)
+    fig.savefig(base + ".png", dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

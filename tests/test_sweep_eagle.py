@@ -21,4 +21,5 @@ def test_sweep_writes_a_row_per_tree_and_size(tmp_path, monkeypatch):
             assert set(r["phases_ms"]) >= {"draft", "verify", "draft_extend"}
             n = int(r["exact_greedy"].split("/")[1])
             assert n in (2, 4) and r["exact_greedy"] == f"{n}/{n}"
+            assert r["greedy_match"].startswith(f"{n}/{n} ({n} exact")
     assert (tmp_path / "sweep_eagle_cpu.md").read_text().count("\n| ") == 3   # header + 2 trees
