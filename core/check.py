@@ -14,7 +14,10 @@ the state it leaves, so padded lanes that reuse an earlier call's leftovers (a s
 are seen writing rows no raw lane targets. Each bucket also runs once with every lane padded (raw
 extents 0, as a capture's warm-up): rows it writes outside the sinks (and outside rows the exact
 run writes anyway, such as a counter) are padded lanes' writes whatever the order of the writes.
-A sink row that a raw lane wrote in the exact run must keep that write at every size. An exact
+A sink row that a raw lane wrote in the exact run must keep that write at every size. After the
+largest size of a trial the same raw inputs run once more, from the state that size left and from
+the state the exact run left: raw lanes that read what padded lanes wrote (a sink slot filled by
+one call, read by the next) differ there, though each single call matched. An exact
 run that indexes out of bounds while padded sizes run is a pad-leakage finding: its raw lanes
 read padded ones. The exact run gets row-major copies of the raw inputs, as every runner's body.
 
@@ -482,12 +485,51 @@ def _trial(ctx: _Ctx, raw: dict, ext: dict, gen, n_sizes: int, trial: int) -> No
         base, again_run = _baseline(ctx, raw, ext, snap, trial)
         again = again_run()
         _compare(ctx, "nondeterminism", base, _Seen(again, ctx.state.snapshot(), []), ext, bs, trial, 0.0, 0.0)
-        for size in _sizes(runner.plan, runner.plan.fit(ext), gen, n_sizes):
+        sizes = _sizes(runner.plan, runner.plan.fit(ext), gen, n_sizes)
+        for size in sizes:
             if size in runner.plan.buckets:
                 _all_pad_writes(ctx, raw, ext, size, trial, base.written)
             seen = _observe(ctx, snap, _guarded(size, lambda: runner.run_at(size, **raw)))
             stray = _state_writes(ctx, base.written, seen.written, ext, size, trial)
             _compare(ctx, "pad-leakage", base, seen, ext, size, trial, ctx.rtol, ctx.atol, stray)
+            if size == sizes[-1] and size != bs:
+                _next_call(ctx, base, seen, again_run, ext, size, trial, stray)
+    finally:
+        ctx.state.restore(snap)
+
+
+def _next_call(ctx: _Ctx, base: _Seen, seen: _Seen, run: Callable, ext, size, trial, stray) -> None:
+    """The same raw inputs again, after the padded call at `size` and after the baseline call: the
+    two states differ only by what padded lanes were allowed to write (sinks, their own rows), so
+    raw lanes that read it (a sink slot a padded lane filled) differ here, though each single call
+    matched the baseline (both calls of one chain start from the state that call left)."""
+    after_padded = _run_from(ctx, seen.state, run)
+    after_exact = _run_from(ctx, base.state, run)
+    for name in after_exact.outs:
+        ok, how = _same(after_exact.outs[name], after_padded.outs[name], ctx.rtol, ctx.atol)
+        if not ok:
+            ctx.add("pad-leakage", f"output {name!r}",
+                    f"raw lanes of the next call (the same raw inputs) differ after a call at size "
+                    f"{size} from after {base.what}: they read what padded lanes left (a sink): {how}",
+                    ext, size, trial)
+    allowed = ctx.state.allowed(ext, size, ctx.runner.plan.bucket_axis)
+    for label, sinks, ref, t, skip in zip(ctx.state.labels, allowed, after_exact.state,
+                                          after_padded.state, stray):
+        drop = sinks | skip
+        ok, how = _same(_drop_rows(ref, drop), _drop_rows(t, drop), ctx.rtol, ctx.atol)
+        if not ok:
+            ctx.add("state-leakage", f"state {label!r}",
+                    f"contents after the next call (the same raw inputs) differ after a call at size "
+                    f"{size} from after {base.what}: raw lanes copied what padded lanes left: {how}",
+                    ext, size, trial)
+
+
+def _run_from(ctx: _Ctx, start: list, run: Callable) -> _Seen:
+    snap = ctx.state.snapshot()
+    try:
+        ctx.state.restore(start)
+        outs = run()
+        return _Seen(outs, ctx.state.snapshot(), [])
     finally:
         ctx.state.restore(snap)
 

@@ -4,6 +4,8 @@
   previous call's state);
 - a padded lane overwriting a raw lane's write to a sink row;
 - an exact run that indexes out of bounds (raw lanes reading padded ones);
+- raw lanes reading a sink slot that padded lanes of an earlier call filled (each call alone
+  matches the exact run; the next call with the same raw inputs does not);
 - no finding for a correct body that reads its inputs densely while the caller's raw tensors
   are not row-major (the exact run gets row-major copies, as rule 10.1 promises).
 """
@@ -130,3 +132,36 @@ def test_fp_dense_reading_body_on_transposed_raw_inputs():
     res = pg.check(prog, body, sample=sample, trials=4)
     assert res.ok, ("a correct body reported: the exact run must hand it row-major inputs (10.1)\n"
                     + str(res))
+
+
+# ---- a sink read before the padded lanes write it: only the next call shows it ---------------------------------
+def _sink_reader(x):
+    y = x.input_ids.float() + x.k_cache[0].sum()          # BUG: raw lanes read the sink slot
+    x.k_cache.index_copy_(0, x.out_cache_loc, EMB[x.input_ids] + 1.0)   # padded lanes fill slot 0
+    return {"y": y}
+
+
+def _sink_writer(x):                                      # correct: the sink is written, never read
+    x.k_cache.index_copy_(0, x.out_cache_loc, EMB[x.input_ids] + 1.0)
+    return {"y": x.input_ids.float() + x.k_cache[x.out_cache_loc].sum(1)}
+
+
+def _y_program():
+    return decode_program(lambda a: {"y": pg.Output((a.bs,), torch.float32)}, buckets=B)
+
+
+def test_check_sees_raw_lanes_read_what_padded_lanes_of_an_earlier_call_left():
+    res = pg.check(_y_program(), _sink_reader, state=_kv_state(), sample=_decode_sample(), trials=8)
+    assert any(f.kind == "pad-leakage" and "next call" in f.detail for f in res.findings), str(res)
+    r = pg.compile(_y_program(), _sink_reader, backend="reference", state=_kv_state())
+    raw = dict(input_ids=torch.tensor([5, 6, 7]), positions=torch.tensor([3, 4, 5]),
+               seq_lens=torch.tensor([4, 5, 6], dtype=torch.int32),
+               req_pool_indices=torch.tensor([1, 2, 3], dtype=torch.int32),
+               out_cache_loc=torch.tensor([10, 11, 12]))   # 3 lanes: bucket 4, one padded lane
+    first = r(**raw).y.clone()                              # its padded lane fills slot 0
+    assert not torch.equal(r(**raw).y, first)               # what check reports: the same call differs
+
+
+def test_check_reports_nothing_for_a_body_that_only_writes_the_sink():
+    res = pg.check(_y_program(), _sink_writer, state=_kv_state(), sample=_decode_sample(), trials=8)
+    assert res.ok, str(res)
