@@ -28,7 +28,7 @@ from typing import Mapping
 import torch
 
 from .axes import as_affine
-from .pads import Edge, Fill
+from .pads import Edge, Fill, as_number
 
 FILL, EDGE = "fill", "edge"
 
@@ -109,9 +109,9 @@ def _entry(name, spec, bucket, capacity) -> PackEntry:
 
 def _pad(pad) -> tuple[str, object]:
     if isinstance(pad, Edge):
-        return EDGE, pad.default
+        return EDGE, as_number(pad.default)
     if isinstance(pad, Fill):
-        return FILL, pad.value
+        return FILL, as_number(pad.value)
     return FILL, 0             # no padded dim: every lane is raw
 
 

@@ -49,12 +49,19 @@ def as_pad(p):
 
 
 def as_number(p):
-    """A numpy scalar (np.int64(3), np.float32(0.5), np.bool_(True)) as the Python number it
-    holds; anything else as given."""
+    """A numpy scalar (np.int64(3), np.float32(0.5), np.bool_(True)) or another real number
+    (Fraction(1, 2), an Integral type) as the Python bool / int / float it holds, which is what
+    torch writes; anything else as given."""
     if type(p).__module__ == "numpy" and hasattr(p, "item") and getattr(p, "ndim", None) == 0:
         v = p.item()
         return v if isinstance(v, (bool, int, float)) else p
-    return p
+    if isinstance(p, (bool, int, float)) or not isinstance(p, numbers.Real):
+        return p
+    if isinstance(p, numbers.Integral):
+        return int(p)
+    if isinstance(p, numbers.Rational) and p.denominator == 1:
+        return int(p.numerator)       # exact, also past float's 2**53
+    return float(p)
 
 
 def is_number(p) -> bool:
@@ -75,7 +82,7 @@ def pad_problem(pad, dtype: torch.dtype) -> tuple[type, str, str] | None:
     """
     if not isinstance(pad, (Fill, Edge)):
         return ContractTypeError, "a number, pg.Fill(v) or pg.Edge(default)", f"{pad!r} ({type(pad).__name__})"
-    v = pad_value(pad)
+    v = as_number(pad_value(pad))
     if not isinstance(v, numbers.Real):
         return ContractTypeError, "a number (bool, int or float)", f"{v!r} ({type(v).__name__})"
     expected = _holds(v, dtype)

@@ -129,7 +129,7 @@ class Plan:
 
     def _bad_names(self, raw: Mapping) -> None:
         missing = sorted(self._names - raw.keys())
-        unknown = sorted(raw.keys() - self._names)
+        unknown = sorted(raw.keys() - self._names, key=repr)    # keys may mix types
         parts = []
         if missing:
             parts.append(f"missing {missing}")

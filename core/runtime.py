@@ -165,6 +165,9 @@ class Runner:
             return out
 
     def _call(self, raw, extents) -> Outputs:
+        if not isinstance(raw, Mapping):
+            raise ContractTypeError(mismatch(self.program.name, None, "the raw inputs",
+                                             "a mapping input name -> tensor", type(raw).__name__))
         device = self.device
         if device is None or (device.index is None and device.type != "cpu"):
             device = self._resolve_device(raw, device)
@@ -323,6 +326,8 @@ def _device(program: Program, device) -> torch.device:
     except (RuntimeError, TypeError) as e:
         raise ContractValueError(mismatch(program.name, None, "device", "a torch.device or a device string",
                                           repr(device))) from e
+    if dev.type == "cpu" and dev.index is not None:
+        dev = torch.device("cpu")   # "cpu:0": torch puts every CPU tensor on plain "cpu"
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ContractRuntimeError(mismatch(program.name, None, "device", "a device this machine has",
                                             f"{dev} (torch.cuda.is_available() is False)"))

@@ -8,11 +8,13 @@
 7.1        a `state=` that is not a mapping is a ContractError;
 7.7        batch-ordered state in a dict subclass or a dataclass with an init=False field is cut
            to the bucket like any other;
+5.1 / 6.2  an output passed back as the next call's input is read before it is overwritten;
 10.5       outputs never require grad, even for requires-grad inputs, past the ladder, or when
            the body returns a Parameter state; the runner keeps no earlier input alive;
 10.6       a call that raises changes neither the runner's device nor its stats.
 """
 import dataclasses
+from fractions import Fraction
 import gc
 import weakref
 
@@ -119,6 +121,24 @@ def test_r2_6_an_unknown_output_names_the_program(compile, device):
         out.nope
 
 
+# ---- 5.1 / 6.2 --------------------------------------------------------------------------------
+@pytest.mark.parametrize("copy_outputs", [False, True])
+@pytest.mark.parametrize("n", [3, 4, 9], ids=["padded", "on-bucket", "past-ladder"])
+def test_r5_1_an_output_passed_back_as_an_input_is_read_before_it_is_written(compile, device,
+                                                                             copy_outputs, n):
+    p = pg.Program("chain", inputs={"a": pg.Input((bs,), torch.int64, pad=0)},
+                   outputs={"y": pg.Output((bs,), torch.int64)}, buckets=LADDER)
+    runner = compile(p, lambda x: {"y": x.a * 2 + 1}, copy_outputs=copy_outputs)
+    y = torch.arange(n, device=device)
+    for _ in range(4):                      # the next step's input is this step's output
+        prev = y.clone()
+        out = runner(a=y).y
+        S.assert_equal("y", out, prev * 2 + 1, "5.1 / 6.2: the input read before the output is written")
+        if copy_outputs:
+            S.assert_equal("the input (an earlier own output)", y, prev, "6.2: copy_outputs keeps it")
+        y = out
+
+
 # ---- 2.7 --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("pad,dtype", [(np.int64(3), torch.int64), (np.float32(0.5), torch.float32),
                                        (np.bool_(True), torch.bool)], ids=["int64", "float32", "bool_"])
@@ -219,3 +239,34 @@ def test_r7_7_a_dataclass_init_false_field_is_cut_to_the_bucket(compile, device)
     S.assert_equal("rows of the init=False field seen", seen, [1], "7.7")
 
 
+
+
+# ---- 2.1 / 2.2 / 2.7: what a call is given ---------------------------------------------------
+def test_r2_1_unknown_names_of_mixed_types_are_a_contract_type_error(compile, device):
+    runner = compile(_program("names"), lambda x: {"y": x.a})
+    a = torch.ones(2, 2, device=device)
+    with pytest.raises(pg.ContractTypeError, match=r"'names'.*unknown \['zz', 1\]"):
+        runner.call({"a": a, 1: a, "zz": a})
+    with pytest.raises(pg.ContractTypeError, match="'names'.*mapping"):
+        runner.call([("a", a)])
+    S.assert_equal("y", runner(a=a).y, a, "2.5: the next valid call")
+
+
+def test_r2_2_device_cpu_0_is_the_cpu(backend, device):
+    if device.type != "cpu":
+        pytest.skip("a CPU device option")
+    runner = pg.compile(_program("cpu0"), lambda x: {"y": x.a + 1}, backend=backend, device="cpu:0")
+    out = runner(a=torch.ones(2, 2)).y
+    S.assert_equal("y", out, torch.full((2, 2), 2.0), "2.2: device='cpu:0' is torch's cpu")
+
+
+@pytest.mark.parametrize("pad,dtype,want", [(Fraction(1, 2), torch.float32, 0.5),
+                                            (Fraction(3, 1), torch.int64, 3),
+                                            (pg.Fill(Fraction(2 ** 62 + 1)), torch.int64, 2 ** 62 + 1)],
+                         ids=["half", "three", "past-2**53"])
+def test_r2_7_a_fraction_pad_is_the_number_it_holds(compile, device, pad, dtype, want):
+    p = pg.Program("frac", inputs={"a": pg.Input((bs,), dtype, pad=pad)},
+                   outputs={"y": pg.Output((bs,), dtype)}, buckets=LADDER)
+    out = compile(p, lambda x: {"y": x.a[-1:].expand(x.bucket).clone()})(
+        a=torch.zeros(3, dtype=dtype, device=device)).y                    # bucket 4: a pad
+    S.assert_equal("y (the padded lane)", out, torch.full((3,), want, dtype=dtype, device=device), "2.7")
