@@ -216,7 +216,14 @@ class _State:
         return self.snapshot()
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """fp8 tensors (1-byte floats: CPU torch compares few of them) as float32, which holds every
+    fp8 value exactly; anything else as given."""
+    return t.float() if t.dtype.is_floating_point and t.element_size() == 1 else t
+
+
 def _changed_rows(now: torch.Tensor, before: torch.Tensor) -> set[int]:
+    now, before = _wide(now), _wide(before)
     if now.dim() == 0:
         return {0} if not torch.equal(now, before) else set()
     diff = (now != before) & ~(now.isnan() & before.isnan()) if now.is_floating_point() else now != before
@@ -226,6 +233,7 @@ def _changed_rows(now: torch.Tensor, before: torch.Tensor) -> set[int]:
 def _same(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> tuple[bool, str]:
     if a.shape != b.shape:
         return False, f"shape {tuple(a.shape)} vs {tuple(b.shape)}"
+    a, b = _wide(a), _wide(b)
     if a.dtype.is_floating_point or a.dtype.is_complex:
         ok = torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
         diff = (a.double() - b.double()).abs().nan_to_num(0).max().item() if a.numel() else 0.0

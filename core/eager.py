@@ -31,7 +31,7 @@ def run_padded(runner, size: int, raw, ext, device) -> Mapping[str, torch.Tensor
         if runner.prepare is not None:
             runner.prepare(x)
         outs = runner.body(x)
-    runner.check_outputs(outs, size)
+    runner.check_outputs(outs, size, device)
     return outs
 
 

@@ -92,7 +92,8 @@ class State:
     def sink_rows(self) -> tuple[int, ...]:
         if self.sink is None:
             return ()
-        return tuple(self.sink) if isinstance(self.sink, tuple) else (self.sink,)
+        rows = tuple(self.sink) if isinstance(self.sink, tuple) else (self.sink,)
+        return tuple(as_number(r) for r in rows)     # np.int64(0) as 0; others as given
 
 
 def _freeze(d: Mapping | None) -> Mapping:

@@ -17,7 +17,8 @@ from typing import Callable, Mapping
 import torch
 
 from .eager import device_axis_dims, mask_outputs, run_padded
-from .errors import ContractAttributeError, ContractRuntimeError, ContractTypeError, ContractValueError, mismatch, where
+from .errors import (ContractAttributeError, ContractKeyError, ContractRuntimeError, ContractTypeError,
+                     ContractValueError, mismatch, where)
 from .plan import Plan
 from .program import Program, padded_dims
 from .state import BoundState
@@ -43,6 +44,10 @@ class Outputs(dict):
             raise ContractAttributeError(
                 f"{_named(self)}no output {name!r}: outputs must be one "
                 f"of {sorted(self)}, got {name!r}") from None
+
+    def __missing__(self, name):          # out["nope"]: as out.nope, a KeyError that names it
+        raise ContractKeyError(f"{_named(self)}no output {name!r}: outputs must be one "
+                               f"of {sorted(self)}, got {name!r}")
 
 
 @dataclass
@@ -284,12 +289,14 @@ class Runner:
         """The sliced views of a bucket's fixed outputs, made once per (bucket, extents).
 
         A cached view is handed out again only while it is intact: a caller that changed its
-        metadata in place (t_(), unsqueeze_(), set_(), requires_grad_()) gets a fresh view."""
+        metadata in place (t_(), unsqueeze_(), set_(), requires_grad_(), `.data =` another dtype)
+        gets a fresh view."""
         key = (bucket, *ext.values())
         hit = self._views.get(key)
         if hit is not None:
-            for v, shape, stride, ptr in hit:
-                if v.requires_grad or v.shape != shape or v.stride() != stride or v.data_ptr() != ptr:
+            for v, shape, stride, ptr, dtype in hit:
+                if v.requires_grad or v.shape != shape or v.stride() != stride or v.data_ptr() != ptr \
+                        or v.dtype != dtype:      # `v.data = v.data.view(other dtype)`
                     break
             else:
                 res = Outputs(zip(self._out_slices, (h[0] for h in hit)))
@@ -298,11 +305,12 @@ class Runner:
         res = self._finish(outs, ext)
         if len(self._views) > 4096:
             self._views.clear()
-        self._views[key] = [(v, v.shape, v.stride(), v.data_ptr()) for v in res.values()]
+        self._views[key] = [(v, v.shape, v.stride(), v.data_ptr(), v.dtype) for v in res.values()]
         return res
 
-    def check_outputs(self, outs, bucket: int) -> None:
-        """The body returned every declared output at the bucket's padded shape and dtype."""
+    def check_outputs(self, outs, bucket: int, device: torch.device | None = None) -> None:
+        """The body returned every declared output at the bucket's padded shape and dtype, dense
+        (strided layout), on the runner's device: all checked before any output is copied."""
         if not isinstance(outs, Mapping) or set(outs) != set(self.program.outputs):
             got = sorted(outs, key=repr) if isinstance(outs, Mapping) else type(outs).__name__
             raise ContractValueError(mismatch(self.program.name, None, "the body's return value",
@@ -314,9 +322,25 @@ class Runner:
                 got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ContractValueError(mismatch(self.program.name, name, f"shape and dtype at bucket {bucket}",
                                                   f"{shape} {spec.dtype}", got, kind="output"))
+            if t.layout != torch.strided:
+                raise ContractValueError(mismatch(self.program.name, name, "layout", "torch.strided (dense)",
+                                                  t.layout, kind="output"))
+            if device is not None and not _same_device(t.device, device):
+                raise ContractValueError(mismatch(self.program.name, name, "device",
+                                                  f"the runner's device {device}", t.device, kind="output"))
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.program.name!r} backend={self.backend} buckets={list(self.plan.buckets)}>"
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """a is b, where a bare "cuda" (no index) stands for the current device."""
+    if a.type != b.type:
+        return False
+    if a.index is None or b.index is None:
+        return a.type != "cuda" or (a.index if a.index is not None else torch.cuda.current_device()) == \
+            (b.index if b.index is not None else torch.cuda.current_device())
+    return a.index == b.index
 
 
 def _device(program: Program, device) -> torch.device:

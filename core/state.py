@@ -409,9 +409,16 @@ class BoundState:
                     raise ContractValueError(mismatch(self.program, name, f"rows of {label} (batch-ordered state)",
                                                       f">= the size the body runs at ({size})", t.shape[0], kind="state"))
             leaves: list[torch.Tensor] = []
+            shared = self._shared_row_storages()
 
             def cut(t):
-                leaves.append(_rows_prefix(t, size))
+                # leaves that share storage (K and V columns of one buffer, a buffer and a view
+                # of it) are cut as views: dynamo then sees their aliasing through a common base,
+                # where set_-made tensors over one storage fail its compile
+                if t.untyped_storage().data_ptr() in shared:
+                    leaves.append(t.narrow(0, 0, size))
+                else:
+                    leaves.append(_rows_prefix(t, size))
                 return leaves[-1]
 
             values = {n: _rebuild(v, cut, self.specs[n]) if n in self._rows else v for n, v in self.values.items()}
@@ -419,6 +426,15 @@ class BoundState:
             if len(self._at) < 1024:
                 self._at[size] = got
         return got
+
+    def _shared_row_storages(self) -> set[int]:
+        """Storages that hold a leaf of batch-ordered state and another state leaf."""
+        seen: dict[int, int] = {}
+        for t in self._tensors:
+            p = t.untyped_storage().data_ptr()
+            seen[p] = seen.get(p, 0) + 1
+        return {t.untyped_storage().data_ptr() for name, t in zip(self._names, self._tensors)
+                if name in self._rows and seen[t.untyped_storage().data_ptr()] > 1}
 
     # ---- for pg.check ----------------------------------------------------------------------------
     def snapshot(self) -> list[torch.Tensor]:

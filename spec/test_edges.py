@@ -270,3 +270,40 @@ def test_r2_7_a_fraction_pad_is_the_number_it_holds(compile, device, pad, dtype,
     out = compile(p, lambda x: {"y": x.a[-1:].expand(x.bucket).clone()})(
         a=torch.zeros(3, dtype=dtype, device=device)).y                    # bucket 4: a pad
     S.assert_equal("y (the padded lane)", out, torch.full((3,), want, dtype=dtype, device=device), "2.7")
+
+
+# ---- 6.4 / 6.2: what the body returns, what the caller keeps ---------------------------------
+@pytest.mark.parametrize("bad", ["meta", "sparse"])
+def test_r6_4_an_output_off_the_device_or_not_dense_is_a_contract_value_error(compile, device, bad):
+    def body(x):
+        y = x.a * 1
+        return {"y": torch.empty_like(y, device="meta") if bad == "meta" else y.to_sparse()}
+    with pytest.raises(pg.ContractValueError, match="output 'y'.*(device|layout)"):
+        compile(_program("outdev"), body)(a=torch.ones(2, 2, device=device))
+
+
+def test_r6_2_an_unknown_output_key_is_a_contract_key_error(compile, device):
+    out = compile(_program("okey"), lambda x: {"y": x.a * 1})(a=torch.ones(2, 2, device=device))
+    with pytest.raises(pg.ContractKeyError, match="program 'okey'.*'nope'"):
+        out["nope"]
+    S.assert_equal("out.get('nope')", out.get("nope"), None, "6.2: a dict")
+
+
+def test_r2_7_a_numpy_int_sink_is_an_int():
+    p = _program("npsink", state={"kv": pg.State(sink=np.int64(0))})
+    S.assert_equal("sink rows", p.state["kv"].sink_rows, (0,), "2.7")
+
+
+@pytest.mark.parametrize("tc", [False, True], ids=["eager", "torch_compile"])
+def test_r7_7_batch_ordered_leaves_over_one_buffer(compile, device, tc):
+    p = pg.Program("kvrows", inputs={"a": pg.Input((bs,), torch.float32, pad=0.0)},
+                   outputs={"y": pg.Output((bs,), torch.float32)},
+                   state={"c": pg.State(rows=bs)}, buckets=pg.Buckets([2, 4]))
+
+    def body(x):
+        x.c["k"].add_(x.a)                   # column 0 of the buffer that "all" is
+        return {"y": x.c["all"][:, 0] * 1}
+    big = torch.zeros(4, 2, device=device)
+    runner = compile(p, body, state={"c": {"k": big[:, 0], "all": big}}, torch_compile=tc)
+    out = runner(a=torch.tensor([1.0, 2.0, 3.0], device=device)).y
+    S.assert_equal("y", out, torch.tensor([1.0, 2.0, 3.0], device=device), "7.7 with torch_compile")

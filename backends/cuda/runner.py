@@ -108,12 +108,12 @@ class CudaGraphRunner(Runner):
         def warm(bucket):
             x = self.view(bucket)
             self._hook(x)
-            return self.check_outputs(self.body(x), bucket)
+            return self.check_outputs(self.body(x), bucket, self.device)
 
         def record(bucket):
             self.pack.in_graph(bucket)
             outs = self.body(self.view(bucket))
-            self.check_outputs(outs, bucket)
+            self.check_outputs(outs, bucket, self.device)
             # lanes past a device extent hold the output's pad (x.extent: the extent used)
             outs = mask_outputs(self.program, outs, self._device_dims, self.pack.extents.__getitem__)
             return self._own_outputs(outs)
