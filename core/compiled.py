@@ -98,9 +98,10 @@ def _bucket_of(program: Program) -> Callable[[Mapping], object]:
     raise ContractValueError(mismatch(program.name, None, "torch_compile", "an input along the bucketed axis", "none"))
 
 
-class TracedView:
+class TracedView(PaddedView):
     """The padded view as dynamo traces it: buffers are plain attributes (`__getattr__` only
-    answers names that are not buffers, with PaddedView's errors)."""
+    answers names that are not buffers, with PaddedView's errors). A PaddedView to the body
+    (`isinstance(x, pg.PaddedView)` holds, compiled or not)."""
 
     def __init__(self, program: str, bucket, buffers: Mapping, extents: Mapping):
         for name, value in buffers.items():     # setattr, not __dict__.update: dynamo traces it
@@ -121,6 +122,12 @@ class TracedView:
             raise AttributeError(name)
         if name in ("_names", "_extents"):                   # read before __init__ set them
             raise AttributeError(name)
+        if torch.compiler.is_compiling():
+            # dynamo traces only a builtin AttributeError out of __getattr__: with it, hasattr and
+            # getattr(x, name, default) compile (else the body silently ran eagerly). Uncaught, it
+            # reaches the caller as ContractAttributeError (the body re-run eagerly raises that);
+            # caught inside the body, it is this AttributeError (SPEC 10.8)
+            raise AttributeError(self._no_buffer(name))
         raise ContractAttributeError(self._no_buffer(name))
 
     def __getitem__(self, name: str):
@@ -174,6 +181,7 @@ class CompiledBody:
 
         self._called = False
         self._body = body
+        self._fullgraph = bool(opts.get("fullgraph"))
         if regions is None:
             self._fn, self._regions = torch.compile(traced, backend=backend, **opts), None
         else:   # one compile per forward function: instances of one class share its graphs
@@ -228,6 +236,14 @@ class CompiledBody:
             # eagerly raises the very exception, unchanged in type (rule 5.2), or, where the
             # exception is caught inside it (hasattr), runs as it would eagerly
             return self._body(x)
+        except torch._dynamo.exc.TorchRuntimeError as e:
+            # an op failed on fake tensors while dynamo traced (a shape mismatch): nothing of the
+            # graph ran. Under fullgraph nothing ran at all, so the body run eagerly raises its
+            # own error after its own state writes, as without compile (5.2, 10.6); else an
+            # earlier graph of the body may have run, so its error is raised as is, unwrapped
+            if self._fullgraph:
+                return self._body(x)
+            raise _unwrapped(e) from None
         self._called = True
         return out
 
@@ -236,7 +252,7 @@ class CompiledBody:
         sizes = {x[n].shape[d] for n, dims in self._dims.items() for d in dims}
         saved = [(m, m.__dict__.get("forward")) for m, _ in self._regions]
         for m, fn in self._regions:
-            m.forward = _RegionCall(fn, m, sizes)
+            m.forward = _RegionCall(fn, m, sizes, self._fullgraph)
         try:
             with torch._dynamo.config.patch(**self._limit), self._shapes():
                 out = self._body(x)
@@ -284,8 +300,8 @@ def _with_code_name(fn: Callable, name: str) -> Callable:
 class _RegionCall:
     """A region module's compiled forward for one call: marks the padded leading dims first."""
 
-    def __init__(self, fn, module, sizes):
-        self.fn, self.module, self.sizes = fn, module, sizes
+    def __init__(self, fn, module, sizes, fullgraph=False):
+        self.fn, self.module, self.sizes, self.fullgraph = fn, module, sizes, fullgraph
 
     def __call__(self, *args, **kwargs):
         for t in torch.utils._pytree.tree_leaves((args, kwargs)):
@@ -297,6 +313,27 @@ class _RegionCall:
             if not _observed(e):
                 raise
             return type(self.module).forward(self.module, *args, **kwargs)   # its own exception
+        except torch._dynamo.exc.TorchRuntimeError as e:    # as CompiledBody._call
+            if self.fullgraph:
+                return type(self.module).forward(self.module, *args, **kwargs)
+            raise _unwrapped(e) from None
+
+
+def _unwrapped(e: Exception) -> Exception:
+    """The op's own exception inside dynamo's TorchRuntimeError (type and message as eagerly),
+    with a note that it was found while tracing; e itself when it carries none."""
+    inner, seen, c = None, set(), e
+    while c is not None and id(c) not in seen:        # dynamo chains it as cause or context
+        seen.add(id(c))
+        if not isinstance(c, torch._dynamo.exc.TorchDynamoException):
+            inner = c
+        c = c.__cause__ or c.__context__
+    if not isinstance(inner, Exception):
+        return e
+    if hasattr(inner, "add_note"):
+        inner.add_note("raised while torch.compile traced the body: no op of this call ran after "
+                       "the graph that failed (its state writes did not happen)")
+    return inner
 
 
 def _observed(e: Exception) -> bool:

@@ -24,13 +24,14 @@ def make_view(runner, size: int, raw: Mapping[str, torch.Tensor], ext: Mapping[s
     return PaddedView(runner.program.name, size, buffers, extents)
 
 
-def run_padded(runner, size: int, raw, ext, device) -> Mapping[str, torch.Tensor]:
-    """prepare + body on one padded view at `size` (no autograd); outputs checked."""
+def run_padded(runner, size: int, raw, ext, device, body=None) -> Mapping[str, torch.Tensor]:
+    """prepare + body (default: the runner's) on one padded view at `size` (no autograd);
+    outputs checked."""
     x = make_view(runner, size, raw, ext, device)
     with torch.no_grad():
         if runner.prepare is not None:
             runner.prepare(x)
-        outs = runner.body(x)
+        outs = (body or runner.body)(x)
     runner.check_outputs(outs, size, device)
     return outs
 

@@ -124,6 +124,7 @@ class Runner:
         self.program = program
         self.plan = Plan(program)
         self.body = body
+        self._eager_body = body     # overflow runs it as given, compiled or not (3.2)
         self.prepare = prepare
         self.overflow = overflow
         self.copy_outputs = bool(copy_outputs)
@@ -203,8 +204,10 @@ class Runner:
         raise NotImplementedError(f"backend {self.backend!r} must implement _run")
 
     def _run_eager(self, size: int, raw, ext) -> Mapping[str, torch.Tensor]:
-        """Run the body eagerly at a size off the ladder (overflow). Reference semantics."""
-        return run_padded(self, size, raw, ext, self.device)
+        """Run the body eagerly at a size off the ladder (overflow). Reference semantics: the
+        body as given, never its torch.compile'd form (sizes past the ladder are unbounded, and
+        each would compile a graph of its own until dynamo's recompile limit)."""
+        return run_padded(self, size, raw, ext, self.device, body=self._eager_body)
 
     def _run_device(self, bucket: int, raw, ext, dev) -> Mapping[str, torch.Tensor]:
         """A call with device extents, by reading them on the host (one sync): the oracle's way,

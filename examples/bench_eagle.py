@@ -87,8 +87,8 @@ def total(stats: list[RunStats]) -> RunStats:
     """RunStats summed over runs (tokens / seconds / rounds / accept counts; overlap if all)."""
     out = RunStats(overlap=all(s.overlap for s in stats))
     for s in stats:
-        for f in ("tokens", "seconds", "rounds", "accepted", "request_rounds", "discarded",
-                  "prefills"):
+        for f in ("tokens", "seconds", "rounds", "accepted", "emitted", "request_rounds",
+                  "discarded", "prefills"):
             setattr(out, f, getattr(out, f) + getattr(s, f))
     return out
 

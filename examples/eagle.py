@@ -4,8 +4,9 @@
 
 On a GPU: the Llama-3.2-1B-shaped target (deepseek: DeepSeek-V2-Lite widths, 6 layers, 16
 experts; random weights, bf16) on the "cuda" backend, serving 16 requests of varied prompt and
-output lengths; the target's decoder layers and the draft / draft-extend bodies (llama: whole;
-deepseek: the head's layer) are torch.compile'd once for the whole ladder and captured in
+output lengths; the target's decoder layers and the whole draft / draft-extend bodies
+(`--draft-compile regions`: only the head's layer in them) are torch.compile'd once for the
+whole ladder and captured in
 padgraph's graphs (`--no-compile`: eager; `--profile`: the kernels per round). On the CPU: a
 tiny target, fp32, on the "reference" backend, 8 short requests (it says so). Before the last
 line: time per phase of a round (draft, verify, draft-extend, host/other) and of a greedy step,
@@ -151,7 +152,8 @@ HOST_NOTE = ("host/other = the host waiting for the previous {unit}'s readback +
 def cost_line(ss, gs) -> str:
     ratio = ss.round_seconds / gs.round_seconds if gs.round_seconds else float("inf")
     return (f"round / greedy step = {ratio:.2f}: a round costs {ratio:.2f} greedy steps and "
-            f"yields {ss.accept_len:.2f} tokens per request")
+            f"yields {ss.tokens_per_round:.2f} tokens per request (accepted {ss.accept_len:.2f}; "
+            f"EOS and budgets cut the rest)")
 
 
 def profile_kernels(name: str, gen, prompts, news, top: int = 18) -> None:
@@ -177,10 +179,15 @@ def profile_kernels(name: str, gen, prompts, news, top: int = 18) -> None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="llama")
-    ap.add_argument("--n-requests", type=int, default=None)
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--topk", type=int, default=None)
-    ap.add_argument("--draft-tokens", type=int, default=None)
+    ap.add_argument("--n-requests", type=int, default=None,
+                    help="requests served (default: GPU 16, CPU 8; past 16 rows they are admitted "
+                         "as rows free up)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="draft depth (default: GPU llama 3, deepseek 5; CPU 5)")
+    ap.add_argument("--topk", type=int, default=None,
+                    help="draft width per step (default: GPU 4, CPU 2)")
+    ap.add_argument("--draft-tokens", type=int, default=None,
+                    help="k, tree nodes verified per request, root included (default: GPU 8, CPU 6)")
     ap.add_argument("--no-compile", action="store_true",
                     help="GPU: HF-style eager layers inside the graphs (default: each decoder layer "
                          "torch.compile'd once for the whole ladder)")
@@ -203,6 +210,8 @@ def main():
                     help="GPU: after the timed runs, one more of each under torch.profiler; print "
                          "the kernels per round / step and the heaviest ones")
     args = ap.parse_args()
+    if args.n_requests is not None and args.n_requests < 1:
+        ap.error(f"--n-requests must be >= 1; got {args.n_requests}")
     gpu = torch.cuda.is_available()
     gpu_size, cpu_size, cpu_what = MODELS[args.model]
     device, backend, size = ("cuda", "cuda", gpu_size) if gpu else ("cpu", "reference", cpu_size)
@@ -210,12 +219,13 @@ def main():
         torch.set_num_threads(1)   # 2 OpenMP threads on 2 shared cores spin (~20x slower)
         print(f"no GPU: {cpu_what}, fp32, padgraph 'reference' backend on the CPU")
     steps, topk, k = GPU_TREE[args.model] if gpu else (5, 2, 6)
-    spec = SpecConfig(args.steps or steps, args.topk or topk, args.draft_tokens or k)
+    pick = lambda given, default: default if given is None else given   # noqa: E731  (0 stays 0)
+    spec = SpecConfig(pick(args.steps, steps), pick(args.topk, topk), pick(args.draft_tokens, k))
     batch = BATCH["gpu" if gpu else "cpu"]
     target, head, _ = setup(size, device)
     draft_lm_head = (args.draft_lm_head or DRAFT_LM_HEAD[args.model]) if gpu else "bf16"
     head.set_draft_lm_head(draft_lm_head)
-    prompts, news = workload(target.cfg.vocab_size, args.n_requests or batch.n, 7,
+    prompts, news = workload(target.cfg.vocab_size, pick(args.n_requests, batch.n), 7,
                              batch.prompt_lens, batch.new_tokens)
     w = Worker(target, head, spec, backend=backend, max_bs=16, max_context=batch.max_context,
                buckets=pg.Buckets.default(16), overlap=not args.no_overlap,

@@ -42,6 +42,7 @@ from transformers.cache_utils import Cache, StaticLayer
 
 import padgraph as pg
 from eagle import TIE_TOL, first_divergences, oracle_line   # the EAGLE oracle's bf16 near-tie rule
+from request_checks import budget, prompt_ids
 
 
 def tiny_config() -> LlamaConfig:
@@ -211,7 +212,7 @@ def prefill(model, cache: StaticCache, seen: torch.Tensor, prompts: list[list[in
     ids = torch.zeros(n, width, dtype=torch.int64)
     seen[:n].zero_()
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
+        ids[i, width - len(p):] = torch.as_tensor(p)
         seen[i, width - len(p):width] = True
     mask = seen[:n, :width]                                                # [n, P]
     position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)               # HF's rule for left padding
@@ -232,8 +233,9 @@ def compact(cache: StaticCache, seen: torch.Tensor, keep: list[int]) -> None:
 
 
 def check_requests(model, seen: torch.Tensor, prompts: list[list[int]], max_new: list[int]) -> None:
-    """Raise ValueError before any write unless the requests fit: at most one per cache row,
-    non-empty prompts of ids in [0, vocab), max_new >= 1 each, and the longest prompt plus the
+    """Raise before any write unless the requests fit: at most one per cache row, non-empty 1-d
+    prompts of integer ids in [0, vocab) and int max_new >= 1 each (request_checks: TypeError
+    for a float, bool or string id or budget, else ValueError), and the longest prompt plus the
     largest budget (less the last token, never written) within the cache's columns."""
     rows, cols, vocab = seen.shape[0], seen.shape[1], model.config.vocab_size
     if len(prompts) != len(max_new):
@@ -241,20 +243,40 @@ def check_requests(model, seen: torch.Tensor, prompts: list[list[int]], max_new:
     if not prompts or len(prompts) > rows:
         raise ValueError(f"{len(prompts)} requests for a cache of {rows} rows (1 .. {rows})")
     for i, (p, n) in enumerate(zip(prompts, max_new)):
-        if not p or min(p) < 0 or max(p) >= vocab:
-            raise ValueError(f"request {i}: the prompt must be non-empty token ids in [0, {vocab})")
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"request {i}: max_new must be an int >= 1; got {n!r}")
+        prompt_ids(i, p, vocab)            # integer ids in [0, vocab), 1-d, non-empty
+        budget(i, n, "max_new")
     need = max(map(len, prompts)) + max(max_new) - 1
     if need > cols:
         raise ValueError(f"the longest prompt ({max(map(len, prompts))}) plus the largest max_new "
                          f"({max(max_new)}) less one needs {need} cache columns; the cache has {cols}")
 
 
+def check_bound(runner, cache, seen) -> None:
+    """ValueError unless `cache` and `seen` hold the tensors the runner was compiled with: the
+    prefill writes them and every decode step reads the runner's own (another cache of the same
+    shape would give a wrong token from the second one on, silently)."""
+    bound = {t.data_ptr() for _, t in runner.state.named()}
+    leaves = [seen] + [t for t in _cache_tensors(cache)]
+    if any(t.data_ptr() not in bound for t in leaves):
+        raise ValueError("serve: cache and seen must be the ones the runner was built with "
+                         "(build_runner(model, cache, seen, ...)); got others")
+
+
+def _cache_tensors(cache) -> list[torch.Tensor]:
+    out = []
+    for layer in getattr(cache, "layers", []):
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor):
+                out.append(t)
+    return out
+
+
 def serve(model, runner, cache, seen, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:
     """Greedy tokens per request: eager prefill, then one runner call per step; the batch shrinks.
     The requests are checked against the cache and the vocabulary before anything is written."""
     check_requests(model, seen, prompts, max_new)
+    check_bound(runner, cache, seen)
     first, width = prefill(model, cache, seen, prompts)
     device = seen.device
     lens = torch.tensor([len(p) for p in prompts], device=device)
@@ -309,11 +331,11 @@ def hf_generate(model, prompts: list[list[int]], max_new: list[int], gaps: bool 
 
 
 def make_requests(n: int, vocab: int, max_prompt: int, max_new: int, seed: int = 0):
-    """n prompts of lengths in [2, max_prompt] and new-token budgets in [2, max_new]."""
+    """n prompts of lengths in [2, max_prompt] and new-token budgets in [min(2, max_new), max_new]."""
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(2, max_prompt + 1, (n,), generator=g).tolist()
     prompts = [torch.randint(1, vocab, (k,), generator=g).tolist() for k in lens]
-    return prompts, torch.randint(2, max_new + 1, (n,), generator=g).tolist()
+    return prompts, torch.randint(min(2, max_new), max_new + 1, (n,), generator=g).tolist()
 
 
 def torch_compile_options(model: LlamaForCausalLM, how: str | None):
@@ -415,9 +437,15 @@ def main() -> None:
                     help="with --torch-compile: size-oblivious tracing, so bucket 1 shares the graphs "
                          "(H200: 5 graphs in 17.3 s of compiling calls, against 6 in 12.8 s without)")
     args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: this machine has no CUDA GPU (torch.cuda.is_available() is False)")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpu = device.type == "cuda"
-    res = run(device, args.requests or (24 if gpu else 6), args.max_new or (48 if gpu else 12),
+    n_req = (24 if gpu else 6) if args.requests is None else args.requests
+    max_new = (48 if gpu else 12) if args.max_new is None else args.max_new
+    if n_req < 1 or max_new < 1:
+        ap.error(f"--requests and --max-new must be >= 1; got {n_req}, {max_new}")
+    res = run(device, n_req, max_new,
               64 if gpu else 12, torch_compile=args.torch_compile, size_oblivious=args.size_oblivious)
     exact, ties, other = res.judge()
     print(oracle_line(exact, ties, other) + f"; tie tolerance {res.tie_tol}")

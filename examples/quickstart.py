@@ -43,6 +43,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--backend", default="reference", choices=["reference", "cuda"])
     args = ap.parse_args()
+    if args.backend == "cuda" and not torch.cuda.is_available():
+        ap.error("--backend cuda needs a CUDA GPU (torch.cuda.is_available() is False); the "
+                 "reference backend runs anywhere")
     device = "cuda" if args.backend == "cuda" else "cpu"
     print(program, "\n")
     cache = torch.zeros(N_SLOTS, device=device)

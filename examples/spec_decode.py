@@ -44,7 +44,6 @@ take a few more rounds than without overlap.
 from __future__ import annotations
 
 import contextlib
-import operator
 import time
 import warnings
 from dataclasses import dataclass, field, fields, replace
@@ -59,6 +58,7 @@ from padgraph.runners import (decode_program, draft_extend_program, draft_progra
                               extend_program, verify_program)
 
 from models.llama import last_tokens
+from request_checks import budget, prompt_ids
 
 
 @dataclass(frozen=True)
@@ -453,7 +453,8 @@ class RunStats:
     tokens: int = 0
     seconds: float = 0.0
     rounds: int = 0            # verify rounds (EAGLE) or decode steps (greedy) launched
-    accepted: int = 0          # accept lengths summed over real request-rounds
+    accepted: int = 0          # accept lengths summed over real request-rounds (verify's count)
+    emitted: int = 0           # tokens those request-rounds emitted (EOS / budget cut the last)
     request_rounds: int = 0    # real request-rounds, for the mean accept length
     discarded: int = 0         # lane-rounds run for an already finished request (overlap)
     overlap: bool = False
@@ -468,7 +469,13 @@ class RunStats:
 
     @property
     def accept_len(self) -> float:
+        """Tokens the target accepted per request-round, bonus token included (draft quality)."""
         return self.accepted / self.request_rounds if self.request_rounds else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        """Tokens a request gained per round: accept_len less what EOS or the budget cut."""
+        return self.emitted / self.request_rounds if self.request_rounds else 0.0
 
     @property
     def round_seconds(self) -> float:
@@ -577,25 +584,8 @@ class Worker:
             raise ValueError(f"{len(prompts)} prompts but {len(max_new_tokens)} max_new_tokens")
         vocab = self.target.cfg.vocab_size
         for i, (prompt, n_new) in enumerate(zip(prompts, max_new_tokens)):
-            try:
-                if isinstance(n_new, bool):
-                    raise TypeError
-                n_new = operator.index(n_new)
-            except TypeError:
-                raise TypeError(f"request {i}: max_new_tokens must be an int; got {n_new!r}") \
-                    from None
-            if n_new < 1:
-                raise ValueError(f"request {i}: max_new_tokens must be >= 1; got {n_new}")
-            ids = torch.as_tensor(prompt)
-            if ids.dim() != 1 or ids.numel() == 0:
-                raise ValueError(f"request {i}: the prompt must be a non-empty 1-d sequence of "
-                                 f"token ids; got shape {tuple(ids.shape)}")
-            if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-                raise TypeError(f"request {i}: prompt token ids must be integers; got {ids.dtype}")
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= vocab:
-                raise ValueError(f"request {i}: prompt token ids must be in [0, {vocab}); got "
-                                 f"{lo if lo < 0 else hi}")
+            n_new = budget(i, n_new)
+            prompt_ids(i, prompt, vocab)
             if len(prompt) + n_new + self.margin > self.max_context:
                 raise ValueError(f"request {i}: prompt {len(prompt)} + max_new_tokens {n_new} + "
                                  f"tree margin {self.margin} must fit max_context "
@@ -842,7 +832,10 @@ class Worker:
             acc, toks = values
             stats.accepted += acc
             stats.request_rounds += 1
-            return self.emit(r, toks[:acc])
+            before = len(r.output)
+            done = self.emit(r, toks[:acc])
+            stats.emitted += len(r.output) - before      # less than acc where EOS or the budget cut
+            return done
 
         refill = _Refill(self, prompts, max_new_tokens, prefill_batch)   # checks them all
         overlap = self.spec_overlap_fits(prompts, max_new_tokens)

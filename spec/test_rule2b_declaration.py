@@ -121,7 +121,7 @@ def test_r2_7_policies_are_data_until_a_program_checks_them():
         build()          # none of these raises: only pg.Program knows the dtype, program and buffer
 
 
-def test_r2_7_view_lookups_raise_contract_key_and_attribute_errors(compile, device):
+def test_r2_7_view_lookups_raise_contract_key_and_attribute_errors(compile, device, pytestconfig):
     seen = {}
 
     def body(x):
@@ -137,9 +137,15 @@ def test_r2_7_view_lookups_raise_contract_key_and_attribute_errors(compile, devi
     prog = pg.Program("view", inputs={"a": pg.Input((bs,), torch.int32, pad=0)},
                       outputs={"y": pg.Output((bs,), torch.int32)}, buckets=pg.Buckets([2]))
     compile(prog, body)(a=torch.ones(2, dtype=torch.int32, device=device))
-    for what, cls, base in (("extent", pg.ContractKeyError, KeyError), ("attr", pg.ContractAttributeError, AttributeError)):
+    # 10.8: a compiled body that catches the view's missing-attribute error sees the builtin
+    # AttributeError dynamo can trace (with it hasattr compiles); its message is the same
+    compiled = bool(pytestconfig.getoption("--torch-compile"))
+    attr = (AttributeError, AttributeError, Exception) if compiled else \
+        (pg.ContractAttributeError, AttributeError, pg.ContractError)
+    for what, cls, base, family in (("extent", pg.ContractKeyError, KeyError, pg.ContractError),
+                                    ("attr", *attr)):
         e = seen.get(what)
-        assert isinstance(e, cls) and isinstance(e, base) and isinstance(e, pg.ContractError), \
+        assert isinstance(e, cls) and isinstance(e, base) and isinstance(e, family), \
             S.msg(f"error of the view's {what} lookup", type(e).__mro__ if e else None, f"a {cls.__name__}", what)
         for part in ("'view'", "'nope'"):
             assert part in str(e), S.msg("message", str(e), f"containing {part!r}", what)

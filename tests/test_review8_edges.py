@@ -73,3 +73,55 @@ def test_check_compares_fp8_state(dtype):
     assert pg.check(p, good, state=state(), sample=sample, trials=6).ok
     res = pg.check(p, bad, state=state(), sample=sample, trials=6)
     assert any(f.kind == "state-write" for f in res.findings), str(res)
+
+
+# ---- the compile path (SPEC 10.8) --------------------------------------------------------------
+def _h_program(name, state=None):
+    return pg.Program(name, inputs={"h": pg.Input((bs, 4), torch.float32, pad=0.0)},
+                      outputs={"y": pg.Output((bs, 4), torch.float32)}, state=state or {},
+                      buckets=pg.Buckets([1, 2, 4]))
+
+
+@pytest.mark.parametrize("tc", [True, {"fullgraph": True}], ids=["compile", "fullgraph"])
+def test_the_compiled_view_is_a_padded_view_and_hasattr_compiles(tc):
+    def body(x):
+        scale = 2.0 if isinstance(x, pg.PaddedView) else 5.0
+        return {"y": x.h * (scale + (1.0 if hasattr(x, "gain") else 0.0))
+                + getattr(x, "bias", 0.0)}
+    runner = pg.compile(_h_program("isv"), body, backend="reference", torch_compile=tc)
+    for n in (3, 2, 4):
+        assert runner(h=torch.ones(n, 4)).y.tolist() == [[2.0] * 4] * n
+    assert runner.stats.compiles >= 1          # compiled, not skipped to eager
+
+
+@pytest.mark.parametrize("tc", [True, {"fullgraph": True}], ids=["compile", "fullgraph"])
+def test_an_op_failing_while_traced_keeps_its_type(tc):
+    W = torch.randn(3, 3)
+
+    def body(x):
+        x.calls.add_(1)
+        return {"y": x.h @ W}                  # wrong shape: raises on every call
+    calls = torch.zeros(1)
+    runner = pg.compile(_h_program("trace_err", {"calls": pg.State()}), body, backend="reference",
+                        state={"calls": calls}, torch_compile=tc)
+    with pytest.raises(RuntimeError) as e:
+        runner(h=torch.ones(3, 4))
+    assert not isinstance(e.value, torch._dynamo.exc.TorchDynamoException), type(e.value)
+    if isinstance(tc, dict):                   # fullgraph: run eagerly, as without compile
+        assert "mat1 and mat2" in str(e.value) and calls.item() == 1.0
+
+
+def test_calls_past_the_ladder_run_the_body_as_given():
+    seen = []
+
+    def body(x):
+        seen.append(torch.compiler.is_compiling())
+        return {"y": x.h * 2}
+    runner = pg.compile(_h_program("past"), body, backend="reference", torch_compile=True)
+    runner(h=torch.ones(3, 4))
+    compiles = runner.stats.compiles
+    seen.clear()
+    for n in (5, 6, 7):
+        assert runner(h=torch.ones(n, 4)).y.tolist() == [[2.0] * 4] * n
+    assert seen == [False, False, False] and runner.stats.compiles == compiles
+    assert runner.stats.eager_fallbacks == 3
