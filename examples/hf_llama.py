@@ -256,20 +256,9 @@ def check_bound(runner, cache, seen) -> None:
     prefill writes them and every decode step reads the runner's own (another cache of the same
     shape would give a wrong token from the second one on, silently)."""
     bound = {t.data_ptr() for _, t in runner.state.named()}
-    leaves = [seen] + [t for t in _cache_tensors(cache)]
-    if any(t.data_ptr() not in bound for t in leaves):
+    if any(t.data_ptr() not in bound for t in [seen] + list(flatten_cache(cache)[0])):
         raise ValueError("serve: cache and seen must be the ones the runner was built with "
                          "(build_runner(model, cache, seen, ...)); got others")
-
-
-def _cache_tensors(cache) -> list[torch.Tensor]:
-    out = []
-    for layer in getattr(cache, "layers", []):
-        for name in ("keys", "values"):
-            t = getattr(layer, name, None)
-            if isinstance(t, torch.Tensor):
-                out.append(t)
-    return out
 
 
 def serve(model, runner, cache, seen, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:

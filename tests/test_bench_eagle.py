@@ -83,3 +83,15 @@ def test_main_job_log_parser(tmp_path):
     except ImportError:
         return
     assert (tmp_path / "main_jobs.png").exists()
+
+
+def test_tokens_per_round_counts_what_rounds_emitted():
+    """accept_len is verify's count; tokens_per_round what the requests gained (budgets cut the
+    last round): every emitted token but the prefill's first one per request."""
+    w = _worker()
+    prompts = bench_eagle.prompts_for(3, w.target.cfg.vocab_size, seed=5)
+    with torch.no_grad():
+        reqs, st = w.generate_spec(prompts, [5, 9, 2])
+    assert st.emitted == sum(len(r.output) for r in reqs) - len(reqs)
+    assert st.emitted <= st.accepted
+    assert st.tokens_per_round <= st.accept_len

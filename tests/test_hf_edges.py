@@ -159,3 +159,27 @@ def test_reallocated_cache_is_a_state_storage_error(model):
     cache.layers[1].keys = cache.layers[1].keys.clone()
     with pytest.raises(pg.StateStorageError, match=r"cache.*\[2\]"):
         runner(input_ids=torch.tensor([1]), position_ids=torch.tensor([1]), write_pos=torch.tensor([1]))
+
+
+@pytest.mark.parametrize("prompt,exc,msg", [([1.5, 2.7], TypeError, "integers"),
+                                            ([True, False], TypeError, "integers"),
+                                            (["a"], TypeError, "integer token ids"),
+                                            ([[1, 2]], ValueError, "1-d")],
+                         ids=["float", "bool", "str", "2-d"])
+def test_serve_refuses_ids_that_are_not_integers_before_any_write(model, prompt, exc, msg):
+    runner, cache, seen = fresh(model)
+    before = snapshot(cache, seen)
+    with pytest.raises(exc, match=msg):
+        H.serve(model, runner, cache, seen, [prompt], [2])
+    assert changed(before, cache, seen) == []
+
+
+def test_serve_refuses_a_cache_the_runner_is_not_bound_to(model):
+    runner, cache, seen = fresh(model)
+    other, other_seen = H.new_cache(model, 4, 24)
+    before = snapshot(other, other_seen)
+    with pytest.raises(ValueError, match="the runner was built with"):
+        H.serve(model, runner, other, other_seen, [[5, 6, 7]], [4])
+    assert changed(before, other, other_seen) == []
+    assert H.serve(model, runner, cache, seen, [[5, 6, 7]], [4])[0] == \
+        H.serve(model, *fresh(model), [[5, 6, 7]], [4])[0]
