@@ -25,6 +25,7 @@ import time
 import torch
 
 import padgraph as pg
+from bench.common import pyplot
 from bench_eagle import match_line, measure, prompts_for
 from eagle import DRAFT_COMPILE, DRAFT_LM_HEAD, MODELS, setup
 from spec_decode import RunStats, SpecConfig, Worker
@@ -179,11 +180,8 @@ def render(path: str) -> None:
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     for bs in sizes:

@@ -84,14 +84,23 @@ class CudagraphSkips:
         return f"{self.count} cudagraph skip(s): " + " | ".join(seen)
 
 
-def plot_step_times(rows, names, path, title: str, ylabel: str, floor_key: str | None = None) -> None:
-    """Step time (ms) per raw batch size, one line per variant (rows: dicts with variant, bs,
-    step_us; `floor_key`: a per-row floor in µs drawn dashed). Skipped without matplotlib."""
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, or None where matplotlib is not installed
+    (it is not a dependency: the md and JSON are written anyway)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot_step_times(rows, names, path, title: str, ylabel: str, floor_key: str | None = None) -> None:
+    """Step time (ms) per raw batch size, one line per variant (rows: dicts with variant, bs,
+    step_us; `floor_key`: a per-row floor in µs drawn dashed). Skipped without matplotlib."""
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for v in names:
