@@ -229,21 +229,8 @@ class CompiledBody:
         try:
             with torch._dynamo.config.patch(**self._limit), self._shapes():
                 out = self._fn(inputs, state, extents)
-        except torch._dynamo.exc.Unsupported as e:
-            if not _observed(e):
-                raise
-            # fullgraph: dynamo saw the body raise while tracing (nothing ran yet); the body
-            # eagerly raises the very exception, unchanged in type (rule 5.2), or, where the
-            # exception is caught inside it (hasattr), runs as it would eagerly
-            return self._body(x)
-        except torch._dynamo.exc.TorchRuntimeError as e:
-            # an op failed on fake tensors while dynamo traced (a shape mismatch): nothing of the
-            # graph ran. Under fullgraph nothing ran at all, so the body run eagerly raises its
-            # own error after its own state writes, as without compile (5.2, 10.6); else an
-            # earlier graph of the body may have run, so its error is raised as is, unwrapped
-            if self._fullgraph:
-                return self._body(x)
-            raise _unwrapped(e) from None
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.TorchRuntimeError) as e:
+            return _traced_failure(e, self._fullgraph, lambda: self._body(x))
         self._called = True
         return out
 
@@ -309,14 +296,29 @@ class _RegionCall:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
         try:
             return self.fn(self.module, *args, **kwargs)
-        except torch._dynamo.exc.Unsupported as e:
-            if not _observed(e):
-                raise
-            return type(self.module).forward(self.module, *args, **kwargs)   # its own exception
-        except torch._dynamo.exc.TorchRuntimeError as e:    # as CompiledBody._call
-            if self.fullgraph:
-                return type(self.module).forward(self.module, *args, **kwargs)
-            raise _unwrapped(e) from None
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.TorchRuntimeError) as e:
+            return _traced_failure(e, self.fullgraph,
+                                   lambda: type(self.module).forward(self.module, *args, **kwargs))
+
+
+def _traced_failure(e: Exception, fullgraph: bool, eager: Callable):
+    """What a trace that stopped on the code's own failure gives the caller (SPEC 10.8).
+
+    - Unsupported from an observed exception (fullgraph: dynamo saw the code raise; nothing ran
+      yet): the code run eagerly raises the very exception, or, where it catches it itself
+      (hasattr), runs as it would eagerly. Any other Unsupported is fullgraph's own error.
+    - TorchRuntimeError (an op failed on fake tensors, e.g. a shape mismatch; no op of that
+      graph ran): under fullgraph nothing ran at all, so the eager run raises the op's error after
+      the code's own state writes, as without compile (5.2, 10.6); otherwise an earlier graph
+      may have run (re-running would write state twice), so the op's error is raised unwrapped.
+    """
+    if isinstance(e, torch._dynamo.exc.Unsupported):
+        if not _observed(e):
+            raise e
+        return eager()
+    if fullgraph:
+        return eager()
+    raise _unwrapped(e) from None
 
 
 def _unwrapped(e: Exception) -> Exception:

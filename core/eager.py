@@ -31,7 +31,7 @@ def run_padded(runner, size: int, raw, ext, device, body=None) -> Mapping[str, t
     with torch.no_grad():
         if runner.prepare is not None:
             runner.prepare(x)
-        outs = (body or runner.body)(x)
+        outs = (runner.body if body is None else body)(x)
     runner.check_outputs(outs, size, device)
     return outs
 

@@ -131,11 +131,11 @@ class Runner:
         self.state = BoundState(program, state)
         self.device = _device(program, device) if device is not None else self.state.device()
         self.stats = Stats()
-        if torch_compile is not None and torch_compile is not False:   # {}: default options
+        self._compiled = torch_compile is not None and torch_compile is not False   # {}: defaults
+        if self._compiled:
             from .compiled import CompiledBody   # local: plain runners never import dynamo
             self.body = CompiledBody(program, body, torch_compile, self.stats, self.state)
         self._warned_overflow = False
-        self._compiled = torch_compile is not None and torch_compile is not False
         self._deferred = None      # compile counts of calls that raised, for the next that returns
         # output -> ((dim, axis name, affine), ...): slicing without re-deriving shapes per call
         self._out_slices = {n: tuple((d, a.axis.name, a) for d, a in padded_dims(s.shape))
@@ -171,15 +171,14 @@ class Runner:
             return out
 
     def _call(self, raw, extents) -> Outputs:
-        if not isinstance(raw, Mapping):
+        if type(raw) is not dict and not isinstance(raw, Mapping):    # dict: the common case, no ABC check
             raise ContractTypeError(mismatch(self.program.name, None, "the raw inputs",
                                              "a mapping input name -> tensor", type(raw).__name__))
         device = self.device
         if device is None or (device.index is None and device.type != "cpu"):
             device = self._resolve_device(raw, device)
         ext = self.plan.extents(raw, device, self.allow_host_inputs)
-        dev = self._device_extents(extents, device) if extents is not None else None
-        dev = dev or None           # {}: no device extent
+        dev = (self._device_extents(extents, device) or None) if extents is not None else None   # {}: none
         self.state.check()          # first: a moved state's old range means nothing to aliasing
         self._check_aliasing(raw)
         self.device = device        # only once the call is valid: a rejected call pins nothing
@@ -328,22 +327,12 @@ class Runner:
             if t.layout != torch.strided:
                 raise ContractValueError(mismatch(self.program.name, name, "layout", "torch.strided (dense)",
                                                   t.layout, kind="output"))
-            if device is not None and not _same_device(t.device, device):
+            if device is not None and t.device != device:   # device: with its index (as _call resolves it)
                 raise ContractValueError(mismatch(self.program.name, name, "device",
                                                   f"the runner's device {device}", t.device, kind="output"))
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.program.name!r} backend={self.backend} buckets={list(self.plan.buckets)}>"
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    """a is b, where a bare "cuda" (no index) stands for the current device."""
-    if a.type != b.type:
-        return False
-    if a.index is None or b.index is None:
-        return a.type != "cuda" or (a.index if a.index is not None else torch.cuda.current_device()) == \
-            (b.index if b.index is not None else torch.cuda.current_device())
-    return a.index == b.index
 
 
 def _device(program: Program, device) -> torch.device:
