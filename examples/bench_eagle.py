@@ -90,6 +90,8 @@ def total(stats: list[RunStats]) -> RunStats:
         for f in ("tokens", "seconds", "rounds", "accepted", "emitted", "request_rounds",
                   "discarded", "prefills"):
             setattr(out, f, getattr(out, f) + getattr(s, f))
+        for name, t in s.phases.items():
+            out.phases[name] = out.phases.get(name, 0.0) + t
     return out
 
 
@@ -142,6 +144,8 @@ def main():
             "rounds": {"greedy_steps": g.rounds, "eagle_rounds": e.rounds,
                        "eagle_discarded_lane_rounds": e.discarded},
             "speedup_vs_greedy": e.tokens_per_s / g.tokens_per_s,
+            "eagle_round_ms": 1e3 * e.round_seconds, "greedy_step_ms": 1e3 * g.round_seconds,
+            "round_in_greedy_steps": e.round_seconds / g.round_seconds if g.round_seconds else 0.0,
             "graphs_vs_eager": e_per[0].tokens_per_s / ee.tokens_per_s,
             "greedy_match": match, "first_divergences": divergences})
         print(rows[-1], flush=True)
@@ -162,6 +166,14 @@ def main():
              "prefills": {"greedy": gs.prefills, "eagle": es.prefills}, "greedy_match": match}
     print(queue, flush=True)
     write(out_dir, rows, spec, dinfo, time.perf_counter() - t_start, queue)
+
+
+def round_cell(r: dict) -> str:
+    """'1.41 (1.82 / 1.29)': one EAGLE round in greedy steps (prefill excluded), and both in ms."""
+    if "round_in_greedy_steps" not in r:        # a row written before the column existed
+        return "-"
+    return (f"{r['round_in_greedy_steps']:.2f} ({r['eagle_round_ms']:.2f} / "
+            f"{r['greedy_step_ms']:.2f})")
 
 
 def write(out_dir, rows, spec, dinfo, seconds, queue=None):
@@ -195,16 +207,18 @@ def write(out_dir, rows, spec, dinfo, seconds, queue=None):
              "the summed times. EAGLE eager: the row's first batch, once (graphs vs eager: the "
              "graphs' run of that batch against it).", "",
              "| bs | requests | greedy graphs tok/s | EAGLE graphs tok/s | EAGLE eager tok/s | "
-             "accept len (per batch: min-max) | speedup vs greedy | graphs vs eager | greedy match "
+             "accept len (per batch: min-max) | speedup vs greedy | EAGLE round / greedy step "
+             "(ms) | graphs vs eager | greedy match "
              f"(first divergence: exact / top-2 gap <= {TIE_TOL} / other) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         per = r.get("accept_len_per_batch") or [r["accept_len"]]
         lines.append(f"| {r['bs']} | {r.get('requests', r['bs'])} | {r['greedy_graphs_tok_s']:.0f} | "
                      f"{r['eagle_graphs_tok_s']:.0f} | "
                      f"{r['eagle_eager_tok_s']:.0f} | {r['accept_len']:.2f} "
                      f"({min(per):.2f}-{max(per):.2f}) | "
-                     f"{r['speedup_vs_greedy']:.2f}x | {r['graphs_vs_eager']:.2f}x | "
+                     f"{r['speedup_vs_greedy']:.2f}x | {round_cell(r)} | "
+                     f"{r['graphs_vs_eager']:.2f}x | "
                      f"{r['greedy_match']} |")
     if queue:
         q = queue

@@ -49,12 +49,13 @@ MODELS = {"llama": ("1b", "tiny", "tiny Llama-like target"),
           "deepseek": ("ds-lite", "ds-tiny", "tiny DeepSeek-like target (MLA + MoE, MTP head)")}
 
 
-def setup(size: str, device: str, log=print):
-    """Target + distilled head for a preset of distill.PRESETS ("tiny", "1b", "ds-tiny", ...)."""
+def setup(size: str, device: str, log=print, **distill_kw):
+    """Target + distilled head for a preset of distill.PRESETS ("tiny", "1b", "ds-tiny", ...);
+    distill_kw (e.g. steps, n_seq) override the preset's distillation settings."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(0)
     target, head, pre = build(size, device, dtype)
-    info = distill(target, head, log=log, **pre)
+    info = distill(target, head, log=log, **{**pre, **distill_kw})
     return target, head, info
 
 
@@ -206,12 +207,19 @@ def main():
                          "count in the timing")
     ap.add_argument("--no-overlap", action="store_true",
                     help="read each round back before queuing the next (default: overlap)")
+    ap.add_argument("--distill-steps", type=int, default=None,
+                    help="training steps of the draft head's distillation (default: the preset's, "
+                         "300 at the GPU sizes)")
+    ap.add_argument("--distill-seqs", type=int, default=None,
+                    help="greedy sequences of the target the head is distilled on (default: the "
+                         "preset's, 256 at the GPU sizes)")
     ap.add_argument("--profile", action="store_true",
                     help="GPU: after the timed runs, one more of each under torch.profiler; print "
                          "the kernels per round / step and the heaviest ones")
     args = ap.parse_args()
-    if args.n_requests is not None and args.n_requests < 1:
-        ap.error(f"--n-requests must be >= 1; got {args.n_requests}")
+    for name in ("n_requests", "distill_steps", "distill_seqs"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     gpu = torch.cuda.is_available()
     gpu_size, cpu_size, cpu_what = MODELS[args.model]
     device, backend, size = ("cuda", "cuda", gpu_size) if gpu else ("cpu", "reference", cpu_size)
@@ -222,7 +230,9 @@ def main():
     pick = lambda given, default: default if given is None else given   # noqa: E731  (0 stays 0)
     spec = SpecConfig(pick(args.steps, steps), pick(args.topk, topk), pick(args.draft_tokens, k))
     batch = BATCH["gpu" if gpu else "cpu"]
-    target, head, _ = setup(size, device)
+    distill_kw = {k: v for k, v in (("steps", args.distill_steps), ("n_seq", args.distill_seqs))
+                  if v is not None}
+    target, head, _ = setup(size, device, **distill_kw)
     draft_lm_head = (args.draft_lm_head or DRAFT_LM_HEAD[args.model]) if gpu else "bf16"
     head.set_draft_lm_head(draft_lm_head)
     prompts, news = workload(target.cfg.vocab_size, pick(args.n_requests, batch.n), 7,

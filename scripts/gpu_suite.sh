@@ -10,6 +10,7 @@
 #                             [eagle-regions: the main job with only the head's layer compiled in the draft bodies]
 #                             [eagle-profile: the main job, then its kernels per round under torch.profiler]
 #                             [sweep-eagle, sweep-eagle-deepseek: EAGLE over several draft trees (steps, topk, k) against greedy]
+#                             [eagle-variants: the main job once per argument list of EAGLE_VARIANTS="--model deepseek --steps 3;..." (logs eagle_v1, eagle_v2, ...)]
 #                             [tests-parallel: the cuda tests as five pytest processes and the cuda conformance suite, at once]
 # With no arguments, everything. Results and logs go under $OUT (default results/local).
 # PACK=name: write them under a scratch directory instead and leave one $OUT/name.tgz at the end
@@ -66,6 +67,10 @@ want eagle-eager-prefill && run eagle_eager_prefill python3 examples/eagle.py --
 want eagle-eager-prefill && run eagle_deepseek_eager_prefill python3 examples/eagle.py --model deepseek --prefill eager
 want eagle-eager-prefill && EAGLE_PREFILL=eager run bench_eagle_eager_prefill python3 examples/bench_eagle.py
 want eagle-fused && run eagle_fused python3 examples/eagle.py --model llama --profile --draft-lm-head fp8-fused
+if want eagle-variants; then  # the main job once per ';'-separated argument list in EAGLE_VARIANTS
+  i=0; IFS=';' read -ra variants <<<"${EAGLE_VARIANTS:-}"
+  for v in "${variants[@]}"; do i=$((i + 1)); run "eagle_v$i" python3 examples/eagle.py $v; done
+fi
 want bench-host && run bench_host python3 examples/bench_host.py --calls 1000
 want bench-runner && run bench_runner python3 examples/bench_runner.py
 want bench-attention && run bench_attention python3 examples/bench_attention.py

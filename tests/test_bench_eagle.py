@@ -95,3 +95,18 @@ def test_tokens_per_round_counts_what_rounds_emitted():
     assert st.emitted == sum(len(r.output) for r in reqs) - len(reqs)
     assert st.emitted <= st.accepted
     assert st.tokens_per_round <= st.accept_len
+
+
+def test_total_sums_phases_so_the_round_time_is_the_runs_mean():
+    a = RunStats(rounds=2, phases={"prefill": 1.0, "draft": 0.2, "verify": 0.4})
+    b = RunStats(rounds=6, phases={"prefill": 2.0, "draft": 0.6, "verify": 1.2, "host": 0.2})
+    t = bench_eagle.total([a, b])
+    assert t.phases == {"prefill": 3.0, "draft": 0.8, "verify": 1.6, "host": 0.2}
+    assert abs(t.round_seconds - (0.8 + 1.6 + 0.2) / 8) < 1e-12     # prefill excluded
+    assert a.phases == {"prefill": 1.0, "draft": 0.2, "verify": 0.4}  # inputs untouched
+
+
+def test_round_cell_reads_both_times_and_old_rows():
+    r = {"round_in_greedy_steps": 1.4125, "eagle_round_ms": 1.821, "greedy_step_ms": 1.289}
+    assert bench_eagle.round_cell(r) == "1.41 (1.82 / 1.29)"
+    assert bench_eagle.round_cell({}) == "-"

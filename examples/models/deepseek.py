@@ -325,6 +325,10 @@ class DeepSeekModel(PagedForwards, nn.Module):
     def logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(hidden).float()
 
+    def greedy_ids(self, hidden: Tensor) -> Tensor:
+        """argmax of `logits(hidden)` on the lm_head's own output (`LlamaModel.greedy_ids`)."""
+        return self.lm_head(hidden).argmax(-1)
+
     # the paged forwards are PagedForwards'; the metadata is MLA's (one latent head per slot)
     def _decode_batch(self, *args):
         return mla_decode_batch(self.cfg, *args)

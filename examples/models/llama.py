@@ -257,10 +257,22 @@ class PagedForwards:
     def forward_verify(self, input_ids, positions, kv, req_to_token, req_pool_indices, seq_lens,
                        tree_mask, out_cache_loc, impl="auto"):
         """[bs*k] tree tokens (seq_lens = prefix + k) → (logits [bs*k, V], hidden [bs*k, H])."""
+        hidden = self.forward_verify_hidden(input_ids, positions, kv, req_to_token,
+                                            req_pool_indices, seq_lens, tree_mask, out_cache_loc,
+                                            impl)
+        return self.logits(hidden), hidden
+
+    def forward_verify_hidden(self, input_ids, positions, kv, req_to_token, req_pool_indices,
+                              seq_lens, tree_mask, out_cache_loc, impl="auto"):
+        """`forward_verify`'s hidden [bs*k, H] only (greedy verification takes `greedy_ids` of
+        it: no [bs*k, V] fp32 logits written and read back)."""
         batch = self._tree_batch(req_to_token, req_pool_indices, seq_lens, tree_mask,
                                  out_cache_loc, impl)
-        hidden = self._run(input_ids, positions, batch, kv)
-        return self.logits(hidden), hidden
+        return self._run(input_ids, positions, batch, kv)
+
+    def greedy_ids(self, hidden: Tensor) -> Tensor:
+        """argmax of `logits(hidden)` [n] int64 (ties to the lower id)."""
+        return self.logits(hidden).argmax(-1)
 
 
 class LlamaModel(PagedForwards, nn.Module):
@@ -287,6 +299,12 @@ class LlamaModel(PagedForwards, nn.Module):
 
     def logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(hidden).float()
+
+    def greedy_ids(self, hidden: Tensor) -> Tensor:
+        """argmax of `logits(hidden)`, taken on the lm_head's own output (bf16 on a GPU): the
+        fp32 upcast in `logits` is exact and monotone, so the ids are the same (ties to the lower
+        id either way), without writing [n, V] fp32 logits and reading twice the bytes back."""
+        return self.lm_head(hidden).argmax(-1)
 
     def forward_dense(self, input_ids: Tensor, last_only: bool = False):
         """[B, T] → (logits [B, T, V], hidden [B, T, H]) with plain causal attention, no cache.

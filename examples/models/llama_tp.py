@@ -162,6 +162,10 @@ class LlamaTP(PagedForwards, nn.Module):
         parts = self.tp.all_gather(self.local_logits(hidden))        # [W * n, V / W]
         return rearrange(parts, "(w n) v -> n (w v)", w=self.tp.world)
 
+    def greedy_ids(self, hidden: Tensor) -> Tensor:
+        """argmax of the full logits [n] (ties to the lower id) from the distributed top-2."""
+        return self.top2(hidden)[1][:, 0]
+
     def top2(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
         """Distributed top-2 of the full logits: (values [n, 2] fp32, token ids [n, 2] int64),
         equal to `logits(hidden).topk(2)` with ties to the lower id, without gathering [n, V]."""
