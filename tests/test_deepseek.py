@@ -223,3 +223,28 @@ def test_check_deepseek_runner_programs(worker, name):
                        sample=sample_for(name, worker), trials=3, sizes_per_trial=2,
                        rtol=1e-5, atol=1e-5)
     assert res.ok, str(res)
+
+
+@torch.no_grad()
+def test_experts_read_the_weights_in_place_and_equal_the_einsum():
+    """MoE.experts as batched GEMMs over the stored [E, hidden, 2F] weight: the same mixture as
+    the einsum form (which copies the weight into [hidden, E * 2F] on every call), and no
+    temporary the size of that weight."""
+    cfg = DeepSeekConfig.tiny(n_routed_experts=8, moe_ffn_size=96)
+    moe = DeepSeekModel(cfg).layers[1].mlp
+    x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    combine = moe.route(x)
+    gate, up = torch.einsum("nd,edf->enf", x, moe.gate_up).chunk(2, dim=-1)
+    y = torch.einsum("enf,efd->end", torch.nn.functional.silu(gate) * up, moe.down)
+    want = torch.einsum("end,ne->nd", y, combine)
+    torch.testing.assert_close(moe.experts(x, combine), want, rtol=1e-5, atol=1e-5)
+    big = moe.gate_up.numel()
+    seen = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        moe.experts(x, combine)
+    for ev in prof.events():
+        if ev.cpu_memory_usage and ev.cpu_memory_usage > 0:
+            seen.append((ev.name, ev.cpu_memory_usage))
+    assert all(nbytes < big * x.element_size() for _, nbytes in seen), \
+        f"a temporary as large as the expert weight was allocated: {seen}"

@@ -245,9 +245,16 @@ class MoE(nn.Module):
         return torch.zeros_like(scores).scatter(1, idx, w * c.routed_scaling_factor)
 
     def experts(self, x: Tensor, combine: Tensor) -> Tensor:
-        """Every expert on every token, mixed by combine [n, E]: x [n, hidden] -> [n, hidden]."""
-        gate, up = torch.einsum("nd,edf->enf", x, self.gate_up).chunk(2, dim=-1)  # [E, n, F]
-        y = torch.einsum("enf,efd->end", F.silu(gate) * up, self.down)            # [E, n, hidden]
+        """Every expert on every token, mixed by combine [n, E]: x [n, hidden] -> [n, hidden].
+
+        Batched GEMMs over the experts with the weights as stored: x is broadcast over E (a
+        stride-0 view), so the [E, hidden, 2F] weight is read in place. (An einsum
+        "nd,edf->enf" has no batch dim in x, so it folds E into the output columns and copies the
+        weight into [hidden, E * 2F] on every call: on the H200 that copy was 88 us a layer, 23%
+        of the DeepSeek greedy step.)"""
+        xe = x.unsqueeze(0).expand(self.gate_up.shape[0], *x.shape)             # [E, n, hidden]
+        gate, up = torch.bmm(xe, self.gate_up).chunk(2, dim=-1)                 # [E, n, F]
+        y = torch.bmm(F.silu(gate) * up, self.down)                             # [E, n, hidden]
         return torch.einsum("end,ne->nd", y, combine.to(y.dtype))
 
     def forward(self, x: Tensor) -> Tensor:
