@@ -15,8 +15,9 @@ Draft position p holds (token p+1, target hidden p), so the draft cache is one p
 
 Model protocol (Llama-like and DeepSeek-like targets alike): `forward_decode / forward_extend /
 forward_verify` return `(logits, hidden)` and read their cache from `kv` (`kv.k[i]`/`kv.v[i]`
-K/V pools, or `kv.latent[i]` MLA latent rows); a target with `forward_verify_hidden` and
-`greedy_ids(hidden)` (the argmax of its logits) verifies with those instead of the fp32 logits;
+K/V pools, or `kv.latent[i]` MLA latent rows); a target with `forward_verify_hidden` verifies
+with it and `greedy_ids(hidden)` (the argmax of its logits; default `logits(hidden).argmax(-1)`),
+without writing fp32 logits;
 a target with `new_cache(n_layers, n_slots, max_context, n_req_rows)` allocates its own cache
 (an object with `req_to_token` and `state()`, the bound tensors by state name), otherwise K/V
 pools of its `cfg` are used. Draft heads:
@@ -180,7 +181,9 @@ def verify_body(target, spec: SpecConfig):
                 x.seq_lens + k, x.tree_mask, x.out_cache_loc)
         if hasattr(target, "forward_verify_hidden"):  # the argmax without fp32 [bs*k, V] logits
             hidden = target.forward_verify_hidden(*args)             # [bs*k, H]
-            predict = target.greedy_ids(hidden).view(bs, k)
+            ids = (target.greedy_ids(hidden) if hasattr(target, "greedy_ids")
+                   else target.logits(hidden).argmax(-1))
+            predict = ids.view(bs, k)
         else:
             logits, hidden = target.forward_verify(*args)            # [bs*k, V], [bs*k, H]
             predict = logits.argmax(-1).view(bs, k)

@@ -72,3 +72,42 @@ def test_verify_hidden_and_greedy_ids_equal_forward_verify():
                                               loc)
     assert torch.equal(hidden, hidden2)
     assert torch.equal(model.greedy_ids(hidden2), logits.argmax(-1))
+
+
+def test_a_target_with_hidden_verify_but_no_greedy_ids_verifies_by_its_logits():
+    """The verify body's fallback: forward_verify_hidden without greedy_ids takes the argmax of
+    logits(hidden); a target with neither uses forward_verify's logits. Same tokens as the
+    full model (the reference backend, the tiny Llama, an oracle draft)."""
+    from models.eagle_head import EagleHead
+    from spec_decode import SpecConfig, Worker
+    import padgraph as pg
+
+    class NoGreedyIds(LlamaModel):
+        greedy_ids = property(lambda self: (_ for _ in ()).throw(AttributeError("greedy_ids")))
+
+    class OnlyLogits(LlamaModel):
+        forward_verify_hidden = property(
+            lambda self: (_ for _ in ()).throw(AttributeError("forward_verify_hidden")))
+
+        def forward_verify(self, input_ids, positions, kv, req_to_token, req_pool_indices,
+                           seq_lens, tree_mask, out_cache_loc, impl="auto"):
+            batch = self._tree_batch(req_to_token, req_pool_indices, seq_lens, tree_mask,
+                                     out_cache_loc, impl)
+            hidden = self._run(input_ids, positions, batch, kv)
+            return self.logits(hidden), hidden
+
+    outs = []
+    for cls in (LlamaModel, NoGreedyIds, OnlyLogits):
+        torch.manual_seed(0)
+        target = cls(LlamaConfig.tiny(n_layers=1)).eval()
+        assert hasattr(target, "greedy_ids") == (cls is not NoGreedyIds)
+        assert hasattr(target, "forward_verify_hidden") == (cls is not OnlyLogits)
+        head = EagleHead.copy_of_target(target).eval()
+        w = Worker(target, head, SpecConfig(steps=3, topk=2, num_draft_tokens=5), max_bs=2,
+                   max_context=64, buckets=pg.Buckets([1, 2]))
+        with torch.no_grad():
+            reqs, _ = w.generate_spec([[5, 6, 7], [9, 3]], [7, 5])
+            greedy, _ = w.generate_greedy([[5, 6, 7], [9, 3]], [7, 5])
+        assert [r.output for r in reqs] == [r.output for r in greedy]
+        outs.append([r.output for r in reqs])
+    assert outs[0] == outs[1] == outs[2]
