@@ -146,6 +146,7 @@ def main():
             "speedup_vs_greedy": e.tokens_per_s / g.tokens_per_s,
             "eagle_round_ms": 1e3 * e.round_seconds, "greedy_step_ms": 1e3 * g.round_seconds,
             "round_in_greedy_steps": e.round_seconds / g.round_seconds if g.round_seconds else 0.0,
+            "phases_s": {"greedy": g.phases, "eagle": e.phases},
             "graphs_vs_eager": e_per[0].tokens_per_s / ee.tokens_per_s,
             "greedy_match": match, "first_divergences": divergences})
         print(rows[-1], flush=True)
@@ -163,7 +164,9 @@ def main():
              "greedy_graphs_tok_s": gs.tokens_per_s, "eagle_graphs_tok_s": es.tokens_per_s,
              "accept_len": es.accept_len, "speedup_vs_greedy": es.tokens_per_s / gs.tokens_per_s,
              "rounds": {"greedy_steps": gs.rounds, "eagle_rounds": es.rounds},
-             "prefills": {"greedy": gs.prefills, "eagle": es.prefills}, "greedy_match": match}
+             "prefills": {"greedy": gs.prefills, "eagle": es.prefills}, "greedy_match": match,
+             "phases_s": {"greedy": gs.phases, "eagle": es.phases},
+             "round_ms": {"greedy": 1e3 * gs.round_seconds, "eagle": 1e3 * es.round_seconds}}
     print(queue, flush=True)
     write(out_dir, rows, spec, dinfo, time.perf_counter() - t_start, queue)
 
@@ -174,6 +177,17 @@ def round_cell(r: dict) -> str:
         return "-"
     return (f"{r['round_in_greedy_steps']:.2f} ({r['eagle_round_ms']:.2f} / "
             f"{r['greedy_step_ms']:.2f})")
+
+
+def queue_times(q: dict) -> str:
+    """'1.37 / 2.06 | 3.70 / 7.00': ms per greedy step / EAGLE round, then the prefill phase's ms
+    per prefill batch (greedy / EAGLE); '- | -' for a result written before they were kept."""
+    if "phases_s" not in q:
+        return "- | -"
+    per = {m: 1e3 * q["phases_s"][m].get("prefill", 0.0) / max(1, q["prefills"][m])
+           for m in ("greedy", "eagle")}
+    return (f"{q['round_ms']['greedy']:.2f} / {q['round_ms']['eagle']:.2f} | "
+            f"{per['greedy']:.2f} / {per['eagle']:.2f}")
 
 
 def write(out_dir, rows, spec, dinfo, seconds, queue=None):
@@ -225,12 +239,18 @@ def write(out_dir, rows, spec, dinfo, seconds, queue=None):
         lines += ["", f"## Continuous admission: {q['requests']} requests through {q['rows']} "
                   f"rows, {q['new_tokens'][0]}-{q['new_tokens'][1] - 1} new tokens each", "",
                   "| greedy graphs tok/s | EAGLE graphs tok/s | accept len | speedup vs greedy | "
-                  "steps / rounds | prefill batches (greedy / EAGLE) | greedy match |",
-                  "|---|---|---|---|---|---|---|",
+                  "steps / rounds | prefill batches (greedy / EAGLE) | ms per step / round | "
+                  "ms per prefill batch (greedy / EAGLE) | greedy match |",
+                  "|---|---|---|---|---|---|---|---|---|",
                   f"| {q['greedy_graphs_tok_s']:.0f} | {q['eagle_graphs_tok_s']:.0f} | "
                   f"{q['accept_len']:.2f} | {q['speedup_vs_greedy']:.2f}x | "
                   f"{q['rounds']['greedy_steps']} / {q['rounds']['eagle_rounds']} | "
-                  f"{q['prefills']['greedy']} / {q['prefills']['eagle']} | {q['greedy_match']} |"]
+                  f"{q['prefills']['greedy']} / {q['prefills']['eagle']} | {queue_times(q)} | "
+                  f"{q['greedy_match']} |",
+                  "", "Time per step / round: the phases after prefill (decode or draft, verify, "
+                  "draft-extend, host) over the rounds launched; per prefill batch: the prefill "
+                  "phase (the admissions' prefill and, for EAGLE, the head's prefill, on the "
+                  "stream's timeline) over the prefill batches."]
     with open(os.path.join(out_dir, f"{RESULT}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -110,3 +110,12 @@ def test_round_cell_reads_both_times_and_old_rows():
     r = {"round_in_greedy_steps": 1.4125, "eagle_round_ms": 1.821, "greedy_step_ms": 1.289}
     assert bench_eagle.round_cell(r) == "1.41 (1.82 / 1.29)"
     assert bench_eagle.round_cell({}) == "-"
+
+
+def test_queue_times_split_rounds_and_prefills():
+    q = {"phases_s": {"greedy": {"prefill": 0.0444, "decode": 0.5},
+                      "eagle": {"prefill": 0.070, "draft": 0.1}},
+         "prefills": {"greedy": 12, "eagle": 10},
+         "round_ms": {"greedy": 1.3712, "eagle": 2.0649}}
+    assert bench_eagle.queue_times(q) == "1.37 / 2.06 | 3.70 / 7.00"
+    assert bench_eagle.queue_times({}) == "- | -"
