@@ -69,6 +69,7 @@ want eagle-eager-prefill && EAGLE_PREFILL=eager run bench_eagle_eager_prefill py
 want eagle-fused && run eagle_fused python3 examples/eagle.py --model llama --profile --draft-lm-head fp8-fused
 if want eagle-variants; then  # the main job once per ';'-separated argument list in EAGLE_VARIANTS
   i=0; IFS=';' read -ra variants <<<"${EAGLE_VARIANTS:-}"
+  [ ${#variants[@]} -gt 0 ] || { echo "eagle-variants: set EAGLE_VARIANTS=\"ARGS;ARGS;...\""; rc=1; }
   for v in "${variants[@]}"; do i=$((i + 1)); run "eagle_v$i" python3 examples/eagle.py $v; done
 fi
 want bench-host && run bench_host python3 examples/bench_host.py --calls 1000
