@@ -6,7 +6,8 @@ through the "prefill" program (`Worker(prefill="runner")`). The batch shrinks as
 (EOS or max tokens), so raw batch sizes are odd; a finished request's KV slots and req_to_token
 row go back to the allocators once no round in flight uses them. Given more requests than
 max_bs, the rest wait and are admitted as rows free up (continuous admission: each admission
-is prefilled and appended to the running batch before the next round is queued).
+is prefilled and appended to the running batch before the next round is queued, with no host
+synchronisation when overlapped: its first tokens are read back after that round is queued).
 
 Per-request KV: a request owns one req_to_token row and, from admission, the slots for its whole
 budget (prompt + max_new_tokens + tree scratch), so draft and verify tokens use the slots of the
@@ -352,19 +353,31 @@ class PrefillBatch:
     loc: Tensor           # [n_tok] int64 KV slots
 
 
+def to_device(data, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A host list (or CPU tensor) on `device` without a host synchronisation: on a GPU through
+    a pinned buffer and a copy queued on the current stream (the caching host allocator keeps
+    the buffer until the copy has run), so the host does not wait for the work already queued,
+    a round in flight included. A plain copy elsewhere."""
+    t = torch.as_tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def pack_prompts(reqs, req_to_token: Tensor) -> PrefillBatch:
-    """The requests' prompts with the slots their rows got at admission."""
+    """The requests' prompts with the slots their rows got at admission (no host sync: a round
+    may be in flight while an admission is packed)."""
     dev = req_to_token.device
     lens = [len(r.prompt) for r in reqs]
-    positions = torch.cat([torch.arange(n) for n in lens]).to(dev)
-    rows = torch.tensor([r.row for r in reqs], dtype=torch.int32, device=dev)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
-    loc = req_to_token[rows.long().repeat_interleave(seq_lens.long()), positions].long()
+    positions = to_device([p for n in lens for p in range(n)], torch.int64, dev)
+    rows = to_device([r.row for r in reqs], torch.int32, dev)
+    seq_lens = to_device(lens, torch.int32, dev)
+    token_rows = to_device([r.row for r in reqs for _ in range(len(r.prompt))], torch.int64, dev)
+    loc = req_to_token[token_rows, positions].long()
     return PrefillBatch(
-        ids=torch.tensor([t for r in reqs for t in r.prompt], device=dev), positions=positions,
-        rows=rows, seq_lens=seq_lens, loc=loc,
-        qo=torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
-                        device=dev))
+        ids=to_device([t for r in reqs for t in r.prompt], torch.int64, dev),
+        positions=positions, rows=rows, seq_lens=seq_lens, loc=loc,
+        qo=to_device([0] + torch.tensor(lens).cumsum(0).tolist(), torch.int32, dev))
 
 
 # -------------------------------------------------------------------------------- timing
@@ -620,7 +633,8 @@ class Worker:
                 r = Request(i, [int(t) for t in prompt], int(n_new), row=self.rows.alloc(1)[0])
                 reqs.append(r)
                 r.slots = self.slots.alloc(need)
-                self.kv.req_to_token[r.row, :need] = torch.tensor(r.slots, dtype=torch.int32)
+                self.kv.req_to_token[r.row, :need] = to_device(r.slots, torch.int32,
+                                                               self.kv.req_to_token.device)
         except BaseException:       # none of this batch stays held
             for r in reqs:
                 if r.slots:
@@ -714,6 +728,10 @@ class Worker:
         rows freed so far; they are prefilled (queued behind the round in flight) and their
         state is appended to the batch's, so the round about to be queued runs them too. Rows
         are freed as above, so an admitted request never gets a row a round in flight uses.
+        With overlap nothing in an admission waits for the device (prompts and slot rows go
+        through pinned buffers; `_Refill`): its first tokens are read once the next round is
+        queued, beside round N's results, and a request its first token finishes (EOS) is
+        retired one round late like any other.
         """
         stats.overlap = overlap
         pending = None                  # (lanes, Readback) of a queued round not yet read back
@@ -760,6 +778,16 @@ class Worker:
                         raise RuntimeError(f"request {r.rid} was kept out of the next round as "
                                            f"sure to finish, but did not finish")
                 if finished:            # drop their rows before round N+2 is queued
+                    active, st = self._drop_done(active, st)
+            if refill is not None and refill.unread:  # admitted before round N+1 was queued
+                finished = refill.read_first()
+                in_flight = {id(r) for r in launched[0]} if launched is not None else set()
+                for r in finished:      # EOS as the first token: round N+1 holds it
+                    if id(r) in in_flight:
+                        late.append(r)
+                    else:               # kept out of round N+1 (a budget of one)
+                        self.release(r)
+                if any(id(r) in in_flight for r in finished):
                     active, st = self._drop_done(active, st)
             clock.mark("host")
             pending = launched
@@ -832,10 +860,12 @@ class Worker:
             logits, hidden, b = self.prefill(reqs)
             first = logits.argmax(-1)
             st = self.draft_prefill(first, hidden, b)
-            active, st = self.retire(reqs, st, [[t] for t in to_host(first)[0]])
             stats.prefills += 1
             clock.mark("prefill")
-            return active, st
+            return st, Readback(first)
+
+        def take_first(r: Request, values) -> bool:
+            return self.emit(r, [values[0]])
 
         def consume(r: Request, values) -> bool:
             acc, toks = values
@@ -846,8 +876,9 @@ class Worker:
             stats.emitted += len(r.output) - before      # less than acc where EOS or the budget cut
             return done
 
-        refill = _Refill(self, prompts, max_new_tokens, prefill_batch)   # checks them all
         overlap = self.spec_overlap_fits(prompts, max_new_tokens)
+        refill = _Refill(self, prompts, max_new_tokens, prefill_batch, take_first,
+                         defer=overlap)                              # checks them all
         with self._abandon_on_error(refill):
             active, st = refill([], None)
             self._loop(active, st, lambda s: self.spec_round(s, clock), consume, stats, clock,
@@ -875,13 +906,14 @@ class Worker:
             logits, _, b = self.prefill(reqs)
             first, top2 = logits.argmax(-1), logits.topk(2, dim=-1).values
             st = GreedyState(rows=b.rows, seq_lens=b.seq_lens, cur=first)
-            toks, gaps = to_host(first, top2[:, 0] - top2[:, 1])
-            for r, g in zip(reqs, gaps):
-                r.gaps = [g]
-            active, st = self.retire(reqs, st, [[t] for t in toks])
             stats.prefills += 1
             clock.mark("prefill")
-            return active, st
+            return st, Readback(first, top2[:, 0] - top2[:, 1])
+
+        def take_first(r: Request, values) -> bool:
+            tok, gap = values
+            r.gaps = [gap]
+            return self.emit(r, [tok])
 
         def consume(r: Request, values) -> bool:
             tok, gap = values
@@ -890,7 +922,8 @@ class Worker:
 
         # greedy's extra step writes position prompt + max_new - 1: always inside the
         # reservation, so greedy overlaps whenever the worker does
-        refill = _Refill(self, prompts, max_new_tokens, prefill_batch)   # checks them all
+        refill = _Refill(self, prompts, max_new_tokens, prefill_batch, take_first,
+                         defer=self.overlap)                          # checks them all
         with self._abandon_on_error(refill):
             active, st = refill([], None)
             self._loop(active, st, lambda s: self.decode_step(s, clock), consume, stats, clock,
@@ -926,13 +959,30 @@ class Worker:
 class _Refill:
     """Continuous admission for one generate_* call: the requests not yet admitted, in order;
     a call admits as many as there are free rows, prefills them and appends them to the running
-    batch ((active, state) -> (active, state); state None: no batch yet)."""
+    batch ((active, state) -> (active, state); state None: no batch yet).
 
-    def __init__(self, worker: Worker, prompts, max_new_tokens, prefill_batch):
+    prefill_batch(reqs) queues the prefill and returns (state, Readback of the first tokens);
+    take_first(req, values) emits a request's first token and says whether that finished it.
+
+    defer=False, and the call that starts a batch: the first tokens are read back at once (a
+    host synchronisation, with no round in flight to stall or none to overlap), the requests
+    they finish are released and left out. defer=True (overlap scheduling), later admissions:
+    nothing waits. The admitted requests join the batch at once; the loop reads their first
+    tokens (`read_first`) after it has queued the next round, which then runs meanwhile, as
+    it reads a round. A request whose budget is one token is sure to finish on its first and is
+    kept out of the batch; one that its first token finishes otherwise (EOS) is in the round
+    already queued: its lane there is discarded and its rows are released after that round's
+    readback, as for a request that finished in a round.
+    """
+
+    def __init__(self, worker: Worker, prompts, max_new_tokens, prefill_batch, take_first,
+                 defer: bool = False):
         worker.check_requests(prompts, max_new_tokens)      # all of them, before any is admitted
-        self.worker, self.prefill_batch = worker, prefill_batch
+        self.worker, self.prefill_batch, self.take_first = worker, prefill_batch, take_first
+        self.defer = defer
         self.queue = list(zip(range(len(prompts)), prompts, max_new_tokens))
         self.reqs: list[Request] = []
+        self.unread: list[tuple[list[Request], Readback]] = []   # deferred first tokens
 
     @property
     def waiting(self) -> bool:
@@ -944,14 +994,41 @@ class _Refill:
             return active, st
         batch, self.queue = self.queue[:n], self.queue[n:]
         rids, prompts, news = zip(*batch)
-        new = self.worker._admit(list(prompts), list(news), rids=list(rids))
+        w = self.worker
+        new = w._admit(list(prompts), list(news), rids=list(rids))
         self.reqs.extend(new)
-        new_active, new_st = self.prefill_batch(new)
+        new_st, rb = self.prefill_batch(new)
+        if self.defer and st is not None and active:
+            self.unread.append((new, rb))
+            new_active, new_st = w._drop_done(new, new_st, gone=_sure_to_finish)
+        else:                   # read now: emit, release the finished ones, drop their rows
+            done = [self.take_first(r, v) for r, v in zip(new, _lanes(rb.wait()))]
+            for r, d in zip(new, done):
+                if d:
+                    w.release(r)
+            new_active, new_st = w._drop_done(new, new_st)
         if not new_active:
             return active, st
         if st is None or not active:
             return new_active, new_st
         return active + new_active, st.concat(new_st)
+
+    def read_first(self) -> list[Request]:
+        """Emit the deferred first tokens (waiting for their prefills only); the requests they
+        finished, which the caller releases (at once, or after the round in flight that holds
+        them) and drops from the batch."""
+        finished = []
+        for reqs, rb in self.unread:
+            for r, v in zip(reqs, _lanes(rb.wait())):
+                if self.take_first(r, v):
+                    finished.append(r)
+        self.unread = []
+        return finished
+
+
+def _lanes(values: list[list]) -> list[list]:
+    """Per-lane entries of read-back tensors: [[a0, b0], [a1, b1], ...] from [[a0, a1], [b0, b1]]."""
+    return [list(v) for v in zip(*values)]
 
 
 def _now(worker) -> float:

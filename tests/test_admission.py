@@ -127,3 +127,60 @@ def test_admission_checks_every_request_first(models):
     with pytest.raises(ValueError, match="request 10"):
         _run(w, "spec", prompts, news)
     assert_released(w)
+
+
+@pytest.mark.parametrize("mode", ["spec", "greedy"])
+def test_admissions_read_first_tokens_late_and_eos_there_releases_after_the_round(
+        models, alone, mode, monkeypatch):
+    """With overlap, a later admission's first tokens are read after the next round is queued
+    (no wait for the round in flight). A request whose first token is EOS is then in that round:
+    its lane is discarded, and its row comes back only once that round has been read back.
+    Every request still gets its own tokens (cut at EOS), and every row comes back."""
+    target, head = models["oracle"]
+    prompts, news = _prompts(target.cfg.vocab_size), [n for _, n in LENS]
+    late_ones = [i for i in range(4, len(LENS)) if news[i] > 2]      # admitted later, budget > 2
+    eos = alone[late_ones[0]][0]               # its first token: EOS ends it at admission
+    want = [out[:out.index(eos) + 1] if eos in out else out for out in alone]
+    assert any(w_[0] == eos for i, w_ in enumerate(want) if i >= 4)
+    w = _worker(target, head, True, eos_id=eos)
+    in_flight: list = []
+    deferred: list = []
+    released_while_busy = []
+    orig_wait, orig_release = spec_decode.Readback.wait, Worker.release
+    orig_read = spec_decode._Refill.read_first
+    step_name = "spec_round" if mode == "spec" else "decode_step"
+    orig_step = getattr(Worker, step_name)
+
+    def step(self, st, clock):
+        nxt, rb = orig_step(self, st, clock)
+        rb.rows = set(st.rows.tolist())
+        in_flight.append(rb)
+        return nxt, rb
+
+    def wait(self):
+        out = orig_wait(self)
+        in_flight[:] = [rb for rb in in_flight if rb is not self]
+        return out
+
+    def release(self, req):
+        busy = set().union(*(rb.rows for rb in in_flight)) if in_flight else set()
+        if req.row in busy:
+            released_while_busy.append(req.rid)
+        return orig_release(self, req)
+
+    def read_first(self):
+        assert in_flight, "first tokens read with no round queued after the admission"
+        done = orig_read(self)
+        deferred.extend(r.rid for r in done)
+        return done
+
+    monkeypatch.setattr(Worker, step_name, step)
+    monkeypatch.setattr(spec_decode.Readback, "wait", wait)
+    monkeypatch.setattr(Worker, "release", release)
+    monkeypatch.setattr(spec_decode._Refill, "read_first", read_first)
+    reqs, st = _run(w, mode, prompts, news)
+    assert [r.output for r in reqs] == want
+    assert late_ones[0] in deferred            # finished by its deferred first token
+    assert not released_while_busy, released_while_busy
+    assert st.discarded >= 1                   # its lane in the round queued meanwhile
+    assert_released(w)

@@ -251,6 +251,54 @@ def test_cuda_overlapped_rounds_never_sync(monkeypatch):
     assert w.slots.n_free == w.slots.n - 1 and w.rows.n_free == w.rows.n - 1
 
 
+@pytest.mark.cuda
+def test_cuda_continuous_admission_never_syncs(monkeypatch):
+    """cuda backend, tiny sizes, more requests than rows: admissions happen inside the overlapped
+    loop, with a round in flight. Packing the prompts, writing the rows' slots, the prefill and
+    appending to the batch queue work without a host synchronisation (sync debug mode "error");
+    only readback waits may synchronise: one per round launched, plus one per admission whose
+    first tokens are read after the next round is queued. Tokens equal the warm-up run's."""
+    torch.manual_seed(0)
+    target = LlamaModel(LlamaConfig.tiny(n_layers=1)).cuda().to(torch.bfloat16).eval()
+    head = EagleHead.copy_of_target(target).cuda().to(torch.bfloat16).eval()
+    w = Worker(target, head, SpecConfig(3, 2, 5), backend="cuda", max_bs=2, max_context=64,
+               buckets=pg.Buckets([1, 2]))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, target.cfg.vocab_size, (n,), generator=g).tolist()
+               for n in (5, 9, 3, 7, 4, 6)]
+    news = [8, 4, 12, 1, 2, 6]
+    with torch.no_grad():                             # compile, capture, JIT, pinned blocks
+        warm = {m: _run(w, m, prompts, news) for m in ("spec", "greedy")}
+    waits = []
+    orig_wait, orig_loop = spec_decode.Readback.wait, Worker._loop
+
+    def exempt_wait(self):
+        prev = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            waits.append(1)
+            return orig_wait(self)
+        finally:
+            torch.cuda.set_sync_debug_mode(prev)
+
+    def checked_loop(self, *args, **kw):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return orig_loop(self, *args, **kw)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    monkeypatch.setattr(spec_decode.Readback, "wait", exempt_wait)
+    monkeypatch.setattr(Worker, "_loop", checked_loop)
+    for mode in ("spec", "greedy"):
+        n0 = len(waits)
+        reqs, stats = _run(w, mode, prompts, news)
+        assert stats.overlap and stats.prefills >= 3, (mode, stats)
+        assert stats.rounds < len(waits) - n0 <= stats.rounds + stats.prefills
+        assert [r.output for r in reqs] == [r.output for r in warm[mode][0]], mode
+    assert w.slots.n_free == w.slots.n - 1 and w.rows.n_free == w.rows.n - 1
+
+
 def test_compiled_layers_give_the_eager_tokens(models):
     """Worker(torch_compile=True): every runner's decoder layers compiled regionally (the GPU
     default) serve the same tokens as the eager oracle, spec and greedy."""
