@@ -18,12 +18,10 @@ Model protocol (Llama-like and DeepSeek-like targets alike): `forward_decode / f
 forward_verify` return `(logits, hidden)` and read their cache from `kv` (`kv.k[i]`/`kv.v[i]`
 K/V pools, or `kv.latent[i]` MLA latent rows); a target with `forward_verify_hidden` verifies
 with it and `greedy_ids(hidden)` (the argmax of its logits; default `logits(hidden).argmax(-1)`),
-without writing fp32 logits;
-a target with `new_cache(n_layers, n_slots, max_context, n_req_rows)` allocates its own cache
-(an object with `req_to_token` and `state()`, the bound tensors by state name), otherwise K/V
-pools of its `cfg` are used. Draft heads:
-`forward_extend`, `forward_draft_step`, `topk` (a `models.draft_head.DraftHead`: EagleHead,
-MTPHead).
+without writing fp32 logits; a target with `new_cache(n_layers, n_slots, max_context,
+n_req_rows)` allocates its own cache (an object with `req_to_token` and `state()`, the bound
+tensors by state name), otherwise K/V pools of its `cfg` are used. Draft heads: `forward_extend`,
+`forward_draft_step`, `topk` (a `models.draft_head.DraftHead`: EagleHead, MTPHead).
 
 Between calls the loop keeps one row per active request in a `SpecState` (or `GreedyState`);
 `select(keep)` drops the finished ones. `RunStats.phases` says where the time went (`PhaseClock`:
