@@ -6,6 +6,9 @@ EAGLE_MODEL=deepseek: the DeepSeek-like target (MLA + MoE, "ds-lite") with the M
 written to $OUT/eagle_deepseek.{md,json}.
 Targets: EAGLE graphs >= 2.5x / 2.0x / 1.5x greedy graphs at bs = 1 / 4 / 16; EAGLE graphs >= 3x
 EAGLE eager at bs=1.
+EAGLE_STEPS / EAGLE_TOPK / EAGLE_K override the draft tree, EAGLE_DISTILL_STEPS /
+EAGLE_DISTILL_SEQS the head's distillation (training steps, greedy sequences of the target);
+the md and JSON record what ran.
 Every loop runs with overlap scheduling on (spec_decode.Worker(overlap=True): round / step N+1
 is queued before N is read back), greedy included, so the speedup compares equally scheduled
 loops; the output says so.
@@ -43,6 +46,18 @@ RESULT = ("eagle" if MODEL == "llama" else f"eagle_{MODEL}") + \
     ("_eager_prefill" if PREFILL == "eager" else "")
 OVERLAP_NOTE = ("overlap scheduling on: each loop queues round (greedy: step) N+1 before it "
                 "reads N back; finished requests leave one round late")
+
+
+def distill_overrides(env) -> dict:
+    """distill() keyword arguments from EAGLE_DISTILL_STEPS / EAGLE_DISTILL_SEQS (ints >= 1)."""
+    out = {}
+    for var, key in (("EAGLE_DISTILL_STEPS", "steps"), ("EAGLE_DISTILL_SEQS", "n_seq")):
+        if env.get(var):
+            v = int(env[var])
+            if v < 1:
+                raise ValueError(f"{var} must be >= 1; got {v}")
+            out[key] = v
+    return out
 
 
 def prompts_for(bs: int, vocab: int, seed: int):
@@ -112,7 +127,7 @@ def main():
     spec = SpecConfig(steps=int(os.environ.get("EAGLE_STEPS", steps)),
                       topk=int(os.environ.get("EAGLE_TOPK", topk)),
                       num_draft_tokens=int(os.environ.get("EAGLE_K", k)))
-    target, head, dinfo = setup(MODELS[MODEL][0], "cuda")
+    target, head, dinfo = setup(MODELS[MODEL][0], "cuda", **distill_overrides(os.environ))
     head.set_draft_lm_head(DRAFT_LM_HEAD[MODEL])        # as the main job (eagle.py) runs it
     buckets = pg.Buckets.default(max(BATCHES))
     # prompts < 40, + output + tree margin + the overlap round's steps + 1 positions (200 as
@@ -213,7 +228,8 @@ def write(out_dir, rows, spec, dinfo, seconds, queue=None):
              f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}; {meta['model']}; "
              f"steps={spec.steps} topk={spec.topk} k={spec.num_draft_tokens}; draft compiled "
              f"{DRAFT_COMPILE[MODEL]}, draft lm_head {DRAFT_LM_HEAD[MODEL]}; prefill {PREFILL}; "
-             f"{NEW_TOKENS} new tokens per request; distillation {dinfo['data_s'] + dinfo['train_s']:.0f}s",
+             f"{NEW_TOKENS} new tokens per request; distillation {dinfo['data_s'] + dinfo['train_s']:.0f}s "
+             f"({dinfo.get('steps', '?')} steps on {dinfo.get('n_seq', '?')} sequences)",
              "", f"{meta['scheduling']} (rounds counted as launched)", "",
              f"command: `{meta['command']}`", "",
              f"Each row: {ROW_REQUESTS} distinct requests (at least one batch) as batches of bs, each "

@@ -119,3 +119,13 @@ def test_queue_times_split_rounds_and_prefills():
          "round_ms": {"greedy": 1.3712, "eagle": 2.0649}}
     assert bench_eagle.queue_times(q) == "1.37 / 2.06 | 3.70 / 7.00"
     assert bench_eagle.queue_times({}) == "- | -"
+
+
+def test_distill_overrides_from_the_environment():
+    assert bench_eagle.distill_overrides({}) == {}
+    assert bench_eagle.distill_overrides({"EAGLE_DISTILL_STEPS": "900",
+                                          "EAGLE_DISTILL_SEQS": "512"}) == {"steps": 900,
+                                                                            "n_seq": 512}
+    import pytest
+    with pytest.raises(ValueError, match="EAGLE_DISTILL_SEQS"):
+        bench_eagle.distill_overrides({"EAGLE_DISTILL_SEQS": "0"})
