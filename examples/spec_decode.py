@@ -171,21 +171,33 @@ def prefill_buckets(max_tokens: int) -> pg.Buckets:
     return pg.Buckets(sizes + ([max_tokens] if not sizes or sizes[-1] != max_tokens else []))
 
 
+def verify_ids(target):
+    """(*verify args) -> (hidden [bs*k, H], the target's argmax ids [bs*k]): through
+    `forward_verify_hidden` and `greedy_ids` (default `logits(hidden).argmax(-1)`) where the
+    target has them, with no fp32 [bs*k, V] logits; else `forward_verify`'s logits."""
+    if not hasattr(target, "forward_verify_hidden"):
+        def forward(*args):
+            logits, hidden = target.forward_verify(*args)
+            return hidden, logits.argmax(-1)
+        return forward
+    greedy_ids = getattr(target, "greedy_ids", None) or (lambda h: target.logits(h).argmax(-1))
+
+    def forward(*args):
+        hidden = target.forward_verify_hidden(*args)
+        return hidden, greedy_ids(hidden)
+    return forward
+
+
 def verify_body(target, spec: SpecConfig):
     k, steps = spec.num_draft_tokens, spec.steps
+    forward = verify_ids(target)
 
     def body(x):
         bs = x.bucket
         args = (x.input_ids, x.positions, _kv(x), x.req_to_token, x.req_pool_indices,
                 x.seq_lens + k, x.tree_mask, x.out_cache_loc)
-        if hasattr(target, "forward_verify_hidden"):  # the argmax without fp32 [bs*k, V] logits
-            hidden = target.forward_verify_hidden(*args)             # [bs*k, H]
-            ids = (target.greedy_ids(hidden) if hasattr(target, "greedy_ids")
-                   else target.logits(hidden).argmax(-1))
-            predict = ids.view(bs, k)
-        else:
-            logits, hidden = target.forward_verify(*args)            # [bs*k, V], [bs*k, H]
-            predict = logits.argmax(-1).view(bs, k)
+        hidden, ids = forward(*args)                                 # [bs*k, H], [bs*k]
+        predict = ids.view(bs, k)
         acc_len, acc_idx, out_tokens = ops.verify_greedy(
             x.input_ids.view(bs, k), x.tree_mask, predict, x.req_to_token,
             x.req_pool_indices, x.seq_lens, steps)
@@ -381,8 +393,8 @@ def pack_prompts(reqs, req_to_token: Tensor) -> PrefillBatch:
 # -------------------------------------------------------------------------------- timing
 
 def to_host(*tensors) -> list[list]:
-    """Tensors → host lists; device tensors with one synchronisation (prefill's first tokens;
-    a `Readback` hands its host copies, already complete, through here too)."""
+    """Tensors → host lists; device tensors with one synchronisation (a `Readback` hands its
+    host copies, already complete, through here)."""
     if tensors[0].is_cuda:
         outs = [t.to("cpu", non_blocking=True) for t in tensors]
         torch.cuda.current_stream().synchronize()
@@ -671,14 +683,12 @@ class Worker:
                 break
         return req.done
 
-    def retire(self, active: list[Request], st: LoopState, new_tokens):
-        """Emit each request's tokens; release the finished ones and drop their rows of `st`
-        (after prefill: no round has used the rows yet)."""
-        done = [self.emit(r, t) for r, t in zip(active, new_tokens)]
-        if not any(done):
-            return active, st
-        for r in (r for r, d in zip(active, done) if d):
-            self.release(r)
+    def retire(self, active: list[Request], st: LoopState):
+        """Release the finished requests and drop their rows of `st` (after prefill, read at
+        once: no round has used the rows yet)."""
+        for r in active:
+            if r.done:
+                self.release(r)
         return self._drop_done(active, st)
 
     @staticmethod
@@ -688,9 +698,7 @@ class Worker:
         keep = [i for i, r in enumerate(active) if not gone(r)]
         if len(keep) == len(active):
             return active, st
-        idx = torch.tensor(keep, dtype=torch.long, pin_memory=st.rows.is_cuda).to(
-            st.rows.device, non_blocking=True)
-        return [active[i] for i in keep], st.select(idx)
+        return [active[i] for i in keep], st.select(to_device(keep, torch.long, st.rows.device))
 
     # ---- the loop ----------------------------------------------------------------------
     def _loop(self, active: list[Request], st: LoopState, step, consume, stats: RunStats,
@@ -753,10 +761,10 @@ class Worker:
                 launched = (active, rb)
             if not overlap:
                 pending, launched = launched, None
+            finished = []
             if pending is not None:
                 lanes, rb = pending
                 values = rb.wait()      # round N's results (round N+1 runs meanwhile)
-                finished = []
                 for i, r in enumerate(lanes):
                     if r.done:          # finished in round N-1: this lane ran for nothing
                         stats.discarded += 1
@@ -765,28 +773,20 @@ class Worker:
                 for r in late:          # their last round, N, is read back: release them
                     self.release(r)
                 late = []
+                for r in kept_out:      # kept out of round N+1 as sure to finish in round N
+                    if not r.done:
+                        raise RuntimeError(f"request {r.rid} was kept out of the next round as "
+                                           f"sure to finish, but did not finish")
+            if refill is not None and refill.unread:  # admitted before round N+1 was queued
+                finished += refill.read_first()       # those their first token finished (EOS)
+            if finished:
                 in_flight = {id(r) for r in launched[0]} if launched is not None else set()
                 for r in finished:      # round N+1 holds them: release after its readback
                     if id(r) in in_flight:
                         late.append(r)
                     else:               # no round in flight holds them (or kept out of N+1)
                         self.release(r)
-                for r in kept_out:      # kept out of round N+1 as sure to finish in round N
-                    if not r.done:
-                        raise RuntimeError(f"request {r.rid} was kept out of the next round as "
-                                           f"sure to finish, but did not finish")
-                if finished:            # drop their rows before round N+2 is queued
-                    active, st = self._drop_done(active, st)
-            if refill is not None and refill.unread:  # admitted before round N+1 was queued
-                finished = refill.read_first()
-                in_flight = {id(r) for r in launched[0]} if launched is not None else set()
-                for r in finished:      # EOS as the first token: round N+1 holds it
-                    if id(r) in in_flight:
-                        late.append(r)
-                    else:               # kept out of round N+1 (a budget of one)
-                        self.release(r)
-                if any(id(r) in in_flight for r in finished):
-                    active, st = self._drop_done(active, st)
+                active, st = self._drop_done(active, st)   # before round N+2 is queued
             clock.mark("host")
             pending = launched
 
@@ -1000,11 +1000,9 @@ class _Refill:
             self.unread.append((new, rb))
             new_active, new_st = w._drop_done(new, new_st, gone=_sure_to_finish)
         else:                   # read now: emit, release the finished ones, drop their rows
-            done = [self.take_first(r, v) for r, v in zip(new, _lanes(rb.wait()))]
-            for r, d in zip(new, done):
-                if d:
-                    w.release(r)
-            new_active, new_st = w._drop_done(new, new_st)
+            for r, v in zip(new, _lanes(rb.wait())):
+                self.take_first(r, v)
+            new_active, new_st = w.retire(new, new_st)
         if not new_active:
             return active, st
         if st is None or not active:

@@ -58,6 +58,29 @@ def alone(models):
     return [_run(w, "greedy", [p], [n])[0][0].output for p, n in zip(prompts, news)]
 
 
+def track_in_flight(monkeypatch, step_name: str) -> list:
+    """Patch Worker.<step_name> (spec_round / decode_step) and Readback.wait so the returned
+    list holds the readbacks of rounds queued and not yet read back, each with `.rows`, the
+    req_to_token rows its round uses."""
+    in_flight: list = []
+    orig_step, orig_wait = getattr(Worker, step_name), spec_decode.Readback.wait
+
+    def step(self, st, clock):
+        nxt, rb = orig_step(self, st, clock)
+        rb.rows = set(st.rows.tolist())
+        in_flight.append(rb)
+        return nxt, rb
+
+    def wait(self):
+        out = orig_wait(self)
+        in_flight[:] = [rb for rb in in_flight if rb is not self]
+        return out
+
+    monkeypatch.setattr(Worker, step_name, step)
+    monkeypatch.setattr(spec_decode.Readback, "wait", wait)
+    return in_flight
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("head_kind", ["random", "oracle"])
 def test_more_requests_than_rows_give_each_its_own_tokens(models, alone, overlap, head_kind):
@@ -83,24 +106,9 @@ def test_admitted_rows_are_never_in_flight(models, monkeypatch):
     target, head = models["oracle"]
     prompts, news = _prompts(target.cfg.vocab_size), [n for _, n in LENS]
     w = _worker(target, head, True)
-    in_flight: list = []             # readbacks of rounds queued and not yet read back
+    in_flight = track_in_flight(monkeypatch, "spec_round")
     checked = []
-    orig_round, orig_admit = Worker.spec_round, Worker._admit
-    orig_wait = spec_decode.Readback.wait
-
-    def spec_round(self, st, clock):
-        nxt, rb = orig_round(self, st, clock)
-        rb.rows = set(st.rows.tolist())
-        in_flight.append(rb)
-        return nxt, rb
-
-    def wait(self):
-        out = orig_wait(self)
-        for i, rb in enumerate(in_flight):
-            if rb is self:
-                del in_flight[i]
-                break
-        return out
+    orig_admit = Worker._admit
 
     def admit(self, prompts, news, rids=None):
         reqs = orig_admit(self, prompts, news, rids)
@@ -109,9 +117,7 @@ def test_admitted_rows_are_never_in_flight(models, monkeypatch):
         checked.append(len(busy))
         return reqs
 
-    monkeypatch.setattr(Worker, "spec_round", spec_round)
     monkeypatch.setattr(Worker, "_admit", admit)
-    monkeypatch.setattr(spec_decode.Readback, "wait", wait)
     reqs, st = _run(w, "spec", prompts, news)
     assert st.prefills > 2 and all(r.done for r in reqs)
     assert sum(1 for b in checked if b) >= 2      # admissions while a round was in flight
@@ -143,24 +149,10 @@ def test_admissions_read_first_tokens_late_and_eos_there_releases_after_the_roun
     want = [out[:out.index(eos) + 1] if eos in out else out for out in alone]
     assert any(w_[0] == eos for i, w_ in enumerate(want) if i >= 4)
     w = _worker(target, head, True, eos_id=eos)
-    in_flight: list = []
+    in_flight = track_in_flight(monkeypatch, "spec_round" if mode == "spec" else "decode_step")
     deferred: list = []
     released_while_busy = []
-    orig_wait, orig_release = spec_decode.Readback.wait, Worker.release
-    orig_read = spec_decode._Refill.read_first
-    step_name = "spec_round" if mode == "spec" else "decode_step"
-    orig_step = getattr(Worker, step_name)
-
-    def step(self, st, clock):
-        nxt, rb = orig_step(self, st, clock)
-        rb.rows = set(st.rows.tolist())
-        in_flight.append(rb)
-        return nxt, rb
-
-    def wait(self):
-        out = orig_wait(self)
-        in_flight[:] = [rb for rb in in_flight if rb is not self]
-        return out
+    orig_release, orig_read = Worker.release, spec_decode._Refill.read_first
 
     def release(self, req):
         busy = set().union(*(rb.rows for rb in in_flight)) if in_flight else set()
@@ -174,8 +166,6 @@ def test_admissions_read_first_tokens_late_and_eos_there_releases_after_the_roun
         deferred.extend(r.rid for r in done)
         return done
 
-    monkeypatch.setattr(Worker, step_name, step)
-    monkeypatch.setattr(spec_decode.Readback, "wait", wait)
     monkeypatch.setattr(Worker, "release", release)
     monkeypatch.setattr(spec_decode._Refill, "read_first", read_first)
     reqs, st = _run(w, mode, prompts, news)

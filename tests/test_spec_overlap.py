@@ -204,22 +204,9 @@ def test_overlap_off_where_the_extra_round_does_not_fit(models):
     assert_released(w)
 
 
-@pytest.mark.cuda
-def test_cuda_overlapped_rounds_never_sync(monkeypatch):
-    """cuda backend, tiny sizes: the whole overlapped loop (queue, readback start, retire, row
-    drops, release) runs under sync debug mode "error"; only the one readback wait per round
-    may synchronise. Spec rounds, then greedy steps; tokens equal the warm-up run's."""
-    torch.manual_seed(0)
-    target = LlamaModel(LlamaConfig.tiny(n_layers=1)).cuda().to(torch.bfloat16).eval()
-    head = EagleHead.copy_of_target(target).cuda().to(torch.bfloat16).eval()
-    w = Worker(target, head, SpecConfig(3, 2, 5), backend="cuda", max_bs=4, max_context=64,
-               buckets=pg.Buckets([1, 2, 4]))
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(1, target.cfg.vocab_size, (n,), generator=g).tolist()
-               for n in (5, 9, 3, 7)]
-    news = [8, 4, 12, 1]
-    with torch.no_grad():                             # compile, capture, JIT, pinned blocks
-        warm = {m: _run(w, m, prompts, news) for m in ("spec", "greedy")}
+def sync_checked_loop(monkeypatch) -> list:
+    """Run Worker._loop under sync debug mode "error", a Readback's wait exempt; the list
+    that gets one entry per wait."""
     waits = []
     orig_wait, orig_loop = spec_decode.Readback.wait, Worker._loop
 
@@ -241,6 +228,26 @@ def test_cuda_overlapped_rounds_never_sync(monkeypatch):
 
     monkeypatch.setattr(spec_decode.Readback, "wait", exempt_wait)
     monkeypatch.setattr(Worker, "_loop", checked_loop)
+    return waits
+
+
+@pytest.mark.cuda
+def test_cuda_overlapped_rounds_never_sync(monkeypatch):
+    """cuda backend, tiny sizes: the whole overlapped loop (queue, readback start, retire, row
+    drops, release) runs under sync debug mode "error"; only the one readback wait per round
+    may synchronise. Spec rounds, then greedy steps; tokens equal the warm-up run's."""
+    torch.manual_seed(0)
+    target = LlamaModel(LlamaConfig.tiny(n_layers=1)).cuda().to(torch.bfloat16).eval()
+    head = EagleHead.copy_of_target(target).cuda().to(torch.bfloat16).eval()
+    w = Worker(target, head, SpecConfig(3, 2, 5), backend="cuda", max_bs=4, max_context=64,
+               buckets=pg.Buckets([1, 2, 4]))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, target.cfg.vocab_size, (n,), generator=g).tolist()
+               for n in (5, 9, 3, 7)]
+    news = [8, 4, 12, 1]
+    with torch.no_grad():                             # compile, capture, JIT, pinned blocks
+        warm = {m: _run(w, m, prompts, news) for m in ("spec", "greedy")}
+    waits = sync_checked_loop(monkeypatch)
     for mode in ("spec", "greedy"):
         n0 = len(waits)
         reqs, stats = _run(w, mode, prompts, news)
@@ -269,27 +276,7 @@ def test_cuda_continuous_admission_never_syncs(monkeypatch):
     news = [8, 4, 12, 1, 2, 6]
     with torch.no_grad():                             # compile, capture, JIT, pinned blocks
         warm = {m: _run(w, m, prompts, news) for m in ("spec", "greedy")}
-    waits = []
-    orig_wait, orig_loop = spec_decode.Readback.wait, Worker._loop
-
-    def exempt_wait(self):
-        prev = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode(0)
-        try:
-            waits.append(1)
-            return orig_wait(self)
-        finally:
-            torch.cuda.set_sync_debug_mode(prev)
-
-    def checked_loop(self, *args, **kw):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return orig_loop(self, *args, **kw)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-
-    monkeypatch.setattr(spec_decode.Readback, "wait", exempt_wait)
-    monkeypatch.setattr(Worker, "_loop", checked_loop)
+    waits = sync_checked_loop(monkeypatch)
     for mode in ("spec", "greedy"):
         n0 = len(waits)
         reqs, stats = _run(w, mode, prompts, news)
