@@ -303,3 +303,31 @@ def test_store_latent(impl):
     assert torch.equal(latent[7, 0], torch.cat([c_kv[1], k_rope[1]]))
     untouched = [s for s in range(10) if s not in (0, 3, 7)]
     assert latent[untouched].abs().sum() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_absorbed_projections_one_rounding(dtype):
+    """absorb_query / project_output run one GEMM in the operands' dtype (no fp32 upcast of the
+    weights per call): against the fp64 product, each output is within one rounding of its dtype
+    (plus the fp32 accumulation's error), q_rope passes through bit-exact, and the shapes and
+    dtypes are the callers'."""
+    gen = torch.Generator().manual_seed(7)
+    n, H, nope, rope, r, v = 5, 3, 16, 8, 40, 24
+    q_nope = torch.randn(n, H, nope, generator=gen).to(dtype)
+    q_rope = torch.randn(n, H, rope, generator=gen).to(dtype)
+    W_UK = (torch.randn(H, nope, r, generator=gen) / nope ** 0.5).to(dtype)
+    W_UV = (torch.randn(H, r, v, generator=gen) / r ** 0.5).to(dtype)
+    eps = torch.finfo(dtype).eps
+    q_lat = absorb_query(q_nope, q_rope, W_UK)
+    assert q_lat.shape == (n, H, r + rope) and q_lat.dtype == dtype
+    assert torch.equal(q_lat[..., r:], q_rope)
+    want = torch.einsum("nhd,hdc->nhc", q_nope.double(), W_UK.double())
+    # one rounding of the result (eps/2 relative) + fp32 accumulation of nope terms
+    tol = want.abs() * eps + nope * 2 ** -23 * (q_nope.double().abs() ** 2).sum(-1, True) ** 0.5
+    assert ((q_lat[..., :r].double() - want).abs() <= tol + 1e-30).all()
+    o_lat = torch.randn(n, H, r, generator=gen).to(dtype)
+    out = project_output(o_lat, W_UV)
+    assert out.shape == (n, H, v) and out.dtype == dtype
+    want = torch.einsum("nhc,hcv->nhv", o_lat.double(), W_UV.double())
+    tol = want.abs() * eps + r * 2 ** -23 * (o_lat.double().abs() ** 2).sum(-1, True) ** 0.5
+    assert ((out.double() - want).abs() <= tol + 1e-30).all()

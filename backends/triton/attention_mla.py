@@ -69,16 +69,20 @@ def mla_reference(q_nope, q_rope, latent_cache, W_UK, W_UV, req_to_token, req_po
 
 def absorb_query(q_nope, q_rope, W_UK):
     """q_latent = [q_nope @ W_UK, q_rope]: [n, H, nope], [n, H, rope], W_UK [H, nope, r]
-    -> [n, H, r + rope] in q_nope's dtype (products in fp32, or fp64 for fp64)."""
-    acc = acc_dtype(q_nope.dtype)
-    q_c = torch.einsum("nhd,hdc->nhc", q_nope.to(acc), W_UK.to(acc))  # [n, H, r]
-    return torch.cat([q_c, q_rope.to(acc)], dim=-1).to(q_nope.dtype)
+    -> [n, H, r + rope] in q_nope's dtype.
+
+    One batched GEMM over the heads in the operands' own dtype: bf16 / fp16 products accumulate
+    in fp32 inside the GEMM and are rounded once, as an fp32 product rounded to bf16 would be,
+    without upcasting W_UK and the queries on every call (on the H200 the fp32 form ran as
+    SIMT sgemm kernels). fp32 and fp64 stay in their own precision."""
+    q_c = torch.bmm(q_nope.transpose(0, 1), W_UK.to(q_nope.dtype)).transpose(0, 1)  # [n, H, r]
+    return torch.cat([q_c, q_rope.to(q_nope.dtype)], dim=-1)
 
 
 def project_output(o_latent, W_UV):
-    """out = o_latent @ W_UV: [n, H, r], W_UV [H, r, v_head_dim] -> [n, H, v_head_dim]."""
-    acc = acc_dtype(o_latent.dtype)
-    return torch.einsum("nhc,hcv->nhv", o_latent.to(acc), W_UV.to(acc)).to(o_latent.dtype)
+    """out = o_latent @ W_UV: [n, H, r], W_UV [H, r, v_head_dim] -> [n, H, v_head_dim], one
+    batched GEMM over the heads in o_latent's dtype (fp32 accumulation for bf16 / fp16)."""
+    return torch.bmm(o_latent.transpose(0, 1), W_UV.to(o_latent.dtype)).transpose(0, 1)
 
 
 # ----------------------------------------------------------------------------- host side
