@@ -7,7 +7,8 @@ written to $OUT/eagle_deepseek.{md,json}.
 Targets: EAGLE graphs >= 2.5x / 2.0x / 1.5x greedy graphs at bs = 1 / 4 / 16; EAGLE graphs >= 3x
 EAGLE eager at bs=1.
 EAGLE_STEPS / EAGLE_TOPK / EAGLE_K override the draft tree, EAGLE_DISTILL_STEPS /
-EAGLE_DISTILL_SEQS the head's distillation (training steps, greedy sequences of the target);
+EAGLE_DISTILL_SEQS / EAGLE_DISTILL_DEPTH the head's distillation (training steps, greedy
+sequences of the target, unrolled draft steps);
 the md and JSON record what ran.
 Every loop runs with overlap scheduling on (spec_decode.Worker(overlap=True): round / step N+1
 is queued before N is read back), greedy included, so the speedup compares equally scheduled
@@ -49,9 +50,11 @@ OVERLAP_NOTE = ("overlap scheduling on: each loop queues round (greedy: step) N+
 
 
 def distill_overrides(env) -> dict:
-    """distill() keyword arguments from EAGLE_DISTILL_STEPS / EAGLE_DISTILL_SEQS (ints >= 1)."""
+    """distill() keyword arguments from EAGLE_DISTILL_STEPS / EAGLE_DISTILL_SEQS /
+    EAGLE_DISTILL_DEPTH (ints >= 1)."""
     out = {}
-    for var, key in (("EAGLE_DISTILL_STEPS", "steps"), ("EAGLE_DISTILL_SEQS", "n_seq")):
+    for var, key in (("EAGLE_DISTILL_STEPS", "steps"), ("EAGLE_DISTILL_SEQS", "n_seq"),
+                     ("EAGLE_DISTILL_DEPTH", "depth")):
         if env.get(var):
             v = int(env[var])
             if v < 1:
@@ -229,7 +232,8 @@ def write(out_dir, rows, spec, dinfo, seconds, queue=None):
              f"steps={spec.steps} topk={spec.topk} k={spec.num_draft_tokens}; draft compiled "
              f"{DRAFT_COMPILE[MODEL]}, draft lm_head {DRAFT_LM_HEAD[MODEL]}; prefill {PREFILL}; "
              f"{NEW_TOKENS} new tokens per request; distillation {dinfo['data_s'] + dinfo['train_s']:.0f}s "
-             f"({dinfo.get('steps', '?')} steps on {dinfo.get('n_seq', '?')} sequences)",
+             f"({dinfo.get('steps', '?')} steps on {dinfo.get('n_seq', '?')} sequences, unrolled "
+             f"{dinfo.get('depth', 1)} deep; held-out chain check {dinfo.get('held_out')})",
              "", f"{meta['scheduling']} (rounds counted as launched)", "",
              f"command: `{meta['command']}`", "",
              f"Each row: {ROW_REQUESTS} distinct requests (at least one batch) as batches of bs, each "

@@ -51,9 +51,24 @@ def greedy_corpus(target: nn.Module, n_seq: int, prompt_len: int, gen_len: int, 
     return torch.cat(toks), torch.cat(hids), torch.cat(labs)
 
 
+def _depth_losses(head: DraftHead, ids, h_in, y, h_out, depth: int):
+    """[(ce, smooth-L1 hidden loss, top-1 accuracy)] per depth (`DraftHead.forward_unrolled`)."""
+    hs = [head.forward_dense(ids, h_in)[1]] if depth == 1 else \
+        head.forward_unrolled(ids, h_in, depth)
+    out = []
+    for h in hs:
+        logits = head.logits(h)
+        ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        out.append((ce, F.smooth_l1_loss(h.float(), h_out),
+                    (logits.argmax(-1) == y).float().mean()))
+    return out
+
+
 def train_head(head: DraftHead, tokens, hidden, labels, *, steps: int, batch: int, lr: float,
-               hidden_weight: float = 0.1, scale_lr: float = 0.05, log=print):
-    """Teacher-forced EAGLE training on pairs (token p+1, h_p) → (label p+1, h_p+1)."""
+               hidden_weight: float = 0.1, scale_lr: float = 0.05, depth: int = 1, log=print):
+    """EAGLE training on pairs (token p+1, h_p) → (label p+1, h_p+1): teacher-forced with
+    depth 1; with depth > 1 also unrolled as the draft runs (`forward_unrolled`: depth d's
+    input hidden is the head's own output of depth d-1), the losses averaged over depths."""
     if steps <= 0:
         return
     scale = head.log_scale                       # the draft temperature
@@ -71,18 +86,35 @@ def train_head(head: DraftHead, tokens, hidden, labels, *, steps: int, batch: in
         sel = torch.randint(0, ids.shape[0], (batch,), generator=g).to(ids.device)
         amp = torch.autocast("cuda", torch.bfloat16) if cuda else contextlib.nullcontext()
         with amp:
-            logits, h = head.forward_dense(ids[sel], h_in[sel])
-            ce = F.cross_entropy(logits.float().flatten(0, 1), y[sel].flatten())
-            reg = F.smooth_l1_loss(h.float(), h_out[sel])
-            loss = ce + hidden_weight * reg
+            parts = _depth_losses(head, ids[sel], h_in[sel], y[sel], h_out[sel], depth)
+            loss = sum(ce + hidden_weight * reg for ce, reg, _ in parts) / len(parts)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         sched.step()
         if step % max(1, steps // 5) == 0 or step == steps - 1:
-            acc = (logits.argmax(-1) == y[sel]).float().mean().item()
+            ce, reg, acc = parts[0]
+            deeper = "".join(f"  top1@{d} {a.item():.3f}" for d, (_, _, a) in
+                             enumerate(parts) if d)
             log(f"  distill step {step:4d}  ce {ce.item():.3f}  hidden {reg.item():.4f}  "
-                f"top1 {acc:.3f}  draft temperature 1/{scale.exp().item():.1f}")
+                f"top1 {acc.item():.3f}{deeper}  draft temperature 1/{scale.exp().item():.1f}")
+
+
+@torch.no_grad()
+def chain_accept(head: DraftHead, tokens, hidden, labels, depth: int) -> dict:
+    """Held-out check of a chain draft `depth` tokens deep, run as the draft runs it: top-1
+    accuracy per depth, and the mean accept length (1 + the drafted tokens accepted before the
+    first miss) of a chain started at each position."""
+    ids, h_in, y = tokens[:, 1:], hidden[:, :-1], labels[:, 1:]
+    hs = head.forward_unrolled(ids, h_in, depth)
+    hit = torch.stack([head.logits(h).argmax(-1) == y for h in hs])      # [depth, B, T]
+    T = ids.shape[1]
+    n = T - depth + 1                                                    # chains that fit
+    # chain from row i: depth d is judged at row i + d
+    along = torch.stack([hit[d, :, d:d + n] for d in range(depth)])       # [depth, B, n]
+    accepted = along.long().cumprod(0).sum(0).float()                   # [B, n]
+    return {"top1": [round(hit[d].float().mean().item(), 4) for d in range(depth)],
+            "accept": round(1.0 + accepted.mean().item(), 3), "depth": depth}
 
 
 def hot_vocab(labels, n_hot: int) -> torch.Tensor:
@@ -94,8 +126,9 @@ def hot_vocab(labels, n_hot: int) -> torch.Tensor:
 
 def distill(target: nn.Module, head: DraftHead, *, n_seq=64, prompt_len=16, gen_len=48,
             gen_batch=64, steps=300, batch=32, lr=1e-3, n_hot=None, init="passthrough",
-            log=print) -> dict:
-    """Data + training + draft vocabulary; returns timings and the final training accuracy."""
+            depth=1, check_depth=3, n_check=16, log=print) -> dict:
+    """Data + training + draft vocabulary; returns timings and, on `n_check` held-out
+    sequences, the chain draft's per-depth accuracy and accept length (`chain_accept`)."""
     t0 = time.perf_counter()
     tokens, hidden, labels = greedy_corpus(target, n_seq, prompt_len, gen_len, gen_batch)
     t1 = time.perf_counter()
@@ -104,7 +137,8 @@ def distill(target: nn.Module, head: DraftHead, *, n_seq=64, prompt_len=16, gen_
         head.init_passthrough()
     for p in head.parameters():
         p.requires_grad_(True)
-    train_head(head, tokens, hidden, labels, steps=steps, batch=min(batch, n_seq), lr=lr, log=log)
+    train_head(head, tokens, hidden, labels, steps=steps, batch=min(batch, n_seq), lr=lr,
+               depth=depth, log=log)
     head.eval().to(target.lm_head.weight.dtype)
     for p in head.parameters():
         p.requires_grad_(False)
@@ -112,9 +146,15 @@ def distill(target: nn.Module, head: DraftHead, *, n_seq=64, prompt_len=16, gen_
         head.set_draft_vocab(hot_vocab(labels, n_hot))
     t2 = time.perf_counter()
     info = {"data_s": t1 - t0, "train_s": t2 - t1, "n_seq": n_seq,
-            "seq_len": prompt_len + gen_len, "steps": steps,
+            "seq_len": prompt_len + gen_len, "steps": steps, "depth": depth,
             "draft_vocab": None if head.hot_ids is None else int(head.hot_ids.numel())}
-    log(f"distilled in {t2 - t0:.1f}s (data {t1 - t0:.1f}s, train {t2 - t1:.1f}s)")
+    log(f"distilled in {t2 - t0:.1f}s (data {t1 - t0:.1f}s, train {t2 - t1:.1f}s, "
+        f"unrolled {depth} deep)")
+    if n_check:                                  # fresh prompts: not the training corpus
+        held = greedy_corpus(target, n_check, prompt_len, gen_len, gen_batch, seed=4321)
+        info["held_out"] = chain_accept(head, *held, depth=check_depth)
+        log(f"held-out chain draft {check_depth} deep: top-1 per depth "
+            f"{info['held_out']['top1']}, accept {info['held_out']['accept']}")
     return info
 
 

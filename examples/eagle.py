@@ -215,11 +215,14 @@ def main():
     ap.add_argument("--distill-seqs", type=int, default=None,
                     help="greedy sequences of the target the head is distilled on (default: the "
                          "preset's, 256 at the GPU sizes)")
+    ap.add_argument("--distill-depth", type=int, default=None,
+                    help="train the draft head unrolled this many draft steps deep (1: teacher-"
+                         "forced only, as EAGLE; default: the preset's)")
     ap.add_argument("--profile", action="store_true",
                     help="GPU: after the timed runs, one more of each under torch.profiler; print "
                          "the kernels per round / step and the heaviest ones")
     args = ap.parse_args()
-    for name in ("n_requests", "distill_steps", "distill_seqs"):
+    for name in ("n_requests", "distill_steps", "distill_seqs", "distill_depth"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     gpu = torch.cuda.is_available()
@@ -232,8 +235,8 @@ def main():
     pick = lambda given, default: default if given is None else given   # noqa: E731  (0 stays 0)
     spec = SpecConfig(pick(args.steps, steps), pick(args.topk, topk), pick(args.draft_tokens, k))
     batch = BATCH["gpu" if gpu else "cpu"]
-    distill_kw = {k: v for k, v in (("steps", args.distill_steps), ("n_seq", args.distill_seqs))
-                  if v is not None}
+    distill_kw = {k: v for k, v in (("steps", args.distill_steps), ("n_seq", args.distill_seqs),
+                                    ("depth", args.distill_depth)) if v is not None}
     target, head, _ = setup(size, device, **distill_kw)
     draft_lm_head = (args.draft_lm_head or DRAFT_LM_HEAD[args.model]) if gpu else "bf16"
     head.set_draft_lm_head(draft_lm_head)

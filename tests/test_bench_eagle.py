@@ -126,6 +126,7 @@ def test_distill_overrides_from_the_environment():
     assert bench_eagle.distill_overrides({"EAGLE_DISTILL_STEPS": "900",
                                           "EAGLE_DISTILL_SEQS": "512"}) == {"steps": 900,
                                                                             "n_seq": 512}
+    assert bench_eagle.distill_overrides({"EAGLE_DISTILL_DEPTH": "3"}) == {"depth": 3}
     import pytest
     with pytest.raises(ValueError, match="EAGLE_DISTILL_SEQS"):
         bench_eagle.distill_overrides({"EAGLE_DISTILL_SEQS": "0"})

@@ -195,9 +195,10 @@ class MLAttention(nn.Module):
         o = mla.project_output(o_latent, W_UV)                       # [n, H, v]
         return self.o_proj(o.reshape(o.shape[0], -1))
 
-    def forward_dense(self, x, positions, rope):
+    def forward_dense(self, x, positions, rope, mask=None):
         """Non-absorbed causal attention over x [B, T, hidden], no cache: per-head
-        K = [c_kv @ W_UK^T, k_rope], V = c_kv @ W_UV^T, softmax scale of MLA."""
+        K = [c_kv @ W_UK^T, k_rope], V = c_kv @ W_UV^T, softmax scale of MLA; `mask` [T, T]
+        bool (True: attend) replaces the causal one."""
         B, T, _ = x.shape
         n_h = self.cfg.n_heads
         q_nope, q_rope, c_kv, k_rope = self.project(x.reshape(B * T, -1), positions.reshape(-1),
@@ -208,7 +209,8 @@ class MLAttention(nn.Module):
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope[:, None].expand(-1, n_h, -1)], dim=-1)
         q, k, v = (t.view(B, T, n_h, -1).transpose(1, 2) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.cfg.sm_scale)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           scale=self.cfg.sm_scale)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -277,8 +279,8 @@ class DeepSeekLayer(nn.Module):
         x = x + self.attn(self.input_norm(x), positions, rope, batch, latent_cache)
         return x + self.mlp(self.post_norm(x))
 
-    def forward_dense(self, x, positions, rope):
-        x = x + self.attn.forward_dense(self.input_norm(x), positions, rope)
+    def forward_dense(self, x, positions, rope, mask=None):
+        x = x + self.attn.forward_dense(self.input_norm(x), positions, rope, mask)
         return x + self.mlp(self.post_norm(x))
 
 

@@ -248,3 +248,38 @@ class DraftHead(nn.Module):
         x = self.layer.forward_dense(self._inputs(input_ids, hidden), positions, self.target.rope)
         h = self.norm(x)
         return self.logits(h), h
+
+    def forward_unrolled(self, input_ids: Tensor, hidden: Tensor, depth: int) -> list[Tensor]:
+        """The head as the draft runs it, `depth` steps deep, over [B, T] teacher-forced pairs
+        (token p+1, target hidden p): [h_0, ..., h_{depth-1}], each [B, T, H].
+
+        h_0 is `forward_dense`'s hidden. Row i of depth d > 0 is the pair (token i+1,
+        h_{d-1}[i-1]): the head's own hidden where a draft step has no target hidden, as draft
+        step d-1 feeds it (row 0 keeps the target's). It attends to what that node sees in the
+        draft: the teacher-forced rows up to i-d (the cache that draft-extend wrote from target
+        hiddens), then its chain of ancestors, row i-d+e of depth e for e = 1..d
+        (`unrolled_mask`). Each depth recomputes the ones below it (one layer: cheap)."""
+        B, T = input_ids.shape
+        rope = self.target.rope
+        xs, hs = [self._inputs(input_ids, hidden)], []
+        for d in range(depth):
+            positions = torch.arange(T, device=input_ids.device).repeat(d + 1).expand(B, -1)
+            mask = unrolled_mask(T, d + 1, input_ids.device)
+            x = self.layer.forward_dense(torch.cat(xs, dim=1), positions, rope, mask)
+            hs.append(self.norm(x[:, d * T:]))                       # depth d's rows
+            if d + 1 < depth:
+                fed = torch.cat([hidden[:, :1].to(hs[-1].dtype), hs[-1][:, :-1]], dim=1)
+                xs.append(self._inputs(input_ids, fed))
+        return hs
+
+
+def unrolled_mask(T: int, depth: int, device=None) -> Tensor:
+    """[depth*T, depth*T] bool, True = attend, rows and columns (depth d, position i) d-major:
+    (d, i) sees (0, j) for j <= i - d and (e, i - d + e) for e = 1..d. Depth 0 is causal; every
+    row sees itself."""
+    d = torch.arange(depth, device=device).repeat_interleave(T)
+    i = torch.arange(T, device=device).repeat(depth)
+    rd, ri, ce, cj = d[:, None], i[:, None], d[None, :], i[None, :]
+    teacher = (ce == 0) & (cj <= ri - rd)
+    chain = (ce >= 1) & (ce <= rd) & (cj == ri - rd + ce)
+    return teacher | chain

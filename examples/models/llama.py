@@ -159,12 +159,14 @@ class Attention(nn.Module):
         o = batch.attend(q, k_cache, v_cache)                         # [n, Hq, D]
         return self.o_proj(o.reshape(o.shape[0], -1))
 
-    def forward_dense(self, x, positions, rope):
-        """Causal attention over x [B, T, H] without a cache (distillation, checks)."""
+    def forward_dense(self, x, positions, rope, mask=None):
+        """Causal attention over x [B, T, H] without a cache (distillation, checks); `mask`
+        [T, T] bool (True: attend) replaces the causal one."""
         B, T, _ = x.shape
         q, k, v = self.qkv(x.reshape(B * T, -1), positions.reshape(-1), rope)
         q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=True)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -191,8 +193,8 @@ class DecoderLayer(nn.Module):
         x = x + self.attn(self.input_norm(x), positions, rope, batch, k_cache, v_cache)
         return x + self.mlp(self.post_norm(x))
 
-    def forward_dense(self, x, positions, rope):
-        x = x + self.attn.forward_dense(self.input_norm(x), positions, rope)
+    def forward_dense(self, x, positions, rope, mask=None):
+        x = x + self.attn.forward_dense(self.input_norm(x), positions, rope, mask)
         return x + self.mlp(self.post_norm(x))
 
 
