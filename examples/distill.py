@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import time
 
 import torch
@@ -65,12 +66,35 @@ def _depth_losses(head: DraftHead, ids, h_in, y, h_out, depth: int):
 
 
 def train_head(head: DraftHead, tokens, hidden, labels, *, steps: int, batch: int, lr: float,
-               hidden_weight: float = 0.1, scale_lr: float = 0.05, depth: int = 1, log=print):
+               hidden_weight: float = 0.1, scale_lr: float = 0.05, depth: int = 1,
+               select=None, select_depth: int = 3, n_evals: int = 20, log=print):
     """EAGLE training on pairs (token p+1, h_p) → (label p+1, h_p+1): teacher-forced with
     depth 1; with depth > 1 also unrolled as the draft runs (`forward_unrolled`: depth d's
-    input hidden is the head's own output of depth d-1), the losses averaged over depths."""
+    input hidden is the head's own output of depth d-1), the losses averaged over depths.
+
+    select: a held-out corpus (tokens, hidden, labels). Before training and `n_evals` times
+    during it the head's chain accept on it (`chain_accept`, `select_depth` deep) is measured,
+    and the best weights are kept (early stopping): a one-layer head memorises a small corpus
+    and can end up predicting fresh text worse than the passthrough it started from. Returns
+    (step of the kept weights or None, its held-out check)."""
     if steps <= 0:
-        return
+        return None, None
+    best = None
+
+    def checkpoint(step):
+        nonlocal best
+        was = head.training
+        head.eval()
+        amp = torch.autocast("cuda", torch.bfloat16) if tokens.is_cuda else \
+            contextlib.nullcontext()
+        with amp:
+            r = chain_accept(head, *select, depth=select_depth)
+        head.train(was)
+        if best is None or r["accept"] > best[1]["accept"]:
+            state = {k: v.detach().clone() for k, v in head.state_dict().items()}
+            best = (step, r, state)
+        log(f"  held-out check at step {step:4d}: chain accept {r['accept']:.3f}, top-1 per "
+            f"depth {r['top1']}")
     scale = head.log_scale                       # the draft temperature
     params = [p for p in head.parameters() if p.requires_grad and p is not scale]
     # the temperature is one scalar that must travel ~3 in log space: a larger step
@@ -82,6 +106,9 @@ def train_head(head: DraftHead, tokens, hidden, labels, *, steps: int, batch: in
     y, h_out = labels[:, 1:], hidden[:, 1:].float()
     g = torch.Generator().manual_seed(0)
     cuda = tokens.is_cuda
+    every = max(1, steps // max(1, n_evals))
+    if select is not None:
+        checkpoint(0)
     for step in range(steps):
         sel = torch.randint(0, ids.shape[0], (batch,), generator=g).to(ids.device)
         amp = torch.autocast("cuda", torch.bfloat16) if cuda else contextlib.nullcontext()
@@ -98,6 +125,41 @@ def train_head(head: DraftHead, tokens, hidden, labels, *, steps: int, batch: in
                              enumerate(parts) if d)
             log(f"  distill step {step:4d}  ce {ce.item():.3f}  hidden {reg.item():.4f}  "
                 f"top1 {acc.item():.3f}{deeper}  draft temperature 1/{scale.exp().item():.1f}")
+        if select is not None and ((step + 1) % every == 0 or step == steps - 1):
+            checkpoint(step + 1)
+    if select is None:
+        return None, None
+    step, r, state = best
+    head.load_state_dict(state)
+    log(f"  kept the weights of step {step} (held-out chain accept {r['accept']:.3f})")
+    return step, r
+
+
+@torch.no_grad()
+def calibrate_temperature(head: DraftHead, tokens, hidden, labels, log=print) -> float:
+    """Set the draft temperature to the one that maximises the likelihood of the target's
+    tokens under the head's teacher-forced draft distribution on (tokens, hidden, labels), a
+    corpus the weights were not trained on. EAGLE-2's tree ranks nodes by products of these
+    probabilities, so they should be calibrated; after early stopping the kept weights'
+    temperature may still be the flat one they started from. Cross-entropy is convex in the
+    multiplier t (its derivative, E_p[l] - l_label, grows with t): bisection on log t in
+    [0, 5] (t <= ~148)."""
+    ids, h_in, y = tokens[:, 1:], hidden[:, :-1], labels[:, 1:]
+    raw = head.target.logits(head.forward_dense(ids, h_in)[1]).float().flatten(0, 1)  # [N, V]
+    label = raw.gather(1, y.reshape(-1, 1))[:, 0]
+
+    def slope(log_t: float) -> float:                 # d CE / dt at t = e^log_t
+        p = (raw * math.exp(log_t)).softmax(-1)
+        return ((p * raw).sum(-1) - label).mean().item()
+
+    lo, hi = 0.0, 5.0
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if slope(mid) > 0 else (mid, hi)
+    head.log_scale.fill_((lo + hi) / 2)
+    ce = torch.nn.functional.cross_entropy(raw * head._scale(), y.reshape(-1)).item()
+    log(f"  draft temperature 1/{head.log_scale.exp().item():.1f} (held-out ce {ce:.3f})")
+    return ce
 
 
 @torch.no_grad()
@@ -126,20 +188,28 @@ def hot_vocab(labels, n_hot: int) -> torch.Tensor:
 
 def distill(target: nn.Module, head: DraftHead, *, n_seq=64, prompt_len=16, gen_len=48,
             gen_batch=64, steps=300, batch=32, lr=1e-3, n_hot=None, init="passthrough",
-            depth=1, check_depth=3, n_check=16, log=print) -> dict:
+            depth=1, check_depth=3, n_check=16, early_stop=True, log=print) -> dict:
     """Data + training + draft vocabulary; returns timings and, on `n_check` held-out
-    sequences, the chain draft's per-depth accuracy and accept length (`chain_accept`)."""
+    sequences, the chain draft's per-depth accuracy and accept length (`chain_accept`).
+
+    early_stop: keep the weights with the best chain accept on another `n_check` held-out
+    sequences (`train_head(select=...)`), then set the draft temperature to the likelihood's
+    optimum on them (`calibrate_temperature`)."""
     t0 = time.perf_counter()
     tokens, hidden, labels = greedy_corpus(target, n_seq, prompt_len, gen_len, gen_batch)
+    select = (greedy_corpus(target, n_check, prompt_len, gen_len, gen_batch, seed=4322)
+              if early_stop and n_check else None)
     t1 = time.perf_counter()
     head.float().train()
     if init == "passthrough":
         head.init_passthrough()
     for p in head.parameters():
         p.requires_grad_(True)
-    train_head(head, tokens, hidden, labels, steps=steps, batch=min(batch, n_seq), lr=lr,
-               depth=depth, log=log)
+    kept, _ = train_head(head, tokens, hidden, labels, steps=steps, batch=min(batch, n_seq),
+                         lr=lr, depth=depth, select=select, select_depth=check_depth, log=log)
     head.eval().to(target.lm_head.weight.dtype)
+    if select is not None:
+        calibrate_temperature(head, *select, log=log)
     for p in head.parameters():
         p.requires_grad_(False)
     if n_hot:
@@ -147,9 +217,11 @@ def distill(target: nn.Module, head: DraftHead, *, n_seq=64, prompt_len=16, gen_
     t2 = time.perf_counter()
     info = {"data_s": t1 - t0, "train_s": t2 - t1, "n_seq": n_seq,
             "seq_len": prompt_len + gen_len, "steps": steps, "depth": depth,
+            "kept_step": kept,
             "draft_vocab": None if head.hot_ids is None else int(head.hot_ids.numel())}
+    kept_note = "" if kept is None else f", kept step {kept} of {steps}"
     log(f"distilled in {t2 - t0:.1f}s (data {t1 - t0:.1f}s, train {t2 - t1:.1f}s, "
-        f"unrolled {depth} deep)")
+        f"unrolled {depth} deep{kept_note})")
     if n_check:                                  # fresh prompts: not the training corpus
         held = greedy_corpus(target, n_check, prompt_len, gen_len, gen_batch, seed=4321)
         info["held_out"] = chain_accept(head, *held, depth=check_depth)

@@ -86,3 +86,39 @@ def test_unrolled_training_and_chain_check():
     fake[:, 1:] = own
     one = chain_accept(head, tokens, hidden, fake, depth=1)
     assert one["top1"] == [1.0] and one["accept"] == 2.0
+
+
+def test_early_stopping_keeps_the_best_held_out_weights_and_calibrates():
+    """train_head(select=...) restores the checkpoint with the best held-out chain accept (the
+    returned check is what the restored head gives), and calibrate_temperature lands on the
+    likelihood's optimum (nudging the temperature either way raises the held-out CE)."""
+    import torch.nn.functional as F
+
+    from distill import calibrate_temperature, greedy_corpus
+    target, head = _family("llama")
+    for p in target.parameters():
+        p.requires_grad_(False)
+    tokens, hidden, labels = greedy_corpus(target, 8, 6, 10, 8)
+    held = greedy_corpus(target, 4, 6, 10, 8, seed=99)
+    head.init_passthrough()
+    seen = []
+    step, best = train_head(head, tokens, hidden, labels, steps=24, batch=8, lr=3e-3,
+                            select=held, n_evals=6, log=seen.append)
+    checks = [line for line in seen if "held-out check" in line]
+    assert len(checks) == 7 and step in (0, 4, 8, 12, 16, 20, 24)
+    assert best == chain_accept(head, *held, depth=3)
+    assert all(float(c.split("chain accept ")[1].split(",")[0]) <= best["accept"] for c in checks)
+    # a third of the labels replaced: no temperature fits them all, the optimum is interior
+    g = torch.Generator().manual_seed(5)
+    noisy = held[2].clone()
+    flip = torch.rand(noisy.shape, generator=g) < 0.33
+    noisy[flip] = torch.randint(1, 96, (int(flip.sum()),), generator=g)
+    held = (held[0], held[1], noisy)
+    ce = calibrate_temperature(head, *held, log=lambda *a: None)
+    ids, h_in, y = held[0][:, 1:], held[1][:, :-1], held[2][:, 1:]
+    with torch.no_grad():
+        raw = target.logits(head.forward_dense(ids, h_in)[1]).float().flatten(0, 1)
+    t = head.log_scale.exp().item()
+    at = lambda s: F.cross_entropy(raw * s, y.reshape(-1)).item()   # noqa: E731
+    assert 1.0 < t < 140 and abs(at(t) - ce) < 1e-4
+    assert at(t) <= at(t * 1.2) and at(t) <= at(t / 1.2)
