@@ -1,8 +1,9 @@
 """The standard LLM runner programs, declared once with their pad values.
 
 decode, target verify (k tree tokens per request), EAGLE multi-step draft (`steps`, `topk`),
-EAGLE draft-extend (up to `steps + 1` tokens per request, packed along their own axis) and the
-target's extend over whole prompts (prefill: bucketed by packed tokens, not requests). The pad
+EAGLE draft-extend (up to `steps + 1` tokens per request, packed along their own axis), the
+target's extend over whole prompts (prefill: bucketed by packed tokens, not requests) and the
+draft head's extend over the same packed prompts (draft prefill). The pad
 values are the contract every runner of this family shares (spec/SPEC.md): `seq_lens` 1,
 `out_cache_loc` the sink slot 0, `req_pool_indices` the reserved row 0, token ids, positions,
 top-k and hidden states 0, accept lengths 1, tree mask all ones, `qo_indptr` repeats its last
@@ -157,5 +158,29 @@ def extend_program(outputs: OutputsSpec, *, buckets: Buckets | None = None,
         "out_cache_loc": Input((tokens,), torch.int64, pad=0),  # sink slot 0
         **_per_request(reqs),
         "qo_indptr": Input((reqs + 1,), torch.int32, pad=Edge()),
+    }
+    return _program(name, inputs, outputs, RunnerAxes(reqs, tokens), state, buckets)
+
+
+def draft_prefill_program(hidden_size: int, hidden_dtype: torch.dtype, outputs: OutputsSpec, *,
+                          buckets: Buckets | None = None, state: Mapping[str, State] | None = None,
+                          name: str = "eagle_draft_prefill") -> Program:
+    """EAGLE draft prefill: the draft head over the prompts the target has just prefilled,
+    packed and bucketed as `extend_program`'s, with the target's hidden state per token and the
+    target's first token per request (`verified_id`, pad 0), from which each request's first
+    draft top-k and the draft's cache locations come. Padded tokens have hidden 0 and write
+    the sink slot; padded requests own no tokens.
+    """
+    _check_pos(hidden_size=hidden_size)
+    tokens = Axis("tokens")
+    reqs = Axis("reqs", capacity=tokens)
+    inputs = {
+        "input_ids": Input((tokens,), torch.int64, pad=0),
+        "positions": Input((tokens,), torch.int64, pad=0),
+        "out_cache_loc": Input((tokens,), torch.int64, pad=0),  # sink slot 0
+        "hidden_states": Input((tokens, hidden_size), hidden_dtype, pad=0),
+        **_per_request(reqs),
+        "qo_indptr": Input((reqs + 1,), torch.int32, pad=Edge()),
+        "verified_id": Input((reqs,), torch.int64, pad=0),
     }
     return _program(name, inputs, outputs, RunnerAxes(reqs, tokens), state, buckets)

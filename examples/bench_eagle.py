@@ -43,8 +43,12 @@ OVERLAP = True     # overlap scheduling for every loop (spec_decode.Worker)
 # the graph workers' prefill (spec_decode.Worker(prefill=)): "runner" (default: the prefill
 # program, CUDA graphs per bucket of packed prompt tokens) or "eager" (plain torch calls)
 PREFILL = os.environ.get("EAGLE_PREFILL", "runner")
+# the EAGLE worker's draft-head prefill (Worker(draft_prefill=)): "eager" (default) or "runner"
+# (the draft-prefill program, graphs on the prefill ladder); EAGLE_DRAFT_PREFILL=runner
+DRAFT_PREFILL = os.environ.get("EAGLE_DRAFT_PREFILL", "eager")
 RESULT = ("eagle" if MODEL == "llama" else f"eagle_{MODEL}") + \
-    ("_eager_prefill" if PREFILL == "eager" else "")
+    ("_eager_prefill" if PREFILL == "eager" else "") + \
+    ("_draft_prefill_runner" if DRAFT_PREFILL == "runner" else "")
 OVERLAP_NOTE = ("overlap scheduling on: each loop queues round (greedy: step) N+1 before it "
                 "reads N back; finished requests leave one round late")
 
@@ -141,7 +145,8 @@ def main():
     workers = {
         "greedy_graphs": Worker(target, head, spec, backend="cuda", prefill=PREFILL, **kw),
         "eagle_graphs": Worker(target, head, spec, backend="cuda", prefill=PREFILL,
-                               draft_compile=DRAFT_COMPILE[MODEL], **kw),
+                               draft_compile=DRAFT_COMPILE[MODEL], draft_prefill=DRAFT_PREFILL,
+                               **kw),
         "eagle_eager": Worker(target, head, spec, backend="reference", **kw),
     }
     rows = []
@@ -221,7 +226,7 @@ def write(out_dir, rows, spec, dinfo, seconds, queue=None):
         "targets": {"eagle_vs_greedy": {"bs1": ">= 2.5", "bs4": ">= 2.0", "bs16": ">= 1.5"},
                     "graphs_vs_eager_bs1": ">= 3.0"},
         "overlap": OVERLAP, "scheduling": OVERLAP_NOTE if OVERLAP else "overlap off",
-        "prefill": PREFILL,
+        "prefill": PREFILL, "draft_prefill": DRAFT_PREFILL,
     }
     meta["spec"] = {"steps": spec.steps, "topk": spec.topk, "k": spec.num_draft_tokens}
     os.makedirs(out_dir, exist_ok=True)
@@ -230,7 +235,8 @@ def write(out_dir, rows, spec, dinfo, seconds, queue=None):
     lines = [f"# EAGLE benchmark ({meta['date']})", "",
              f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}; {meta['model']}; "
              f"steps={spec.steps} topk={spec.topk} k={spec.num_draft_tokens}; draft compiled "
-             f"{DRAFT_COMPILE[MODEL]}, draft lm_head {DRAFT_LM_HEAD[MODEL]}; prefill {PREFILL}; "
+             f"{DRAFT_COMPILE[MODEL]}, draft lm_head {DRAFT_LM_HEAD[MODEL]}; prefill {PREFILL}, "
+             f"draft prefill {DRAFT_PREFILL}; "
              f"{NEW_TOKENS} new tokens per request; distillation {dinfo['data_s'] + dinfo['train_s']:.0f}s "
              f"({dinfo.get('steps', '?')} steps on {dinfo.get('n_seq', '?')} sequences, unrolled "
              f"{dinfo.get('depth', 1)} deep; held-out chain check {dinfo.get('held_out')})",

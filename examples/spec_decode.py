@@ -56,7 +56,8 @@ from torch import Tensor
 import padgraph as pg
 from padgraph.backends.triton import eagle as ops
 from padgraph.backends.triton.kv import KVCache, RowAllocator, SlotAllocator
-from padgraph.runners import (decode_program, draft_extend_program, draft_program,
+from padgraph.runners import (decode_program, draft_extend_program, draft_prefill_program,
+                              draft_program,
                               extend_program, verify_program)
 
 from models.llama import last_tokens
@@ -258,6 +259,33 @@ def draft_extend_body(head, spec: SpecConfig):
     return body
 
 
+def draft_prefill_body(head, spec: SpecConfig):
+    """The head over the packed prompts the target has just prefilled: token t's pair is
+    (token t+1 of its prompt, or the target's first token at the prompt's last position; the
+    target's hidden at t), as `Worker.draft_prefill` builds eagerly. Each request's last token
+    gives its first draft top-k; its draft slots come after its prompt."""
+    steps, topk = spec.steps, spec.topk
+
+    def body(x):
+        n, bs = x.input_ids.shape[0], x.seq_lens.shape[0]
+        ends = x.qo_indptr[1:].long()                                # [reqs] one past the last
+        t = torch.arange(n, device=ends.device)
+        req = torch.searchsorted(ends, t, right=True).clamp(max=bs - 1)   # token -> request
+        is_last = (t + 1) == ends[req]        # padded tokens (t >= the last end) are never last
+        nxt = torch.cat([x.input_ids[1:], x.input_ids[:1]])
+        shifted = torch.where(is_last, x.verified_id[req], nxt)
+        h = head.forward_extend(shifted, x.hidden_states, x.positions, _kv(x), x.req_to_token,
+                                x.req_pool_indices, x.seq_lens, x.qo_indptr,
+                                x.out_cache_loc)                     # [tokens, H]
+        h_last = h[(ends - 1).clamp(0, n - 1)]                       # [reqs, H]
+        p, idx = head.topk(h_last, topk)
+        loc = ops.assign_cache_locs(x.req_to_token, x.req_pool_indices, x.seq_lens,
+                                    steps * topk)
+        return {"topk_p": p, "topk_index": idx, "next_hidden": h_last,
+                "draft_out_cache_loc": loc}
+    return body
+
+
 # ---------------------------------------------------------------------------------- programs
 
 def _state_decl(cache_names) -> dict[str, pg.State]:
@@ -304,6 +332,18 @@ def extend_prefill_program(cfg, hidden_dtype, max_tokens: int,
         "hidden": O((a.tokens, cfg.hidden_size), hidden_dtype),
         "last_hidden": O((a.bs, cfg.hidden_size), hidden_dtype)},
         buckets=prefill_buckets(max_tokens), state=_state_decl(cache_names), name="prefill")
+
+
+def draft_prefill_runner_program(cfg, spec: SpecConfig, hidden_dtype, max_tokens: int,
+                                 cache_names=("k_cache", "v_cache")) -> pg.Program:
+    """The draft-prefill runner program, on the prefill program's ladder of packed tokens."""
+    O, S, topk = pg.Output, spec.steps, spec.topk
+    return draft_prefill_program(cfg.hidden_size, hidden_dtype, lambda a: {
+        "topk_p": O((a.bs, topk), torch.float32), "topk_index": O((a.bs, topk), torch.int64),
+        "next_hidden": O((a.bs, cfg.hidden_size), hidden_dtype),
+        "draft_out_cache_loc": O((a.bs * (S * topk),), torch.int64)},
+        buckets=prefill_buckets(max_tokens), state=_state_decl(cache_names),
+        name="draft_prefill")
 
 
 def bodies(target, head, spec: SpecConfig) -> dict:
@@ -544,11 +584,14 @@ class Worker:
                  max_bs: int = 16, max_context: int = 512, eos_id: int | None = None,
                  buckets=None, compile_options: dict | None = None, overlap: bool = True,
                  torch_compile: bool | None = None, draft_compile: str = "regions",
-                 prefill: str = "eager", prefill_tokens: int | None = None):
+                 prefill: str = "eager", prefill_tokens: int | None = None,
+                 draft_prefill: str = "eager"):
         if draft_compile not in ("regions", "whole"):
             raise ValueError(f"draft_compile must be 'regions' or 'whole'; got {draft_compile!r}")
         if prefill not in ("eager", "runner"):
             raise ValueError(f"prefill must be 'eager' or 'runner'; got {prefill!r}")
+        if draft_prefill not in ("eager", "runner"):
+            raise ValueError(f"draft_prefill must be 'eager' or 'runner'; got {draft_prefill!r}")
         p = target.lm_head.weight
         self.target, self.head, self.spec, self.eos_id = target, head, spec, eos_id
         self.backend, self.max_bs, self.max_context = backend, max_bs, max_context
@@ -576,6 +619,12 @@ class Worker:
                 target.cfg, p.dtype, prefill_tokens or max_bs * max_context,
                 tuple(cache_state(self.kv)))
             self.bodies["prefill"] = extend_body(target)
+        self.draft_prefill_mode = draft_prefill if head is not None else "eager"
+        if self.draft_prefill_mode == "runner":   # the head's prefill on the same ladder
+            self.programs["draft_prefill"] = draft_prefill_runner_program(
+                target.cfg, spec, p.dtype, prefill_tokens or max_bs * max_context,
+                tuple(cache_state(self.dkv)))
+            self.bodies["draft_prefill"] = draft_prefill_body(head, spec)
         self.compile_options = compile_options or {}
         self.torch_compile = backend == "cuda" if torch_compile is None else torch_compile
         self.draft_compile = draft_compile
@@ -805,7 +854,20 @@ class Worker:
         return logits, hidden, b
 
     def draft_prefill(self, first, hidden, b: PrefillBatch) -> SpecState:
-        """The head over (prompt[1:] + first token, target hidden): the first draft inputs."""
+        """The head over (prompt[1:] + first token, target hidden): the first draft inputs.
+        draft_prefill="runner": one runner call (`draft_prefill_body`, graphs on cuda) instead
+        of the head's eager layer, top-k and slot assignment, whose launches the host issues
+        one by one while the GPU, done with a short prefill, waits."""
+        if self.draft_prefill_mode == "runner":
+            o = self.runner("draft_prefill")(
+                input_ids=b.ids, positions=b.positions, out_cache_loc=b.loc,
+                hidden_states=hidden, seq_lens=b.seq_lens, req_pool_indices=b.rows,
+                qo_indptr=b.qo, verified_id=first)
+            # the outputs live until the runner's next call (the next admission): the batch
+            # state owns copies
+            return SpecState(rows=b.rows, seq_lens=b.seq_lens, verified_id=first,
+                             topk_p=o.topk_p.clone(), topk_index=o.topk_index.clone(),
+                             hidden=o.next_hidden.clone(), draft_loc=o.draft_out_cache_loc.clone())
         last = (b.qo[1:] - 1).long()
         shifted = torch.cat([b.ids[1:], b.ids[:1]])
         shifted[last] = first

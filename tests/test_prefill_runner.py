@@ -124,3 +124,77 @@ def test_cuda_prefill_runner_gives_the_eager_prefill_tokens(kind):
             assert [r.output for r in ra] == [r.output for r in rb], (kind, mode, len(p))
     st = runner.runner("prefill").stats
     assert st.calls[48] == 2 and st.calls[16] == 2 and st.eager_fallbacks == 0
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek"])
+def test_draft_prefill_runner_equals_eager_draft_prefill(kind):
+    """Worker(draft_prefill="runner"): the head's prefill as the draft-prefill program on the
+    prefill ladder gives the eager draft prefill's first draft state (top-k, hidden, draft
+    slots) for every request of a padded bucket, and the same tokens and accept counts, with
+    the target's prefill eager or a runner, and through continuous admission (more requests
+    than rows: several admissions, each its own bucket)."""
+    target, head = _models(kind)
+    prompts, news = _prompts(target.cfg.vocab_size), [m for _, m in LENS]
+    eager = _worker(target, head, "runner")
+    for prefill in ("runner", "eager"):
+        runner = _worker(target, head, prefill, draft_prefill="runner")
+        _same(_run(runner, "spec", prompts, news), _run(eager, "spec", prompts, news))
+        st = runner.runner("draft_prefill").stats
+        assert dict(st.calls) == {48: 1} and st.padded_lanes[48] > 0 and st.eager_fallbacks == 0
+        assert "draft_prefill" not in eager._runners
+        assert_released(runner)
+    # the first draft state itself, request by request
+    reqs = runner._admit(prompts[:3], news[:3])
+    with torch.no_grad():
+        logits, hidden, b = runner.prefill(reqs)
+        first = logits.argmax(-1)
+        got = runner.draft_prefill(first, hidden, b)
+        runner.draft_prefill_mode = "eager"
+        want = runner.draft_prefill(first, hidden, b)
+        runner.draft_prefill_mode = "runner"
+    for f in ("topk_p", "topk_index", "hidden", "draft_loc"):
+        torch.testing.assert_close(getattr(got, f), getattr(want, f), rtol=1e-5, atol=1e-5)
+    for r in reqs:
+        runner.release(r)
+    # continuous admission: 7 requests through 3 rows
+    small = Worker(target, head, SPEC, max_bs=3, max_context=48, prefill="runner",
+                   draft_prefill="runner", buckets=pg.Buckets([1, 2, 3]))
+    ref = Worker(target, head, SPEC, max_bs=3, max_context=48, prefill="runner",
+                 buckets=pg.Buckets([1, 2, 3]))
+    _same(_run(small, "spec", prompts, news), _run(ref, "spec", prompts, news))
+    assert sum(small.runner("draft_prefill").stats.calls.values()) >= 3
+    with pytest.raises(ValueError, match="draft_prefill must be"):
+        _worker(target, head, "runner", draft_prefill="graphs")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["llama", "deepseek"])
+def test_cuda_draft_prefill_runner_gives_the_eager_tokens(kind):
+    """cuda backend, tiny bf16 models, the head's layer compiled as on a GPU by default: the
+    draft-prefill graphs give the eager draft prefill's tokens, in two buckets."""
+    target, head = _models(kind)
+    target, head = target.cuda().to(torch.bfloat16), head.cuda().to(torch.bfloat16)
+    prompts, news = _prompts(target.cfg.vocab_size), [m for _, m in LENS]
+    kw = dict(backend="cuda")
+    runner = _worker(target, head, "runner", draft_prefill="runner", **kw)
+    eager = _worker(target, head, "runner", **kw)
+    for p, n in ((prompts, news), (prompts[:2], news[:2])):
+        (ra, _), (rb, _) = _run(runner, "spec", p, n), _run(eager, "spec", p, n)
+        assert [r.output for r in ra] == [r.output for r in rb], (kind, len(p))
+    st = runner.runner("draft_prefill").stats
+    assert st.calls[48] == 1 and st.calls[16] == 1 and st.eager_fallbacks == 0
+
+
+def test_compiled_draft_prefill_runner_gives_the_eager_tokens():
+    """With the head's layer compiled regionally (the GPU default for the draft runners), the
+    draft-prefill runner compiles for the token ladder and serves the eager draft prefill's
+    tokens."""
+    target, head = _models("llama")
+    prompts, news = _prompts(target.cfg.vocab_size), [m for _, m in LENS]
+    compiled = _worker(target, head, "runner", torch_compile=True, draft_prefill="runner")
+    opts = compiled.options("draft_prefill")["torch_compile"]
+    assert opts["regions"] == [head.layer]
+    eager = _worker(target, head, "runner")
+    (ra, _), (rb, _) = _run(compiled, "spec", prompts, news), _run(eager, "spec", prompts, news)
+    assert [r.output for r in ra] == [r.output for r in rb]
+    assert compiled.runner("draft_prefill").stats.compiles >= 1
