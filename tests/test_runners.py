@@ -1,4 +1,4 @@
-"""The runner programs (decode, verify, draft, draft-extend, prefill): declared pad values, axes,
+"""The runner programs (decode, verify, draft, draft-extend, prefill, draft prefill): declared pad values, axes,
 and pg.check with the example model's bodies (no pad leakage, no state writes outside raw
 targets and sinks, deterministic)."""
 import os
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import padgraph as pg
-from padgraph.runners import (decode_program, draft_extend_program, draft_program,
-                              extend_program, verify_program)
+from padgraph.runners import (decode_program, draft_extend_program, draft_prefill_program,
+                              draft_program, extend_program, verify_program)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
@@ -56,6 +56,19 @@ def test_extend_program_is_bucketed_by_tokens():
     assert plan.shape("qo_indptr", 32) == (33,) and plan.shape("input_ids", 32) == (32,)
 
 
+def test_draft_prefill_program_pads():
+    """Draft prefill: extend's axes and pads, plus the target's hidden per token (pad 0) and its
+    first token per request (pad 0)."""
+    dp = draft_prefill_program(8, torch.bfloat16, lambda a: {
+        "h": pg.Output((a.bs, 8), torch.bfloat16)}, buckets=pg.Buckets([16, 32]))
+    assert [a.name for a in dp.axes] == ["tokens", "reqs"]
+    assert pads(dp)["hidden_states"] == pg.Fill(0) and pads(dp)["verified_id"] == pg.Fill(0)
+    assert pads(dp)["qo_indptr"] == pg.Edge() and dp.inputs["hidden_states"].dtype == torch.bfloat16
+    plan = pg.Plan(dp)
+    assert plan.bucket_for({"tokens": 17, "reqs": 3}) == 32
+    assert plan.shape("hidden_states", 32) == (32, 8) and plan.shape("verified_id", 32) == (32,)
+
+
 def test_prefill_buckets():
     assert list(prefill_buckets(100)) == [16, 24, 32, 48, 64, 96, 100]
     assert list(prefill_buckets(128)) == [16, 24, 32, 48, 64, 96, 128]
@@ -80,7 +93,7 @@ def worker():
     target = LlamaModel(LlamaConfig.tiny()).eval()
     head = EagleHead(target).eval()
     w = Worker(target, head, SPEC, max_bs=8, max_context=48, buckets=pg.Buckets([1, 2, 4, 8]),
-               prefill="runner")
+               prefill="runner", draft_prefill="runner")
     rt = w.kv.req_to_token                                   # every row but 0 owns 48 slots
     rt[1:] = torch.randperm(w.slots.n - 1)[: 8 * 48].int().view(8, 48) + 1
     return w
@@ -116,13 +129,17 @@ def sample_for(name, w):
             return dict(topk_p=p, topk_index=torch.randint(0, V, (bs, topk), generator=gen),
                         hidden_states=torch.randn(bs, H, generator=gen), positions=L.long(),
                         seq_lens=L, req_pool_indices=rows, out_cache_loc=slots(pos))
-        if name == "prefill":               # whole prompts from position 0, packed
+        if name in ("prefill", "draft_prefill"):   # whole prompts from position 0, packed
             qo = torch.cat([torch.zeros(1, dtype=torch.int32), L.cumsum(0).int()])
             pos = torch.cat([torch.arange(int(n)) for n in L])
             row_of = rows.long().repeat_interleave(L.long())
-            return dict(input_ids=ids(int(qo[-1])), positions=pos,
-                        out_cache_loc=rt[row_of, pos].long(), seq_lens=L,
-                        req_pool_indices=rows, qo_indptr=qo)
+            x = dict(input_ids=ids(int(qo[-1])), positions=pos,
+                     out_cache_loc=rt[row_of, pos].long(), seq_lens=L,
+                     req_pool_indices=rows, qo_indptr=qo)
+            if name == "draft_prefill":      # + the target's hidden per token, first tokens
+                x.update(hidden_states=torch.randn(int(qo[-1]), H, generator=gen),
+                         verified_id=ids(bs))
+            return x
         acc = torch.randint(1, S + 2, (bs,), generator=gen).int()
         qo = torch.cat([torch.zeros(1, dtype=torch.int32), acc.cumsum(0).int()])
         n = int(qo[-1])
@@ -134,7 +151,8 @@ def sample_for(name, w):
     return sample
 
 
-@pytest.mark.parametrize("name", ["decode", "verify", "draft", "draft_extend", "prefill"])
+@pytest.mark.parametrize("name", ["decode", "verify", "draft", "draft_extend", "prefill",
+                                  "draft_prefill"])
 def test_check_runner_programs(worker, name):
     with torch.no_grad():
         res = pg.check(worker.programs[name], worker.bodies[name], state=worker.state(name),
