@@ -177,6 +177,9 @@ def chain_accept(head: DraftHead, tokens, hidden, labels, depth: int) -> dict:
     accuracy per depth, and the mean accept length (1 + the drafted tokens accepted before the
     first miss) of a chain started at each position."""
     ids, h_in, y = tokens[:, 1:], hidden[:, :-1], labels[:, 1:]
+    if not 1 <= depth <= ids.shape[1]:
+        raise ValueError(f"chain_accept: depth must be in 1 .. {ids.shape[1]} (the pairs of a "
+                         f"sequence); got {depth}")
     hs = head.forward_unrolled(ids, h_in, depth)
     hit = torch.stack([head.logits(h).argmax(-1) == y for h in hs])      # [depth, B, T]
     T = ids.shape[1]
