@@ -67,6 +67,14 @@ def distill_overrides(env) -> dict:
     return out
 
 
+def held_out_note(h) -> str:
+    """'held-out chain accept 3.32, top-1 per depth 0.874 / 0.874 / 0.875' (distill's check)."""
+    if not h:
+        return "no held-out check"
+    return (f"held-out chain accept {h['accept']:.2f}, top-1 per depth "
+            + " / ".join(f"{t:.3f}" for t in h["top1"]))
+
+
 def prompts_for(bs: int, vocab: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(8, 40, (bs,), generator=g).tolist()
@@ -239,7 +247,8 @@ def write(out_dir, rows, spec, dinfo, seconds, queue=None):
              f"draft prefill {DRAFT_PREFILL}; "
              f"{NEW_TOKENS} new tokens per request; distillation {dinfo['data_s'] + dinfo['train_s']:.0f}s "
              f"({dinfo.get('steps', '?')} steps on {dinfo.get('n_seq', '?')} sequences, unrolled "
-             f"{dinfo.get('depth', 1)} deep; held-out chain check {dinfo.get('held_out')})",
+             f"{dinfo.get('depth', 1)} deep, kept step {dinfo.get('kept_step')}; "
+             f"{held_out_note(dinfo.get('held_out'))})",
              "", f"{meta['scheduling']} (rounds counted as launched)", "",
              f"command: `{meta['command']}`", "",
              f"Each row: {ROW_REQUESTS} distinct requests (at least one batch) as batches of bs, each "

@@ -130,3 +130,9 @@ def test_distill_overrides_from_the_environment():
     import pytest
     with pytest.raises(ValueError, match="EAGLE_DISTILL_SEQS"):
         bench_eagle.distill_overrides({"EAGLE_DISTILL_SEQS": "0"})
+
+
+def test_held_out_note():
+    assert bench_eagle.held_out_note(None) == "no held-out check"
+    assert bench_eagle.held_out_note({"accept": 3.3201, "top1": [0.874, 0.8745], "depth": 2}) == \
+        "held-out chain accept 3.32, top-1 per depth 0.874 / 0.875"
