@@ -33,7 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import padgraph as pg  # noqa: E402
-from bench.common import CudagraphSkips, copy_bandwidth, env_info, out_dir, plot_step_times  # noqa: E402
+from bench.common import (CudagraphSkips, copy_bandwidth, env_info, kernel_lines,  # noqa: E402
+                          kernel_table, out_dir, plot_step_times)
 from models.llama import LlamaConfig, LlamaModel  # noqa: E402
 from padgraph.backends.triton.kv import KVCache  # noqa: E402
 
@@ -203,10 +204,15 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny model (smoke test)")
     ap.add_argument("--pg-compile", default="regions", choices=["regions", "whole"],
                     help="padgraph+compile: compile the decoder layer (regions) or the whole body")
+    ap.add_argument("--profile", default=None, metavar="VARIANT",
+                    help="after the timed runs, --iters more calls of VARIANT at each size under "
+                         "torch.profiler: its kernels per step, written to bench_runner_profile.json")
     ap.add_argument("--size-oblivious", action="store_true",
                     help="padgraph+compile: size-oblivious tracing, so bucket 1 shares the graph")
     args = ap.parse_args()
     names, sizes = args.variants.split(","), [int(s) for s in args.sizes.split(",")]
+    if args.profile is not None and args.profile not in names:
+        ap.error(f"--profile {args.profile!r} must be one of --variants {names}")
     device = torch.device("cuda")
     torch.manual_seed(0)
     cfg = LlamaConfig.tiny() if args.tiny else LlamaConfig.llama_1b()
@@ -230,6 +236,27 @@ def main() -> None:
         variants, setup = build_variants(names, step, program, device, pg_compile)
         rows = run_all(variants, setup, batches, sizes, args.iters, cfg, weight_bytes, bw,
                        lambda rows, done: report(rows, setup, names, done, bw, weight_bytes, cfg, args))
+        if args.profile:
+            profile_steps(variants[args.profile], args.profile, batches, sizes, args.iters, rows)
+
+
+def profile_steps(fn, name: str, batches, sizes, iters: int, rows) -> None:
+    """`iters` calls of one variant per size under torch.profiler: kernels and kernel-µs per step
+    beside its measured step time and floor (where the time over the floor goes)."""
+    from torch.profiler import ProfilerActivity, profile
+    out = {"variant": name, "sizes": {}}
+    for n in sizes:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                fn(**batches[n])
+            torch.cuda.synchronize()
+        table = kernel_table(prof.events(), iters, top=24)
+        row = next(r for r in rows if r["bs"] == n and r["variant"] == name)
+        table.update(step_us=row["step_us"], floor_us=row["floor_us"])
+        out["sizes"][n] = table
+        print("\n".join(kernel_lines(table, f"{name} bs={n}", f"step (step {row['step_us']:.0f} "
+                                                             f"µs, floor {row['floor_us']:.0f} µs)")))
+    (out_dir() / "bench_runner_profile.json").write_text(json.dumps(out, indent=1))
 
 
 def run_all(variants, setup, batches, sizes, iters, cfg, weight_bytes, bw, after_size):

@@ -163,20 +163,13 @@ def profile_kernels(name: str, gen, prompts, news, top: int = 18) -> None:
     """Run `gen` once more under torch.profiler and print its GPU kernels (those inside the CUDA
     graphs included): kernels and kernel-µs per round, and the `top` kernels by time."""
     from torch.profiler import ProfilerActivity, profile
+
+    from bench.common import kernel_lines, kernel_table
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         _, stats = gen(prompts, news)
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    rounds = max(stats.rounds, 1)
-    by: dict = {}
-    for e in kernels:
-        n, us = by.get(e.name, (0, 0.0))
-        by[e.name] = (n + 1, us + e.device_time)
-    total = sum(us for _, us in by.values())
-    print(f"profile {name}: {len(kernels) / rounds:.0f} kernels and {total / rounds:.0f} kernel-µs per "
-          f"{'round' if name == 'EAGLE' else 'step'} ({stats.rounds} launched); top {top} by time:")
-    for k, (n, us) in sorted(by.items(), key=lambda kv: -kv[1][1])[:top]:
-        print(f"  {us / rounds:8.1f} µs {n / rounds:6.1f}x  {k[:110]}")
+    per = f"{'round' if name == 'EAGLE' else 'step'} ({stats.rounds} launched)"
+    print("\n".join(kernel_lines(kernel_table(prof.events(), stats.rounds, top), name, per)))
 
 
 def main():

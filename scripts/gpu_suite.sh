@@ -10,6 +10,7 @@
 #                             [eagle-regions: the main job with only the head's layer compiled in the draft bodies]
 #                             [eagle-profile: the main job, then its kernels per round under torch.profiler]
 #                             [sweep-eagle, sweep-eagle-deepseek: EAGLE over several draft trees (steps, topk, k) against greedy]
+#                             [bench-runner-profile: bench_runner at bs 1 and 16 (padgraph, padgraph+compile) with the compiled variant's kernels per step (bench_runner_profile.json)]
 #                             [bench-eagle-draft-prefill: bench_eagle with the draft-prefill program (eagle_draft_prefill_runner.{md,json})]
 #                             [eagle-variants: the main job once per argument list of EAGLE_VARIANTS="--model deepseek --steps 3;..." (logs eagle_v1, eagle_v2, ...)]
 #                             [tests-parallel: the cuda tests as five pytest processes and the cuda conformance suite, at once]
@@ -75,6 +76,7 @@ if want eagle-variants; then  # the main job once per ';'-separated argument lis
 fi
 want bench-host && run bench_host python3 examples/bench_host.py --calls 1000
 want bench-runner && run bench_runner python3 examples/bench_runner.py
+want bench-runner-profile && run bench_runner_profile python3 examples/bench_runner.py --variants padgraph,padgraph+compile --sizes 1,16 --profile padgraph+compile
 want bench-attention && run bench_attention python3 examples/bench_attention.py
 want bench-mla && run bench_mla python3 examples/bench_mla.py
 want bench-eagle && run bench_eagle python3 examples/bench_eagle.py

@@ -136,3 +136,23 @@ def test_held_out_note():
     assert bench_eagle.held_out_note(None) == "no held-out check"
     assert bench_eagle.held_out_note({"accept": 3.3201, "top1": [0.874, 0.8745], "depth": 2}) == \
         "held-out chain accept 3.32, top-1 per depth 0.874 / 0.875"
+
+
+def test_kernel_table_counts_per_call():
+    """bench.common.kernel_table: GPU kernels only, per call, ranked by time; kernel_lines
+    prints it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from bench.common import kernel_lines, kernel_table
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    ev = lambda name, us, dev=cuda: SimpleNamespace(name=name, device_time=us, device_type=dev)  # noqa: E731
+    events = [ev("gemv", 30.0), ev("gemv", 34.0), ev("norm", 2.0), ev("norm", 2.0),
+              ev("aten::mm", 99.0, cpu)]
+    t = kernel_table(events, n_calls=2, top=1)
+    assert t["kernels"] == 2.0 and t["kernel_us"] == 34.0
+    assert t["top"] == [(32.0, 1.0, "gemv")]
+    lines = kernel_lines(t, "padgraph+compile bs=1", "step")
+    assert lines[0] == "profile padgraph+compile bs=1: 2 kernels and 34 kernel-µs per step; top 1 by time:"
+    assert lines[1].split() == ["32.0", "µs", "1.0x", "gemv"]

@@ -1,4 +1,5 @@
-"""Shared by the benchmarks: where results go, what they were measured on, copy bandwidth."""
+"""Shared by the benchmarks: where results go, what they were measured on, copy bandwidth, the
+kernels of a profiled run."""
 from __future__ import annotations
 
 import datetime
@@ -126,3 +127,26 @@ def random_tree_masks(bs, k, gen):
                 parent = int(torch.randint(0, i, (), generator=gen))
                 masks[r, i] |= masks[r, parent]
     return masks
+
+
+def kernel_table(events, n_calls: int, top: int = 18) -> dict:
+    """GPU kernels of a torch.profiler run (those inside CUDA graphs included) per call of what
+    ran `n_calls` times: {"kernels": count per call, "kernel_us": kernel time per call, "top":
+    [(µs per call, launches per call, name), ...] the `top` kernels by time}."""
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    n = max(n_calls, 1)
+    by: dict = {}
+    for e in kernels:
+        c, us = by.get(e.name, (0, 0.0))
+        by[e.name] = (c + 1, us + e.device_time)
+    ranked = sorted(by.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"kernels": len(kernels) / n, "kernel_us": sum(us for _, us in by.values()) / n,
+            "top": [(us / n, c / n, name) for name, (c, us) in ranked]}
+
+
+def kernel_lines(table: dict, what: str, per: str) -> list[str]:
+    """The printed form of `kernel_table`: a summary line, then one line per kernel."""
+    lines = [f"profile {what}: {table['kernels']:.0f} kernels and {table['kernel_us']:.0f} "
+             f"kernel-µs per {per}; top {len(table['top'])} by time:"]
+    lines += [f"  {us:8.1f} µs {c:6.1f}x  {name[:110]}" for us, c, name in table["top"]]
+    return lines
