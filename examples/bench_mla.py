@@ -54,7 +54,9 @@ BATCHES = (1, 8, 32)
 CONTEXTS = (1024, 8192, 32768)
 SPEC_CONTEXTS = (1024, 8192)
 K_DRAFT, DRAFT_EXTEND = 8, 6
-SWEEP_CASES = ((1, 8192), (8, 8192), (32, 8192))
+# (16, 256): the DeepSeek main job's decode (bs 16, contexts of ~100-250 in a 256-wide cache),
+# where the kernel took 20 us a call for ~4 MB (H200 profile, 2026-12-02) at the policy's 2 splits
+SWEEP_CASES = ((1, 8192), (8, 8192), (32, 8192), (16, 256))
 SWEEP_TILES = ((32, 2, 4), (16, 2, 4), (64, 2, 8), (32, 3, 4), (32, 2, 8))  # BLOCK_N/stages/warps
 SMOKE = dict(kv_lora_rank=96, rope=32, batches=(2,), contexts=(40,), spec_contexts=(40,),
              sweep=((2, 40),), tiles=((32, 2, 4),))
@@ -180,13 +182,16 @@ def time_case(bs, ctx, n_heads, copy_bw, gen, device, kind, widths, impl) -> dic
 
 
 def sweep_case(bs, ctx, n_heads, gen, device, tiles, widths) -> dict:
-    """Decode over tiles x split counts (policy / 2, policy, policy x 2) x fold, eager µs."""
+    """Decode over tiles x split counts (policy / 2, policy, policy x 2, and x 4, x 8 for
+    contexts <= 1024) x fold, eager µs."""
     case = LatentCase(bs, ctx, n_heads, gen, device, "decode", *widths)
     ref = case.ours()()
     policy = choose_mla_splits(bs, 1, ctx, sm_count(device))
     results = []
-    for (block_n, stages, warps), splits in itertools.product(
-            tiles, sorted({max(1, policy // 2), policy, policy * 2})):
+    counts = {max(1, policy // 2), policy, policy * 2}
+    if ctx <= 1024:             # short contexts: the policy's splits leave most SMs idle
+        counts |= {policy * 4, policy * 8}
+    for (block_n, stages, warps), splits in itertools.product(tiles, sorted(counts)):
         for fold in ((True, False) if splits > 1 else (True,)):
             fn = case.ours(num_splits=splits, block_n=block_n, num_stages=stages,
                            num_warps=warps, fold=fold)
