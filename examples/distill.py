@@ -76,12 +76,12 @@ def train_head(head: DraftHead, tokens, hidden, labels, *, steps: int, batch: in
     depth 1; with depth > 1 also unrolled as the draft runs (`forward_unrolled`: depth d's
     input hidden is the head's own output of depth d-1), the losses averaged over depths.
 
-    select: a held-out corpus (tokens, hidden, labels). Before training, `n_evals` times during
-    it and at steps 1, 2, 3, 4, 6, 8, ... before the first of those, the head's chain accept on
-    it (`chain_accept`, `select_depth` deep) is measured,
-    and the best weights are kept (early stopping): a one-layer head memorises a small corpus
-    and can end up predicting fresh text worse than the passthrough it started from. Returns
-    (step of the kept weights or None, its held-out check)."""
+    select: a held-out corpus (tokens, hidden, labels). The head's chain accept on it
+    (`chain_accept`, `select_depth` deep) is measured before training, `n_evals` times evenly
+    during it, and at steps 1, 2, 3, 4, 6, 8, ... before the first of those; the best weights
+    are kept (early stopping): a one-layer head memorises a small corpus and can end up
+    predicting fresh text worse than the passthrough it started from. Returns (step of the kept
+    weights or None, its held-out check)."""
     if steps <= 0:
         return None, None
     best = None
