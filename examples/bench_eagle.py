@@ -210,6 +210,18 @@ def round_cell(r: dict) -> str:
             f"{r['greedy_step_ms']:.2f})")
 
 
+def bound_cell(r: dict) -> str:
+    """'2.65x; 7.5% / 1.3%': accept / (round in greedy steps), the speedup a row would reach
+    with no prefill and no batch tail, then the prefill phase's share of EAGLE's and greedy's
+    time; '-' for a row written before the phases were kept."""
+    if "round_in_greedy_steps" not in r or "phases_s" not in r:
+        return "-"
+    share = {m: r["phases_s"][m].get("prefill", 0.0) / max(sum(r["phases_s"][m].values()), 1e-12)
+             for m in ("eagle", "greedy")}
+    return (f"{r['accept_len'] / r['round_in_greedy_steps']:.2f}x; "
+            f"{100 * share['eagle']:.1f}% / {100 * share['greedy']:.1f}%")
+
+
 def queue_times(q: dict) -> str:
     """'1.37 / 2.06 | 3.70 / 7.00': ms per greedy step / EAGLE round, then the prefill phase's ms
     per prefill batch (greedy / EAGLE); '- | -' for a result written before they were kept."""
@@ -257,16 +269,16 @@ def write(out_dir, rows, spec, dinfo, seconds, queue=None):
              "graphs' run of that batch against it).", "",
              "| bs | requests | greedy graphs tok/s | EAGLE graphs tok/s | EAGLE eager tok/s | "
              "accept len (per batch: min-max) | speedup vs greedy | EAGLE round / greedy step "
-             "(ms) | graphs vs eager | greedy match "
-             f"(first divergence: exact / top-2 gap <= {TIE_TOL} / other) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "(ms) | bound: accept / round; prefill share (EAGLE / greedy) | graphs vs eager | "
+             f"greedy match (first divergence: exact / top-2 gap <= {TIE_TOL} / other) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         per = r.get("accept_len_per_batch") or [r["accept_len"]]
         lines.append(f"| {r['bs']} | {r.get('requests', r['bs'])} | {r['greedy_graphs_tok_s']:.0f} | "
                      f"{r['eagle_graphs_tok_s']:.0f} | "
                      f"{r['eagle_eager_tok_s']:.0f} | {r['accept_len']:.2f} "
                      f"({min(per):.2f}-{max(per):.2f}) | "
-                     f"{r['speedup_vs_greedy']:.2f}x | {round_cell(r)} | "
+                     f"{r['speedup_vs_greedy']:.2f}x | {round_cell(r)} | {bound_cell(r)} | "
                      f"{r['graphs_vs_eager']:.2f}x | "
                      f"{r['greedy_match']} |")
     if queue:

@@ -156,3 +156,17 @@ def test_kernel_table_counts_per_call():
     lines = kernel_lines(t, "padgraph+compile bs=1", "step")
     assert lines[0] == "profile padgraph+compile bs=1: 2 kernels and 34 kernel-µs per step; top 1 by time:"
     assert lines[1].split() == ["32.0", "µs", "1.0x", "gemv"]
+
+
+def test_bound_cell_from_a_measured_row():
+    """The bs 1 row of the H200's bench_eagle (2026-12-02, s10): accept 3.82 at 1.44 greedy
+    steps a round bounds the speedup at 2.65x; the prefill is 7.5% of EAGLE's time, 1.3% of
+    greedy's."""
+    import json
+    path = os.path.join(os.path.dirname(__file__), "..", "results", "2026-12-02", "s10",
+                        "eagle.json")
+    with open(path) as f:
+        row = json.load(f)["rows"][0]
+    assert row["bs"] == 1
+    assert bench_eagle.bound_cell(row) == "2.65x; 7.5% / 1.3%"
+    assert bench_eagle.bound_cell({"accept_len": 3.0}) == "-"
