@@ -150,16 +150,22 @@ def extend_program(outputs: OutputsSpec, *, buckets: Buckets | None = None,
     belong to no request (`qo_indptr` repeats its last value) and write the sink slot; padded
     requests own no tokens. Outputs use `RunnerAxes(bs=reqs, tokens=tokens)`.
     """
+    tokens, reqs, inputs = _packed_prompts()
+    return _program(name, inputs, outputs, RunnerAxes(reqs, tokens), state, buckets)
+
+
+def _packed_prompts() -> tuple[Axis, Axis, dict[str, Input]]:
+    """Prompts packed request after request: the bucketed `tokens`, the dependent `reqs` (every
+    request owns at least one token) and the inputs every prompt program reads."""
     tokens = Axis("tokens")
     reqs = Axis("reqs", capacity=tokens)
-    inputs = {
+    return tokens, reqs, {
         "input_ids": Input((tokens,), torch.int64, pad=0),
         "positions": Input((tokens,), torch.int64, pad=0),
         "out_cache_loc": Input((tokens,), torch.int64, pad=0),  # sink slot 0
         **_per_request(reqs),
         "qo_indptr": Input((reqs + 1,), torch.int32, pad=Edge()),
     }
-    return _program(name, inputs, outputs, RunnerAxes(reqs, tokens), state, buckets)
 
 
 def draft_prefill_program(hidden_size: int, hidden_dtype: torch.dtype, outputs: OutputsSpec, *,
@@ -172,15 +178,7 @@ def draft_prefill_program(hidden_size: int, hidden_dtype: torch.dtype, outputs: 
     the sink slot; padded requests own no tokens.
     """
     _check_pos(hidden_size=hidden_size)
-    tokens = Axis("tokens")
-    reqs = Axis("reqs", capacity=tokens)
-    inputs = {
-        "input_ids": Input((tokens,), torch.int64, pad=0),
-        "positions": Input((tokens,), torch.int64, pad=0),
-        "out_cache_loc": Input((tokens,), torch.int64, pad=0),  # sink slot 0
-        "hidden_states": Input((tokens, hidden_size), hidden_dtype, pad=0),
-        **_per_request(reqs),
-        "qo_indptr": Input((reqs + 1,), torch.int32, pad=Edge()),
-        "verified_id": Input((reqs,), torch.int64, pad=0),
-    }
+    tokens, reqs, inputs = _packed_prompts()
+    inputs.update(hidden_states=Input((tokens, hidden_size), hidden_dtype, pad=0),
+                  verified_id=Input((reqs,), torch.int64, pad=0))
     return _program(name, inputs, outputs, RunnerAxes(reqs, tokens), state, buckets)

@@ -58,10 +58,8 @@ def greedy_corpus(target: nn.Module, n_seq: int, prompt_len: int, gen_len: int, 
 
 def _depth_losses(head: DraftHead, ids, h_in, y, h_out, depth: int):
     """[(ce, smooth-L1 hidden loss, top-1 accuracy)] per depth (`DraftHead.forward_unrolled`)."""
-    hs = [head.forward_dense(ids, h_in)[1]] if depth == 1 else \
-        head.forward_unrolled(ids, h_in, depth)
     out = []
-    for h in hs:
+    for h in head.forward_unrolled(ids, h_in, depth):
         logits = head.logits(h)
         ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         out.append((ce, F.smooth_l1_loss(h.float(), h_out),

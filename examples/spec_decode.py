@@ -124,6 +124,12 @@ class _Caches:
             setattr(self, attr, value)
 
 
+class _Raw(dict):
+    """Raw tensors and bound state by name, read as a body reads its view (`x.name`, `x[name]`):
+    for calling a runner's body eagerly at the raw sizes."""
+    __getattr__ = dict.__getitem__
+
+
 def _kv(x):
     return _Caches({attr: x[name] for name, attr in _CACHE_NAMES.items() if name in x})
 
@@ -242,47 +248,47 @@ def draft_body(head, spec: SpecConfig):
     return body
 
 
-def draft_extend_body(head, spec: SpecConfig):
-    steps, topk = spec.steps, spec.topk
+def first_draft(head, h_last, req_to_token, req_pool_indices, seq_lens, spec: SpecConfig) -> dict:
+    """What the next draft starts from, per request: the head's top-k at its last hidden
+    h_last [bs, H] and the slots of its steps * topk draft nodes (after seq_lens)."""
+    p, idx = head.topk(h_last, spec.topk)
+    loc = ops.assign_cache_locs(req_to_token, req_pool_indices, seq_lens, spec.steps * spec.topk)
+    return {"topk_p": p, "topk_index": idx, "next_hidden": h_last, "draft_out_cache_loc": loc}
 
+
+def shifted_prompts(input_ids, qo_indptr, first):
+    """The head's prefill tokens over packed prompts: token t becomes token t+1 of its prompt,
+    or at each prompt's last position its request's first generated token `first` [reqs].
+    Padded tokens (past qo_indptr[-1]) are never a prompt's last; padded requests own none."""
+    n, bs = input_ids.shape[0], first.shape[0]
+    ends = qo_indptr[1:].long()                                      # [reqs] one past the last
+    t = torch.arange(n, device=ends.device)
+    req = torch.searchsorted(ends, t, right=True).clamp(max=bs - 1)  # token -> request
+    nxt = torch.cat([input_ids[1:], input_ids[:1]])
+    return torch.where((t + 1) == ends[req], first[req], nxt)
+
+
+def draft_extend_body(head, spec: SpecConfig):
     def body(x):
         h = head.forward_extend(x.input_ids, x.hidden_states, x.positions, _kv(x),
                                 x.req_to_token, x.req_pool_indices, x.seq_lens, x.qo_indptr,
                                 x.out_cache_loc)                     # [tokens, H]
         last = (x.qo_indptr[:-1] + x.accept_lens - 1).clamp(0, h.shape[0] - 1).long()
-        h_last = h[last]                                             # [bs, H]
-        p, idx = head.topk(h_last, topk)
-        loc = ops.assign_cache_locs(x.req_to_token, x.req_pool_indices, x.seq_lens,
-                                    steps * topk)
-        return {"topk_p": p, "topk_index": idx, "next_hidden": h_last,
-                "draft_out_cache_loc": loc}
+        return first_draft(head, h[last], x.req_to_token, x.req_pool_indices, x.seq_lens, spec)
     return body
 
 
 def draft_prefill_body(head, spec: SpecConfig):
-    """The head over the packed prompts the target has just prefilled: token t's pair is
-    (token t+1 of its prompt, or the target's first token at the prompt's last position; the
-    target's hidden at t), as `Worker.draft_prefill` builds eagerly. Each request's last token
-    gives its first draft top-k; its draft slots come after its prompt."""
-    steps, topk = spec.steps, spec.topk
-
+    """The head over the packed prompts the target has just prefilled (`shifted_prompts`, the
+    target's hidden per token); each request's last token gives its first draft. The body of
+    the draft-prefill program, and what `Worker.draft_prefill` runs eagerly."""
     def body(x):
-        n, bs = x.input_ids.shape[0], x.seq_lens.shape[0]
-        ends = x.qo_indptr[1:].long()                                # [reqs] one past the last
-        t = torch.arange(n, device=ends.device)
-        req = torch.searchsorted(ends, t, right=True).clamp(max=bs - 1)   # token -> request
-        is_last = (t + 1) == ends[req]        # padded tokens (t >= the last end) are never last
-        nxt = torch.cat([x.input_ids[1:], x.input_ids[:1]])
-        shifted = torch.where(is_last, x.verified_id[req], nxt)
-        h = head.forward_extend(shifted, x.hidden_states, x.positions, _kv(x), x.req_to_token,
+        ids = shifted_prompts(x.input_ids, x.qo_indptr, x.verified_id)
+        h = head.forward_extend(ids, x.hidden_states, x.positions, _kv(x), x.req_to_token,
                                 x.req_pool_indices, x.seq_lens, x.qo_indptr,
                                 x.out_cache_loc)                     # [tokens, H]
-        h_last = h[(ends - 1).clamp(0, n - 1)]                       # [reqs, H]
-        p, idx = head.topk(h_last, topk)
-        loc = ops.assign_cache_locs(x.req_to_token, x.req_pool_indices, x.seq_lens,
-                                    steps * topk)
-        return {"topk_p": p, "topk_index": idx, "next_hidden": h_last,
-                "draft_out_cache_loc": loc}
+        last = (x.qo_indptr[1:].long() - 1).clamp(0, h.shape[0] - 1)
+        return first_draft(head, h[last], x.req_to_token, x.req_pool_indices, x.seq_lens, spec)
     return body
 
 
@@ -858,26 +864,20 @@ class Worker:
         draft_prefill="runner": one runner call (`draft_prefill_body`, graphs on cuda) instead
         of the head's eager layer, top-k and slot assignment, whose launches the host issues
         one by one while the GPU, done with a short prefill, waits."""
+        raw = dict(input_ids=b.ids, positions=b.positions, out_cache_loc=b.loc,
+                   hidden_states=hidden, seq_lens=b.seq_lens, req_pool_indices=b.rows,
+                   qo_indptr=b.qo, verified_id=first)
         if self.draft_prefill_mode == "runner":
-            o = self.runner("draft_prefill")(
-                input_ids=b.ids, positions=b.positions, out_cache_loc=b.loc,
-                hidden_states=hidden, seq_lens=b.seq_lens, req_pool_indices=b.rows,
-                qo_indptr=b.qo, verified_id=first)
+            o = self.runner("draft_prefill")(**raw)
             # the outputs live until the runner's next call (the next admission): the batch
-            # state owns copies
-            return SpecState(rows=b.rows, seq_lens=b.seq_lens, verified_id=first,
-                             topk_p=o.topk_p.clone(), topk_index=o.topk_index.clone(),
-                             hidden=o.next_hidden.clone(), draft_loc=o.draft_out_cache_loc.clone())
-        last = (b.qo[1:] - 1).long()
-        shifted = torch.cat([b.ids[1:], b.ids[:1]])
-        shifted[last] = first
-        h = self.head.forward_extend(shifted, hidden, b.positions, self.dkv,
-                                     self.kv.req_to_token, b.rows, b.seq_lens, b.qo, b.loc)
-        p, idx = self.head.topk(h[last], self.spec.topk)
-        loc = ops.assign_cache_locs(self.kv.req_to_token, b.rows, b.seq_lens,
-                                    self.spec.steps * self.spec.topk)
-        return SpecState(rows=b.rows, seq_lens=b.seq_lens, verified_id=first, topk_p=p,
-                         topk_index=idx, hidden=h[last], draft_loc=loc)
+            # state owns copies (four small tensors an admission)
+            o = {k: v.clone() for k, v in o.items()}
+        else:                       # the same body, called on the raw tensors and bound caches
+            o = draft_prefill_body(self.head, self.spec)(
+                _Raw(**raw, **self.state("draft_prefill")))
+        return SpecState(rows=b.rows, seq_lens=b.seq_lens, verified_id=first,
+                         topk_p=o["topk_p"], topk_index=o["topk_index"],
+                         hidden=o["next_hidden"], draft_loc=o["draft_out_cache_loc"])
 
     # ---- EAGLE -------------------------------------------------------------------------
     def spec_round(self, st: SpecState, clock: PhaseClock):

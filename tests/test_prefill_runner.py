@@ -198,3 +198,17 @@ def test_compiled_draft_prefill_runner_gives_the_eager_tokens():
     (ra, _), (rb, _) = _run(compiled, "spec", prompts, news), _run(eager, "spec", prompts, news)
     assert [r.output for r in ra] == [r.output for r in rb]
     assert compiled.runner("draft_prefill").stats.compiles >= 1
+
+
+def test_shifted_prompts_against_a_loop():
+    """The head's prefill tokens: each prompt shifted by one, its first generated token last;
+    padded tokens and padded requests (qo_indptr repeating its last value) change nothing real."""
+    from spec_decode import shifted_prompts
+    prompts = [[5, 6, 7], [9], [1, 2]]
+    first = torch.tensor([50, 90, 10, 0, 0])                   # two padded requests
+    ids = torch.tensor(sum(prompts, []) + [0, 0, 0])           # three padded tokens
+    qo = torch.tensor([0, 3, 4, 6, 6, 6], dtype=torch.int32)
+    want = sum(([*p[1:], int(f)] for p, f in zip(prompts, first)), [])
+    got = shifted_prompts(ids, qo, first)
+    assert got[:6].tolist() == want == [6, 7, 50, 90, 2, 10]
+    assert got[6:].tolist() == [0, 0, ids[0].item()]           # pads: the next (padded) token

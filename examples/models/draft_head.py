@@ -264,7 +264,7 @@ class DraftHead(nn.Module):
         xs, hs = [self._inputs(input_ids, hidden)], []
         for d in range(depth):
             positions = torch.arange(T, device=input_ids.device).repeat(d + 1).expand(B, -1)
-            mask = unrolled_mask(T, d + 1, input_ids.device)
+            mask = None if d == 0 else unrolled_mask(T, d + 1, input_ids.device)  # 0: causal
             x = self.layer.forward_dense(torch.cat(xs, dim=1), positions, rope, mask)
             hs.append(self.norm(x[:, d * T:]))                       # depth d's rows
             if d + 1 < depth:
