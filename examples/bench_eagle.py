@@ -44,8 +44,11 @@ OVERLAP = True     # overlap scheduling for every loop (spec_decode.Worker)
 # program, CUDA graphs per bucket of packed prompt tokens) or "eager" (plain torch calls)
 PREFILL = os.environ.get("EAGLE_PREFILL", "runner")
 # the EAGLE worker's draft-head prefill (Worker(draft_prefill=)): "eager" (default) or "runner"
-# (the draft-prefill program, graphs on the prefill ladder); EAGLE_DRAFT_PREFILL=runner
-DRAFT_PREFILL = os.environ.get("EAGLE_DRAFT_PREFILL", "eager")
+# (the draft-prefill program, graphs on the prefill ladder); EAGLE_DRAFT_PREFILL=runner. A comma
+# list ("eager,runner") measures the others too, in the same process on the same batches, as
+# extra EAGLE workers (each row's "variants"; the tables stay the first one's).
+DRAFT_PREFILLS = os.environ.get("EAGLE_DRAFT_PREFILL", "eager").split(",")
+DRAFT_PREFILL = DRAFT_PREFILLS[0]
 RESULT = ("eagle" if MODEL == "llama" else f"eagle_{MODEL}") + \
     ("_eager_prefill" if PREFILL == "eager" else "") + \
     ("_draft_prefill_runner" if DRAFT_PREFILL == "runner" else "")
@@ -157,6 +160,10 @@ def main():
                                **kw),
         "eagle_eager": Worker(target, head, spec, backend="reference", **kw),
     }
+    for dp in DRAFT_PREFILLS[1:]:
+        workers[f"eagle_graphs[draft_prefill={dp}]"] = Worker(
+            target, head, spec, backend="cuda", prefill=PREFILL, draft_compile=DRAFT_COMPILE[MODEL],
+            draft_prefill=dp, **kw)
     rows = []
     for bs in BATCHES:
         batches = row_batches(bs, target.cfg.vocab_size)
@@ -166,7 +173,12 @@ def main():
         # the eager worker is ~10x slower: its first batch once, against the graphs' same batch
         _, ee, _ = measure(workers["eagle_eager"], "spec", batches[:1], news[:1], repeats=1)
         match, divergences = match_line(greedy_reqs, eagle_reqs)
-        rows.append({
+        variants = {}
+        for name in workers:
+            if name.startswith("eagle_graphs["):
+                v_reqs, v, _ = measure(workers[name], "spec", batches, news)
+                variants[name[len("eagle_graphs["):-1]] = variant_entry(g, greedy_reqs, v, v_reqs)
+        rows.append({"variants": variants,
             "bs": bs, "requests": len(eagle_reqs), "batches": len(batches), "repeats": REPEATS,
             "greedy_graphs_tok_s": g.tokens_per_s, "eagle_graphs_tok_s": e.tokens_per_s,
             "eagle_eager_tok_s": ee.tokens_per_s, "accept_len": e.accept_len,
@@ -222,6 +234,32 @@ def bound_cell(r: dict) -> str:
             f"{100 * share['eagle']:.1f}% / {100 * share['greedy']:.1f}%")
 
 
+def variant_entry(g: RunStats, greedy_reqs, v: RunStats, v_reqs) -> dict:
+    """One extra EAGLE worker's result on a row, against the row's greedy run g."""
+    return {"eagle_graphs_tok_s": v.tokens_per_s, "accept_len": v.accept_len,
+            "speedup_vs_greedy": v.tokens_per_s / g.tokens_per_s if g.tokens_per_s else 0.0,
+            "round_in_greedy_steps": v.round_seconds / g.round_seconds if g.round_seconds else 0.0,
+            "phases_s": {"greedy": dict(g.phases), "eagle": dict(v.phases)},
+            "greedy_match": match_line(greedy_reqs, v_reqs)[0]}
+
+
+def variant_lines(rows: list[dict]) -> list[str]:
+    """The md table of the rows' extra EAGLE workers (none: no lines)."""
+    found = [(r["bs"], name, v) for r in rows for name, v in r.get("variants", {}).items()]
+    if not found:
+        return []
+    lines = ["", f"## Variants (same process, same batches, against the same greedy runs; the "
+             f"table above: draft prefill {DRAFT_PREFILL})", "",
+             "| bs | variant | EAGLE graphs tok/s | accept len | speedup vs greedy | "
+             "EAGLE round / greedy step | bound: accept / round; prefill share (EAGLE / greedy) "
+             "| greedy match |", "|---|---|---|---|---|---|---|---|"]
+    for bs, name, v in found:
+        lines.append(f"| {bs} | {name} | {v['eagle_graphs_tok_s']:.0f} | {v['accept_len']:.2f} | "
+                     f"{v['speedup_vs_greedy']:.2f}x | {v['round_in_greedy_steps']:.2f} | "
+                     f"{bound_cell(v)} | {v['greedy_match']} |")
+    return lines
+
+
 def queue_times(q: dict) -> str:
     """'1.37 / 2.06 | 3.70 / 7.00': ms per greedy step / EAGLE round, then the prefill phase's ms
     per prefill batch (greedy / EAGLE); '- | -' for a result written before they were kept."""
@@ -246,7 +284,7 @@ def write(out_dir, rows, spec, dinfo, seconds, queue=None):
         "targets": {"eagle_vs_greedy": {"bs1": ">= 2.5", "bs4": ">= 2.0", "bs16": ">= 1.5"},
                     "graphs_vs_eager_bs1": ">= 3.0"},
         "overlap": OVERLAP, "scheduling": OVERLAP_NOTE if OVERLAP else "overlap off",
-        "prefill": PREFILL, "draft_prefill": DRAFT_PREFILL,
+        "prefill": PREFILL, "draft_prefill": DRAFT_PREFILL, "draft_prefill_variants": DRAFT_PREFILLS[1:],
     }
     meta["spec"] = {"steps": spec.steps, "topk": spec.topk, "k": spec.num_draft_tokens}
     os.makedirs(out_dir, exist_ok=True)
@@ -281,6 +319,7 @@ def write(out_dir, rows, spec, dinfo, seconds, queue=None):
                      f"{r['speedup_vs_greedy']:.2f}x | {round_cell(r)} | {bound_cell(r)} | "
                      f"{r['graphs_vs_eager']:.2f}x | "
                      f"{r['greedy_match']} |")
+    lines += variant_lines(rows)
     if queue:
         q = queue
         lines += ["", f"## Continuous admission: {q['requests']} requests through {q['rows']} "

@@ -170,3 +170,22 @@ def test_bound_cell_from_a_measured_row():
     assert row["bs"] == 1
     assert bench_eagle.bound_cell(row) == "2.65x; 7.5% / 1.3%"
     assert bench_eagle.bound_cell({"accept_len": 3.0}) == "-"
+
+
+def test_variant_rows_compare_against_the_rows_greedy_run():
+    """An extra EAGLE worker (EAGLE_DRAFT_PREFILL=eager,runner) is measured on the row's batches
+    and compared with the row's greedy run; its md table lists it per bs."""
+    w = _worker()
+    batches = [bench_eagle.prompts_for(2, w.target.cfg.vocab_size, seed=s) for s in (1, 2)]
+    greedy, g, _ = bench_eagle.measure(w, "greedy", batches, [6, 6], repeats=1)
+    spec, e, _ = bench_eagle.measure(w, "spec", batches, [6, 6], repeats=1)
+    v = bench_eagle.variant_entry(g, greedy, e, spec)
+    assert v["greedy_match"].startswith("4/4")
+    assert abs(v["speedup_vs_greedy"] - e.tokens_per_s / g.tokens_per_s) < 1e-12
+    assert abs(v["round_in_greedy_steps"] - e.round_seconds / g.round_seconds) < 1e-12
+    assert bench_eagle.variant_lines([{"bs": 1}]) == []
+    lines = bench_eagle.variant_lines([{"bs": 1, "variants": {"draft_prefill=runner": v}},
+                                       {"bs": 4, "variants": {"draft_prefill=runner": v}}])
+    body = [ln for ln in lines if ln.startswith("| 1 |") or ln.startswith("| 4 |")]
+    assert len(body) == 2 and all("draft_prefill=runner" in ln for ln in body)
+    assert f"{v['speedup_vs_greedy']:.2f}x" in body[0]
