@@ -39,7 +39,11 @@ back (`Worker._loop`); a request sure to finish in the round in flight (one toke
 out of the next round instead. The run is the same token for token as without overlap; with
 at most max_bs requests it costs at most one trailing round (`RunStats.rounds` counts it) and
 at most one discarded lane-round per request (none for a finish foreseen: greedy without EOS
-runs none). With more requests (continuous admission) a row freed by a finish found one round
+runs none). Tail sync (`Worker(tail_sync=True)`, the default): when every running request may
+finish in the round in flight (its budget left is at most what one round can emit), the loop
+reads that round back before queuing the next instead of queuing a round that may be discarded
+whole: at the end of a batch it costs a host round trip (the GPU waits for the host's next
+launches) instead of a whole trailing round. With more requests (continuous admission) a row freed by a finish found one round
 late is handed out one round later too, so a queued request can start later and the run can
 take a few more rounds than without overlap.
 """
@@ -110,6 +114,12 @@ class Request:
 def _sure_to_finish(r: Request) -> bool:
     """One token left: the round in flight finishes it (every round emits at least one)."""
     return r.max_new_tokens - len(r.output) <= 1
+
+
+def _may_finish(r: Request, max_emit: int) -> bool:
+    """At most max_emit tokens left (a round emits up to max_emit): the round in flight may
+    finish it."""
+    return r.max_new_tokens - len(r.output) <= max_emit
 
 
 _CACHE_NAMES = {"k_cache": "k", "v_cache": "v", "latent_cache": "latent"}   # state -> kv.<attr>
@@ -575,7 +585,9 @@ class Worker:
     fused launches per draft step; in the H200 Llama main job the draft phase fell from 1.98 to
     1.52 ms a round; not yet run on a GPU for the DeepSeek MTP head, hence not the default).
     overlap: queue round N+1 before reading round N back (see the module docstring and `_loop`);
-    False runs the plain loop (read back, then queue the next).
+    False runs the plain loop (read back, then queue the next). tail_sync (with overlap): read
+    the round in flight back before queuing the next when it may finish every running request
+    (`_loop`), so a batch's end runs no round discarded whole.
     max_context bounds prompt + max_new_tokens + the tree margin per request (checked at
     admission); with overlap the worker reserves `overlap_margin` more positions where they fit.
     prefill: "eager" runs the target's extend over the prompts as plain torch calls; "runner"
@@ -591,7 +603,7 @@ class Worker:
                  buckets=None, compile_options: dict | None = None, overlap: bool = True,
                  torch_compile: bool | None = None, draft_compile: str = "regions",
                  prefill: str = "eager", prefill_tokens: int | None = None,
-                 draft_prefill: str = "eager"):
+                 draft_prefill: str = "eager", tail_sync: bool = True):
         if draft_compile not in ("regions", "whole"):
             raise ValueError(f"draft_compile must be 'regions' or 'whole'; got {draft_compile!r}")
         if prefill not in ("eager", "runner"):
@@ -601,7 +613,7 @@ class Worker:
         p = target.lm_head.weight
         self.target, self.head, self.spec, self.eos_id = target, head, spec, eos_id
         self.backend, self.max_bs, self.max_context = backend, max_bs, max_context
-        self.overlap = overlap
+        self.overlap, self.tail_sync = overlap, tail_sync
         self.margin = max(spec.num_draft_tokens, spec.steps * spec.topk) + 1
         # A round that starts at seq_len s touches positions < s + margin - 1 (verify's k tree
         # tokens, the draft's steps * topk nodes). A request still running after a round has
@@ -757,7 +769,8 @@ class Worker:
 
     # ---- the loop ----------------------------------------------------------------------
     def _loop(self, active: list[Request], st: LoopState, step, consume, stats: RunStats,
-              clock: PhaseClock, overlap: bool, refill: "_Refill | None" = None) -> None:
+              clock: PhaseClock, overlap: bool, refill: "_Refill | None" = None,
+              max_emit: int = 1) -> None:
         """Run rounds until every request has finished (and, with `refill`, every queued one
         has been admitted and finished).
 
@@ -785,6 +798,12 @@ class Worker:
         admission, which writes req_to_token from the host) cannot race with one. Releasing at
         once would rely on that host write being ordered behind the in-flight round.
 
+        Tail sync (self.tail_sync): when every running request may finish in round N (at most
+        max_emit tokens left, the most one round emits), round N+1 could be discarded whole: the
+        loop reads round N back first, retires, and only then queues the next round (for the
+        requests still running, and admissions), as without overlap. Greedy's max_emit is 1:
+        those requests are sure to finish and kept out anyway, so its runs do not change.
+
         refill (continuous admission): before each round is queued, queued requests take the
         rows freed so far; they are prefilled (queued behind the round in flight) and their
         state is appended to the batch's, so the round about to be queued runs them too. Rows
@@ -804,13 +823,16 @@ class Worker:
                     f"{self.rows.n - 1} is free and none is running: rows admitted outside this "
                     f"call (Worker.admit) must be released first")
             launched, kept_out = None, []
-            if active and overlap and pending is not None:   # round N is in flight
+            # round N may finish every running request: read it back before queuing N+1
+            sync_first = (self.tail_sync and overlap and pending is not None and bool(active)
+                          and all(_may_finish(r, max_emit) for r in active))
+            if active and overlap and pending is not None and not sync_first:  # N in flight
                 kept_out = [r for r in active if _sure_to_finish(r)]
                 if kept_out:
                     active, st = self._drop_done(active, st, gone=_sure_to_finish)
-            if refill is not None and refill.waiting:        # after kept_out: all in round N
+            if refill is not None and refill.waiting and not sync_first:   # after kept_out
                 active, st = refill(active, st)
-            if active:
+            if active and not sync_first:
                 st, rb = step(st)       # round N+1, from round N's state on the device
                 stats.rounds += 1
                 launched = (active, rb)
@@ -942,7 +964,7 @@ class Worker:
         with self._abandon_on_error(refill):
             active, st = refill([], None)
             self._loop(active, st, lambda s: self.spec_round(s, clock), consume, stats, clock,
-                       overlap, refill)
+                       overlap, refill, max_emit=self.spec.steps + 1)
         return refill.reqs, self._finish(stats, t0, clock, refill.reqs)
 
     # ---- greedy ------------------------------------------------------------------------

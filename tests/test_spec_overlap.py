@@ -100,6 +100,34 @@ def test_overlap_equals_plain_loop(models, head_kind):
     assert_released(w_off)
 
 
+def test_tail_sync_runs_no_round_discarded_whole(models):
+    """One request at a time (bs 1): without tail sync, the round queued while the last one runs
+    is discarded whole whenever that last round's finish was not foreseen (budget > 1 left, as
+    with long accepts); with tail sync (the default) the loop reads the round back first once
+    the request may finish in it, so the run has the plain loop's rounds and discards nothing,
+    with the same tokens. Several requests: rounds and discards never exceed tail sync's off."""
+    target, head = models["oracle"]
+    prompts = _prompts(target.cfg.vocab_size)
+    news = [m for _, m in LENS]
+    w_sync, w_late = _worker(target, head, True), _worker(target, head, True, tail_sync=False)
+    w_off = _worker(target, head, False)
+    late_discards = 0
+    for p, n in zip(prompts, news):
+        sync, late, off = (_run(w, "spec", [p], [n]) for w in (w_sync, w_late, w_off))
+        assert [r.output for r in sync[0]] == [r.output for r in off[0]] == \
+            [r.output for r in late[0]]
+        assert (sync[1].rounds, sync[1].discarded) == (off[1].rounds, 0), (n, sync[1])
+        assert sync[1].overlap
+        late_discards += late[1].discarded
+    assert late_discards > 0            # the case tail sync exists for did occur
+    sync, late = (_run(w, "spec", prompts, news) for w in (w_sync, w_late))
+    assert_same_run(sync, _run(w_off, "spec", prompts, news))
+    assert sync[1].rounds <= late[1].rounds and sync[1].discarded <= late[1].discarded
+    assert [r.output for r in sync[0]] == [r.output for r in late[0]]
+    for w in (w_sync, w_late, w_off):
+        assert_released(w)
+
+
 def test_overlap_with_eos(models):
     target, head = models["oracle"]
     prompts, news = _prompts(target.cfg.vocab_size), [m for _, m in LENS]
