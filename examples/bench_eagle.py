@@ -43,15 +43,17 @@ OVERLAP = True     # overlap scheduling for every loop (spec_decode.Worker)
 # the graph workers' prefill (spec_decode.Worker(prefill=)): "runner" (default: the prefill
 # program, CUDA graphs per bucket of packed prompt tokens) or "eager" (plain torch calls)
 PREFILL = os.environ.get("EAGLE_PREFILL", "runner")
-# the EAGLE worker's draft-head prefill (Worker(draft_prefill=)): "eager" (default) or "runner"
-# (the draft-prefill program, graphs on the prefill ladder); EAGLE_DRAFT_PREFILL=runner. A comma
-# list ("eager,runner") measures the others too, in the same process on the same batches, as
-# extra EAGLE workers (each row's "variants"; the tables stay the first one's).
-DRAFT_PREFILLS = os.environ.get("EAGLE_DRAFT_PREFILL", "eager").split(",")
+# the EAGLE worker's draft-head prefill (Worker(draft_prefill=)): "runner" (default: the
+# draft-prefill program, graphs on the prefill ladder) or "eager" (plain torch calls). A comma
+# list ("runner,eager") measures the others too, in the same process on the same batches, as
+# extra EAGLE workers (each row's "variants"; the tables stay the first one's). H200, 2026-12-02
+# (eleventh session): runner 2.59x / 2.45x / 2.28x at bs 1 / 4 / 16 against eager's 2.56x /
+# 2.42x / 2.29x, same process.
+DRAFT_PREFILLS = os.environ.get("EAGLE_DRAFT_PREFILL", "runner").split(",")
 DRAFT_PREFILL = DRAFT_PREFILLS[0]
 RESULT = ("eagle" if MODEL == "llama" else f"eagle_{MODEL}") + \
     ("_eager_prefill" if PREFILL == "eager" else "") + \
-    ("_draft_prefill_runner" if DRAFT_PREFILL == "runner" else "")
+    ("_draft_prefill_eager" if DRAFT_PREFILL == "eager" else "")
 OVERLAP_NOTE = ("overlap scheduling on: each loop queues round (greedy: step) N+1 before it "
                 "reads N back; finished requests leave one round late")
 

@@ -200,10 +200,11 @@ def main():
                          "default: CUDA graphs per bucket of packed prompt tokens, layers "
                          "compiled as in decode), or plain torch calls (CPU default). Both "
                          "count in the timing")
-    ap.add_argument("--draft-prefill", default="eager", choices=["eager", "runner"],
-                    help="the draft head's prefill after the target's: plain torch calls "
-                         "(default), or the draft-prefill program on the worker's backend (GPU: "
-                         "graphs on the prefill ladder, the head's layer compiled as in the draft)")
+    ap.add_argument("--draft-prefill", default=None, choices=["eager", "runner"],
+                    help="the draft head's prefill after the target's: the draft-prefill program "
+                         "on the worker's backend (GPU default: graphs on the prefill ladder, the "
+                         "head's layer compiled as in the draft), or plain torch calls (CPU "
+                         "default)")
     ap.add_argument("--no-overlap", action="store_true",
                     help="read each round back before queuing the next (default: overlap)")
     ap.add_argument("--distill-steps", type=int, default=None,
@@ -244,7 +245,7 @@ def main():
                torch_compile=False if args.no_compile else None,
                draft_compile=args.draft_compile or DRAFT_COMPILE[args.model],
                prefill=args.prefill or ("runner" if gpu else "eager"),
-               draft_prefill=args.draft_prefill)
+               draft_prefill=args.draft_prefill or ("runner" if gpu else "eager"))
     with torch.no_grad():
         # compile (GPU: capture) and JIT outside the timed runs: the full batch and bs=1
         for gen in (w.generate_spec, w.generate_greedy):

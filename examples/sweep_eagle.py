@@ -96,6 +96,7 @@ def main(argv=None):
             kw["prefill"] = "runner"          # as bench_eagle and the main job on a GPU
             if not greedy:
                 kw["draft_compile"] = DRAFT_COMPILE[model]
+                kw["draft_prefill"] = "runner"
         return Worker(target, head, spec, **kw)
 
     greedy_w = worker(SpecConfig(*deepest), greedy=True)

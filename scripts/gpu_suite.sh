@@ -11,7 +11,7 @@
 #                             [eagle-profile: the main job, then its kernels per round under torch.profiler]
 #                             [sweep-eagle, sweep-eagle-deepseek: EAGLE over several draft trees (steps, topk, k) against greedy]
 #                             [bench-runner-profile: bench_runner at bs 1 and 16 (padgraph, padgraph+compile) with the compiled variant's kernels per step (bench_runner_profile.json)]
-#                             [bench-eagle-draft-prefill: bench_eagle (eagle.{md,json}) with a second EAGLE worker running the draft-prefill program, same process]
+#                             [bench-eagle-draft-prefill: bench_eagle (eagle.{md,json}) with a second EAGLE worker whose draft prefill is eager (torch calls), same process]
 #                             [eagle-variants: the main job once per argument list of EAGLE_VARIANTS="--model deepseek --steps 3;..." (logs eagle_v1, eagle_v2, ...)]
 #                             [tests-parallel: the cuda tests as five pytest processes and the cuda conformance suite, at once]
 # With no arguments, everything. Results and logs go under $OUT (default results/local).
@@ -81,7 +81,7 @@ want bench-attention && run bench_attention python3 examples/bench_attention.py
 want bench-mla && run bench_mla python3 examples/bench_mla.py
 want bench-eagle && run bench_eagle python3 examples/bench_eagle.py
 want bench-eagle-deepseek && EAGLE_MODEL=deepseek run bench_eagle_deepseek python3 examples/bench_eagle.py
-want bench-eagle-draft-prefill && EAGLE_DRAFT_PREFILL=eager,runner run bench_eagle python3 examples/bench_eagle.py
+want bench-eagle-draft-prefill && EAGLE_DRAFT_PREFILL=runner,eager run bench_eagle python3 examples/bench_eagle.py
 want hf && run hf_llama python3 examples/hf_llama.py
 want hf-compile && run hf_llama_compile python3 examples/hf_llama.py --torch-compile
 want bench-runner-compile && run bench_runner_compile python3 examples/bench_runner.py --variants padgraph+compile,compile-ro --iters 30
