@@ -12,8 +12,11 @@ All variants run side by side in one process on the same body, weights and KV ca
                    layer compiled once for every layer and the whole ladder, inductor's kernels
                    captured in padgraph's graphs (--pg-compile whole: the whole body compiled)
 Per raw batch size: step time (CUDA events, median), host time per call (median), a
-correctness check of next tokens against eager, and the floor: (weight bytes + KV bytes read) /
-measured device-to-device copy bandwidth. For the ladder: capture seconds and pool bytes.
+correctness check of next tokens against eager, and the floor: (weight bytes a step reads + KV
+bytes read) / measured device-to-device copy bandwidth. A step reads every weight but the
+embedding table, of which it reads one row per request (`step_weight_bytes`; before 2026-12-02's
+eleventh session the floor counted the whole table, 0.53 GB of the 1B model's 3.00: 126 us more
+floor at bs 1). For the ladder: capture seconds and pool bytes.
 Writes bench_runner.{md,json,png} under $OUT (or results/local).
 
     python examples/bench_runner.py [--variants a,b] [--sizes 1,3,8] [--tiny]
@@ -225,7 +228,8 @@ def main() -> None:
     step = Step(model, kv)
     program = decode_program()
     bw = copy_bandwidth(device)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())   # all, stored
+    step_bytes = lambda n: step_weight_bytes(model, n)   # noqa: E731  (what a step of n reads)
     gen = torch.Generator().manual_seed(0)
     batches = {n: make_batch(n, kv, cfg, gen, device) for n in sizes}
     with torch.inference_mode():
@@ -234,7 +238,7 @@ def main() -> None:
         if args.size_oblivious:
             pg_compile["size_oblivious"] = True
         variants, setup = build_variants(names, step, program, device, pg_compile)
-        rows = run_all(variants, setup, batches, sizes, args.iters, cfg, weight_bytes, bw,
+        rows = run_all(variants, setup, batches, sizes, args.iters, cfg, step_bytes, bw,
                        lambda rows, done: report(rows, setup, names, done, bw, weight_bytes, cfg, args))
         if args.profile:
             profile_steps(variants[args.profile], args.profile, batches, sizes, args.iters, rows)
@@ -259,14 +263,25 @@ def profile_steps(fn, name: str, batches, sizes, iters: int, rows) -> None:
     (out_dir() / "bench_runner_profile.json").write_text(json.dumps(out, indent=1))
 
 
+def step_weight_bytes(model, n: int) -> int:
+    """Weight bytes one decode step of n requests must read: every parameter but the embedding
+    table, of which it reads n rows (a table shared with the lm_head is read whole)."""
+    table = model.embed.weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if table is model.lm_head.weight:
+        return total
+    return total - table.numel() * table.element_size() + n * table.stride(0) * table.element_size()
+
+
 def run_all(variants, setup, batches, sizes, iters, cfg, weight_bytes, bw, after_size):
-    """Every variant at every size; the results are written after each size (a timeout keeps them)."""
+    """Every variant at every size; the results are written after each size (a timeout keeps them).
+    weight_bytes(n): the weight bytes a step of n requests reads (the floor's)."""
     rows = []
     for i, n in enumerate(sizes):
         raw = batches[n]
         ref = next_tokens(next(iter(variants.values()))(**raw)).clone()   # the first variant (eager)
         kv_bytes = int(raw["seq_lens"].sum()) * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 2
-        floor_us = (weight_bytes + kv_bytes) / bw * 1e6
+        floor_us = (weight_bytes(n) + kv_bytes) / bw * 1e6
         for name, fn in variants.items():
             if name == "compile-ro":
                 got = warm_compile_ro(fn, raw, setup["compile-ro"], n)
@@ -301,11 +316,15 @@ def report(rows, setup, names, sizes, bw, weight_bytes, cfg, args):
     out = out_dir()
     info = env_info(" ".join(["python"] + sys.argv))
     data = {"env": info, "copy_bandwidth_GBps": bw / 1e9, "weight_bytes": weight_bytes,
+            "floor": "weight bytes a step reads (all but the embedding table, one row of it per "
+                     "request) + KV bytes read, over the copy bandwidth",
             "config": cfg.__dict__, "setup": setup, "rows": rows}
     (out / "bench_runner.json").write_text(json.dumps(data, indent=1, default=str))
     by = {(r["bs"], r["variant"]): r for r in rows}
     lines = [f"# bench_runner — {info['date']}, {info['gpu']}, torch {info['torch']}, triton {info['triton']}",
-             f"command: `{info['command']}`; copy bandwidth {bw / 1e9:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB", "",
+             f"command: `{info['command']}`; copy bandwidth {bw / 1e9:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB "
+             "stored; floor: the weight bytes a step reads (all but the embedding table, one row "
+             "of it per request) + KV bytes read, over the copy bandwidth", "",
              "step time µs (median, CUDA events) / host µs per call (median)", "",
              "| bs | floor | " + " | ".join(names) + " | padgraph/handwritten |",
              "|---|---|" + "---|" * len(names) + "---|"]

@@ -52,25 +52,35 @@ def host(d: Path, name: str) -> None:
 
 
 def eagle(d: Path, name: str) -> None:
-    """bench_eagle: tokens/s of greedy and EAGLE (graphs) per batch size, speedups annotated."""
+    """bench_eagle: tokens/s of greedy and EAGLE (graphs) per batch size, speedups annotated;
+    each extra EAGLE worker of a row (its "variants", same process) as one more bar."""
     e = json.loads((d / f"{name}.json").read_text())
     rows = list(e["rows"])
     bs = [str(r["bs"]) for r in rows]
-    if "continuous" in e:   # the continuous-admission row: requests through rows
+    if e.get("continuous"):   # the continuous-admission row: requests through rows
         c = e["continuous"]
         rows.append(c)
         bs.append(f"{c['requests']} req\n{c['rows']} rows")
-    x = range(len(bs))
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.bar([i - 0.2 for i in x], [r["greedy_graphs_tok_s"] for r in rows], 0.4, label="greedy (graphs)")
-    ax.bar([i + 0.2 for i in x], [r["eagle_graphs_tok_s"] for r in rows], 0.4, label="EAGLE (graphs)")
-    for i, r in zip(x, rows):
-        ax.annotate(f"{r['speedup_vs_greedy']:.2f}x", (i + 0.2, r["eagle_graphs_tok_s"]), ha="center",
-                    va="bottom", fontsize=9)
+    names = sorted({v for r in rows for v in r.get("variants", {})})
+    main = f"EAGLE (graphs, draft prefill {e['meta']['draft_prefill']})" if names else "EAGLE (graphs)"
+    series = [("greedy (graphs)", [r["greedy_graphs_tok_s"] for r in rows], None),
+              (main, [r["eagle_graphs_tok_s"] for r in rows], [r["speedup_vs_greedy"] for r in rows])]
+    for n in names:
+        vs = [r.get("variants", {}).get(n) for r in rows]
+        series.append((f"EAGLE (graphs, {n})", [v["eagle_graphs_tok_s"] if v else 0 for v in vs],
+                       [v["speedup_vs_greedy"] if v else None for v in vs]))
+    x, w = range(len(bs)), 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(6 + len(names), 4))
+    for j, (label, vals, ups) in enumerate(series):
+        xs = [i - 0.4 + w * (j + 0.5) for i in x]
+        ax.bar(xs, vals, w, label=label)
+        for xi, v, up in zip(xs, vals, ups or []):
+            if up is not None:
+                ax.annotate(f"{up:.2f}x", (xi, v), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(x), bs)
     ax.set(title=f"bench_eagle ({e['meta']['gpu']}, prefill {e['meta'].get('prefill', 'eager')})",
            xlabel="bs", ylabel="tokens/s")
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(d / f"{name}.png", dpi=110)
 
