@@ -81,12 +81,15 @@ def track_in_flight(monkeypatch, step_name: str) -> list:
     return in_flight
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("overlap,tail_sync", [(True, True), (True, False), (False, True)])
 @pytest.mark.parametrize("head_kind", ["random", "oracle"])
-def test_more_requests_than_rows_give_each_its_own_tokens(models, alone, overlap, head_kind):
+def test_more_requests_than_rows_give_each_its_own_tokens(models, alone, overlap, tail_sync,
+                                                          head_kind):
+    """tail_sync (with overlap): when every running request may finish in the round in flight,
+    the loop reads it back before admitting and queuing the next; tokens must not change."""
     target, head = models[head_kind]
     prompts, news = _prompts(target.cfg.vocab_size), [n for _, n in LENS]
-    w = _worker(target, head, overlap)
+    w = _worker(target, head, overlap, tail_sync=tail_sync)
     for mode in ("spec", "greedy"):
         reqs, st = _run(w, mode, prompts, news)
         assert [r.rid for r in reqs] == list(range(len(LENS)))
@@ -99,13 +102,14 @@ def test_more_requests_than_rows_give_each_its_own_tokens(models, alone, overlap
         assert_released(w)
 
 
-def test_admitted_rows_are_never_in_flight(models, monkeypatch):
+@pytest.mark.parametrize("tail_sync", [True, False])
+def test_admitted_rows_are_never_in_flight(models, monkeypatch, tail_sync):
     """Every admission takes rows that no queued-but-unread round uses: with overlap, a row
     freed by a request that finished in round N is handed out only once round N+1 (which still
     held it) has been read back."""
     target, head = models["oracle"]
     prompts, news = _prompts(target.cfg.vocab_size), [n for _, n in LENS]
-    w = _worker(target, head, True)
+    w = _worker(target, head, True, tail_sync=tail_sync)
     in_flight = track_in_flight(monkeypatch, "spec_round")
     checked = []
     orig_admit = Worker._admit
