@@ -11,6 +11,7 @@
 #                             [eagle-profile: the main job, then its kernels per round under torch.profiler]
 #                             [sweep-eagle, sweep-eagle-deepseek: EAGLE over several draft trees (steps, topk, k) against greedy]
 #                             [bench-runner-profile: bench_runner at bs 1 and 16 (padgraph, padgraph+compile) with the compiled variant's kernels per step (bench_runner_profile.json)]
+#                             [bench-gemv: the small-batch linear kernel against F.linear at the 1B decode shapes (gemv.{md,json,png})]
 #                             [bench-eagle-draft-prefill: bench_eagle (eagle.{md,json}) with a second EAGLE worker whose draft prefill is eager (torch calls), same process]
 #                             [eagle-variants: the main job once per argument list of EAGLE_VARIANTS="--model deepseek --steps 3;..." (logs eagle_v1, eagle_v2, ...)]
 #                             [tests-parallel: the cuda tests as five pytest processes and the cuda conformance suite, at once]
@@ -90,5 +91,6 @@ want bench-hf && run bench_hf python3 examples/bench_hf.py
 want sweep-eagle && run sweep_eagle python3 examples/sweep_eagle.py
 want sweep-eagle-deepseek && EAGLE_MODEL=deepseek run sweep_eagle_deepseek python3 examples/sweep_eagle.py
 want bench-topk && run bench_topk python3 examples/bench_topk.py
+want bench-gemv && run bench_gemv python3 examples/bench_gemv.py
 echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/pytest_cuda*.log "$OUT"/spec_cuda.log "$OUT"/spec_cuda_compile.log 2>/dev/null | tail -6
 exit $rc
