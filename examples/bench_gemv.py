@@ -14,9 +14,16 @@ it), so no call reads a warm weight. Every config's output is checked against F.
 / time; "of copy" = that over the measured copy bandwidth (read + write bytes, as the other
 benchmarks count it).
 
+The chain (`--chain`, on by default): the GEMMs of a whole 1B decode step and nothing else, 16
+layers of qkv -> o -> gate_up -> down with their own weights (each call's input is a slice of
+the one before, so they run in order) and the lm_head, as one CUDA graph: once with F.linear
+everywhere, once with each shape's faster of F.linear and the best gemv config of the sweep.
+Against the step's weight floor (these weights' bytes / copy bandwidth) this bounds what a
+decode body of one kernel per linear can reach, whatever runs between the linears.
+
 Writes gemv.{md,json,png} under $OUT (or results/local).
 
-    python examples/bench_gemv.py [--sizes 1,4,16] [--quick]
+    python examples/bench_gemv.py [--sizes 1,4,16] [--quick] [--no-chain]
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -85,7 +93,11 @@ def bench_shape(name, n, k, m, configs, bw, gen) -> dict:
     results = []
     for cfg in configs:
         fn = lambda x, w, cfg=cfg: gemv(x, w, impl="triton", **cfg)   # noqa: E731
-        err = rel_err(fn(xs[0], ws[0]), want)
+        try:
+            err = rel_err(fn(xs[0], ws[0]), want)
+        except triton.runtime.errors.OutOfResources as e:   # a tile past the shared memory
+            results.append(dict(cfg, err=float("nan"), ok=False, error=str(e)))
+            continue
         r = dict(cfg, err=err, ok=err < 1e-2)
         if r["ok"]:
             r["us"] = time_graph(fn, xs, ws)
@@ -101,11 +113,110 @@ def bench_shape(name, n, k, m, configs, bw, gen) -> dict:
     print(f"{name:>8} bs={m:>2}: cuBLAS {row['cublas_us']:7.1f} µs ({row['cublas_gbs']:6.0f} GB/s)"
           f"  gemv {best['us'] if best else float('nan'):7.1f} µs ({row['gemv_gbs']:6.0f} GB/s) "
           f"{row['speedup']:.2f}x  best {best and {k_: best[k_] for k_ in ('block_n', 'block_k', 'split_k')}}"
-          f"  bad configs {len(results) - len(ok)}", flush=True)
+          f"  bad configs {sum('error' not in r_ for r_ in results) - len(ok)}"
+          f"  over shared memory {sum('error' in r_ for r_ in results)}", flush=True)
     return row
 
 
-def markdown(meta, rows) -> str:
+LAYERS = 16  # Llama-3.2-1B
+
+
+def chain_us(x0, layer_ws, head_w, linears) -> tuple[float, torch.Tensor]:
+    """Median µs of one replay of the step's GEMM chain from x0 (a CUDA graph), and its output.
+    linears: shape name -> fn(x, w)."""
+
+    def step():
+        x = x0
+        for ws in layer_ws:
+            q = linears["qkv"](x, ws["qkv"])[:, :2048]
+            h = linears["o"](q, ws["o"])
+            g = linears["gate_up"](h, ws["gate_up"])[:, :8192]
+            x = linears["down"](g, ws["down"])  # no kernel between two linears
+        return linears["lm_head"](x, head_w)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = step()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(REPEATS + 3):
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times[3:]), out.clone()
+
+
+def bench_chain(rows, sizes, bw, gen) -> list[dict]:
+    """The whole step's GEMMs as one graph: F.linear everywhere, then each shape's faster of
+    F.linear and its best gemv config (from the sweep's rows at that bs)."""
+    dims = {name: (n, k) for name, n, k in SHAPES}
+    # scaled by 1 / sqrt(K) (a cast is the last op): activations keep unit scale along the chain
+    layer_ws = [{name: (torch.randn(n, k, generator=gen, device="cuda") / k ** 0.5)
+                 .to(torch.bfloat16) for name, (n, k) in dims.items() if name != "lm_head"}
+                for _ in range(LAYERS)]
+    head_w = (torch.randn(*dims["lm_head"], generator=gen, device="cuda") / 2048 ** 0.5
+              ).to(torch.bfloat16)
+    weight_bytes = (sum(w.numel() for ws in layer_ws for w in ws.values()) + head_w.numel()) * 2
+    floor_us = weight_bytes / bw * 1e6
+    out = []
+    for m in sizes:
+        by = {r["shape"]: r for r in rows if r["bs"] == m}
+        picks = {}
+        for name in dims:
+            r = by.get(name)
+            if r and r["best"] and r["speedup"] > 1.0:
+                cfg = {k_: r["best"][k_] for k_ in ("block_n", "block_k", "split_k",
+                                                     "num_warps", "num_stages")}
+                picks[name] = (lambda x, w, cfg=cfg: gemv(x, w, impl="triton", **cfg), cfg)
+            else:
+                picks[name] = (F.linear, "F.linear")
+        x0 = torch.randn(m, 2048, generator=gen, device="cuda").to(torch.bfloat16)
+        cublas_us, want = chain_us(x0, layer_ws, head_w, {n_: F.linear for n_ in dims})
+        mixed_us, got = chain_us(x0, layer_ws, head_w, {n_: p[0] for n_, p in picks.items()})
+        # every linear a gemv of one split (its best such config), without and with programmatic
+        # dependent launch: how much of the chain's time is kernel boundaries
+        split1 = {}
+        for n_ in dims:
+            ok = [c for c in by[n_]["configs"] if c["ok"] and c["split_k"] == 1] if n_ in by else []
+            cfg = min(ok, key=lambda c: c["us"]) if ok else dict(CONFIGS[0])
+            split1[n_] = {k_: cfg[k_] for k_ in ("block_n", "block_k", "num_warps", "num_stages")}
+        variants = {}
+        for label, pdl in (("gemv_split1", False), ("gemv_split1_pdl", True)):
+            fns = {n_: (lambda x, w, c=c, pdl=pdl: gemv(x, w, impl="triton", pdl=pdl, **c))
+                   for n_, c in split1.items()}
+            try:
+                us, got_v = chain_us(x0, layer_ws, head_w, fns)
+                variants[label] = dict(us=us, over_floor=us / floor_us,
+                                       rel_err=rel_err(got_v, want))
+            except Exception as e:  # noqa: BLE001 - e.g. a Triton without launch_pdl
+                variants[label] = dict(error=f"{type(e).__name__}: {e}"[:300])
+            print(f"chain bs={m:>2} {label}: {variants[label]}", flush=True)
+        isolated = sum((min(by[n_]["cublas_us"], by[n_]["best"]["us"]) if by[n_]["best"]
+                        else by[n_]["cublas_us"]) * (1 if n_ == "lm_head" else LAYERS)
+                       for n_ in dims if n_ in by)
+        row = dict(bs=m, weight_bytes=weight_bytes, floor_us=floor_us, cublas_us=cublas_us,
+                   mixed_us=mixed_us, isolated_sum_us=isolated,
+                   picks={n_: p[1] for n_, p in picks.items()}, split1_configs=split1,
+                   variants=variants,
+                   mixed_rel_err=rel_err(got, want),
+                   cublas_over_floor=cublas_us / floor_us, mixed_over_floor=mixed_us / floor_us)
+        print(f"chain bs={m:>2}: F.linear {cublas_us:7.1f} µs ({row['cublas_over_floor']:.2f}x "
+              f"floor {floor_us:.0f} µs)  mixed {mixed_us:7.1f} µs "
+              f"({row['mixed_over_floor']:.2f}x, rel err {row['mixed_rel_err']:.1e})  "
+              f"sum of isolated bests {isolated:.0f} µs", flush=True)
+        out.append(row)
+    return out
+
+
+def markdown(meta, rows, chain=()) -> str:
     lines = [f"# Small-batch linear: gemv against F.linear (cuBLAS) ({meta['gpu']})", "",
              f"- date: {meta['date']}; torch {meta['torch']}, triton {meta['triton']}",
              f"- command: `{meta['command']}`",
@@ -119,11 +230,40 @@ def markdown(meta, rows) -> str:
     for r in rows:
         b = r["best"]
         cfg = f"{b['block_n']} / {b['block_k']} / {b['split_k']}" if b else "-"
-        err = max(c["err"] for c in r["configs"])
+        err = max((c["err"] for c in r["configs"] if "error" not in c), default=float("nan"))
         lines.append(f"| {r['shape']} | {r['n']} x {r['k']} | {r['bs']} | {r['cublas_us']:.1f} | "
                      f"{r['cublas_gbs']:.0f} ({r['cublas_of_copy']:.2f}) | "
                      f"{b['us'] if b else float('nan'):.1f} | {r['gemv_gbs']:.0f} "
                      f"({r['gemv_of_copy']:.2f}) | {r['speedup']:.2f}x | {cfg} | {err:.1e} |")
+    if chain:
+        lines += ["", f"## The step's GEMM chain ({LAYERS} x (qkv, o, gate_up, down) + lm_head, "
+                  "one CUDA graph)", "",
+                  f"Weights {chain[0]['weight_bytes'] / 1e9:.2f} GB; floor = those bytes / copy "
+                  "bandwidth. \"mixed\": each shape's faster of F.linear and its best gemv "
+                  "config at that bs; \"isolated\": the sum of each shape's best single-call time "
+                  "from the table above.", "",
+                  "| bs | floor µs | F.linear chain µs (x floor) | mixed chain µs (x floor) | "
+                  "sum of isolated bests µs (x floor) | gemv taken for | mixed rel err |",
+                  "|---:|---:|---:|---:|---:|---|---:|"]
+        for c in chain:
+            taken = ", ".join(n for n, p in c["picks"].items() if p != "F.linear") or "none"
+            lines.append(f"| {c['bs']} | {c['floor_us']:.0f} | {c['cublas_us']:.0f} "
+                         f"({c['cublas_over_floor']:.2f}) | {c['mixed_us']:.0f} "
+                         f"({c['mixed_over_floor']:.2f}) | {c['isolated_sum_us']:.0f} "
+                         f"({c['isolated_sum_us'] / c['floor_us']:.2f}) | {taken} | "
+                         f"{c['mixed_rel_err']:.1e} |")
+        lines += ["", "Every linear a one-split gemv (each shape's best one-split config), launched "
+                  "plainly and as programmatic dependent launches (the weight's first tile is "
+                  "requested before waiting for the kernel before):", "",
+                  "| bs | variant | chain µs | x floor | rel err vs F.linear chain |",
+                  "|---:|---|---:|---:|---:|"]
+        for c in chain:
+            for label, v in c.get("variants", {}).items():
+                if "error" in v:
+                    lines.append(f"| {c['bs']} | {label} | failed: {v['error'][:80]} | | |")
+                else:
+                    lines.append(f"| {c['bs']} | {label} | {v['us']:.0f} | {v['over_floor']:.2f} "
+                                 f"| {v['rel_err']:.1e} |")
     return "\n".join(lines) + "\n"
 
 
@@ -147,6 +287,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1,4,16")
     ap.add_argument("--quick", action="store_true", help="two configs a shape (a smoke run)")
+    ap.add_argument("--no-chain", action="store_true", help="skip the step's GEMM chain")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_gemv needs a GPU")
@@ -162,9 +303,12 @@ def main(argv=None) -> None:
         for (name, n, k), m in itertools.product(SHAPES, sizes):
             rows.append(bench_shape(name, n, k, m, configs, bw, gen))
             (out / "gemv.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    (out / "gemv.md").write_text(markdown(meta, rows))
+        chain = [] if args.no_chain else bench_chain(rows, sizes, bw, gen)
+    (out / "gemv.json").write_text(json.dumps({"meta": meta, "rows": rows, "chain": chain},
+                                              indent=1))
+    (out / "gemv.md").write_text(markdown(meta, rows, chain))
     plot(rows, out / "gemv.png")
-    print(markdown(meta, rows))
+    print(markdown(meta, rows, chain))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The small-batch linear kernel (interpreted on CPU) against an fp64 x @ w.T: awkward sizes
-(M 1 / 3 / 16, N and K not multiples of the tiles), split-K through the fp32 workspace with
+(M 1 / 3 / 16, N and K not multiples of the tiles), the prefetching variant, split-K through the fp32 workspace with
 splits that get no K at all, bf16 and fp32, a strided x, and the argument checks."""
 import pytest
 import torch
@@ -28,6 +28,16 @@ def test_gemv_matches_a_matmul(m, n, k, dtype):
 def test_split_k_sums_every_share_once(split_k):
     # K = 100 in tiles of 32: 4 tiles; 7 splits leave some splits without a tile
     _check(3, 40, 100, torch.float32, block_n=16, block_k=32, split_k=split_k)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 40, 72), (3, 17, 300), (16, 64, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefetching_pdl_variant(m, n, k, dtype):
+    # pdl=True reads w one tile ahead (on CPU without the grid-dependency wait): the tile past
+    # the last one is masked, K below one tile leaves the loop a single step
+    _check(m, n, k, dtype, block_n=16, block_k=32, pdl=True)
+    with pytest.raises(ValueError, match="split_k 1"):
+        gemv(torch.randn(m, k), torch.randn(n, k), impl="triton", split_k=2, pdl=True)
 
 
 def test_wider_tiles_and_a_strided_x():

@@ -16,8 +16,16 @@ adds it into an fp32 workspace with atomics, which a second pass casts to the ou
 splits put more programs on the SMs for the small matrices (2048 output columns at BLOCK_N 16
 are 128 programs, fewer than an H200's 132 SMs can hide latency with).
 
-Not wired into the models: `examples/bench_gemv.py` measures it against `F.linear` (cuBLAS) at
-the 1B shapes over a sweep of tiles and splits; the models take it where it measures faster.
+Not wired into the models. Measured on the H200 (`examples/bench_gemv.py`, 2026-12-03,
+`results/2026-12-03/`): against F.linear it is 0.86-0.95x on qkv, 1.00-1.03x on o, gate_up, down
+and the lm_head; the 1B step's GEMMs alone, as one CUDA graph, take 838 us with F.linear and
+813 us with each shape's faster kernel at bs 1 (floor 585 us), a 3% gain not worth a custom op
+in the compiled bodies. Both stop at ~6 us for the 8-12 MB qkv / o weights: a kernel's ramp
+and tail, not its tile. `pdl=True` (programmatic dependent launch, the first weight tile
+requested before waiting for the kernel before, the next kernel released at the start) made the
+chain of one-split calls slower, not faster: 1355 us against 873 at bs 1 (which of its two
+changes costs that, the early release or the hand prefetch in place of Triton's pipelined
+loads, was not separated).
 The torch reference (`impl="torch"`, and the CPU) is `F.linear`.
 """
 from __future__ import annotations
@@ -26,6 +34,11 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+try:  # programmatic dependent launch (Triton >= 3.4 on CUDA)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older Triton: gemv(pdl=True) fails at compile
+    gdc_launch_dependents = gdc_wait = None
 
 from .attention_decode import mma, upcast_dots
 from .kv import resolve_impl
@@ -36,7 +49,8 @@ MAX_M = 16  # rows of x a call takes: one BLOCK_M tile
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT_K: tl.constexpr, UPCAST: tl.constexpr):
+                 SPLIT_K: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr,
+                 PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -49,13 +63,29 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, M, N, K, stride_xm, stride_wn, str
     k_lo = pid_k * per_split * BLOCK_K
     k_hi = tl.minimum(K, k_lo + per_split * BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PREFETCH:  # w one tile ahead; the first tile is requested before the wait below
+        offs_k = k_lo + tl.arange(0, BLOCK_K)
+        w_next = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+                         mask=n_ok[:, None] & (offs_k < k_hi)[None, :], other=0.0)
+    if PDL:
+        # launched as a programmatic dependent of the kernel before: the weight does not depend
+        # on it, so its first tile is in flight while this waits for that kernel's results (x);
+        # the kernel after may start its own weight loads once every program here has begun
+        gdc_launch_dependents()
+        gdc_wait()
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < k_hi
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
-                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if PREFETCH:  # the tile requested one step ahead; request the next
+            w = w_next
+            offs_k2 = offs_k + BLOCK_K
+            w_next = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k2[None, :],
+                             mask=n_ok[:, None] & (offs_k2 < k_hi)[None, :], other=0.0)
+        else:
+            w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+                        mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += mma(x, tl.trans(w), UPCAST)
     mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT_K == 1:
@@ -66,13 +96,16 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, M, N, K, stride_xm, stride_wn, str
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, *, block_n: int = 16, block_k: int = 256,
-         split_k: int = 1, num_warps: int = 4, num_stages: int = 4,
+         split_k: int = 1, num_warps: int = 4, num_stages: int = 4, pdl: bool = False,
          impl: str = "auto") -> torch.Tensor:
     """x [M, K] (M <= MAX_M) @ w [N, K].T -> [M, N] in x's dtype, fp32 accumulation.
 
     w's rows must be contiguous (stride(1) == 1), as an nn.Linear weight's are. split_k > 1
     accumulates through an fp32 workspace (atomics: the sum's order, hence its last bits, may
-    differ between calls). impl: "auto" (Triton on CUDA tensors), "triton", "torch"."""
+    differ between calls). pdl: launch as a programmatic dependent launch (CUDA, sm_90+): the
+    kernel requests its first weight tile before it waits for the kernel before it, and lets
+    the kernel after it start early (split_k 1 only: a split call's workspace is zeroed and
+    copied by kernels of its own). impl: "auto" (Triton on CUDA tensors), "triton", "torch"."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemv takes x [M, K] and w [N, K]; got {tuple(x.shape)} and "
                          f"{tuple(w.shape)}")
@@ -83,6 +116,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, block_n: int = 16, block_k: int = 
     if split_k < 1 or block_n < 16 or block_k < 16:
         raise ValueError(f"split_k >= 1, block_n >= 16, block_k >= 16; got {split_k}, "
                          f"{block_n}, {block_k}")
+    if pdl and split_k != 1:
+        raise ValueError("gemv(pdl=True) takes split_k 1")
     if resolve_impl(impl, x, w) == "torch":
         return F.linear(x, w)
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -93,7 +128,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, block_n: int = 16, block_k: int = 
     grid = (triton.cdiv(n, block_n), split_k)
     _gemv_kernel[grid](x, w, y, ws, m, n, k, x.stride(0), w.stride(0), y.stride(0),
                        BLOCK_M=MAX_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-                       UPCAST=upcast_dots(x.dtype), num_warps=num_warps, num_stages=num_stages)
+                       UPCAST=upcast_dots(x.dtype), PREFETCH=pdl, PDL=pdl and x.is_cuda, num_warps=num_warps,
+                       num_stages=num_stages, **({"launch_pdl": True} if pdl and x.is_cuda else {}))
     if split_k > 1:
         y.copy_(ws)
     return y
