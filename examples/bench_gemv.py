@@ -267,18 +267,34 @@ def markdown(meta, rows, chain=()) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows, path) -> None:
+def plot(rows, path, chain=()) -> None:
     plt = pyplot()
     if plt is None:
         return
+    width = max(6, len(rows) * 0.6) + (5 if chain else 0)
+    fig, axes = plt.subplots(1, 2 if chain else 1, figsize=(width, 4), squeeze=False)
+    ax = axes[0][0]
     labels = [f"{r['shape']}\nbs {r['bs']}" for r in rows]
     x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.6), 4))
     ax.bar([i - 0.2 for i in x], [r["cublas_gbs"] for r in rows], 0.4, label="F.linear (cuBLAS)")
     ax.bar([i + 0.2 for i in x], [r["gemv_gbs"] for r in rows], 0.4, label="gemv (best config)")
     ax.set_xticks(list(x), labels, fontsize=7)
     ax.set(ylabel="weight GB/s", title="small-batch linear, weight read rate")
     ax.legend()
+    if chain:
+        ax = axes[0][1]
+        series = [("F.linear", lambda c: c["cublas_us"]), ("mixed", lambda c: c["mixed_us"])]
+        series += [(label, lambda c, label=label: c["variants"][label].get("us", 0.0))
+                   for label in chain[0].get("variants", {})]
+        width = 0.8 / len(series)
+        for j, (label, get) in enumerate(series):
+            ax.bar([i + (j - (len(series) - 1) / 2) * width for i in range(len(chain))],
+                   [get(c) for c in chain], width, label=label)
+        ax.axhline(chain[0]["floor_us"], color="k", linestyle="--", label="weight floor")
+        ax.set_xticks(range(len(chain)), [f"bs {c['bs']}" for c in chain])
+        ax.set(ylabel="µs per step's GEMMs",
+               title=f"the step's GEMM chain ({LAYERS} layers + lm_head)")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -307,7 +323,7 @@ def main(argv=None) -> None:
     (out / "gemv.json").write_text(json.dumps({"meta": meta, "rows": rows, "chain": chain},
                                               indent=1))
     (out / "gemv.md").write_text(markdown(meta, rows, chain))
-    plot(rows, out / "gemv.png")
+    plot(rows, out / "gemv.png", chain)
     print(markdown(meta, rows, chain))
 
 

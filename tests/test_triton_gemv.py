@@ -80,3 +80,13 @@ def test_bench_gemv_report_lines():
     line = [ln for ln in md.splitlines() if ln.startswith("| o |")][0]
     assert "2048 x 2048" in line and "1.43x" in line and "32 / 256 / 2" in line and "2.0e-03" in line
     assert len(bench_gemv.CONFIGS) == 27 and all(c["block_n"] >= 16 for c in bench_gemv.CONFIGS)
+    # the chain section: the floor ratios, the shapes that took gemv, a variant that failed
+    chain = [dict(bs=1, weight_bytes=2.47e9, floor_us=585.0, cublas_us=838.0, mixed_us=813.0,
+                  isolated_sum_us=817.0, picks={"qkv": "F.linear", "down": {"block_n": 64}},
+                  mixed_rel_err=1.8e-2, cublas_over_floor=838 / 585, mixed_over_floor=813 / 585,
+                  variants={"gemv_split1": dict(us=873.0, over_floor=873 / 585, rel_err=1e-2),
+                            "gemv_split1_pdl": dict(error="TypeError: launch_pdl")})]
+    md = bench_gemv.markdown(meta, [row], chain)
+    line = [ln for ln in md.splitlines() if ln.startswith("| 1 | 585 |")][0]
+    assert "838 (1.43)" in line and "813 (1.39)" in line and "| down |" in line
+    assert "| 1 | gemv_split1 | 873 | 1.49 |" in md and "failed: TypeError: launch_pdl" in md
