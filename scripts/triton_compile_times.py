@@ -5,8 +5,13 @@ measure compilation, with the cache of a run before to measure loading:
 
     TRITON_CACHE_DIR=$(mktemp -d) python scripts/triton_compile_times.py   # twice
 
-Prints one JSON line: seconds per first call and per second call."""
+Prints one JSON line: seconds per first call and per second call. --profile N: also the N
+functions of most cumulative time over the first calls (cProfile), to see what the first
+call of a kernel spends its time on (compiler passes, ptxas, building the launcher, loading)."""
+import cProfile
 import json
+import pstats
+import sys
 import time
 
 import torch
@@ -29,7 +34,11 @@ def main() -> None:
     v = torch.randn_like(k)
     rt = torch.arange(ctx, dtype=torch.int32, device=dev).repeat(257, 1)
     out = {"cuda_init_s": timed(lambda: torch.ones(1, device=dev) @ torch.ones(1, 1, device=dev))}
+    top = int(sys.argv[sys.argv.index("--profile") + 1]) if "--profile" in sys.argv else 0
+    prof = cProfile.Profile() if top else None
     for rnd in ("first", "again"):
+        if prof is not None:
+            (prof.enable if rnd == "first" else prof.disable)()
         for bs in (1, 64):
             q = torch.randn(bs, heads, hd, dtype=torch.bfloat16, device=dev)
             new = torch.randn(bs, kvh, hd, dtype=torch.bfloat16, device=dev)
@@ -40,6 +49,8 @@ def main() -> None:
             out[f"{rnd}_decode_bs{bs}_s"] = timed(
                 lambda: decode_attention(q, k, v, rt, rows, lens))
     print(json.dumps(out))
+    if prof is not None:
+        pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative").print_stats(top)
 
 
 if __name__ == "__main__":
