@@ -105,7 +105,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, block_n: int = 16, block_k: int = 
     differ between calls). pdl: launch as a programmatic dependent launch (CUDA, sm_90+): the
     kernel requests its first weight tile before it waits for the kernel before it, and lets
     the kernel after it start early (split_k 1 only: a split call's workspace is zeroed and
-    copied by kernels of its own). impl: "auto" (Triton on CUDA tensors), "triton", "torch"."""
+    copied by kernels of its own; measured slower than without it in the 1B chain, see above).
+    impl: "auto" (Triton on CUDA tensors), "triton", "torch"."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemv takes x [M, K] and w [N, K]; got {tuple(x.shape)} and "
                          f"{tuple(w.shape)}")
