@@ -210,8 +210,8 @@ def sweep_case(bs, ctx, n_heads, gen, device, tiles, widths) -> dict:
                 all=results)
 
 
-def markdown(meta, heads, copy_bw, rows, sweeps) -> str:
-    lines = [f"# MLA ({heads} heads, kv_lora_rank {KV_LORA_RANK}, rope {ROPE}, bf16)", ""]
+def markdown(meta, heads, copy_bw, rows, sweeps, widths=(KV_LORA_RANK, ROPE)) -> str:
+    lines = [f"# MLA ({heads} heads, kv_lora_rank {widths[0]}, rope {widths[1]}, bf16)", ""]
     lines += [f"- {k}: {v}" for k, v in meta.items()]
     lines += [f"- copy bandwidth: {copy_bw / 1e9:.0f} GB/s (read + write)",
               "- splits `S` = one launch (merge folded, or S = 1), `S+m` = + merge kernel", "",
@@ -249,6 +249,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--kv-lora-rank", type=int, default=KV_LORA_RANK,
+                        help="latent width (c_kv columns; 512 is DeepSeek's): a narrower latent "
+                             "shows what the [16, rank] fp32 accumulator's registers cost")
+    parser.add_argument("--decode-only", action="store_true", help="skip verify and extend")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes (script check)")
     args = parser.parse_args()
     if not args.smoke and not torch.cuda.is_available():
@@ -260,7 +264,7 @@ def main():
         batches, contexts, spec_ctx = SMOKE["batches"], SMOKE["contexts"], SMOKE["spec_contexts"]
         sweep_cases, tiles = SMOKE["sweep"], SMOKE["tiles"]
     else:
-        widths = (KV_LORA_RANK, ROPE)
+        widths = (args.kv_lora_rank, ROPE)
         batches, contexts, spec_ctx = BATCHES, CONTEXTS, SPEC_CONTEXTS
         sweep_cases, tiles = SWEEP_CASES, SWEEP_TILES
     gen = torch.Generator(device=device).manual_seed(0)
@@ -277,12 +281,15 @@ def main():
         return rows
 
     rows = section("decode", lambda: cases([("decode", contexts)]))
-    rows += section("verify/extend", lambda: cases([("verify", spec_ctx), ("extend", spec_ctx)]))
+    if not args.decode_only:
+        rows += section("verify/extend",
+                        lambda: cases([("verify", spec_ctx), ("extend", spec_ctx)]))
     sweeps = [] if args.no_sweep else section("sweep", lambda: [
         sweep_case(bs, ctx, heads, gen, device, tiles, widths) for bs, ctx in sweep_cases])
     meta = env_info() if device.type == "cuda" else {"gpu": "cpu smoke"}
-    text = markdown(meta, heads, copy_bw, rows, sweeps)
+    text = markdown(meta, heads, copy_bw, rows, sweeps, widths)
     stem = "mla" if heads == 16 else f"mla_h{heads}"
+    stem += "" if args.smoke or widths[0] == KV_LORA_RANK else f"_r{widths[0]}"
     stem += "_smoke" if args.smoke else ""
     path = out_dir() / f"{stem}.md"
     path.write_text(text)
