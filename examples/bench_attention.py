@@ -18,8 +18,10 @@
 flash / cuDNN / efficient backends that runs the case and agrees, else math; enable_gqa) on a
 contiguous [bs, kv_heads, ctx, dim] cache of the same data, likewise. The floor is bytes read +
 written (K, V, req_to_token, q, o) over the device-to-device copy bandwidth measured in the same
-run. Times: `triton.testing.do_bench` medians (L2 flushed before each call). Results are checked
-against the torch reference first. Writes attention.md / attention.json to $OUT (or results/local/).
+run. Times: `triton.testing.do_bench` medians (L2 flushed before each call). `--in-graph N` adds,
+for decode, the time a call takes inside a graph of N calls (each after an L2 flush; the graph of
+the flushes alone subtracted): the kernel's time without one graph launch per call, as in a
+model's step. Results are checked against the torch reference first. Writes attention.md / attention.json to $OUT (or results/local/).
 """
 from __future__ import annotations
 
@@ -103,6 +105,21 @@ def graph_of(fn):
     with torch.cuda.graph(graph):
         fn()
     return graph.replay
+
+
+def in_graph_us(fns, calls, flush) -> float:
+    """µs a call of fns (cycled) takes inside one CUDA graph of `calls` calls, each call after
+    flush() (an L2-sized write), less the same graph of flushes alone (CPU: plain loops)."""
+    def body(with_calls):
+        def run():
+            for i in range(calls):
+                flush()
+                if with_calls:
+                    fns[i % len(fns)]()
+        return run
+    both = bench_us(graph_of(body(True)), rep=50)
+    flushes = bench_us(graph_of(body(False)), rep=50)
+    return max(both - flushes, 0.0) / calls
 
 
 def copy_bandwidth(device) -> float:
@@ -249,7 +266,8 @@ def best_sdpa_backend(case: PagedCase, ref):
     return min(timed, key=lambda t: t[0])[1] if timed else None
 
 
-def time_case(bs, ctx, layout, copy_bw, l2_bytes, gen, device, kind="decode") -> dict:
+def time_case(bs, ctx, layout, copy_bw, l2_bytes, gen, device, kind="decode",
+              in_graph=0) -> dict:
     first = PagedCase(bs, ctx, layout, gen, device, kind)
     set_bytes = first.bytes_moved()
     n_sets = min(MAX_SETS, math.ceil(3 * l2_bytes / set_bytes)) if set_bytes < 3 * l2_bytes else 1
@@ -272,6 +290,17 @@ def time_case(bs, ctx, layout, copy_bw, l2_bytes, gen, device, kind="decode") ->
         except RuntimeError:  # not capturable: compare eagerly
             row["sdpa_us"] = row["sdpa_eager_us"]
     row["floor_us"] = set_bytes / copy_bw * 1e6
+    if in_graph:
+        flush_buf = torch.empty(max(1, l2_bytes // 4), dtype=torch.int32, device=device)
+        flush = flush_buf.zero_
+        row["in_graph_calls"] = in_graph
+        row["ig_ours_us"] = in_graph_us([c.ours() for c in cases], in_graph, flush)
+        if sdpa_fns:
+            try:
+                row["ig_sdpa_us"] = in_graph_us(sdpa_fns, in_graph, flush)
+            except RuntimeError:  # not capturable
+                pass
+        del flush_buf
     row["frac_copy_bw"] = row["floor_us"] / row["ours_us"]
     row["speedup_vs_sdpa"] = row["sdpa_us"] / row["ours_us"] if sdpa_fns else None
     del cases, first, sdpa_fns, out
@@ -439,6 +468,17 @@ def markdown(meta, rows, spec_rows, sweeps, cold) -> str:
              "= CUDA-graph replay, eager in brackets; splits `S` = one launch (merge folded or "
              "S = 1), `S+m` = split pass + merge kernel", "", "## Decode", ""]
     lines += fmt_rows(rows)
+    ig = [r for r in rows if "ig_ours_us" in r]
+    if ig:
+        lines += ["", f"Inside a graph of {ig[0]['in_graph_calls']} calls (an L2 flush before each, "
+                  "the flushes' own time subtracted), µs a call:", "",
+                  "| layout | bs | ctx | ours | sdpa | speedup | floor |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for r in ig:
+            sd = r.get("ig_sdpa_us")
+            sp = f"{sd / r['ig_ours_us']:.2f}x" if sd and r["ig_ours_us"] > 0 else "n/a"
+            lines.append(f"| {r['layout']} | {r['bs']} | {r['ctx']} | {r['ig_ours_us']:.1f} | "
+                         f"{f'{sd:.1f}' if sd else 'n/a'} | {sp} | {r['floor_us']:.1f} |")
     if spec_rows:
         lines += ["", f"## Tree verify (k = {K_DRAFT}) and draft-extend ({DRAFT_EXTEND} "
                   "tokens, causal) vs SDPA with the equivalent mask", ""]
@@ -486,6 +526,8 @@ def main():
     parser.add_argument("--no-cold", action="store_true", help="skip the cold-capture runs")
     parser.add_argument("--bs", type=int, nargs="*", default=BATCHES)
     parser.add_argument("--ctx", type=int, nargs="*", default=CONTEXTS)
+    parser.add_argument("--in-graph", type=int, default=0, metavar="N",
+                        help="decode: also time calls inside a graph of N calls (0: off)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes (script check)")
     parser.add_argument("--cold-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -509,7 +551,8 @@ def main():
     def decode_rows():
         rows = []
         for layout, bs, ctx in itertools.product(layouts, batches, contexts):
-            rows.append(time_case(bs, ctx, layout, copy_bw, l2_bytes, gen, device))
+            rows.append(time_case(bs, ctx, layout, copy_bw, l2_bytes, gen, device,
+                                  in_graph=args.in_graph))
             r = rows[-1]
             print(f"decode {layout:10s} bs={bs:4d} ctx={ctx:6d} splits={r['num_splits']:3d} "
                   f"ours {r['ours_us']:8.1f} µs  sdpa {r.get('sdpa_us', float('nan')):8.1f} µs"

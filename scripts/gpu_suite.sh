@@ -12,6 +12,7 @@
 #                             [sweep-eagle, sweep-eagle-deepseek: EAGLE over several draft trees (steps, topk, k) against greedy]
 #                             [bench-runner-profile: bench_runner at bs 1 and 16 (padgraph, padgraph+compile) with the compiled variant's kernels per step (bench_runner_profile.json)]
 #                             [bench-gemv: the small-batch linear kernel against F.linear at the 1B decode shapes, and the step's GEMM chain (gemv.{md,json,png})]
+#                             [bench-attention-in-graph: decode only, also timed as calls inside a graph of 20 (attention.{md,json})]
 #                             [bench-mla-r256: MLA decode on a 256-wide latent (mla_r256.{md,json}): the accumulator's register cost, beside bench-mla]
 #                             [bench-eagle-draft-prefill: bench_eagle (eagle.{md,json}) with a second EAGLE worker whose draft prefill is eager (torch calls), same process]
 #                             [eagle-variants: the main job once per argument list of EAGLE_VARIANTS="--model deepseek --steps 3;..." (logs eagle_v1, eagle_v2, ...)]
@@ -80,6 +81,7 @@ want bench-host && run bench_host python3 examples/bench_host.py --calls 1000
 want bench-runner && run bench_runner python3 examples/bench_runner.py
 want bench-runner-profile && run bench_runner_profile python3 examples/bench_runner.py --variants padgraph,padgraph+compile --sizes 1,16 --profile padgraph+compile
 want bench-attention && run bench_attention python3 examples/bench_attention.py
+want bench-attention-in-graph && run bench_attention python3 examples/bench_attention.py --no-sweep --no-spec --no-cold --in-graph 20
 want bench-mla && run bench_mla python3 examples/bench_mla.py
 want bench-mla-r256 && run bench_mla_r256 python3 examples/bench_mla.py --kv-lora-rank 256 --decode-only --no-sweep
 want bench-eagle && run bench_eagle python3 examples/bench_eagle.py
