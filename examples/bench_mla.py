@@ -181,9 +181,9 @@ def time_case(bs, ctx, n_heads, copy_bw, gen, device, kind, widths, impl) -> dic
     return row
 
 
-def sweep_case(bs, ctx, n_heads, gen, device, tiles, widths) -> dict:
+def sweep_case(bs, ctx, n_heads, gen, device, tiles, widths, hoists=(True,)) -> dict:
     """Decode over tiles x split counts (policy / 2, policy, policy x 2, and x 4, x 8 for
-    contexts <= 1024) x fold, eager µs."""
+    contexts <= 1024) x fold (x where the slot indices load: `hoists`), eager µs."""
     case = LatentCase(bs, ctx, n_heads, gen, device, "decode", *widths)
     ref = case.ours()()
     policy = choose_mla_splits(bs, 1, ctx, sm_count(device))
@@ -191,10 +191,11 @@ def sweep_case(bs, ctx, n_heads, gen, device, tiles, widths) -> dict:
     counts = {max(1, policy // 2), policy, policy * 2}
     if ctx <= 1024:             # short contexts: the policy's splits leave most SMs idle
         counts |= {policy * 4, policy * 8}
-    for (block_n, stages, warps), splits in itertools.product(tiles, sorted(counts)):
+    for (block_n, stages, warps), splits, hoist in itertools.product(tiles, sorted(counts),
+                                                                     hoists):
         for fold in ((True, False) if splits > 1 else (True,)):
             fn = case.ours(num_splits=splits, block_n=block_n, num_stages=stages,
-                           num_warps=warps, fold=fold)
+                           num_warps=warps, fold=fold, hoist_slots=hoist)
             try:
                 out = fn()
             except Exception as e:  # noqa: BLE001 - e.g. a tile past the shared memory
@@ -204,7 +205,7 @@ def sweep_case(bs, ctx, n_heads, gen, device, tiles, widths) -> dict:
                 raise AssertionError(f"MLA sweep {block_n=} {stages=} {warps=} {splits=} "
                                      f"{fold=} disagrees at {bs=} {ctx=}")
             results.append(dict(block_n=block_n, stages=stages, warps=warps, splits=splits,
-                                fold=fold, us=bench_us(fn, rep=30)))
+                                fold=fold, hoist_slots=hoist, us=bench_us(fn, rep=30)))
     del case
     return dict(bs=bs, ctx=ctx, policy_splits=policy, best=min(results, key=lambda r: r["us"]),
                 all=results)
@@ -227,13 +228,20 @@ def markdown(meta, heads, copy_bw, rows, sweeps, widths=(KV_LORA_RANK, ROPE)) ->
                      f"| {r['err']:.1e}{'' if r['ok'] else ' FAIL'} |")
     if sweeps:
         lines += ["", "## Decode tile / split / fold sweep (eager µs; tile = BLOCK_N/stages/"
-                  "warps)", "", "| bs | ctx | policy splits | best µs | best tile | best splits | best fold |",
-                  "|---:|---:|---:|---:|---|---:|---|"]
+                  "warps; slots: the tile's slot indices loaded one tile ahead (hoisted, the "
+                  "default) or in the loop)", "",
+                  "| bs | ctx | policy splits | best µs | best tile | best splits | best fold "
+                  "| best slots | best µs, slots hoisted | best µs, slots in the loop |",
+                  "|---:|---:|---:|---:|---|---:|---|---|---:|---:|"]
         for s in sweeps:
             b = s["best"]
+            per = {h: min((r["us"] for r in s["all"] if r.get("hoist_slots", True) == h),
+                          default=None) for h in (True, False)}
+            cells = [f"{per[h]:.1f}" if per[h] is not None else "-" for h in (True, False)]
             lines.append(f"| {s['bs']} | {s['ctx']} | {s['policy_splits']} | {b['us']:.1f} "
                          f"| {b['block_n']}/{b['stages']}/{b['warps']} | {b['splits']} "
-                         f"| {b['fold']} |")
+                         f"| {b['fold']} | {'hoisted' if b.get('hoist_slots', True) else 'in loop'}"
+                         f" | {cells[0]} | {cells[1]} |")
     return "\n".join(lines) + "\n"
 
 
@@ -253,6 +261,9 @@ def main():
                         help="latent width (c_kv columns; 512 is DeepSeek's): a narrower latent "
                              "shows what the [16, rank] fp32 accumulator's registers cost")
     parser.add_argument("--decode-only", action="store_true", help="skip verify and extend")
+    parser.add_argument("--slots", choices=("hoisted", "loop", "both"), default="hoisted",
+                        help="sweep: where the kernel loads a tile's slot indices (one tile "
+                             "ahead, the default; in the loop; both)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes (script check)")
     args = parser.parse_args()
     if not args.smoke and not torch.cuda.is_available():
@@ -280,12 +291,14 @@ def main():
                 print({k: v for k, v in rows[-1].items()}, flush=True)
         return rows
 
+    hoists = {"hoisted": (True,), "loop": (False,), "both": (True, False)}[args.slots]
     rows = section("decode", lambda: cases([("decode", contexts)]))
     if not args.decode_only:
         rows += section("verify/extend",
                         lambda: cases([("verify", spec_ctx), ("extend", spec_ctx)]))
     sweeps = [] if args.no_sweep else section("sweep", lambda: [
-        sweep_case(bs, ctx, heads, gen, device, tiles, widths) for bs, ctx in sweep_cases])
+        sweep_case(bs, ctx, heads, gen, device, tiles, widths, hoists)
+        for bs, ctx in sweep_cases])
     meta = env_info() if device.type == "cuda" else {"gpu": "cpu smoke"}
     text = markdown(meta, heads, copy_bw, rows, sweeps, widths)
     stem = "mla" if heads == 16 else f"mla_h{heads}"

@@ -12,7 +12,8 @@ from padgraph.backends.triton.attention_mla import (
     absorb_query, mla_decode_attention, mla_extend_attention, mla_reference, mla_sm_scale,
     mla_tree_verify_attention, project_output, store_latent)
 from padgraph.backends.triton.attention_mla_decode import (
-    CAUSAL, DECODE, choose_mla_extend_splits, choose_mla_splits, mla_blocks, mla_paged_attention)
+    CAUSAL, DECODE, TREE, choose_mla_extend_splits, choose_mla_splits, mla_blocks,
+    mla_paged_attention)
 from padgraph.backends.triton.attention_split import _COUNTERS
 
 N_HEADS, NOPE, V_DIM = 4, 16, 24
@@ -331,3 +332,36 @@ def test_absorbed_projections_one_rounding(dtype):
     want = torch.einsum("nhc,hcv->nhv", o_lat.double(), W_UV.double())
     tol = want.abs() * eps + r * 2 ** -23 * (o_lat.double().abs() ** 2).sum(-1, True) ** 0.5
     assert ((out.double() - want).abs() <= tol + 1e-30).all()
+
+
+# ----------------------------------------------------------------------------- slot loads
+
+@pytest.mark.parametrize("mode", ["decode", "tree", "causal"])
+def test_slots_loaded_in_the_loop_give_the_same_outputs(mode):
+    # hoist_slots=False (a benchmark knob): each tile's slot indices are loaded in the loop
+    # instead of one tile ahead; every mode, several splits, BLOCK_N 16 over poisoned slots
+    if mode == "causal":
+        case, qo_indptr, (q_nope, q_rope, q_latent) = extend_case(48, 16, poison=True)
+        kw, ref = dict(qo_indptr=qo_indptr), case.reference(q_nope, q_rope, qo_indptr=qo_indptr)
+        real = slice(None)
+    else:
+        lens = MANY_SPLIT_LENS if mode == "decode" else VERIFY_LENS
+        case = MLACase(lens, 48, 16, poison=True)
+        num_q = 1 if mode == "decode" else K_DRAFT
+        q_nope, q_rope, q_latent = case.queries(len(lens) * num_q)
+        real = [r * num_q + i for r, n in enumerate(lens) if n is not PAD for i in range(num_q)]
+        kw = {}
+        if mode == "tree":
+            mask = tree_masks(len(lens), pad_rows=[1])
+            kw = dict(num_q=K_DRAFT, tree_mask=mask)
+            ref = case.reference(q_nope, q_rope, tree_mask=mask)
+        else:
+            ref = case.reference(q_nope, q_rope)
+    mode_id = {"decode": DECODE, "tree": TREE, "causal": CAUSAL}[mode]
+    outs = [mla_paged_attention(q_latent, *case.paged(), 48, case.sm_scale, mode_id,
+                                num_splits=3, block_n=16, hoist_slots=hoist, **kw)
+            for hoist in (True, False)]
+    for o in outs:
+        assert torch.isfinite(o[real]).all()
+        assert_close(case.output(o)[real], ref[real])
+    torch.testing.assert_close(outs[0][real], outs[1][real], rtol=1e-5, atol=1e-5)

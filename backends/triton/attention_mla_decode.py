@@ -69,7 +69,7 @@ def _mla_kernel(
     n_heads, kv_lora_rank, rope_dim, num_splits, fold,
     NUM_Q: tl.constexpr, MODE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
-    MERGE_UNROLL: tl.constexpr,
+    MERGE_UNROLL: tl.constexpr, HOIST_SLOTS: tl.constexpr,
 ):
     stride_mo_t, stride_mo_h, stride_mo_s = (aligned(stride_mo_t), aligned(stride_mo_h),
                                              aligned(stride_mo_s))  # padded partials
@@ -117,19 +117,26 @@ def _mla_kernel(
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
         idx = ReqToToken + row * stride_rt
-        offs_first = start + tl.arange(0, BLOCK_N)
-        slot = tl.load(idx + offs_first, mask=offs_first < end, other=0).to(tl.int64)
+        if HOIST_SLOTS:
+            offs_first = start + tl.arange(0, BLOCK_N)
+            slot = tl.load(idx + offs_first, mask=offs_first < end, other=0).to(tl.int64)
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < end
-            # issue the tile and the next tile's slot indices together: one round trip a tile
+            if not HOIST_SLOTS:
+                # the tile's slot indices loaded in the loop, the plain indirect load that
+                # Triton's pipeliner can run num_stages - 1 tiles ahead (a benchmark knob)
+                slot = tl.load(idx + offs_n, mask=n_ok, other=0).to(tl.int64)
+            # HOIST_SLOTS: issue the tile and the next tile's slot indices together, one round
+            # trip a tile (the slots were loaded one iteration ahead)
             kv_base = KV + slot[:, None] * stride_kv_s
             kv = tl.load(kv_base + offs_c[None, :], mask=n_ok[:, None] & c_ok[None, :],
                          other=0.0)  # [BLOCK_N, BLOCK_C]: c_kv, keys and values
             kr = tl.load(kv_base + kv_lora_rank + offs_r[None, :],
                          mask=n_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
-            slot = tl.load(idx + offs_n + BLOCK_N, mask=offs_n + BLOCK_N < end,
-                           other=0).to(tl.int64)
+            if HOIST_SLOTS:
+                slot = tl.load(idx + offs_n + BLOCK_N, mask=offs_n + BLOCK_N < end,
+                               other=0).to(tl.int64)
             s = mma(q_c, tl.trans(kv), UPCAST) + mma(q_r, tl.trans(kr), UPCAST)
             s = (s * sm_scale).to(tl.float32)  # [BLOCK_H, BLOCK_N]
             visible = n_ok[None, :] & m_ok[:, None]
@@ -200,10 +207,12 @@ def mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, 
                         kv_lora_rank: int, sm_scale: float, mode: int, num_q: int = 1,
                         tree_mask=None, qo_indptr=None, num_splits: int | None = None,
                         fold: bool | None = None, block_n: int | None = None,
-                        num_warps: int | None = None, num_stages: int = 2):
+                        num_warps: int | None = None, num_stages: int = 2,
+                        hoist_slots: bool = True):
     """Launch the MLA kernel: q_latent [n, H, r + rope] -> o_latent [n, H, r] (callers check
     shapes). DECODE / TREE: n = bs * num_q, request-major; CAUSAL: packed by qo_indptr, padding
-    tokens give 0. block_n / num_warps / num_stages / fold: benchmark knobs."""
+    tokens give 0. block_n / num_warps / num_stages / fold / hoist_slots: benchmark knobs
+    (hoist_slots=False loads each tile's slot indices in the loop instead of one tile ahead)."""
     check_kernel_dtypes(q_latent, latent_cache, latent_cache)
     n_tok, n_heads, width = q_latent.shape
     bs = req_pool_indices.shape[0]
@@ -258,7 +267,8 @@ def mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, 
         n_heads, kv_lora_rank, width - kv_lora_rank, num_splits, int(fold),
         NUM_Q=num_q if mode != CAUSAL else 1, MODE=mode, UPCAST=upcast_dots(q_latent.dtype),
         num_stages=num_stages,
-        MERGE_UNROLL=merge_unroll(block_h, blocks["BLOCK_C"], blocks["num_warps"]), **blocks,
+        MERGE_UNROLL=merge_unroll(block_h, blocks["BLOCK_C"], blocks["num_warps"]),
+        HOIST_SLOTS=hoist_slots, **blocks,
     )
     if num_splits > 1 and not fold:
         launch_merge(mid_o, mid_lse, seq_lens, o, num_q, num_splits, blocks["BLOCK_N"])
