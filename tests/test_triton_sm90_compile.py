@@ -37,8 +37,14 @@ SCRIPT = textwrap.dedent('''
            "SeqLens": "*i32", "QoIndptr": "*i32", "TreeMask": "*u8", "MidO": "*fp32",
            "MidLse": "*fp32", "Counters": "*i32", "sm_scale": "fp32"}
     for mode, nq in ((0, 1), (1, 8), (2, 1)):       # decode, tree verify, causal extend
-        build(am._mla_kernel, mla, dict(NUM_Q=nq, MODE=mode, UPCAST=False, BLOCK_H=16,
-              BLOCK_N=32, BLOCK_C=512, BLOCK_R=64, MERGE_UNROLL=2))
+        for hoist in (True, False):                  # slot indices one tile ahead / in the loop
+            build(am._mla_kernel, mla, dict(NUM_Q=nq, MODE=mode, UPCAST=False, BLOCK_H=16,
+                  BLOCK_N=32, BLOCK_C=512, BLOCK_R=64, MERGE_UNROLL=2, HOIST_SLOTS=hoist))
+    from padgraph.backends.triton import gemv as gv
+    for split_k, pdl in ((1, False), (4, False), (1, True)):   # PDL: griddepcontrol on sm_90
+        build(gv._gemv_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
+              "ws_ptr": "*fp32"}, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=split_k,
+              UPCAST=False, PREFETCH=pdl, PDL=pdl))
     build(tk._merge_kernel, {"cand_v_ptr": "*fp32", "cand_i_ptr": "*i64", "part_m_ptr": "*fp32",
           "part_s_ptr": "*fp32", "out_v_ptr": "*fp32", "out_i_ptr": "*i64",
           "out_lse_ptr": "*fp32"}, dict(K=4, CK=1024, CP=256))
@@ -58,4 +64,4 @@ def test_changed_kernels_compile_for_sm90(tmp_path):
     if p.returncode and "ptxas" in p.stderr and "not found" in p.stderr.lower():
         pytest.skip("no ptxas for sm_90 in this Triton")
     assert p.returncode == 0, p.stderr[-4000:]
-    assert p.stdout.count("compiled") == 6, p.stdout
+    assert p.stdout.count("compiled") == 12, p.stdout
