@@ -65,3 +65,23 @@ def test_changed_kernels_compile_for_sm90(tmp_path):
         pytest.skip("no ptxas for sm_90 in this Triton")
     assert p.returncode == 0, p.stderr[-4000:]
     assert p.stdout.count("compiled") == 12, p.stdout
+
+
+def test_sm90_regs_reports_the_mla_kernels_resources(tmp_path):
+    """scripts/sm90_regs.py (the register / spill / cp.async report of the MLA kernel, no GPU)."""
+    try:
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"no NVIDIA backend in this Triton: {e}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "sm90_regs.py")
+    p = subprocess.run([sys.executable, script, '[{"BLOCK_N": 32, "warps": 4}]'], env=env,
+                       capture_output=True, text=True, timeout=600)
+    if p.returncode and "ptxas" in p.stderr and "not found" in p.stderr.lower():
+        pytest.skip("no ptxas for sm_90 in this Triton")
+    assert p.returncode == 0, p.stderr[-4000:]
+    import json
+    report = json.loads(p.stdout.strip().splitlines()[-1].split("} ", 1)[1].rsplit(" ", 2)[0])
+    assert 0 < report["regs"] <= 255 and report["merge_unroll"] == 1
+    assert report["ldgsts_in_loops"] > 0          # the latent tile is loaded with cp.async
