@@ -21,7 +21,8 @@ written (K, V, req_to_token, q, o) over the device-to-device copy bandwidth meas
 run. Times: `triton.testing.do_bench` medians (L2 flushed before each call). `--in-graph N` adds,
 for decode, the time a call takes inside a graph of N calls (each after an L2 flush; the graph of
 the flushes alone subtracted): the kernel's time without one graph launch per call, as in a
-model's step. Results are checked against the torch reference first. Writes attention.md / attention.json to $OUT (or results/local/).
+model's step. Results are checked against the torch reference first. Writes attention.md /
+attention.json to $OUT (or results/local/).
 """
 from __future__ import annotations
 
@@ -470,8 +471,8 @@ def markdown(meta, rows, spec_rows, sweeps, cold) -> str:
     lines += fmt_rows(rows)
     ig = [r for r in rows if "ig_ours_us" in r]
     if ig:
-        lines += ["", f"Inside a graph of {ig[0]['in_graph_calls']} calls (an L2 flush before each, "
-                  "the flushes' own time subtracted), µs a call:", "",
+        lines += ["", f"Inside a graph of {ig[0]['in_graph_calls']} calls (an L2 flush before "
+                  "each, the flushes' own time subtracted), µs a call:", "",
                   "| layout | bs | ctx | ours | sdpa | speedup | floor |",
                   "|---|---:|---:|---:|---:|---:|---:|"]
         for r in ig:

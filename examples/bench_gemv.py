@@ -54,19 +54,18 @@ CONFIGS = [dict(block_n=bn, block_k=bk, split_k=sk, num_warps=4, num_stages=4)
 QUICK = [dict(block_n=16, block_k=256, split_k=sk, num_warps=4, num_stages=4) for sk in (1, 2)]
 
 
-def time_graph(fn, xs, ws) -> float:
-    """Median µs per call of fn(x, w) over CALLS calls cycling through the weight copies ws, as
-    one CUDA graph replayed REPEATS times."""
+def replay_us(body):
+    """Capture body() in a CUDA graph (after 3 warm-up runs on a side stream); the median µs of
+    REPEATS replays after 3 more, and body's output in the graph."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        for i in range(3):
-            fn(xs[i % len(xs)], ws[i % len(ws)])
+        for _ in range(3):
+            body()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for i in range(CALLS):
-            fn(xs[i % len(xs)], ws[i % len(ws)])
+        out = body()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(REPEATS + 3):
@@ -74,8 +73,17 @@ def time_graph(fn, xs, ws) -> float:
         g.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
-    return statistics.median(times[3:])
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times[3:]), out
+
+
+def time_graph(fn, xs, ws) -> float:
+    """Median µs per call of fn(x, w) over CALLS calls cycling through the weight copies ws, as
+    one CUDA graph replayed REPEATS times."""
+    def calls():
+        for i in range(CALLS):
+            fn(xs[i % len(xs)], ws[i % len(ws)])
+    return replay_us(calls)[0] / CALLS
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -134,24 +142,8 @@ def chain_us(x0, layer_ws, head_w, linears) -> tuple[float, torch.Tensor]:
             x = linears["down"](g, ws["down"])  # no kernel between two linears
         return linears["lm_head"](x, head_w)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = step()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(REPEATS + 3):
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times[3:]), out.clone()
+    us, out = replay_us(step)
+    return us, out.clone()
 
 
 def bench_chain(rows, sizes, bw, gen) -> list[dict]:
@@ -252,8 +244,8 @@ def markdown(meta, rows, chain=()) -> str:
                          f"({c['mixed_over_floor']:.2f}) | {c['isolated_sum_us']:.0f} "
                          f"({c['isolated_sum_us'] / c['floor_us']:.2f}) | {taken} | "
                          f"{c['mixed_rel_err']:.1e} |")
-        lines += ["", "Every linear a one-split gemv (each shape's best one-split config), launched "
-                  "plainly and as programmatic dependent launches (the weight's first tile is "
+        lines += ["", "Every linear a one-split gemv (each shape's best one-split config), "
+                  "launched plainly and as programmatic dependent launches (the weight's first tile is "
                   "requested before waiting for the kernel before):", "",
                   "| bs | variant | chain µs | x floor | rel err vs F.linear chain |",
                   "|---:|---|---:|---:|---:|"]

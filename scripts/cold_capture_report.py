@@ -36,7 +36,8 @@ def main(folder: Path, log: str = "cold_capture.log") -> None:
                 } | {"n": len(rows), "first_s_all": [r["first_s"] for r in rows]}
     (folder / "cold_capture.json").write_text(json.dumps(
         {"env": env, "target_s": TARGET_S, "runs": runs, "summary": summary}, indent=1))
-    lines = ["# Cold capture of the default ladder (36 buckets, 16 x (store_kv + decode attention))",
+    lines = ["# Cold capture of the default ladder (36 buckets, 16 x (store_kv + decode "
+             "attention))",
              "", f"{env}", "", "Command: see `scripts/cold_capture_report.py` (runs alternated on, "
              "off, on, off; each run two fresh processes sharing a new Triton cache). Target "
              f"(#12): <= {TARGET_S} s with an empty cache. Setup thread = "

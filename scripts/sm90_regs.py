@@ -84,7 +84,8 @@ def main() -> None:
     print(f"triton {triton.__version__}")
     for c in configs:
         t0 = time.time()
-        print(json.dumps(c), json.dumps(compile_mla(**c)), f"{time.time() - t0:.1f} s",
+        report = compile_mla(**c)
+        print(json.dumps(dict(config=c, report=report, seconds=round(time.time() - t0, 1))),
               flush=True)
 
 

@@ -1,6 +1,7 @@
 """The small-batch linear kernel (interpreted on CPU) against an fp64 x @ w.T: awkward sizes
-(M 1 / 3 / 16, N and K not multiples of the tiles), the prefetching variant, split-K through the fp32 workspace with
-splits that get no K at all, bf16 and fp32, a strided x, and the argument checks."""
+(M 1 / 3 / 16, N and K not multiples of the tiles), the prefetching variant, split-K through
+the fp32 workspace with splits that get no K at all, bf16 and fp32, a strided x, and the
+argument checks."""
 import pytest
 import torch
 

@@ -3,6 +3,7 @@ Triton's real compiler (TTIR -> TTGIR -> LLVM -> PTX -> cubin), with no GPU: the
 other CPU tests use runs the kernels' Python and would not catch code the compiler rejects.
 Runs in a subprocess (TRITON_INTERPRET must be unset before triton is imported) with a fresh
 cache; skipped where this Triton has no NVIDIA backend or ptxas."""
+import json
 import os
 import subprocess
 import sys
@@ -51,37 +52,33 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def test_changed_kernels_compile_for_sm90(tmp_path):
+def run_compiler(args, tmp_path) -> str:
+    """Run `python args...` with Triton's real compiler (TRITON_INTERPRET unset, a fresh cache);
+    its stdout. Skips where this Triton has no NVIDIA backend or no ptxas for sm_90."""
     try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
         import triton.backends.nvidia  # noqa: F401
+        from triton.backends.compiler import GPUTarget  # noqa: F401
     except ImportError as e:
         pytest.skip(f"no NVIDIA backend in this Triton: {e}")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    p = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
+    p = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
                        timeout=600)
     if p.returncode and "ptxas" in p.stderr and "not found" in p.stderr.lower():
         pytest.skip("no ptxas for sm_90 in this Triton")
     assert p.returncode == 0, p.stderr[-4000:]
-    assert p.stdout.count("compiled") == 12, p.stdout
+    return p.stdout
+
+
+def test_changed_kernels_compile_for_sm90(tmp_path):
+    out = run_compiler(["-c", SCRIPT], tmp_path)
+    assert out.count("compiled") == 12, out
 
 
 def test_sm90_regs_reports_the_mla_kernels_resources(tmp_path):
     """scripts/sm90_regs.py (the register / spill / cp.async report of the MLA kernel, no GPU)."""
-    try:
-        import triton.backends.nvidia  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"no NVIDIA backend in this Triton: {e}")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     script = os.path.join(os.path.dirname(__file__), "..", "scripts", "sm90_regs.py")
-    p = subprocess.run([sys.executable, script, '[{"BLOCK_N": 32, "warps": 4}]'], env=env,
-                       capture_output=True, text=True, timeout=600)
-    if p.returncode and "ptxas" in p.stderr and "not found" in p.stderr.lower():
-        pytest.skip("no ptxas for sm_90 in this Triton")
-    assert p.returncode == 0, p.stderr[-4000:]
-    import json
-    report = json.loads(p.stdout.strip().splitlines()[-1].split("} ", 1)[1].rsplit(" ", 2)[0])
+    out = run_compiler([script, '[{"BLOCK_N": 32, "warps": 4}]'], tmp_path)
+    report = json.loads(out.strip().splitlines()[-1])["report"]
     assert 0 < report["regs"] <= 255 and report["merge_unroll"] == 1
     assert report["ldgsts_in_loops"] > 0          # the latent tile is loaded with cp.async

@@ -129,8 +129,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, block_n: int = 16, block_k: int = 
     grid = (triton.cdiv(n, block_n), split_k)
     _gemv_kernel[grid](x, w, y, ws, m, n, k, x.stride(0), w.stride(0), y.stride(0),
                        BLOCK_M=MAX_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-                       UPCAST=upcast_dots(x.dtype), PREFETCH=pdl, PDL=pdl and x.is_cuda, num_warps=num_warps,
-                       num_stages=num_stages, **({"launch_pdl": True} if pdl and x.is_cuda else {}))
+                       UPCAST=upcast_dots(x.dtype), PREFETCH=pdl, PDL=pdl and x.is_cuda,
+                       num_warps=num_warps, num_stages=num_stages,
+                       **({"launch_pdl": True} if pdl and x.is_cuda else {}))
     if split_k > 1:
         y.copy_(ws)
     return y

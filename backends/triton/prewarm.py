@@ -54,9 +54,3 @@ def start() -> threading.Thread | None:
             _thread = threading.Thread(target=_setup, name="padgraph-triton-prewarm", daemon=True)
             _thread.start()
         return _thread
-
-
-def wait(timeout: float | None = None) -> None:
-    """Block until the setup thread (if any) is done."""
-    if _thread is not None:
-        _thread.join(timeout)
