@@ -58,6 +58,7 @@ K_DRAFT, DRAFT_EXTEND = 8, 6
 # where the kernel took 20 us a call for ~4 MB (H200 profile, 2026-12-02) at the policy's 2 splits
 SWEEP_CASES = ((1, 8192), (8, 8192), (32, 8192), (16, 256))
 SWEEP_TILES = ((32, 2, 4), (16, 2, 4), (64, 2, 8), (32, 3, 4), (32, 2, 8))  # BLOCK_N/stages/warps
+KEYS_TILES = ((64, 2, 4, "keys"), (64, 2, 8, "keys"))  # the keys-major kernel (--keys-major)
 SMOKE = dict(kv_lora_rank=96, rope=32, batches=(2,), contexts=(40,), spec_contexts=(40,),
              sweep=((2, 40),), tiles=((32, 2, 4),))
 
@@ -154,7 +155,8 @@ def best_sdpa(case, ref):
     return None, None
 
 
-def time_case(bs, ctx, n_heads, copy_bw, gen, device, kind, widths, impl) -> dict:
+def time_case(bs, ctx, n_heads, copy_bw, gen, device, kind, widths, impl,
+              keys_major=False) -> dict:
     case = LatentCase(bs, ctx, n_heads, gen, device, kind, *widths, impl=impl)
     out = case.ours()()
     pick = sorted({0, bs - 1})
@@ -174,6 +176,12 @@ def time_case(bs, ctx, n_heads, copy_bw, gen, device, kind, widths, impl) -> dic
     n_bytes = case.bytes_moved()
     row["gbs"] = n_bytes / (row["us"] * 1e-6) / 1e9
     row["fraction"] = n_bytes / (row["us"] * 1e-6) / copy_bw
+    if keys_major and kind == "decode":  # the keys-major kernel at its own split policy
+        fn = case.ours(keys_major=True)
+        row["keys_err"] = rel_err(fn()[rows], ref[rows])
+        row["keys_us"] = bench_us(graph_of(fn))
+        row["keys_fraction"] = n_bytes / (row["keys_us"] * 1e-6) / copy_bw
+        row["ok"] = row["ok"] and row["keys_err"] < 1e-2
     row["speedup_vs_sdpa"] = row["sdpa_us"] / row["us"] if row["sdpa_us"] else None
     del case
     if device.type == "cuda":
@@ -191,11 +199,12 @@ def sweep_case(bs, ctx, n_heads, gen, device, tiles, widths, hoists=(True,)) -> 
     counts = {max(1, policy // 2), policy, policy * 2}
     if ctx <= 1024:             # short contexts: the policy's splits leave most SMs idle
         counts |= {policy * 4, policy * 8}
-    for (block_n, stages, warps), splits, hoist in itertools.product(tiles, sorted(counts),
-                                                                     hoists):
+    for (block_n, stages, warps, *kernel), splits, hoist in itertools.product(
+            tiles, sorted(counts), hoists):
+        keys = kernel == ["keys"]
         for fold in ((True, False) if splits > 1 else (True,)):
             fn = case.ours(num_splits=splits, block_n=block_n, num_stages=stages,
-                           num_warps=warps, fold=fold, hoist_slots=hoist)
+                           num_warps=warps, fold=fold, hoist_slots=hoist, keys_major=keys)
             try:
                 out = fn()
             except Exception as e:  # noqa: BLE001 - e.g. a tile past the shared memory
@@ -205,7 +214,8 @@ def sweep_case(bs, ctx, n_heads, gen, device, tiles, widths, hoists=(True,)) -> 
                 raise AssertionError(f"MLA sweep {block_n=} {stages=} {warps=} {splits=} "
                                      f"{fold=} disagrees at {bs=} {ctx=}")
             results.append(dict(block_n=block_n, stages=stages, warps=warps, splits=splits,
-                                fold=fold, hoist_slots=hoist, us=bench_us(fn, rep=30)))
+                                fold=fold, hoist_slots=hoist, keys_major=keys,
+                                us=bench_us(fn, rep=30)))
     del case
     return dict(bs=bs, ctx=ctx, policy_splits=policy, best=min(results, key=lambda r: r["us"]),
                 all=results)
@@ -226,6 +236,15 @@ def markdown(meta, heads, copy_bw, rows, sweeps, widths=(KV_LORA_RANK, ROPE)) ->
                      f"{'' if r['fold'] else '+m'} | {r['row_blocks']} | {r['us']:.1f} | {sdpa} "
                      f"| {speed} | {r['gbs']:.0f} | {r['fraction']:.2f} | {r['sdpa_backend']} "
                      f"| {r['err']:.1e}{'' if r['ok'] else ' FAIL'} |")
+    keyed = [r for r in rows if "keys_us" in r]
+    if keyed:
+        lines += ["", "## Decode: the keys-major kernel (graph µs, its own split policy)", "",
+                  "| bs | ctx | row-major µs | keys-major µs | keys / row time | fraction of copy "
+                  "(keys) | rel err (keys) |", "|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in keyed:
+            lines.append(f"| {r['bs']} | {r['ctx']} | {r['us']:.1f} | {r['keys_us']:.1f} "
+                         f"| {r['keys_us'] / r['us']:.2f} | {r['keys_fraction']:.2f} "
+                         f"| {r['keys_err']:.1e} |")
     if sweeps:
         lines += ["", "## Decode tile / split / fold sweep (eager µs; tile = BLOCK_N/stages/"
                   "warps; slots: the tile's slot indices loaded one tile ahead (hoisted, the "
@@ -239,7 +258,8 @@ def markdown(meta, heads, copy_bw, rows, sweeps, widths=(KV_LORA_RANK, ROPE)) ->
                           default=None) for h in (True, False)}
             cells = [f"{per[h]:.1f}" if per[h] is not None else "-" for h in (True, False)]
             lines.append(f"| {s['bs']} | {s['ctx']} | {s['policy_splits']} | {b['us']:.1f} "
-                         f"| {b['block_n']}/{b['stages']}/{b['warps']} | {b['splits']} "
+                         f"| {b['block_n']}/{b['stages']}/{b['warps']}"
+                         f"{' keys' if b.get('keys_major') else ''} | {b['splits']} "
                          f"| {b['fold']} | {'hoisted' if b.get('hoist_slots', True) else 'in loop'}"
                          f" | {cells[0]} | {cells[1]} |")
     return "\n".join(lines) + "\n"
@@ -264,6 +284,9 @@ def main():
     parser.add_argument("--slots", choices=("hoisted", "loop", "both"), default="hoisted",
                         help="sweep: where the kernel loads a tile's slot indices (one tile "
                              "ahead, the default; in the loop; both)")
+    parser.add_argument("--keys-major", action="store_true",
+                        help="decode: also time the keys-major kernel (keys_us column) and "
+                             "sweep its tiles")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes (script check)")
     args = parser.parse_args()
     if not args.smoke and not torch.cuda.is_available():
@@ -274,10 +297,11 @@ def main():
         widths = (SMOKE["kv_lora_rank"], SMOKE["rope"])
         batches, contexts, spec_ctx = SMOKE["batches"], SMOKE["contexts"], SMOKE["spec_contexts"]
         sweep_cases, tiles = SMOKE["sweep"], SMOKE["tiles"]
+        tiles += ((32, 2, 4, "keys"),) if args.keys_major else ()
     else:
         widths = (args.kv_lora_rank, ROPE)
         batches, contexts, spec_ctx = BATCHES, CONTEXTS, SPEC_CONTEXTS
-        sweep_cases, tiles = SWEEP_CASES, SWEEP_TILES
+        sweep_cases, tiles = SWEEP_CASES, SWEEP_TILES + (KEYS_TILES if args.keys_major else ())
     gen = torch.Generator(device=device).manual_seed(0)
     copy_bw = copy_bandwidth(device)
     impl = "triton" if args.smoke else "auto"  # on CPU, "auto" would time the torch path
@@ -287,7 +311,7 @@ def main():
         for kind, ctxs in kinds_ctx:
             for bs, ctx in itertools.product(batches, ctxs):
                 rows.append(time_case(bs, ctx, heads, copy_bw, gen, device, kind, widths,
-                                      impl))
+                                      impl, args.keys_major))
                 print({k: v for k, v in rows[-1].items()}, flush=True)
         return rows
 

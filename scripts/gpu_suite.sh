@@ -14,9 +14,11 @@
 #                             [bench-gemv: the small-batch linear kernel against F.linear at the 1B decode shapes, and the step's GEMM chain (gemv.{md,json,png})]
 #                             [bench-attention-in-graph: decode only, also timed as calls inside a graph of 20 (attention.{md,json})]
 #                             [bench-mla-slots: MLA decode, its sweep with the slot indices loaded one tile ahead and in the loop (mla.{md,json})]
+#                             [bench-mla-keys: MLA decode with the keys-major kernel beside the row-major one, and both in the sweep (mla.{md,json})]
 #                             [bench-mla-r256: MLA decode on a 256-wide latent (mla_r256.{md,json}): the accumulator's register cost, beside bench-mla]
 #                             [bench-eagle-draft-prefill: bench_eagle (eagle.{md,json}) with a second EAGLE worker whose draft prefill is eager (torch calls), same process]
 #                             [eagle-variants: the main job once per argument list of EAGLE_VARIANTS="--model deepseek --steps 3;..." (logs eagle_v1, eagle_v2, ...)]
+#                             [ncu: Nsight Compute reports (details + SASS stall samples) of the MLA and GQA decode kernels and SDPA's (ncu_*.log, ncu_*_sass.csv); NCU_CASES="name|regex|args;..." overrides the cases]
 #                             [tests-parallel: the cuda tests as five pytest processes and the cuda conformance suite, at once]
 # With no arguments, everything. Results and logs go under $OUT (default results/local).
 # PACK=name: write them under a scratch directory instead and leave one $OUT/name.tgz at the end
@@ -62,6 +64,25 @@ if want tests-parallel; then  # the cuda tests and the cuda conformance suite as
   for f in pytest_cuda_lite pytest_cuda_deepseek pytest_cuda_eagle_a pytest_cuda_eagle_b pytest_cuda_kernels spec_cuda; do echo "$f: $(tail -1 "$OUT/$f.log")"; done
   echo "=== tests-parallel: $((SECONDS - t0)) s"
 fi
+if want ncu; then  # hardware counters of single kernel launches (scripts/ncu_kernels.py runs the case)
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  default_cases="mla_bs8_8192|_mla_kernel|mla 8 8192;mla_bs32_32768|_mla_kernel|mla 32 32768"
+  default_cases+=";mla_bs32_32768_narrow|_mla_kernel|mla 32 32768 --knobs block_n=32,num_warps=4,num_splits=9"
+  default_cases+=";decode_bs8_4096|_split|decode 8 4096;decode_sdpa_bs8_4096|.|decode-sdpa 8 4096"
+  default_cases+=";decode_bs128_4096|_split|decode 128 4096;decode_sdpa_bs128_4096|.|decode-sdpa 128 4096"
+  IFS=';' read -ra ncu_cases <<<"${NCU_CASES:-$default_cases}"
+  for c in "${ncu_cases[@]}"; do
+    IFS='|' read -r name regex case_args <<<"$c"; t0=$SECONDS
+    timeout 300 "$NCU" --clock-control none --set full --nvtx --nvtx-include "prof/" \
+      -k "regex:$regex" --launch-skip 1 --launch-count 1 -f -o "$OUT/ncu_$name" \
+      python3 scripts/ncu_kernels.py $case_args >"$OUT/ncu_$name.log" 2>&1 || rc=1
+    "$NCU" -i "$OUT/ncu_$name.ncu-rep" --page details >>"$OUT/ncu_$name.log" 2>&1
+    "$NCU" -i "$OUT/ncu_$name.ncu-rep" --page source --csv --print-source sass \
+      >"$OUT/ncu_${name}_sass.csv" 2>&1
+    rm -f "$OUT/ncu_$name.ncu-rep"
+    echo "=== ncu $name: $((SECONDS - t0)) s"; grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Block Limit" "$OUT/ncu_$name.log" | head -12
+  done
+fi
 want tests && run pytest_cuda python3 -m pytest -m cuda tests -q -p no:cacheprovider --timeout=300 -o addopts=""
 want spec && run spec_cuda python3 -m padgraph.spec --backend cuda -q
 want spec-compile && run spec_cuda_compile python3 -m padgraph.spec --backend cuda --torch-compile -q
@@ -85,6 +106,7 @@ want bench-attention && run bench_attention python3 examples/bench_attention.py
 want bench-attention-in-graph && run bench_attention python3 examples/bench_attention.py --no-sweep --no-spec --no-cold --in-graph 20
 want bench-mla && run bench_mla python3 examples/bench_mla.py
 want bench-mla-slots && run bench_mla_slots python3 examples/bench_mla.py --decode-only --slots both
+want bench-mla-keys && run bench_mla_keys python3 examples/bench_mla.py --decode-only --keys-major
 want bench-mla-r256 && run bench_mla_r256 python3 examples/bench_mla.py --kv-lora-rank 256 --decode-only --no-sweep
 want bench-eagle && run bench_eagle python3 examples/bench_eagle.py
 want bench-eagle-deepseek && EAGLE_MODEL=deepseek run bench_eagle_deepseek python3 examples/bench_eagle.py

@@ -8,6 +8,10 @@ which tiles are worth a GPU sweep (`examples/bench_mla.py`); compare within one 
 (the device has 3.6: `pip install triton==3.6.0` in a separate venv).
 
     python scripts/sm90_regs.py '[{"BLOCK_N": 32, "warps": 4, "MERGE_UNROLL": 1}, ...]'
+    python scripts/sm90_regs.py '[{"kernel": "keys", "BLOCK_N": 64, "warps": 4}]'
+
+kernel: "rows" (`_mla_kernel`, the default) or "keys" (`_mla_keys_major_kernel`); HGMMA counts
+the Hopper warp-group MMA instructions, HMMA the register ones.
 """
 import inspect
 import json
@@ -22,7 +26,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from padgraph.backends.triton.attention_mla_decode import _mla_kernel
+from padgraph.backends.triton.attention_mla_decode import _mla_kernel, _mla_keys_major_kernel
 from padgraph.backends.triton.attention_split import merge_unroll
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -35,17 +39,21 @@ DIV16 = {"stride_q_t", "stride_q_h", "stride_kv_s", "stride_rt", "stride_o_t", "
          "n_heads", "kv_lora_rank", "rope_dim"}
 
 
-def compile_mla(warps=4, stages=2, **cx):
+KERNELS = dict(rows=_mla_kernel, keys=_mla_keys_major_kernel)
+
+
+def compile_mla(warps=4, stages=2, kernel="rows", **cx):
+    kernel = KERNELS[kernel]
     const = dict(NUM_Q=1, MODE=0, UPCAST=False, BLOCK_H=16, BLOCK_N=32, BLOCK_C=512,
                  BLOCK_R=64, HOIST_SLOTS=True)
     const.update(cx)
     const.setdefault("MERGE_UNROLL", merge_unroll(const["BLOCK_H"], const["BLOCK_C"], warps))
-    names = list(inspect.signature(_mla_kernel.fn).parameters)
+    names = list(inspect.signature(kernel.fn).parameters)
     sig = {n: "constexpr" if n in const else PTRS.get(n, "fp32" if n == "sm_scale" else "i32")
            for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if n in PTRS or n in DIV16}
-    k = triton.compile(ASTSource(_mla_kernel, sig, constexprs=const, attrs=attrs),
+    k = triton.compile(ASTSource(kernel, sig, constexprs=const, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=warps, num_stages=stages))
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
@@ -69,7 +77,8 @@ def compile_mla(warps=4, stages=2, **cx):
                 shared=k.metadata.shared, ldl=len(ldl), stl=len(stl),
                 ldl_in_loops=sum(i in in_loop for i in ldl),
                 stl_in_loops=sum(i in in_loop for i in stl),
-                hmma=sum("HMMA" in ln for ln in sass), merge_unroll=const["MERGE_UNROLL"],
+                hmma=sum("HMMA" in ln for ln in sass),
+                hgmma=sum("HGMMA" in ln for ln in sass), merge_unroll=const["MERGE_UNROLL"],
                 # global loads straight to registers, and asynchronous copies to shared memory
                 # (cp.async: what Triton's pipeliner emits for a load it runs ahead)
                 ldg_in_loops=sum(i in in_loop for i, ln in enumerate(sass)

@@ -334,12 +334,17 @@ def test_absorbed_projections_one_rounding(dtype):
     assert ((out.double() - want).abs() <= tol + 1e-30).all()
 
 
-# ----------------------------------------------------------------------------- slot loads
+# ----------------------------------------------------------------------------- kernel forms
+
+FORMS = [dict(hoist_slots=True), dict(hoist_slots=False),
+         dict(keys_major=True, hoist_slots=True), dict(keys_major=True, hoist_slots=False)]
+
 
 @pytest.mark.parametrize("mode", ["decode", "tree", "causal"])
-def test_slots_loaded_in_the_loop_give_the_same_outputs(mode):
-    # hoist_slots=False (a benchmark knob): each tile's slot indices are loaded in the loop
-    # instead of one tile ahead; every mode, several splits, BLOCK_N 16 over poisoned slots
+def test_kernel_forms_give_the_same_outputs(mode):
+    # the row-major kernel with each tile's slot indices loaded one tile ahead (the default) or
+    # in the loop (hoist_slots=False), and the keys-major kernel in both slot forms: every mode,
+    # several splits, BLOCK_N 16 over poisoned slots
     if mode == "causal":
         case, qo_indptr, (q_nope, q_rope, q_latent) = extend_case(48, 16, poison=True)
         kw, ref = dict(qo_indptr=qo_indptr), case.reference(q_nope, q_rope, qo_indptr=qo_indptr)
@@ -359,9 +364,9 @@ def test_slots_loaded_in_the_loop_give_the_same_outputs(mode):
             ref = case.reference(q_nope, q_rope)
     mode_id = {"decode": DECODE, "tree": TREE, "causal": CAUSAL}[mode]
     outs = [mla_paged_attention(q_latent, *case.paged(), 48, case.sm_scale, mode_id,
-                                num_splits=3, block_n=16, hoist_slots=hoist, **kw)
-            for hoist in (True, False)]
+                                num_splits=3, block_n=16, **form, **kw) for form in FORMS]
     for o in outs:
         assert torch.isfinite(o[real]).all()
         assert_close(case.output(o)[real], ref[real])
-    torch.testing.assert_close(outs[0][real], outs[1][real], rtol=1e-5, atol=1e-5)
+    for o in outs[1:]:
+        torch.testing.assert_close(o[real], outs[0][real], rtol=1e-5, atol=1e-5)

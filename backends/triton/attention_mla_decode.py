@@ -54,6 +54,7 @@ MIN_SPLIT_TOKENS = 128
 WIDE_MIN_PAIRS = 32
 WIDE_TILE = dict(BLOCK_N=64, num_warps=8)
 WIDE_FOLD_MAX_BYTES = 512 << 10
+KEYS_MAJOR_TILE = dict(BLOCK_N=64, num_warps=4)  # one warp group: 64 keys = one wgmma M tile
 PARTIALS_MAX_BYTES = 64 << 20  # fp32 partials of a split causal extend
 
 
@@ -166,6 +167,116 @@ def _mla_kernel(
                      stride_mo_s, 1, m_ok, c_ok, MERGE_UNROLL)
 
 
+@triton.jit(do_not_specialize=["stride_mo_t", "stride_mo_h", "stride_mo_s", "stride_ml_t",
+                               "stride_ml_h", "num_splits", "fold"])
+def _mla_keys_major_kernel(
+    Q, KV, ReqToToken, ReqPoolIdx, SeqLens, QoIndptr, TreeMask, Out, MidO, MidLse, Counters,
+    sm_scale,
+    stride_q_t, stride_q_h, stride_kv_s, stride_rt, stride_o_t, stride_o_h,
+    stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
+    n_heads, kv_lora_rank, rope_dim, num_splits, fold,
+    NUM_Q: tl.constexpr, MODE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    MERGE_UNROLL: tl.constexpr, HOIST_SLOTS: tl.constexpr,
+):
+    # _mla_kernel with its products transposed: keys are the rows (the M side of the tensor-core
+    # product), the BLOCK_H query rows its columns (N):
+    #     s^T   = kv @ q_c^T + kr @ q_r^T      # [BLOCK_N, BLOCK_H]
+    #     acc^T = acc^T * alpha + kv^T @ p^T   # [BLOCK_C, BLOCK_H]
+    # With BLOCK_N = 64 and 4 warps both products are Hopper warp-group MMAs whose large operand
+    # (the latent tile, read as is and transposed) stays in shared memory where the pipelined
+    # load put it, and q sits in shared memory too: no long chain of dependent register MMAs
+    # over the 576 columns (the row-major kernel's 36-deep chain a tile) and no q in registers.
+    stride_mo_t, stride_mo_h, stride_mo_s = (aligned(stride_mo_t), aligned(stride_mo_h),
+                                             aligned(stride_mo_s))
+    blk = tl.program_id(0)
+    r = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + r)
+    if MODE == 2:
+        q_start = tl.load(QoIndptr + r)
+        n_q = tl.load(QoIndptr + r + 1) - q_start
+    else:
+        q_start = r * NUM_Q
+        n_q = NUM_Q
+    n_rows = n_q * n_heads
+    kv_len = seq_len
+    if MODE == 2:
+        last_q = tl.minimum((blk + 1) * BLOCK_H, n_rows) - 1
+        kv_len = tl.minimum(seq_len, seq_len - n_q + last_q // n_heads + 1)
+    share = split_len(seq_len, num_splits, BLOCK_N)
+    n_used = tl.cdiv(kv_len, share)
+    start = split * share
+    end = tl.minimum(start + share, kv_len)
+    if (blk * BLOCK_H < n_rows) & ((start < end) | (split == 0)):
+        row = tl.load(ReqPoolIdx + r).to(tl.int64)
+        offs_m = blk * BLOCK_H + tl.arange(0, BLOCK_H)
+        m_ok = offs_m < n_rows
+        qi = offs_m // n_heads
+        qh = offs_m % n_heads
+        pos_q = seq_len - n_q + qi
+        offs_c = tl.arange(0, BLOCK_C)
+        offs_r = tl.arange(0, BLOCK_R)
+        c_ok = offs_c < kv_lora_rank
+        r_ok = offs_r < rope_dim
+        q_row = (q_start + qi).to(tl.int64)
+        q_base = Q + q_row[:, None] * stride_q_t + qh[:, None] * stride_q_h
+        q_c = tl.load(q_base + offs_c[None, :], mask=m_ok[:, None] & c_ok[None, :], other=0.0)
+        q_r = tl.load(q_base + kv_lora_rank + offs_r[None, :],
+                      mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+        q_ct = tl.trans(q_c)  # [BLOCK_C, BLOCK_H]
+        q_rt = tl.trans(q_r)  # [BLOCK_R, BLOCK_H]
+        prefix = tl.maximum(seq_len - NUM_Q, 0)
+
+        m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)  # transposed
+        idx = ReqToToken + row * stride_rt
+        if HOIST_SLOTS:
+            offs_first = start + tl.arange(0, BLOCK_N)
+            slot = tl.load(idx + offs_first, mask=offs_first < end, other=0).to(tl.int64)
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < end
+            if not HOIST_SLOTS:
+                slot = tl.load(idx + offs_n, mask=n_ok, other=0).to(tl.int64)
+            kv_base = KV + slot[:, None] * stride_kv_s
+            kv = tl.load(kv_base + offs_c[None, :], mask=n_ok[:, None] & c_ok[None, :],
+                         other=0.0)  # [BLOCK_N, BLOCK_C]
+            kr = tl.load(kv_base + kv_lora_rank + offs_r[None, :],
+                         mask=n_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
+            if HOIST_SLOTS:
+                slot = tl.load(idx + offs_n + BLOCK_N, mask=offs_n + BLOCK_N < end,
+                               other=0).to(tl.int64)
+            s = mma(kv, q_ct, UPCAST) + mma(kr, q_rt, UPCAST)
+            s = (s * sm_scale).to(tl.float32)  # [BLOCK_N, BLOCK_H]
+            visible = n_ok[:, None] & m_ok[None, :]
+            if MODE == 1:
+                j = offs_n - (seq_len - NUM_Q)
+                in_tail = (offs_n >= prefix)[:, None] & visible
+                tm = tl.load(TreeMask + r * NUM_Q * NUM_Q + qi[None, :] * NUM_Q + j[:, None],
+                             mask=in_tail, other=0)
+                visible = visible & ((offs_n < prefix)[:, None] | (tm != 0))
+            if MODE == 2:
+                visible = visible & (offs_n[:, None] <= pos_q[None, :])
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, 0)
+            acc = acc * alpha[None, :] + mma(tl.trans(kv), p.to(kv.dtype), UPCAST)
+            m_i = m_new
+
+        finish_split(tl.trans(acc), m_i, l_i, split, tl.maximum(n_used, 1), fold,
+                     Counters + r * tl.num_programs(0) + blk,
+                     Out + q_row[:, None] * stride_o_t + qh[:, None] * stride_o_h
+                     + offs_c[None, :],
+                     MidO + q_row[:, None] * stride_mo_t + qh[:, None] * stride_mo_h
+                     + offs_c[None, :],
+                     MidLse + q_row * stride_ml_t + qh * stride_ml_h,
+                     stride_mo_s, 1, m_ok, c_ok, MERGE_UNROLL)
+
+
 # ----------------------------------------------------------------------------- host side
 
 def mla_blocks(kv_lora_rank: int, rope_dim: int, rows: int) -> dict:
@@ -208,7 +319,7 @@ def mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, 
                         tree_mask=None, qo_indptr=None, num_splits: int | None = None,
                         fold: bool | None = None, block_n: int | None = None,
                         num_warps: int | None = None, num_stages: int = 2,
-                        hoist_slots: bool = True):
+                        hoist_slots: bool = True, keys_major: bool = False):
     """Launch the MLA kernel: q_latent [n, H, r + rope] -> o_latent [n, H, r] (callers check
     shapes). DECODE / TREE: n = bs * num_q, request-major; CAUSAL: packed by qo_indptr, padding
     tokens give 0. block_n / num_warps / num_stages / fold / hoist_slots: benchmark knobs
@@ -222,8 +333,10 @@ def mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, 
     # CAUSAL: enough row blocks for the longest possible request (all n_tok tokens)
     n_blocks = triton.cdiv((num_q if mode != CAUSAL else n_tok) * n_heads, block_h)
     wide = (mode == DECODE and block_n is None and num_warps is None
-            and bs * n_blocks >= WIDE_MIN_PAIRS)
-    if wide:
+            and bs * n_blocks >= WIDE_MIN_PAIRS) or keys_major
+    if keys_major:
+        blocks.update(KEYS_MAJOR_TILE)
+    elif wide:
         blocks.update(WIDE_TILE)
     if block_n is not None:
         blocks["BLOCK_N"] = block_n
@@ -258,7 +371,8 @@ def mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, 
     req_pool_indices, seq_lens = req_pool_indices.contiguous(), seq_lens.contiguous()
     tree = tree_mask.contiguous().view(torch.uint8) if tree_mask is not None else req_pool_indices
     indptr = qo_indptr.contiguous() if qo_indptr is not None else req_pool_indices
-    _mla_kernel[(n_blocks, bs, num_splits)](
+    kernel = _mla_keys_major_kernel if keys_major else _mla_kernel
+    kernel[(n_blocks, bs, num_splits)](
         q_latent, latent_cache, req_to_token, req_pool_indices, seq_lens, indptr, tree, o,
         mid_o, mid_lse, counters, sm_scale,
         q_latent.stride(0), q_latent.stride(1), latent_cache.stride(0), req_to_token.stride(0),
