@@ -108,6 +108,10 @@ class LatentCase:
         args, impl = self.paged(), impl or self.impl
         if knobs:
             mode = dict(decode=DECODE, verify=TREE, extend=CAUSAL)[self.kind]
+            if self.kind == "verify":
+                knobs.update(num_q=self.n_q, tree_mask=self.tree)
+            elif self.kind == "extend":
+                knobs.update(qo_indptr=self.qo_indptr)
             return lambda: mla_paged_attention(*args, self.r, SM_SCALE, mode, **knobs)
         if self.kind == "extend":
             return lambda: mla_extend_attention(*args, self.qo_indptr, self.r, SM_SCALE,
@@ -176,7 +180,7 @@ def time_case(bs, ctx, n_heads, copy_bw, gen, device, kind, widths, impl,
     n_bytes = case.bytes_moved()
     row["gbs"] = n_bytes / (row["us"] * 1e-6) / 1e9
     row["fraction"] = n_bytes / (row["us"] * 1e-6) / copy_bw
-    if keys_major and kind == "decode":  # the keys-major kernel at its own split policy
+    if keys_major:  # the keys-major kernel at its own split policy
         fn = case.ours(keys_major=True)
         row["keys_err"] = rel_err(fn()[rows], ref[rows])
         row["keys_us"] = bench_us(graph_of(fn))
@@ -238,11 +242,13 @@ def markdown(meta, heads, copy_bw, rows, sweeps, widths=(KV_LORA_RANK, ROPE)) ->
                      f"| {r['err']:.1e}{'' if r['ok'] else ' FAIL'} |")
     keyed = [r for r in rows if "keys_us" in r]
     if keyed:
-        lines += ["", "## Decode: the keys-major kernel (graph µs, its own split policy)", "",
-                  "| bs | ctx | row-major µs | keys-major µs | keys / row time | fraction of copy "
-                  "(keys) | rel err (keys) |", "|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += ["", "## The keys-major kernel (graph µs, its own tiles and split policy)", "",
+                  "| kind | bs | ctx | row-major µs | keys-major µs | keys / row time "
+                  "| fraction of copy (keys) | rel err (keys) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r in keyed:
-            lines.append(f"| {r['bs']} | {r['ctx']} | {r['us']:.1f} | {r['keys_us']:.1f} "
+            lines.append(f"| {r['kind']} | {r['bs']} | {r['ctx']} | {r['us']:.1f} "
+                         f"| {r['keys_us']:.1f} "
                          f"| {r['keys_us'] / r['us']:.2f} | {r['keys_fraction']:.2f} "
                          f"| {r['keys_err']:.1e} |")
     if sweeps:
@@ -285,8 +291,7 @@ def main():
                         help="sweep: where the kernel loads a tile's slot indices (one tile "
                              "ahead, the default; in the loop; both)")
     parser.add_argument("--keys-major", action="store_true",
-                        help="decode: also time the keys-major kernel (keys_us column) and "
-                             "sweep its tiles")
+                        help="also time the keys-major kernel (keys_us) and sweep its tiles")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes (script check)")
     args = parser.parse_args()
     if not args.smoke and not torch.cuda.is_available():

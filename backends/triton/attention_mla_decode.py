@@ -55,6 +55,9 @@ WIDE_MIN_PAIRS = 32
 WIDE_TILE = dict(BLOCK_N=64, num_warps=8)
 WIDE_FOLD_MAX_BYTES = 512 << 10
 KEYS_MAJOR_TILE = dict(BLOCK_N=64, num_warps=4)  # one warp group: 64 keys = one wgmma M tile
+# >= 32 rows (verify: 8 drafts x 16 heads): 32 rows a program over two warp groups (sm_90 compile
+# with Triton 3.6: 241 registers, no spills, 200 KB of shared memory; 64 rows do not fit)
+KEYS_MAJOR_MANY_ROWS = dict(BLOCK_H=32, BLOCK_N=64, num_warps=8)
 PARTIALS_MAX_BYTES = 64 << 20  # fp32 partials of a split causal extend
 
 
@@ -319,7 +322,8 @@ def mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, 
                         tree_mask=None, qo_indptr=None, num_splits: int | None = None,
                         fold: bool | None = None, block_n: int | None = None,
                         num_warps: int | None = None, num_stages: int = 2,
-                        hoist_slots: bool = True, keys_major: bool = False):
+                        hoist_slots: bool = True, keys_major: bool = False,
+                        block_h: int | None = None):
     """Launch the MLA kernel: q_latent [n, H, r + rope] -> o_latent [n, H, r] (callers check
     shapes). DECODE / TREE: n = bs * num_q, request-major; CAUSAL: packed by qo_indptr, padding
     tokens give 0. block_n / num_warps / num_stages / fold / hoist_slots: benchmark knobs
@@ -329,14 +333,16 @@ def mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, 
     bs = req_pool_indices.shape[0]
     rows = n_heads * (num_q if mode != CAUSAL else 2)
     blocks = mla_blocks(kv_lora_rank, width - kv_lora_rank, rows)
+    if keys_major:
+        blocks.update(KEYS_MAJOR_TILE if rows < 32 else KEYS_MAJOR_MANY_ROWS)
+    if block_h is not None:
+        blocks["BLOCK_H"] = block_h
     block_h = blocks["BLOCK_H"]
     # CAUSAL: enough row blocks for the longest possible request (all n_tok tokens)
     n_blocks = triton.cdiv((num_q if mode != CAUSAL else n_tok) * n_heads, block_h)
     wide = (mode == DECODE and block_n is None and num_warps is None
             and bs * n_blocks >= WIDE_MIN_PAIRS) or keys_major
-    if keys_major:
-        blocks.update(KEYS_MAJOR_TILE)
-    elif wide:
+    if wide and not keys_major:
         blocks.update(WIDE_TILE)
     if block_n is not None:
         blocks["BLOCK_N"] = block_n
