@@ -160,7 +160,7 @@ def best_sdpa(case, ref):
 
 
 def time_case(bs, ctx, n_heads, copy_bw, gen, device, kind, widths, impl,
-              keys_major=False) -> dict:
+              keys_major=False, keys_slots=1) -> dict:
     case = LatentCase(bs, ctx, n_heads, gen, device, kind, *widths, impl=impl)
     out = case.ours()()
     pick = sorted({0, bs - 1})
@@ -181,7 +181,7 @@ def time_case(bs, ctx, n_heads, copy_bw, gen, device, kind, widths, impl,
     row["gbs"] = n_bytes / (row["us"] * 1e-6) / 1e9
     row["fraction"] = n_bytes / (row["us"] * 1e-6) / copy_bw
     if keys_major:  # the keys-major kernel at its own split policy
-        fn = case.ours(keys_major=True)
+        fn = case.ours(keys_major=True, slots_ahead=keys_slots)
         row["keys_err"] = rel_err(fn()[rows], ref[rows])
         row["keys_us"] = bench_us(graph_of(fn))
         row["keys_fraction"] = n_bytes / (row["keys_us"] * 1e-6) / copy_bw
@@ -193,9 +193,9 @@ def time_case(bs, ctx, n_heads, copy_bw, gen, device, kind, widths, impl,
     return row
 
 
-def sweep_case(bs, ctx, n_heads, gen, device, tiles, widths, hoists=(True,)) -> dict:
+def sweep_case(bs, ctx, n_heads, gen, device, tiles, widths, aheads=(1,)) -> dict:
     """Decode over tiles x split counts (policy / 2, policy, policy x 2, and x 4, x 8 for
-    contexts <= 1024) x fold (x where the slot indices load: `hoists`), eager µs."""
+    contexts <= 1024) x fold (x how many tiles ahead the slot indices load: `aheads`), eager µs."""
     case = LatentCase(bs, ctx, n_heads, gen, device, "decode", *widths)
     ref = case.ours()()
     policy = choose_mla_splits(bs, 1, ctx, sm_count(device))
@@ -203,12 +203,12 @@ def sweep_case(bs, ctx, n_heads, gen, device, tiles, widths, hoists=(True,)) -> 
     counts = {max(1, policy // 2), policy, policy * 2}
     if ctx <= 1024:             # short contexts: the policy's splits leave most SMs idle
         counts |= {policy * 4, policy * 8}
-    for (block_n, stages, warps, *kernel), splits, hoist in itertools.product(
-            tiles, sorted(counts), hoists):
+    for (block_n, stages, warps, *kernel), splits, ahead in itertools.product(
+            tiles, sorted(counts), aheads):
         keys = kernel == ["keys"]
         for fold in ((True, False) if splits > 1 else (True,)):
             fn = case.ours(num_splits=splits, block_n=block_n, num_stages=stages,
-                           num_warps=warps, fold=fold, hoist_slots=hoist, keys_major=keys)
+                           num_warps=warps, fold=fold, slots_ahead=ahead, keys_major=keys)
             try:
                 out = fn()
             except Exception as e:  # noqa: BLE001 - e.g. a tile past the shared memory
@@ -218,7 +218,7 @@ def sweep_case(bs, ctx, n_heads, gen, device, tiles, widths, hoists=(True,)) -> 
                 raise AssertionError(f"MLA sweep {block_n=} {stages=} {warps=} {splits=} "
                                      f"{fold=} disagrees at {bs=} {ctx=}")
             results.append(dict(block_n=block_n, stages=stages, warps=warps, splits=splits,
-                                fold=fold, hoist_slots=hoist, keys_major=keys,
+                                fold=fold, slots_ahead=ahead, keys_major=keys,
                                 us=bench_us(fn, rep=30)))
     del case
     return dict(bs=bs, ctx=ctx, policy_splits=policy, best=min(results, key=lambda r: r["us"]),
@@ -252,22 +252,22 @@ def markdown(meta, heads, copy_bw, rows, sweeps, widths=(KV_LORA_RANK, ROPE)) ->
                          f"| {r['keys_us'] / r['us']:.2f} | {r['keys_fraction']:.2f} "
                          f"| {r['keys_err']:.1e} |")
     if sweeps:
+        aheads = sorted({r.get("slots_ahead", 1) for sw in sweeps for r in sw["all"]})
         lines += ["", "## Decode tile / split / fold sweep (eager µs; tile = BLOCK_N/stages/"
-                  "warps; slots: the tile's slot indices loaded one tile ahead (hoisted, the "
-                  "default) or in the loop)", "",
+                  "warps, `keys` = the keys-major kernel; slots k: a tile's slot indices loaded "
+                  "k tiles ahead, 0 = in the loop)", "",
                   "| bs | ctx | policy splits | best µs | best tile | best splits | best fold "
-                  "| best slots | best µs, slots hoisted | best µs, slots in the loop |",
-                  "|---:|---:|---:|---:|---|---:|---|---|---:|---:|"]
-        for s in sweeps:
-            b = s["best"]
-            per = {h: min((r["us"] for r in s["all"] if r.get("hoist_slots", True) == h),
-                          default=None) for h in (True, False)}
-            cells = [f"{per[h]:.1f}" if per[h] is not None else "-" for h in (True, False)]
-            lines.append(f"| {s['bs']} | {s['ctx']} | {s['policy_splits']} | {b['us']:.1f} "
+                  "| best slots | " + " | ".join(f"best µs, slots {a}" for a in aheads) + " |",
+                  "|---:|---:|---:|---:|---|---:|---|---:|" + "---:|" * len(aheads)]
+        for sw in sweeps:
+            b = sw["best"]
+            per = [min((r["us"] for r in sw["all"] if r.get("slots_ahead", 1) == a),
+                       default=None) for a in aheads]
+            cells = " | ".join(f"{u:.1f}" if u is not None else "-" for u in per)
+            lines.append(f"| {sw['bs']} | {sw['ctx']} | {sw['policy_splits']} | {b['us']:.1f} "
                          f"| {b['block_n']}/{b['stages']}/{b['warps']}"
                          f"{' keys' if b.get('keys_major') else ''} | {b['splits']} "
-                         f"| {b['fold']} | {'hoisted' if b.get('hoist_slots', True) else 'in loop'}"
-                         f" | {cells[0]} | {cells[1]} |")
+                         f"| {b['fold']} | {b.get('slots_ahead', 1)} | {cells} |")
     return "\n".join(lines) + "\n"
 
 
@@ -287,11 +287,13 @@ def main():
                         help="latent width (c_kv columns; 512 is DeepSeek's): a narrower latent "
                              "shows what the [16, rank] fp32 accumulator's registers cost")
     parser.add_argument("--decode-only", action="store_true", help="skip verify and extend")
-    parser.add_argument("--slots", choices=("hoisted", "loop", "both"), default="hoisted",
-                        help="sweep: where the kernel loads a tile's slot indices (one tile "
-                             "ahead, the default; in the loop; both)")
+    parser.add_argument("--slots", default="1",
+                        help="sweep: how many tiles ahead the kernel loads a tile's slot indices, "
+                             "comma-separated (0 = in the loop; default 1)")
     parser.add_argument("--keys-major", action="store_true",
                         help="also time the keys-major kernel (keys_us) and sweep its tiles")
+    parser.add_argument("--keys-slots", type=int, default=1,
+                        help="--keys-major: tiles ahead its slot indices are loaded (default 1)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes (script check)")
     args = parser.parse_args()
     if not args.smoke and not torch.cuda.is_available():
@@ -316,17 +318,17 @@ def main():
         for kind, ctxs in kinds_ctx:
             for bs, ctx in itertools.product(batches, ctxs):
                 rows.append(time_case(bs, ctx, heads, copy_bw, gen, device, kind, widths,
-                                      impl, args.keys_major))
+                                      impl, args.keys_major, args.keys_slots))
                 print({k: v for k, v in rows[-1].items()}, flush=True)
         return rows
 
-    hoists = {"hoisted": (True,), "loop": (False,), "both": (True, False)}[args.slots]
+    aheads = tuple(int(a) for a in args.slots.split(","))
     rows = section("decode", lambda: cases([("decode", contexts)]))
     if not args.decode_only:
         rows += section("verify/extend",
                         lambda: cases([("verify", spec_ctx), ("extend", spec_ctx)]))
     sweeps = [] if args.no_sweep else section("sweep", lambda: [
-        sweep_case(bs, ctx, heads, gen, device, tiles, widths, hoists)
+        sweep_case(bs, ctx, heads, gen, device, tiles, widths, aheads)
         for bs, ctx in sweep_cases])
     meta = env_info() if device.type == "cuda" else {"gpu": "cpu smoke"}
     text = markdown(meta, heads, copy_bw, rows, sweeps, widths)

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from .attention_decode import check_kernel_dtypes, mma, sm_count, upcast_dots
 from .attention_split import (aligned, finish_split, launch_merge, merge_unroll, partials,
-                              should_fold, split_len, tickets)
+                              should_fold, split_len, tickets, tile_slots)
 
 DECODE, TREE, CAUSAL = 0, 1, 2  # MODE: who sees what (all < seq_len; tree tail; causal)
 PROGRAMS_PER_SM = 2  # an MLA program keeps ~72 KB of tiles in flight: 2 per SM saturate HBM
@@ -73,7 +73,7 @@ def _mla_kernel(
     n_heads, kv_lora_rank, rope_dim, num_splits, fold,
     NUM_Q: tl.constexpr, MODE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
-    MERGE_UNROLL: tl.constexpr, HOIST_SLOTS: tl.constexpr,
+    MERGE_UNROLL: tl.constexpr, SLOTS_AHEAD: tl.constexpr,
 ):
     stride_mo_t, stride_mo_h, stride_mo_s = (aligned(stride_mo_t), aligned(stride_mo_h),
                                              aligned(stride_mo_s))  # padded partials
@@ -121,26 +121,26 @@ def _mla_kernel(
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
         idx = ReqToToken + row * stride_rt
-        if HOIST_SLOTS:
-            offs_first = start + tl.arange(0, BLOCK_N)
-            slot = tl.load(idx + offs_first, mask=offs_first < end, other=0).to(tl.int64)
+        # SLOTS_AHEAD: a tile's slot indices are loaded 0 (in the loop), 1 or 2 tiles ahead
+        if SLOTS_AHEAD >= 1:
+            slot = tile_slots(idx, start + tl.arange(0, BLOCK_N), end)
+        if SLOTS_AHEAD == 2:
+            slot_next = tile_slots(idx, start + BLOCK_N + tl.arange(0, BLOCK_N), end)
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < end
-            if not HOIST_SLOTS:
-                # the tile's slot indices loaded in the loop, the plain indirect load that
-                # Triton's pipeliner can run num_stages - 1 tiles ahead (a benchmark knob)
-                slot = tl.load(idx + offs_n, mask=n_ok, other=0).to(tl.int64)
-            # HOIST_SLOTS: issue the tile and the next tile's slot indices together, one round
-            # trip a tile (the slots were loaded one iteration ahead)
+            if SLOTS_AHEAD == 0:
+                slot = tile_slots(idx, offs_n, end)
             kv_base = KV + slot[:, None] * stride_kv_s
             kv = tl.load(kv_base + offs_c[None, :], mask=n_ok[:, None] & c_ok[None, :],
                          other=0.0)  # [BLOCK_N, BLOCK_C]: c_kv, keys and values
             kr = tl.load(kv_base + kv_lora_rank + offs_r[None, :],
                          mask=n_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
-            if HOIST_SLOTS:
-                slot = tl.load(idx + offs_n + BLOCK_N, mask=offs_n + BLOCK_N < end,
-                               other=0).to(tl.int64)
+            if SLOTS_AHEAD == 1:  # the next tile's: one memory round trip before its loads
+                slot = tile_slots(idx, offs_n + BLOCK_N, end)
+            if SLOTS_AHEAD == 2:  # the next tile's are here: its loads can issue at once
+                slot = slot_next
+                slot_next = tile_slots(idx, offs_n + 2 * BLOCK_N, end)
             s = mma(q_c, tl.trans(kv), UPCAST) + mma(q_r, tl.trans(kr), UPCAST)
             s = (s * sm_scale).to(tl.float32)  # [BLOCK_H, BLOCK_N]
             visible = n_ok[None, :] & m_ok[:, None]
@@ -180,7 +180,7 @@ def _mla_keys_major_kernel(
     n_heads, kv_lora_rank, rope_dim, num_splits, fold,
     NUM_Q: tl.constexpr, MODE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
-    MERGE_UNROLL: tl.constexpr, HOIST_SLOTS: tl.constexpr,
+    MERGE_UNROLL: tl.constexpr, SLOTS_AHEAD: tl.constexpr,
 ):
     # _mla_kernel with its products transposed: keys are the rows (the M side of the tensor-core
     # product), the BLOCK_H query rows its columns (N):
@@ -235,22 +235,25 @@ def _mla_keys_major_kernel(
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)  # transposed
         idx = ReqToToken + row * stride_rt
-        if HOIST_SLOTS:
-            offs_first = start + tl.arange(0, BLOCK_N)
-            slot = tl.load(idx + offs_first, mask=offs_first < end, other=0).to(tl.int64)
+        if SLOTS_AHEAD >= 1:
+            slot = tile_slots(idx, start + tl.arange(0, BLOCK_N), end)
+        if SLOTS_AHEAD == 2:
+            slot_next = tile_slots(idx, start + BLOCK_N + tl.arange(0, BLOCK_N), end)
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < end
-            if not HOIST_SLOTS:
-                slot = tl.load(idx + offs_n, mask=n_ok, other=0).to(tl.int64)
+            if SLOTS_AHEAD == 0:
+                slot = tile_slots(idx, offs_n, end)
             kv_base = KV + slot[:, None] * stride_kv_s
             kv = tl.load(kv_base + offs_c[None, :], mask=n_ok[:, None] & c_ok[None, :],
                          other=0.0)  # [BLOCK_N, BLOCK_C]
             kr = tl.load(kv_base + kv_lora_rank + offs_r[None, :],
                          mask=n_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
-            if HOIST_SLOTS:
-                slot = tl.load(idx + offs_n + BLOCK_N, mask=offs_n + BLOCK_N < end,
-                               other=0).to(tl.int64)
+            if SLOTS_AHEAD == 1:  # the next tile's: one memory round trip before its loads
+                slot = tile_slots(idx, offs_n + BLOCK_N, end)
+            if SLOTS_AHEAD == 2:  # the next tile's are here: its loads can issue at once
+                slot = slot_next
+                slot_next = tile_slots(idx, offs_n + 2 * BLOCK_N, end)
             s = mma(kv, q_ct, UPCAST) + mma(kr, q_rt, UPCAST)
             s = (s * sm_scale).to(tl.float32)  # [BLOCK_N, BLOCK_H]
             visible = n_ok[:, None] & m_ok[None, :]
@@ -322,12 +325,13 @@ def mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, 
                         tree_mask=None, qo_indptr=None, num_splits: int | None = None,
                         fold: bool | None = None, block_n: int | None = None,
                         num_warps: int | None = None, num_stages: int = 2,
-                        hoist_slots: bool = True, keys_major: bool = False,
+                        slots_ahead: int = 1, keys_major: bool = False,
                         block_h: int | None = None):
     """Launch the MLA kernel: q_latent [n, H, r + rope] -> o_latent [n, H, r] (callers check
     shapes). DECODE / TREE: n = bs * num_q, request-major; CAUSAL: packed by qo_indptr, padding
-    tokens give 0. block_n / num_warps / num_stages / fold / hoist_slots: benchmark knobs
-    (hoist_slots=False loads each tile's slot indices in the loop instead of one tile ahead)."""
+    tokens give 0. block_n / block_h / num_warps / num_stages / fold / slots_ahead / keys_major:
+    benchmark knobs (slots_ahead: a tile's slot indices are loaded 0 (in the loop), 1 or 2 tiles
+    ahead; keys_major: `_mla_keys_major_kernel`)."""
     check_kernel_dtypes(q_latent, latent_cache, latent_cache)
     n_tok, n_heads, width = q_latent.shape
     bs = req_pool_indices.shape[0]
@@ -388,7 +392,7 @@ def mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, 
         NUM_Q=num_q if mode != CAUSAL else 1, MODE=mode, UPCAST=upcast_dots(q_latent.dtype),
         num_stages=num_stages,
         MERGE_UNROLL=merge_unroll(block_h, blocks["BLOCK_C"], blocks["num_warps"]),
-        HOIST_SLOTS=hoist_slots, **blocks,
+        SLOTS_AHEAD=slots_ahead, **blocks,
     )
     if num_splits > 1 and not fold:
         launch_merge(mid_o, mid_lse, seq_lens, o, num_q, num_splits, blocks["BLOCK_N"])

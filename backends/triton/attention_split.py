@@ -82,6 +82,13 @@ def split_len(seq_len, num_splits, block_n):
 
 
 @triton.jit
+def tile_slots(idx, offs, end):
+    """Cache slots (int64) of key positions `offs` from a request's row `idx` of req_to_token;
+    0 (the sink slot) at and past `end`."""
+    return tl.load(idx + offs, mask=offs < end, other=0).to(tl.int64)
+
+
+@triton.jit
 def aligned(stride):
     """A stride of the partials (`partials`: a multiple of PARTIALS_ALIGN = 16 elements), known as
     such to the compiler. The strides are unspecialized runtime arguments (one compile for every
