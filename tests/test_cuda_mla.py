@@ -12,7 +12,8 @@ from attention_cases import random_tree_masks
 from padgraph.backends.triton.attention_mla import (
     absorb_query, mla_decode_attention, mla_extend_attention, mla_reference, mla_sm_scale,
     mla_tree_verify_attention, project_output, store_latent)
-from padgraph.backends.triton.attention_mla_decode import DECODE, _mla_kernel, mla_paged_attention
+from padgraph.backends.triton.attention_mla_decode import (
+    CAUSAL, DECODE, TREE, _mla_kernel, mla_paged_attention)
 from padgraph.backends.triton.attention_split import _COUNTERS
 
 pytestmark = pytest.mark.cuda
@@ -267,3 +268,43 @@ def test_mla_tree_verify_and_extend_in_cuda_graphs():
                                 qo_indptr=indptr_buf[:n + 1])
         assert rel_err(cache.output(out_e[:n_real]), ref_e[:n_real]) < 1e-2
         assert out_e[n_real:].abs().sum() == 0
+
+
+# ----------------------------------------------------------------------------- kernel forms
+
+@pytest.mark.parametrize("mode", ["decode", "tree", "causal"])
+@pytest.mark.parametrize("form", [dict(keys_major=False, slots_ahead=0),
+                                  dict(keys_major=False, slots_ahead=2),
+                                  dict(keys_major=True, slots_ahead=1),
+                                  dict(keys_major=True, slots_ahead=2)])
+def test_mla_kernel_forms_vs_fp64(mode, form):
+    # the row-major kernel with its slot indices in the loop or two tiles ahead, and the
+    # keys-major (Hopper warp-group MMA) kernel: awkward lengths, pads, several splits with
+    # the merge folded and separate, and the counters zeroed after every launch
+    k = 8
+    lens = [4097, 1, PAD, 777, 63, 2048]
+    cache = Latent(n_slots=16384, n_rows=8, max_context=8192)
+    rows, seq_lens = cache.requests(lens)
+    n_q = {"decode": 1, "tree": k, "causal": 5}[mode]
+    kw, ref_kw = {}, {}
+    if mode == "tree":
+        masks = random_tree_masks(len(lens), k, torch.Generator().manual_seed(3)).to(DEVICE)
+        kw, ref_kw = dict(num_q=k, tree_mask=masks), dict(tree_mask=masks)
+    n_tok = len(lens) * n_q
+    if mode == "causal":  # 5 new tokens a request (1 for the length-1 and padded lanes)
+        new = [1 if n in (1, PAD) else n_q for n in lens]
+        qo = torch.tensor([0] + new, device=DEVICE).cumsum(0).int()
+        kw, ref_kw, n_tok = dict(qo_indptr=qo), dict(qo_indptr=qo), sum(new)
+    q_nope, q_rope, q_latent = cache.queries(n_tok)
+    mode_id = {"decode": DECODE, "tree": TREE, "causal": CAUSAL}[mode]
+    ref = cache.reference(q_nope, q_rope, rows, seq_lens, **ref_kw)
+    for splits, fold in ((None, None), (5, True), (5, False)):
+        if mode == "causal" and fold is False:
+            continue  # a causal extend merges folded only
+        o_latent = mla_paged_attention(q_latent, cache.latent, cache.req_to_token, rows,
+                                       seq_lens, KV_LORA_RANK, SM_SCALE, mode_id,
+                                       num_splits=splits, fold=fold, **form, **kw)
+        assert torch.isfinite(o_latent).all()
+        err = rel_err(cache.output(o_latent), ref)
+        assert err < 1e-2, f"{splits=} {fold=}: {err=}"
+    assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())

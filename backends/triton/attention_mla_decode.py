@@ -58,6 +58,11 @@ KEYS_MAJOR_TILE = dict(BLOCK_N=64, num_warps=4)  # one warp group: 64 keys = one
 # >= 32 rows (verify: 8 drafts x 16 heads): 32 rows a program over two warp groups (sm_90 compile
 # with Triton 3.6: 241 registers, no spills, 200 KB of shared memory; 64 rows do not fit)
 KEYS_MAJOR_MANY_ROWS = dict(BLOCK_H=32, BLOCK_N=64, num_warps=8)
+# Where the policy takes the keys-major kernel (sm_90+): bs * max_context (the cache width) at
+# least this much. H200, bench_mla --keys-major (2026-12-03, results/2026-12-03b/): verify took
+# 0.57-0.84 of the row-major time at bs 8 and 32 (1024, 8192), 0.90 at bs 1 ctx 8192, but 1.26
+# at bs 1 ctx 1024; extend 0.73-0.93 at bs 8 ctx 8192 and bs 32, but 1.18-1.51 below that.
+KEYS_MAJOR_MIN_WORK = {TREE: 8192, CAUSAL: 32768}
 PARTIALS_MAX_BYTES = 64 << 20  # fp32 partials of a split causal extend
 
 
@@ -296,6 +301,15 @@ def mla_blocks(kv_lora_rank: int, rope_dim: int, rows: int) -> dict:
                 BLOCK_R=max(16, triton.next_power_of_2(rope_dim)), num_warps=4)
 
 
+def choose_keys_major(mode: int, bs: int, max_context: int, device: torch.device) -> bool:
+    """The keys-major kernel where it measured faster (KEYS_MAJOR_MIN_WORK), on GPUs with
+    warp-group MMAs and the shared memory its 64-key tiles take (sm_90 and later)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+        return False
+    need = KEYS_MAJOR_MIN_WORK.get(mode)
+    return need is not None and bs * max_context >= need
+
+
 def choose_mla_splits(bs: int, n_blocks: int, max_context: int, n_sm: int,
                       wide: bool = False) -> int:
     """Static split count from shapes only, bounded: ~PROGRAMS_PER_SM programs per SM, or with
@@ -325,17 +339,21 @@ def mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, 
                         tree_mask=None, qo_indptr=None, num_splits: int | None = None,
                         fold: bool | None = None, block_n: int | None = None,
                         num_warps: int | None = None, num_stages: int = 2,
-                        slots_ahead: int = 1, keys_major: bool = False,
+                        slots_ahead: int = 1, keys_major: bool | None = None,
                         block_h: int | None = None):
     """Launch the MLA kernel: q_latent [n, H, r + rope] -> o_latent [n, H, r] (callers check
     shapes). DECODE / TREE: n = bs * num_q, request-major; CAUSAL: packed by qo_indptr, padding
     tokens give 0. block_n / block_h / num_warps / num_stages / fold / slots_ahead / keys_major:
     benchmark knobs (slots_ahead: a tile's slot indices are loaded 0 (in the loop), 1 or 2 tiles
-    ahead; keys_major: `_mla_keys_major_kernel`)."""
+    ahead; keys_major: `_mla_keys_major_kernel`, None = `choose_keys_major` unless a tile knob
+    is given)."""
     check_kernel_dtypes(q_latent, latent_cache, latent_cache)
     n_tok, n_heads, width = q_latent.shape
     bs = req_pool_indices.shape[0]
     rows = n_heads * (num_q if mode != CAUSAL else 2)
+    if keys_major is None:
+        keys_major = (block_n is None and num_warps is None and block_h is None
+                      and choose_keys_major(mode, bs, req_to_token.shape[1], q_latent.device))
     blocks = mla_blocks(kv_lora_rank, width - kv_lora_rank, rows)
     if keys_major:
         blocks.update(KEYS_MAJOR_TILE if rows < 32 else KEYS_MAJOR_MANY_ROWS)
