@@ -63,8 +63,7 @@ K_DRAFT, DRAFT_EXTEND = 8, 6  # tree verify tokens; EAGLE steps (5) + 1
 SPEC_BATCHES, SPEC_CONTEXTS = (1, 8, 32), (512, 4096)
 SWEEP_CASES = ((1, 4096), (8, 4096), (32, 4096), (128, 4096), (1, 32768), (8, 32768))
 SWEEP_SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
-# (BLOCK_N, stages, warps[, tiles ahead the slot indices load: 1 if not given])
-SWEEP_TILES = ((64, 2, 4), (32, 2, 4), (64, 3, 4), (128, 2, 8), (64, 2, 4, 2), (64, 3, 4, 2))
+SWEEP_TILES = ((64, 2, 4), (32, 2, 4), (64, 3, 4), (128, 2, 8))  # (BLOCK_N, stages, warps)
 MAX_SETS = 8
 SMOKE = dict(batches=(1, 3), contexts=(40, 100), spec_batches=(2,), spec_contexts=(50,),
              sweep=((2, 100),), splits=(1, 3), tiles=((64, 2, 4),))
@@ -311,13 +310,6 @@ def time_case(bs, ctx, layout, copy_bw, l2_bytes, gen, device, kind="decode",
     return row
 
 
-def best_by_slots(results) -> list[str]:
-    """The best time with the slot indices loaded 1 and 2 tiles ahead ("-" if not swept)."""
-    best = [min((r["us"] for r in results if r.get("slots_ahead", 1) == a), default=None)
-            for a in (1, 2)]
-    return [f"{t:.1f}" if t is not None else "-" for t in best]
-
-
 def sweep_case(bs, ctx, layout, copy_bw, gen, device, splits_list, tiles) -> dict:
     """Time the decode kernel over split counts, tiles and fold; the policy's pick is marked."""
     case = PagedCase(bs, ctx, layout, gen, device)
@@ -326,13 +318,12 @@ def sweep_case(bs, ctx, layout, copy_bw, gen, device, splits_list, tiles) -> dic
     policy = choose_num_splits(bs, N_KV_HEADS, ctx, sm_count(case.q.device))
     policy_fold = should_fold(policy, N_Q_HEADS // N_KV_HEADS, HEAD_DIM)
     results = []
-    for (block_n, stages, warps, *ahead), splits in itertools.product(tiles, splits_list):
+    for (block_n, stages, warps), splits in itertools.product(tiles, splits_list):
         if splits > triton.cdiv(ctx, block_n):
             continue
-        ahead = ahead[0] if ahead else 1  # tiles ahead a tile's slot indices are loaded
         for fold in ((True, False) if splits > 1 else (True,)):
             fn = case.ours(num_splits=splits, block_n=block_n, num_stages=stages,
-                           num_warps=warps, fold=fold, slots_ahead=ahead)
+                           num_warps=warps, fold=fold)
             try:
                 out = fn()
             except Exception as e:  # noqa: BLE001 - e.g. a tile past the shared memory
@@ -343,11 +334,10 @@ def sweep_case(bs, ctx, layout, copy_bw, gen, device, splits_list, tiles) -> dic
                                      f"{fold=} disagrees with the default kernel at {bs=} {ctx=}")
             t = bench_us(fn, rep=30)
             results.append(dict(block_n=block_n, stages=stages, warps=warps, splits=splits,
-                                fold=fold, slots_ahead=ahead, us=t, frac_copy_bw=floor / t))
+                                fold=fold, us=t, frac_copy_bw=floor / t))
     best = min(results, key=lambda r: r["us"])
     mine = [r for r in results if r["splits"] == policy and (r["block_n"], r["stages"],
-            r["warps"], r["slots_ahead"]) == (*tiles[0][:3], 1)
-            and r["fold"] == (policy_fold or policy == 1)]
+            r["warps"]) == tiles[0] and r["fold"] == (policy_fold or policy == 1)]
     del case
     return dict(bs=bs, ctx=ctx, floor_us=floor, policy_splits=policy, policy_fold=policy_fold,
                 best=best, policy=mine[0] if mine else None, all=results)
@@ -496,18 +486,15 @@ def markdown(meta, rows, spec_rows, sweeps, cold) -> str:
         lines += fmt_rows(spec_rows)
     if sweeps:
         lines += ["", "## Decode split / tile / fold sweep (eager, µs; tile = BLOCK_N/stages/"
-                  "warps, /s2: a tile's slot indices loaded two tiles ahead, not one)", "",
+                  "warps)", "",
                   "| bs | ctx | policy splits | policy µs | best µs | best tile | best splits "
-                  "| best fold | best frac | best µs, slots 1 / 2 tiles ahead |",
-                  "|---:|---:|---:|---:|---:|---|---:|---|---:|---|"]
+                  "| best fold | best frac |", "|---:|---:|---:|---:|---:|---|---:|---|---:|"]
         for s in sweeps:
             b, p = s["best"], s["policy"]
             pol = f"{p['us']:.1f}" if p else "n/a"
             lines.append(f"| {s['bs']} | {s['ctx']} | {s['policy_splits']} | {pol} "
-                         f"| {b['us']:.1f} | {b['block_n']}/{b['stages']}/{b['warps']}"
-                         f"{'/s2' if b.get('slots_ahead', 1) == 2 else ''} "
-                         f"| {b['splits']} | {b['fold']} | {b['frac_copy_bw']:.0%} "
-                         f"| {' / '.join(best_by_slots(s['all']))} |")
+                         f"| {b['us']:.1f} | {b['block_n']}/{b['stages']}/{b['warps']} "
+                         f"| {b['splits']} | {b['fold']} | {b['frac_copy_bw']:.0%} |")
     if cold:
         lines += ["", "## Cold capture of the default ladder (decode-only body: "
                   f"{COLD_LAYERS} x (store_kv + decode_attention), 32/8/64 heads, max context "

@@ -44,8 +44,7 @@ from padgraph.backends.triton.attention_decode import sm_count  # noqa: E402
 from padgraph.backends.triton.attention_mla import (  # noqa: E402
     mla_decode_attention, mla_extend_attention, mla_sm_scale, mla_tree_verify_attention)
 from padgraph.backends.triton.attention_mla_decode import (  # noqa: E402
-    CAUSAL, DECODE, TREE, choose_mla_splits, mla_blocks, mla_paged_attention)
-from padgraph.backends.triton.attention_split import should_fold  # noqa: E402
+    CAUSAL, DECODE, TREE, choose_mla_splits, mla_paged_attention, plan_mla)
 
 KV_LORA_RANK, ROPE, NOPE = 512, 64, 128
 SM_SCALE = mla_sm_scale(NOPE, ROPE)
@@ -160,7 +159,7 @@ def best_sdpa(case, ref):
 
 
 def time_case(bs, ctx, n_heads, copy_bw, gen, device, kind, widths, impl,
-              keys_major=False, keys_slots=1) -> dict:
+              keys_major=False) -> dict:
     case = LatentCase(bs, ctx, n_heads, gen, device, kind, *widths, impl=impl)
     out = case.ours()()
     pick = sorted({0, bs - 1})
@@ -168,20 +167,21 @@ def time_case(bs, ctx, n_heads, copy_bw, gen, device, kind, widths, impl,
     ref = case.ours(impl="torch")()  # the absorbed torch path (the tests check it vs non-absorbed)
     err = rel_err(out[rows], ref[rows])
     sdpa_fn, backend = best_sdpa(case, out)
-    n_blocks = -(-case.n_q * n_heads // mla_blocks(case.r, case.width - case.r,
-                                                   case.n_q * n_heads)["BLOCK_H"])
-    splits = 1 if kind == "extend" else choose_mla_splits(bs, n_blocks, ctx, sm_count(device))
-    block_h = mla_blocks(case.r, case.width - case.r, case.n_q * n_heads)["BLOCK_H"]
-    row = dict(kind=kind, bs=bs, ctx=ctx, splits=splits, row_blocks=n_blocks,
-               fold=splits == 1 or should_fold(splits, min(block_h, case.n_q * n_heads), case.r),
+    mode = dict(decode=DECODE, verify=TREE, extend=CAUSAL)[kind]
+    plan = plan_mla(case.q.shape[0], n_heads, case.width, bs, ctx, case.r, mode, case.n_q,
+                    device)  # what the policy launches (splits from shapes only)
+    row = dict(kind=kind, bs=bs, ctx=ctx, splits=plan["num_splits"], row_blocks=plan["n_blocks"],
+               fold=plan["num_splits"] == 1 or plan["fold"],
+               kernel="keys" if plan["keys_major"] else "rows",
                err=err, ok=err < 1e-2, sdpa_backend=backend)
     row["us"] = bench_us(graph_of(case.ours()))
     row["sdpa_us"] = bench_us(graph_of(sdpa_fn)) if sdpa_fn is not None else None
     n_bytes = case.bytes_moved()
     row["gbs"] = n_bytes / (row["us"] * 1e-6) / 1e9
     row["fraction"] = n_bytes / (row["us"] * 1e-6) / copy_bw
-    if keys_major:  # the keys-major kernel at its own split policy
-        fn = case.ours(keys_major=True, slots_ahead=keys_slots)
+    if keys_major:  # the row-major and the keys-major kernel, each at its own split policy
+        row["rows_us"] = bench_us(graph_of(case.ours(keys_major=False)))
+        fn = case.ours(keys_major=True)
         row["keys_err"] = rel_err(fn()[rows], ref[rows])
         row["keys_us"] = bench_us(graph_of(fn))
         row["keys_fraction"] = n_bytes / (row["keys_us"] * 1e-6) / copy_bw
@@ -230,26 +230,28 @@ def markdown(meta, heads, copy_bw, rows, sweeps, widths=(KV_LORA_RANK, ROPE)) ->
     lines += [f"- {k}: {v}" for k, v in meta.items()]
     lines += [f"- copy bandwidth: {copy_bw / 1e9:.0f} GB/s (read + write)",
               "- splits `S` = one launch (merge folded, or S = 1), `S+m` = + merge kernel", "",
-              "| kind | bs | ctx | splits | row blocks | ours µs (graph) | sdpa µs (graph) "
-              "| speedup | GB/s | fraction of copy | sdpa backend | rel err |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+              "| kind | bs | ctx | kernel | splits | row blocks | ours µs (graph) "
+              "| sdpa µs (graph) | speedup | GB/s | fraction of copy | sdpa backend | rel err |",
+              "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in rows:
         sdpa = f"{r['sdpa_us']:.1f}" if r["sdpa_us"] else "n/a"
         speed = f"{r['speedup_vs_sdpa']:.2f}x" if r["speedup_vs_sdpa"] else "n/a"
-        lines.append(f"| {r['kind']} | {r['bs']} | {r['ctx']} | {r['splits']}"
+        lines.append(f"| {r['kind']} | {r['bs']} | {r['ctx']} | {r.get('kernel', 'rows')} "
+                     f"| {r['splits']}"
                      f"{'' if r['fold'] else '+m'} | {r['row_blocks']} | {r['us']:.1f} | {sdpa} "
                      f"| {speed} | {r['gbs']:.0f} | {r['fraction']:.2f} | {r['sdpa_backend']} "
                      f"| {r['err']:.1e}{'' if r['ok'] else ' FAIL'} |")
     keyed = [r for r in rows if "keys_us" in r]
     if keyed:
-        lines += ["", "## The keys-major kernel (graph µs, its own tiles and split policy)", "",
+        lines += ["", "## Row-major and keys-major kernel (graph µs, each with its own tiles and "
+                  "split policy; the main table runs the policy's pick)", "",
                   "| kind | bs | ctx | row-major µs | keys-major µs | keys / row time "
                   "| fraction of copy (keys) | rel err (keys) |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r in keyed:
-            lines.append(f"| {r['kind']} | {r['bs']} | {r['ctx']} | {r['us']:.1f} "
+            lines.append(f"| {r['kind']} | {r['bs']} | {r['ctx']} | {r['rows_us']:.1f} "
                          f"| {r['keys_us']:.1f} "
-                         f"| {r['keys_us'] / r['us']:.2f} | {r['keys_fraction']:.2f} "
+                         f"| {r['keys_us'] / r['rows_us']:.2f} | {r['keys_fraction']:.2f} "
                          f"| {r['keys_err']:.1e} |")
     if sweeps:
         aheads = sorted({r.get("slots_ahead", 1) for sw in sweeps for r in sw["all"]})
@@ -292,8 +294,6 @@ def main():
                              "comma-separated (0 = in the loop; default 1)")
     parser.add_argument("--keys-major", action="store_true",
                         help="also time the keys-major kernel (keys_us) and sweep its tiles")
-    parser.add_argument("--keys-slots", type=int, default=1,
-                        help="--keys-major: tiles ahead its slot indices are loaded (default 1)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes (script check)")
     args = parser.parse_args()
     if not args.smoke and not torch.cuda.is_available():
@@ -318,7 +318,7 @@ def main():
         for kind, ctxs in kinds_ctx:
             for bs, ctx in itertools.product(batches, ctxs):
                 rows.append(time_case(bs, ctx, heads, copy_bw, gen, device, kind, widths,
-                                      impl, args.keys_major, args.keys_slots))
+                                      impl, args.keys_major))
                 print({k: v for k, v in rows[-1].items()}, flush=True)
         return rows
 

@@ -12,10 +12,9 @@
 #                             [sweep-eagle, sweep-eagle-deepseek: EAGLE over several draft trees (steps, topk, k) against greedy]
 #                             [bench-runner-profile: bench_runner at bs 1 and 16 (padgraph, padgraph+compile) with the compiled variant's kernels per step (bench_runner_profile.json)]
 #                             [bench-gemv: the small-batch linear kernel against F.linear at the 1B decode shapes, and the step's GEMM chain (gemv.{md,json,png})]
-#                             [bench-attention-in-graph: decode only, also timed as calls inside a graph of 20 (attention.{md,json})]
-#                             [bench-mla-slots: MLA decode, the keys-major kernel with its slot indices 2 tiles ahead, the sweep with them 1 and 2 tiles ahead (mla.{md,json})]
-#                             [bench-attention-slots: GQA decode at bs 8 / 128, ctx 4096, the sweep with the slot indices 1 and 2 tiles ahead (attention.{md,json})]
-#                             [bench-mla-keys: MLA decode / verify / extend with the keys-major kernel beside the row-major one, and both in the sweep (mla.{md,json})]
+#                             [bench-attention-in-graph: decode (also timed as calls inside a graph of 20), verify and extend; no sweep, no cold capture (attention.{md,json})]
+#                             [bench-mla-slots: MLA decode, the sweep with a tile's slot indices loaded one tile ahead and in the loop (mla.{md,json})]
+#                             [bench-mla-keys: MLA decode / verify / extend (the policy's kernel) with the row-major and keys-major kernels side by side, no sweep (mla.{md,json})]
 #                             [bench-mla-r256: MLA decode on a 256-wide latent (mla_r256.{md,json}): the accumulator's register cost, beside bench-mla]
 #                             [bench-eagle-draft-prefill: bench_eagle (eagle.{md,json}) with a second EAGLE worker whose draft prefill is eager (torch calls), same process]
 #                             [eagle-variants: the main job once per argument list of EAGLE_VARIANTS="--model deepseek --steps 3;..." (logs eagle_v1, eagle_v2, ...)]
@@ -104,11 +103,10 @@ want bench-host && run bench_host python3 examples/bench_host.py --calls 1000
 want bench-runner && run bench_runner python3 examples/bench_runner.py
 want bench-runner-profile && run bench_runner_profile python3 examples/bench_runner.py --variants padgraph,padgraph+compile --sizes 1,16 --profile padgraph+compile
 want bench-attention && run bench_attention python3 examples/bench_attention.py
-want bench-attention-in-graph && run bench_attention python3 examples/bench_attention.py --no-sweep --no-spec --no-cold --in-graph 20
+want bench-attention-in-graph && run bench_attention python3 examples/bench_attention.py --no-sweep --no-cold --in-graph 20
 want bench-mla && run bench_mla python3 examples/bench_mla.py
-want bench-mla-slots && run bench_mla_slots python3 examples/bench_mla.py --decode-only --keys-major --keys-slots 2 --slots 1,2
-want bench-attention-slots && run bench_attention_slots python3 examples/bench_attention.py --layout random --bs 8 128 --ctx 4096 --no-spec --no-cold --sweep-cases 8:4096,128:4096,1:32768
-want bench-mla-keys && run bench_mla_keys python3 examples/bench_mla.py --keys-major
+want bench-mla-slots && run bench_mla_slots python3 examples/bench_mla.py --decode-only --slots 1,0
+want bench-mla-keys && run bench_mla_keys python3 examples/bench_mla.py --keys-major --no-sweep
 want bench-mla-r256 && run bench_mla_r256 python3 examples/bench_mla.py --kv-lora-rank 256 --decode-only --no-sweep
 want bench-eagle && run bench_eagle python3 examples/bench_eagle.py
 want bench-eagle-deepseek && EAGLE_MODEL=deepseek run bench_eagle_deepseek python3 examples/bench_eagle.py

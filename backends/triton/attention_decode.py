@@ -135,7 +135,7 @@ def _split_kv_kernel(
     head_dim, v_head_dim, num_splits, fold,
     GROUP: tl.constexpr, NUM_Q: tl.constexpr, HAS_TREE: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, MERGE_UNROLL: tl.constexpr, SLOTS_AHEAD: tl.constexpr,
+    BLOCK_DV: tl.constexpr, MERGE_UNROLL: tl.constexpr,
 ):
     # program (r, kv_head, split): rows m = (query i, head g) of request r's NUM_Q * GROUP
     # query heads sharing kv_head, against one split of r's positions (attention_split.py).
@@ -170,10 +170,7 @@ def _split_kv_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         idx = ReqToToken + row * stride_rt
-        # SLOTS_AHEAD: a tile's slot indices are loaded 1 or 2 tiles ahead
         slot = tile_slots(idx, start + tl.arange(0, BLOCK_N), end)
-        if SLOTS_AHEAD == 2:
-            slot_next = tile_slots(idx, start + BLOCK_N + tl.arange(0, BLOCK_N), end)
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < end
@@ -181,11 +178,8 @@ def _split_kv_kernel(
                         mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
             v = tl.load(V + slot[:, None] * stride_v_s + kvh * stride_v_h + offs_dv[None, :],
                         mask=n_ok[:, None] & dv_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
-            if SLOTS_AHEAD == 1:  # K, V and the next tile's slots issue together
-                slot = tile_slots(idx, offs_n + BLOCK_N, end)
-            else:  # the next tile's slots are here: its K, V loads can issue at once
-                slot = slot_next
-                slot_next = tile_slots(idx, offs_n + 2 * BLOCK_N, end)
+            # issue K, V and the next tile's slot indices together: one memory round trip a tile
+            slot = tile_slots(idx, offs_n + BLOCK_N, end)
             s = (mma(q, k, UPCAST) * sm_scale).to(tl.float32)  # [BLOCK_M, BLOCK_N]; inductor may pass a fp64 scale
             visible = n_ok[None, :] & m_ok[:, None]
             if HAS_TREE:
@@ -302,13 +296,12 @@ def check_kernel_dtypes(q, k_cache, v_cache):
 def split_kv_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                        tree_mask, num_q: int, sm_scale: float, num_splits: int | None,
                        block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                       fold: bool | None = None, slots_ahead: int = 1):
+                       fold: bool | None = None):
     """Launch the split-KV kernel (merge folded in, or + the merge kernel):
     q [bs * num_q, n_q_heads, head_dim] -> o [bs * num_q, n_q_heads, v_head_dim].
 
-    block_n / num_warps / num_stages / fold / slots_ahead are tuning knobs for benchmarks; the
-    defaults are the policy (`choose_num_splits`, `should_fold`), decided from shapes only.
-    slots_ahead: a tile's slot indices are loaded 1 or 2 tiles ahead of its K / V loads.
+    block_n / num_warps / num_stages / fold are tuning knobs for benchmarks; the defaults are the
+    policy (`choose_num_splits`, `should_fold`), decided from shapes only.
     """
     check_kernel_dtypes(q, k_cache, v_cache)
     n_rows, n_q_heads, head_dim = q.shape
@@ -345,8 +338,7 @@ def split_kv_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_
         head_dim, v_head_dim, num_splits, int(fold),
         GROUP=group, NUM_Q=num_q, HAS_TREE=tree_mask is not None,
         UPCAST=upcast_dots(q.dtype), num_warps=num_warps, num_stages=num_stages,
-        MERGE_UNROLL=merge_unroll(blocks["BLOCK_M"], blocks["BLOCK_DV"], num_warps),
-        SLOTS_AHEAD=slots_ahead, **blocks,
+        MERGE_UNROLL=merge_unroll(blocks["BLOCK_M"], blocks["BLOCK_DV"], num_warps), **blocks,
     )
     if num_splits > 1 and not fold:
         launch_merge(mid_o, mid_lse, seq_lens, o, num_q, num_splits, blocks["BLOCK_N"])

@@ -59,10 +59,14 @@ KEYS_MAJOR_TILE = dict(BLOCK_N=64, num_warps=4)  # one warp group: 64 keys = one
 # with Triton 3.6: 241 registers, no spills, 200 KB of shared memory; 64 rows do not fit)
 KEYS_MAJOR_MANY_ROWS = dict(BLOCK_H=32, BLOCK_N=64, num_warps=8)
 # Where the policy takes the keys-major kernel (sm_90+): bs * max_context (the cache width) at
-# least this much. H200, bench_mla --keys-major (2026-12-03, results/2026-12-03b/): verify took
-# 0.57-0.84 of the row-major time at bs 8 and 32 (1024, 8192), 0.90 at bs 1 ctx 8192, but 1.26
-# at bs 1 ctx 1024; extend 0.73-0.93 at bs 8 ctx 8192 and bs 32, but 1.18-1.51 below that.
-KEYS_MAJOR_MIN_WORK = {TREE: 8192, CAUSAL: 32768}
+# least this much (decode: bs 1 only). H200, bench_mla --keys-major (2026-12-03,
+# results/2026-12-03/s13/): verify took 0.57-0.84 of the row-major time at bs 8 and 32 (ctx 1024,
+# 8192), 0.90 at bs 1 ctx 8192, but 1.26 at bs 1 ctx 1024; extend 0.73-0.93 at bs 8 ctx 8192 and
+# bs 32, but 1.18-1.51 below that; decode 0.80-0.90 at bs 1 ctx >= 8192, 1.08 at bs 1 ctx 1024,
+# 0.98-1.20 at bs 8 and 32 (one program an SM, 168 KB of tiles: latency-bound, no second program
+# to overlap with).
+KEYS_MAJOR_MIN_WORK = {DECODE: 8192, TREE: 8192, CAUSAL: 32768}
+KEYS_MAJOR_MAX_DECODE_BS = 1
 PARTIALS_MAX_BYTES = 64 << 20  # fp32 partials of a split causal extend
 
 
@@ -126,11 +130,9 @@ def _mla_kernel(
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
         idx = ReqToToken + row * stride_rt
-        # SLOTS_AHEAD: a tile's slot indices are loaded 0 (in the loop), 1 or 2 tiles ahead
-        if SLOTS_AHEAD >= 1:
+        # SLOTS_AHEAD: a tile's slot indices are loaded one tile ahead (1) or in the loop (0)
+        if SLOTS_AHEAD == 1:
             slot = tile_slots(idx, start + tl.arange(0, BLOCK_N), end)
-        if SLOTS_AHEAD == 2:
-            slot_next = tile_slots(idx, start + BLOCK_N + tl.arange(0, BLOCK_N), end)
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < end
@@ -141,11 +143,8 @@ def _mla_kernel(
                          other=0.0)  # [BLOCK_N, BLOCK_C]: c_kv, keys and values
             kr = tl.load(kv_base + kv_lora_rank + offs_r[None, :],
                          mask=n_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
-            if SLOTS_AHEAD == 1:  # the next tile's: one memory round trip before its loads
+            if SLOTS_AHEAD == 1:  # the tile and the next tile's slots issue together
                 slot = tile_slots(idx, offs_n + BLOCK_N, end)
-            if SLOTS_AHEAD == 2:  # the next tile's are here: its loads can issue at once
-                slot = slot_next
-                slot_next = tile_slots(idx, offs_n + 2 * BLOCK_N, end)
             s = mma(q_c, tl.trans(kv), UPCAST) + mma(q_r, tl.trans(kr), UPCAST)
             s = (s * sm_scale).to(tl.float32)  # [BLOCK_H, BLOCK_N]
             visible = n_ok[None, :] & m_ok[:, None]
@@ -240,10 +239,8 @@ def _mla_keys_major_kernel(
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)  # transposed
         idx = ReqToToken + row * stride_rt
-        if SLOTS_AHEAD >= 1:
+        if SLOTS_AHEAD == 1:
             slot = tile_slots(idx, start + tl.arange(0, BLOCK_N), end)
-        if SLOTS_AHEAD == 2:
-            slot_next = tile_slots(idx, start + BLOCK_N + tl.arange(0, BLOCK_N), end)
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < end
@@ -254,11 +251,8 @@ def _mla_keys_major_kernel(
                          other=0.0)  # [BLOCK_N, BLOCK_C]
             kr = tl.load(kv_base + kv_lora_rank + offs_r[None, :],
                          mask=n_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
-            if SLOTS_AHEAD == 1:  # the next tile's: one memory round trip before its loads
+            if SLOTS_AHEAD == 1:  # the tile and the next tile's slots issue together
                 slot = tile_slots(idx, offs_n + BLOCK_N, end)
-            if SLOTS_AHEAD == 2:  # the next tile's are here: its loads can issue at once
-                slot = slot_next
-                slot_next = tile_slots(idx, offs_n + 2 * BLOCK_N, end)
             s = mma(kv, q_ct, UPCAST) + mma(kr, q_rt, UPCAST)
             s = (s * sm_scale).to(tl.float32)  # [BLOCK_N, BLOCK_H]
             visible = n_ok[:, None] & m_ok[None, :]
@@ -306,8 +300,9 @@ def choose_keys_major(mode: int, bs: int, max_context: int, device: torch.device
     warp-group MMAs and the shared memory its 64-key tiles take (sm_90 and later)."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
         return False
-    need = KEYS_MAJOR_MIN_WORK.get(mode)
-    return need is not None and bs * max_context >= need
+    if mode == DECODE and bs > KEYS_MAJOR_MAX_DECODE_BS:
+        return False
+    return bs * max_context >= KEYS_MAJOR_MIN_WORK[mode]
 
 
 def choose_mla_splits(bs: int, n_blocks: int, max_context: int, n_sm: int,
@@ -334,26 +329,18 @@ def choose_mla_extend_splits(bs: int, n_tok: int, n_heads: int, block_h: int,
     return splits
 
 
-def mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, seq_lens,
-                        kv_lora_rank: int, sm_scale: float, mode: int, num_q: int = 1,
-                        tree_mask=None, qo_indptr=None, num_splits: int | None = None,
-                        fold: bool | None = None, block_n: int | None = None,
-                        num_warps: int | None = None, num_stages: int = 2,
-                        slots_ahead: int = 1, keys_major: bool | None = None,
-                        block_h: int | None = None):
-    """Launch the MLA kernel: q_latent [n, H, r + rope] -> o_latent [n, H, r] (callers check
-    shapes). DECODE / TREE: n = bs * num_q, request-major; CAUSAL: packed by qo_indptr, padding
-    tokens give 0. block_n / block_h / num_warps / num_stages / fold / slots_ahead / keys_major:
-    benchmark knobs (slots_ahead: a tile's slot indices are loaded 0 (in the loop), 1 or 2 tiles
-    ahead; keys_major: `_mla_keys_major_kernel`, None = `choose_keys_major` unless a tile knob
-    is given)."""
-    check_kernel_dtypes(q_latent, latent_cache, latent_cache)
-    n_tok, n_heads, width = q_latent.shape
-    bs = req_pool_indices.shape[0]
+def plan_mla(n_tok: int, n_heads: int, width: int, bs: int, max_context: int,
+             kv_lora_rank: int, mode: int, num_q: int, device: torch.device,
+             num_splits: int | None = None, fold: bool | None = None,
+             block_n: int | None = None, num_warps: int | None = None,
+             keys_major: bool | None = None, block_h: int | None = None) -> dict:
+    """What `mla_paged_attention` launches, from shapes only (knobs as there): keys_major (the
+    kernel), blocks (tile constexprs + num_warps), n_blocks (row blocks a request), num_splits
+    and fold (before the capture-time fallbacks of a causal extend)."""
     rows = n_heads * (num_q if mode != CAUSAL else 2)
     if keys_major is None:
         keys_major = (block_n is None and num_warps is None and block_h is None
-                      and choose_keys_major(mode, bs, req_to_token.shape[1], q_latent.device))
+                      and choose_keys_major(mode, bs, max_context, device))
     blocks = mla_blocks(kv_lora_rank, width - kv_lora_rank, rows)
     if keys_major:
         blocks.update(KEYS_MAJOR_TILE if rows < 32 else KEYS_MAJOR_MANY_ROWS)
@@ -371,11 +358,10 @@ def mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, 
     if num_warps is not None:
         blocks["num_warps"] = num_warps
     if num_splits is None and mode == CAUSAL:
-        num_splits = choose_mla_extend_splits(bs, n_tok, n_heads, block_h, req_to_token.shape[1],
-                                              kv_lora_rank, width, sm_count(q_latent.device))
+        num_splits = choose_mla_extend_splits(bs, n_tok, n_heads, block_h, max_context,
+                                              kv_lora_rank, width, sm_count(device))
     elif num_splits is None:
-        num_splits = choose_mla_splits(bs, n_blocks, req_to_token.shape[1],
-                                       sm_count(q_latent.device), wide)
+        num_splits = choose_mla_splits(bs, n_blocks, max_context, sm_count(device), wide)
     if not 1 <= num_splits <= 4 * MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1 .. {4 * MAX_SPLITS}; got {num_splits}")
     if mode == CAUSAL:  # a causal block's splits depend on its range: only the folded merge
@@ -383,11 +369,36 @@ def mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, 
     elif fold is None:
         fold = should_fold(num_splits, min(block_h, rows), kv_lora_rank,
                            WIDE_FOLD_MAX_BYTES if wide else None)
+    return dict(keys_major=keys_major, blocks=blocks, n_blocks=n_blocks, num_splits=num_splits,
+                fold=fold and num_splits > 1)
+
+
+def mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, seq_lens,
+                        kv_lora_rank: int, sm_scale: float, mode: int, num_q: int = 1,
+                        tree_mask=None, qo_indptr=None, num_splits: int | None = None,
+                        fold: bool | None = None, block_n: int | None = None,
+                        num_warps: int | None = None, num_stages: int = 2,
+                        slots_ahead: int = 1, keys_major: bool | None = None,
+                        block_h: int | None = None):
+    """Launch the MLA kernel: q_latent [n, H, r + rope] -> o_latent [n, H, r] (callers check
+    shapes). DECODE / TREE: n = bs * num_q, request-major; CAUSAL: packed by qo_indptr, padding
+    tokens give 0. block_n / block_h / num_warps / num_stages / fold / slots_ahead / keys_major:
+    benchmark knobs (slots_ahead: a tile's slot indices are loaded one tile ahead (1) or in the
+    loop (0); keys_major: `_mla_keys_major_kernel`, None = `choose_keys_major` unless a tile knob
+    is given); `plan_mla` decides the rest from shapes."""
+    check_kernel_dtypes(q_latent, latent_cache, latent_cache)
+    if slots_ahead not in (0, 1):
+        raise ValueError(f"slots_ahead must be 0 or 1; got {slots_ahead}")
+    n_tok, n_heads, width = q_latent.shape
+    bs = req_pool_indices.shape[0]
+    plan = plan_mla(n_tok, n_heads, width, bs, req_to_token.shape[1], kv_lora_rank, mode, num_q,
+                    q_latent.device, num_splits, fold, block_n, num_warps, keys_major, block_h)
+    keys_major, blocks, n_blocks = plan["keys_major"], plan["blocks"], plan["n_blocks"]
+    num_splits, fold, block_h = plan["num_splits"], plan["fold"], blocks["BLOCK_H"]
     alloc = torch.zeros if mode == CAUSAL else torch.empty  # CAUSAL: padding tokens stay 0
     o = alloc(n_tok, n_heads, kv_lora_rank, dtype=q_latent.dtype, device=q_latent.device)
     if n_tok == 0 or bs == 0:
         return o
-    fold = fold and num_splits > 1
     counters, fold = tickets(q_latent.device, bs * n_blocks if fold else 0, fold)
     if mode == CAUSAL and num_splits > 1 and not fold:  # no zeroed counters yet (in a capture)
         num_splits = 1
