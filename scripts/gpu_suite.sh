@@ -19,6 +19,8 @@
 #                             [bench-eagle-draft-prefill: bench_eagle (eagle.{md,json}) with a second EAGLE worker whose draft prefill is eager (torch calls), same process]
 #                             [eagle-variants: the main job once per argument list of EAGLE_VARIANTS="--model deepseek --steps 3;..." (logs eagle_v1, eagle_v2, ...)]
 #                             [ncu: Nsight Compute reports (details + SASS stall samples) of the MLA and GQA decode kernels and SDPA's (ncu_*.log, ncu_*_sass.csv); NCU_CASES="name|regex|args;..." overrides the cases]
+#                             [tests-attention: the MLA, attention and DeepSeek GPU tests as three processes at once]
+#                             [bench-attention-decode: decode only, also timed as calls inside a graph of 20 (attention.{md,json})]
 #                             [tests-parallel: the cuda tests as five pytest processes and the cuda conformance suite, at once]
 # With no arguments, everything. Results and logs go under $OUT (default results/local).
 # PACK=name: write them under a scratch directory instead and leave one $OUT/name.tgz at the end
@@ -83,6 +85,16 @@ if want ncu; then  # hardware counters of single kernel launches (scripts/ncu_ke
     echo "=== ncu $name: $((SECONDS - t0)) s"; grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Block Limit" "$OUT/ncu_$name.log" | head -12
   done
 fi
+if want tests-attention; then  # the attention / MLA kernels' GPU tests and DeepSeek's, as three processes at once
+  echo "=== tests-attention"; t0=$SECONDS
+  P="python3 -m pytest -m cuda -q -p no:cacheprovider --timeout=400 -o addopts= --durations=5"
+  timeout "$LIMIT" $P tests/test_cuda_mla.py >"$OUT/pytest_cuda_mla.log" 2>&1 & p1=$!
+  timeout "$LIMIT" $P tests/test_cuda_attention.py tests/test_cuda_backend.py tests/test_cuda_contract.py tests/test_triton_seq_len_zero.py >"$OUT/pytest_cuda_attention.log" 2>&1 & p2=$!
+  timeout "$LIMIT" $P tests/test_cuda_deepseek.py -k "not (lite and whole)" >"$OUT/pytest_cuda_deepseek.log" 2>&1 & p3=$!
+  for p in $p1 $p2 $p3; do wait $p || rc=1; done
+  for f in pytest_cuda_mla pytest_cuda_attention pytest_cuda_deepseek; do echo "$f: $(tail -1 "$OUT/$f.log")"; done
+  echo "=== tests-attention: $((SECONDS - t0)) s"
+fi
 want tests && run pytest_cuda python3 -m pytest -m cuda tests -q -p no:cacheprovider --timeout=300 -o addopts=""
 want spec && run spec_cuda python3 -m padgraph.spec --backend cuda -q
 want spec-compile && run spec_cuda_compile python3 -m padgraph.spec --backend cuda --torch-compile -q
@@ -103,6 +115,7 @@ want bench-host && run bench_host python3 examples/bench_host.py --calls 1000
 want bench-runner && run bench_runner python3 examples/bench_runner.py
 want bench-runner-profile && run bench_runner_profile python3 examples/bench_runner.py --variants padgraph,padgraph+compile --sizes 1,16 --profile padgraph+compile
 want bench-attention && run bench_attention python3 examples/bench_attention.py
+want bench-attention-decode && run bench_attention python3 examples/bench_attention.py --no-sweep --no-spec --no-cold --in-graph 20
 want bench-attention-in-graph && run bench_attention python3 examples/bench_attention.py --no-sweep --no-cold --in-graph 20
 want bench-mla && run bench_mla python3 examples/bench_mla.py
 want bench-mla-slots && run bench_mla_slots python3 examples/bench_mla.py --decode-only --slots 1,0
