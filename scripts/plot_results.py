@@ -29,7 +29,9 @@ def attention(d: Path) -> None:
 
 def mla(d: Path) -> None:
     m = json.loads((d / "mla.json").read_text())
-    fig, ax = plt.subplots(figsize=(6, 4))
+    keyed = [r for r in m["rows"] if "rows_us" in r]  # bench_mla --keys-major
+    fig, axes = plt.subplots(1, 2 if keyed else 1, figsize=(12 if keyed else 6, 4), squeeze=False)
+    ax = axes[0][0]
     for ctx in sorted({r["ctx"] for r in m["rows"] if r["kind"] == "decode"}):
         rows = [r for r in m["rows"] if r["kind"] == "decode" and r["ctx"] == ctx]
         ax.plot([r["bs"] for r in rows], [r["fraction"] for r in rows], "o-", label=f"ctx {ctx}")
@@ -37,6 +39,18 @@ def mla(d: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set(title="MLA decode: fraction of copy bandwidth", xlabel="bs", ylabel="fraction")
     ax.legend()
+    if keyed:
+        ax = axes[0][1]
+        for kind, marker in (("decode", "o"), ("verify", "s"), ("extend", "^")):
+            for ctx in sorted({r["ctx"] for r in keyed if r["kind"] == kind}):
+                rows = [r for r in keyed if r["kind"] == kind and r["ctx"] == ctx]
+                ax.plot([r["bs"] for r in rows], [r["keys_us"] / r["rows_us"] for r in rows],
+                        marker=marker, label=f"{kind} ctx {ctx}")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set(title="keys-major / row-major kernel time (<1: keys-major faster)", xlabel="bs",
+               ylabel="time ratio")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(d / "mla.png", dpi=110)
 
