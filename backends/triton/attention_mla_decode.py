@@ -72,6 +72,68 @@ PARTIALS_MAX_BYTES = 64 << 20  # fp32 partials of a split causal extend
 
 # ----------------------------------------------------------------------------- kernel
 
+@triton.jit
+def _mla_span(SeqLens, QoIndptr, r, blk, split, n_heads, num_splits, NUM_Q: tl.constexpr,
+              MODE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (row block blk, request r, split): (seq_len, q_start, n_q, n_rows, n_used, start,
+    end), its request's length and queries and the key positions [start, end) it covers."""
+    seq_len = tl.load(SeqLens + r)
+    if MODE == 2:  # CAUSAL: request r's n_q new tokens are q[q_start : q_start + n_q]
+        q_start = tl.load(QoIndptr + r)
+        n_q = tl.load(QoIndptr + r + 1) - q_start
+    else:
+        q_start = r * NUM_Q
+        n_q = NUM_Q
+    n_rows = n_q * n_heads
+    kv_len = seq_len
+    if MODE == 2:  # this block's last query sees up to its own position
+        last_q = tl.minimum((blk + 1) * BLOCK_H, n_rows) - 1
+        kv_len = tl.minimum(seq_len, seq_len - n_q + last_q // n_heads + 1)
+    share = split_len(seq_len, num_splits, BLOCK_N)
+    n_used = tl.cdiv(kv_len, share)  # the same for every split of this (request, row block)
+    start = split * share
+    end = tl.minimum(start + share, kv_len)
+    return seq_len, q_start, n_q, n_rows, n_used, start, end
+
+
+@triton.jit
+def _mla_queries(Q, blk, seq_len, q_start, n_q, n_rows, n_heads, kv_lora_rank, rope_dim,
+                 stride_q_t, stride_q_h, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
+                 BLOCK_R: tl.constexpr):
+    """The block's BLOCK_H (query, head) rows, query-major: (m_ok, qi, qh, pos_q, q_row, offs_c,
+    c_ok, offs_r, r_ok, q_c [BLOCK_H, BLOCK_C], q_r [BLOCK_H, BLOCK_R])."""
+    offs_m = blk * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_ok = offs_m < n_rows
+    qi = offs_m // n_heads  # query index within the request
+    qh = offs_m % n_heads  # head
+    pos_q = seq_len - n_q + qi  # [BLOCK_H] position of each row's query
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_r = tl.arange(0, BLOCK_R)
+    c_ok = offs_c < kv_lora_rank
+    r_ok = offs_r < rope_dim
+    q_row = (q_start + qi).to(tl.int64)
+    q_base = Q + q_row[:, None] * stride_q_t + qh[:, None] * stride_q_h
+    q_c = tl.load(q_base + offs_c[None, :], mask=m_ok[:, None] & c_ok[None, :], other=0.0)
+    q_r = tl.load(q_base + kv_lora_rank + offs_r[None, :], mask=m_ok[:, None] & r_ok[None, :],
+                  other=0.0)
+    return m_ok, qi, qh, pos_q, q_row, offs_c, c_ok, offs_r, r_ok, q_c, q_r
+
+
+@triton.jit
+def _mla_finish(acc, m_i, l_i, r, blk, split, n_used, fold, Counters, Out, MidO, MidLse,
+                q_row, qh, offs_c, m_ok, c_ok, stride_o_t, stride_o_h, stride_mo_t,
+                stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
+                MERGE_UNROLL: tl.constexpr):
+    """acc [BLOCK_H, BLOCK_C]: this split's output or partial (attention_split.finish_split)."""
+    finish_split(acc, m_i, l_i, split, tl.maximum(n_used, 1), fold,
+                 Counters + r * tl.num_programs(0) + blk,
+                 Out + q_row[:, None] * stride_o_t + qh[:, None] * stride_o_h + offs_c[None, :],
+                 MidO + q_row[:, None] * stride_mo_t + qh[:, None] * stride_mo_h
+                 + offs_c[None, :],
+                 MidLse + q_row * stride_ml_t + qh * stride_ml_h,
+                 stride_mo_s, 1, m_ok, c_ok, MERGE_UNROLL)
+
+
 @triton.jit(do_not_specialize=["stride_mo_t", "stride_mo_h", "stride_mo_s", "stride_ml_t",
                                "stride_ml_h", "num_splits", "fold"])
 def _mla_kernel(
@@ -89,41 +151,15 @@ def _mla_kernel(
     blk = tl.program_id(0)
     r = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(SeqLens + r)
-    if MODE == 2:  # CAUSAL: request r's n_q new tokens are q[q_start : q_start + n_q]
-        q_start = tl.load(QoIndptr + r)
-        n_q = tl.load(QoIndptr + r + 1) - q_start
-    else:
-        q_start = r * NUM_Q
-        n_q = NUM_Q
-    n_rows = n_q * n_heads
-    kv_len = seq_len
-    if MODE == 2:  # this block's last query sees up to its own position
-        last_q = tl.minimum((blk + 1) * BLOCK_H, n_rows) - 1
-        kv_len = tl.minimum(seq_len, seq_len - n_q + last_q // n_heads + 1)
-    share = split_len(seq_len, num_splits, BLOCK_N)
-    n_used = tl.cdiv(kv_len, share)  # the same for every split of this (request, row block)
-    start = split * share
-    end = tl.minimum(start + share, kv_len)
+    seq_len, q_start, n_q, n_rows, n_used, start, end = _mla_span(
+        SeqLens, QoIndptr, r, blk, split, n_heads, num_splits, NUM_Q, MODE, BLOCK_H, BLOCK_N)
     # else nothing to read, nothing to write; split 0 of a request with seq_len 0 runs with no
     # tile and writes the 0 the reference gives
     if (blk * BLOCK_H < n_rows) & ((start < end) | (split == 0)):
         row = tl.load(ReqPoolIdx + r).to(tl.int64)
-        offs_m = blk * BLOCK_H + tl.arange(0, BLOCK_H)
-        m_ok = offs_m < n_rows
-        qi = offs_m // n_heads  # query index within the request
-        qh = offs_m % n_heads  # head
-        pos_q = seq_len - n_q + qi  # [BLOCK_H] position of each row's query
-        offs_c = tl.arange(0, BLOCK_C)
-        offs_r = tl.arange(0, BLOCK_R)
-        c_ok = offs_c < kv_lora_rank
-        r_ok = offs_r < rope_dim
-        q_row = (q_start + qi).to(tl.int64)
-        q_base = Q + q_row[:, None] * stride_q_t + qh[:, None] * stride_q_h
-        q_c = tl.load(q_base + offs_c[None, :], mask=m_ok[:, None] & c_ok[None, :],
-                      other=0.0)  # [BLOCK_H, BLOCK_C]
-        q_r = tl.load(q_base + kv_lora_rank + offs_r[None, :],
-                      mask=m_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_H, BLOCK_R]
+        m_ok, qi, qh, pos_q, q_row, offs_c, c_ok, offs_r, r_ok, q_c, q_r = _mla_queries(
+            Q, blk, seq_len, q_start, n_q, n_rows, n_heads, kv_lora_rank, rope_dim,
+            stride_q_t, stride_q_h, BLOCK_H, BLOCK_C, BLOCK_R)
         prefix = tl.maximum(seq_len - NUM_Q, 0)  # positions every draft sees (TREE)
 
         m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)  # finite: all-masked rows stay 0
@@ -164,14 +200,9 @@ def _mla_kernel(
             acc = acc * alpha[:, None] + mma(p.to(kv.dtype), kv, UPCAST)
             m_i = m_new
 
-        finish_split(acc, m_i, l_i, split, tl.maximum(n_used, 1), fold,
-                     Counters + r * tl.num_programs(0) + blk,
-                     Out + q_row[:, None] * stride_o_t + qh[:, None] * stride_o_h
-                     + offs_c[None, :],
-                     MidO + q_row[:, None] * stride_mo_t + qh[:, None] * stride_mo_h
-                     + offs_c[None, :],
-                     MidLse + q_row * stride_ml_t + qh * stride_ml_h,
-                     stride_mo_s, 1, m_ok, c_ok, MERGE_UNROLL)
+        _mla_finish(acc, m_i, l_i, r, blk, split, n_used, fold, Counters, Out, MidO, MidLse,
+                    q_row, qh, offs_c, m_ok, c_ok, stride_o_t, stride_o_h, stride_mo_t,
+                    stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, MERGE_UNROLL)
 
 
 @triton.jit(do_not_specialize=["stride_mo_t", "stride_mo_h", "stride_mo_s", "stride_ml_t",
@@ -199,38 +230,15 @@ def _mla_keys_major_kernel(
     blk = tl.program_id(0)
     r = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(SeqLens + r)
-    if MODE == 2:
-        q_start = tl.load(QoIndptr + r)
-        n_q = tl.load(QoIndptr + r + 1) - q_start
-    else:
-        q_start = r * NUM_Q
-        n_q = NUM_Q
-    n_rows = n_q * n_heads
-    kv_len = seq_len
-    if MODE == 2:
-        last_q = tl.minimum((blk + 1) * BLOCK_H, n_rows) - 1
-        kv_len = tl.minimum(seq_len, seq_len - n_q + last_q // n_heads + 1)
-    share = split_len(seq_len, num_splits, BLOCK_N)
-    n_used = tl.cdiv(kv_len, share)
-    start = split * share
-    end = tl.minimum(start + share, kv_len)
+    seq_len, q_start, n_q, n_rows, n_used, start, end = _mla_span(
+        SeqLens, QoIndptr, r, blk, split, n_heads, num_splits, NUM_Q, MODE, BLOCK_H, BLOCK_N)
+    # else nothing to read, nothing to write; split 0 of a request with seq_len 0 runs with no
+    # tile and writes the 0 the reference gives
     if (blk * BLOCK_H < n_rows) & ((start < end) | (split == 0)):
         row = tl.load(ReqPoolIdx + r).to(tl.int64)
-        offs_m = blk * BLOCK_H + tl.arange(0, BLOCK_H)
-        m_ok = offs_m < n_rows
-        qi = offs_m // n_heads
-        qh = offs_m % n_heads
-        pos_q = seq_len - n_q + qi
-        offs_c = tl.arange(0, BLOCK_C)
-        offs_r = tl.arange(0, BLOCK_R)
-        c_ok = offs_c < kv_lora_rank
-        r_ok = offs_r < rope_dim
-        q_row = (q_start + qi).to(tl.int64)
-        q_base = Q + q_row[:, None] * stride_q_t + qh[:, None] * stride_q_h
-        q_c = tl.load(q_base + offs_c[None, :], mask=m_ok[:, None] & c_ok[None, :], other=0.0)
-        q_r = tl.load(q_base + kv_lora_rank + offs_r[None, :],
-                      mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+        m_ok, qi, qh, pos_q, q_row, offs_c, c_ok, offs_r, r_ok, q_c, q_r = _mla_queries(
+            Q, blk, seq_len, q_start, n_q, n_rows, n_heads, kv_lora_rank, rope_dim,
+            stride_q_t, stride_q_h, BLOCK_H, BLOCK_C, BLOCK_R)
         q_ct = tl.trans(q_c)  # [BLOCK_C, BLOCK_H]
         q_rt = tl.trans(q_r)  # [BLOCK_R, BLOCK_H]
         prefix = tl.maximum(seq_len - NUM_Q, 0)
@@ -272,14 +280,9 @@ def _mla_keys_major_kernel(
             acc = acc * alpha[None, :] + mma(tl.trans(kv), p.to(kv.dtype), UPCAST)
             m_i = m_new
 
-        finish_split(tl.trans(acc), m_i, l_i, split, tl.maximum(n_used, 1), fold,
-                     Counters + r * tl.num_programs(0) + blk,
-                     Out + q_row[:, None] * stride_o_t + qh[:, None] * stride_o_h
-                     + offs_c[None, :],
-                     MidO + q_row[:, None] * stride_mo_t + qh[:, None] * stride_mo_h
-                     + offs_c[None, :],
-                     MidLse + q_row * stride_ml_t + qh * stride_ml_h,
-                     stride_mo_s, 1, m_ok, c_ok, MERGE_UNROLL)
+        _mla_finish(tl.trans(acc), m_i, l_i, r, blk, split, n_used, fold, Counters, Out, MidO,
+                    MidLse, q_row, qh, offs_c, m_ok, c_ok, stride_o_t, stride_o_h, stride_mo_t,
+                    stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, MERGE_UNROLL)
 
 
 # ----------------------------------------------------------------------------- host side
