@@ -116,6 +116,49 @@ def test_mla_policy_uses_shapes_only():
     assert choose_mla_extend_splits(1, 2048, 16, 16, 8192, 512, 576, 132) == 1
 
 
+def test_mla_plan_picks_the_kernel_from_shapes(monkeypatch):
+    # an H200 as the policy sees it (capability 9.0, 132 SMs), without one: the keys-major
+    # kernel for verify (bs x cache width >= 8192), extend (>= 32768) and decode at bs 1 with a
+    # cache width >= 8192; the row-major kernel (and the wide tile from 32 pairs) elsewhere
+    import padgraph.backends.triton.attention_mla_decode as am
+    monkeypatch.setattr(am.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(am, "sm_count", lambda device: 132)
+    gpu = torch.device("cuda")
+
+    def plan(mode, bs, ctx, num_q=1, n_tok=None, **knobs):
+        n_tok = bs * num_q if n_tok is None else n_tok
+        return am.plan_mla(n_tok, 16, 576, bs, ctx, 512, mode, num_q, gpu, **knobs)
+
+    assert plan(DECODE, 1, 8192)["keys_major"] and not plan(DECODE, 1, 4096)["keys_major"]
+    assert not plan(DECODE, 2, 8192)["keys_major"] and not plan(DECODE, 32, 32768)["keys_major"]
+    p = plan(DECODE, 1, 8192)
+    assert p["blocks"]["BLOCK_N"] == 64 and p["blocks"]["num_warps"] == 4
+    assert p["num_splits"] == 64 and p["n_blocks"] == 1
+    p = plan(DECODE, 32, 8192)  # the wide row-major tile, one program an SM
+    assert p["blocks"]["BLOCK_N"] == 64 and p["blocks"]["num_warps"] == 8
+    assert p["num_splits"] == 4 and p["fold"]
+    p = plan(TREE, 32, 1024, num_q=8)  # 128 rows: 32 a program over two warp groups
+    assert p["keys_major"] and p["blocks"]["BLOCK_H"] == 32 and p["n_blocks"] == 4
+    assert p["blocks"]["num_warps"] == 8 and p["num_splits"] == 1
+    assert not plan(TREE, 1, 4096, num_q=8)["keys_major"]
+    assert plan(CAUSAL, 32, 1024, n_tok=6 * 32)["keys_major"]
+    assert not plan(CAUSAL, 8, 1024, n_tok=6 * 8)["keys_major"]
+    # a tile knob keeps the row-major kernel unless keys_major is asked for
+    assert not plan(TREE, 32, 1024, num_q=8, block_n=16)["keys_major"]
+    assert plan(DECODE, 32, 8192, keys_major=True)["keys_major"]
+    # no warp-group MMAs (sm_80) or no GPU: the row-major kernel everywhere
+    monkeypatch.setattr(am.torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert not plan(TREE, 32, 1024, num_q=8)["keys_major"]
+    assert not am.choose_keys_major(TREE, 32, 1024, torch.device("cpu"))
+
+
+def test_mla_slots_ahead_is_checked():
+    case = MLACase([10], 48, 16)
+    q_latent = case.queries(1)[2]
+    with pytest.raises(ValueError, match="slots_ahead"):
+        mla_paged_attention(q_latent, *case.paged(), 48, case.sm_scale, DECODE, slots_ahead=2)
+
+
 # ----------------------------------------------------------------------------- decode
 
 DECODE_LENS = [70, PAD, 1, 33, 32]
