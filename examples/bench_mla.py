@@ -8,7 +8,8 @@ bf16, every request at full length, slots shuffled.
 - decode: bs {1, 8, 32} x context {1024, 8192, 32768};
 - tree verify (k = 8 drafts, a random tree) and draft-extend (6 new tokens, causal) at
   bs {1, 8, 32} x context {1024, 8192};
-- a small tile / split sweep of the decode kernel.
+- a small tile / split sweep of the decode kernel (each configuration captured in a CUDA graph,
+  as padgraph runs it: eager times count launches and misled the policy before).
 The peer ("sdpa") is torch's SDPA over the *same latent cache* as a contiguous
 [bs, 1, ctx, r + rope] tensor, absorbed form: the bs requests' n_q x H (query, head) rows are
 SDPA's query axis of one head, keys = the latent rows, values = their first r columns (a view), the equivalent boolean mask for
@@ -195,7 +196,7 @@ def time_case(bs, ctx, n_heads, copy_bw, gen, device, kind, widths, impl,
 
 def sweep_case(bs, ctx, n_heads, gen, device, tiles, widths, aheads=(1,)) -> dict:
     """Decode over tiles x split counts (policy / 2, policy, policy x 2, and x 4, x 8 for
-    contexts <= 1024) x fold (x how many tiles ahead the slot indices load: `aheads`), eager µs."""
+    contexts <= 1024) x fold (x how many tiles ahead the slot indices load: `aheads`), graph µs."""
     case = LatentCase(bs, ctx, n_heads, gen, device, "decode", *widths)
     ref = case.ours()()
     policy = choose_mla_splits(bs, 1, ctx, sm_count(device))
@@ -219,7 +220,7 @@ def sweep_case(bs, ctx, n_heads, gen, device, tiles, widths, aheads=(1,)) -> dic
                                      f"{fold=} disagrees at {bs=} {ctx=}")
             results.append(dict(block_n=block_n, stages=stages, warps=warps, splits=splits,
                                 fold=fold, slots_ahead=ahead, keys_major=keys,
-                                us=bench_us(fn, rep=30)))
+                                us=bench_us(graph_of(fn), rep=30)))
     del case
     return dict(bs=bs, ctx=ctx, policy_splits=policy, best=min(results, key=lambda r: r["us"]),
                 all=results)
@@ -255,7 +256,7 @@ def markdown(meta, heads, copy_bw, rows, sweeps, widths=(KV_LORA_RANK, ROPE)) ->
                          f"| {r['keys_err']:.1e} |")
     if sweeps:
         aheads = sorted({r.get("slots_ahead", 1) for sw in sweeps for r in sw["all"]})
-        lines += ["", "## Decode tile / split / fold sweep (eager µs; tile = BLOCK_N/stages/"
+        lines += ["", "## Decode tile / split / fold sweep (graph µs; tile = BLOCK_N/stages/"
                   "warps, `keys` = the keys-major kernel; slots k: a tile's slot indices loaded "
                   "k tiles ahead, 0 = in the loop)", "",
                   "| bs | ctx | policy splits | best µs | best tile | best splits | best fold "
