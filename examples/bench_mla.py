@@ -59,6 +59,8 @@ K_DRAFT, DRAFT_EXTEND = 8, 6
 SWEEP_CASES = ((1, 8192), (8, 8192), (32, 8192), (16, 256))
 SWEEP_TILES = ((32, 2, 4), (16, 2, 4), (64, 2, 8), (32, 3, 4), (32, 2, 8))  # BLOCK_N/stages/warps
 KEYS_TILES = ((64, 2, 4, "keys"), (64, 2, 8, "keys"))  # the keys-major kernel (--keys-major)
+# the row-major kernel with c_kv as two column halves (independent QK chains; --keys-major too)
+SPLIT_TILES = ((32, 2, 4, "split"), (32, 3, 4, "split"), (64, 2, 8, "split"))
 SMOKE = dict(kv_lora_rank=96, rope=32, batches=(2,), contexts=(40,), spec_contexts=(40,),
              sweep=((2, 40),), tiles=((32, 2, 4),))
 
@@ -206,10 +208,11 @@ def sweep_case(bs, ctx, n_heads, gen, device, tiles, widths, aheads=(1,)) -> dic
         counts |= {policy * 4, policy * 8}
     for (block_n, stages, warps, *kernel), splits, ahead in itertools.product(
             tiles, sorted(counts), aheads):
-        keys = kernel == ["keys"]
+        keys, split_c = kernel == ["keys"], kernel == ["split"]
         for fold in ((True, False) if splits > 1 else (True,)):
             fn = case.ours(num_splits=splits, block_n=block_n, num_stages=stages,
-                           num_warps=warps, fold=fold, slots_ahead=ahead, keys_major=keys)
+                           num_warps=warps, fold=fold, slots_ahead=ahead, keys_major=keys,
+                           split_c=split_c)
             try:
                 out = fn()
             except Exception as e:  # noqa: BLE001 - e.g. a tile past the shared memory
@@ -219,7 +222,7 @@ def sweep_case(bs, ctx, n_heads, gen, device, tiles, widths, aheads=(1,)) -> dic
                 raise AssertionError(f"MLA sweep {block_n=} {stages=} {warps=} {splits=} "
                                      f"{fold=} disagrees at {bs=} {ctx=}")
             results.append(dict(block_n=block_n, stages=stages, warps=warps, splits=splits,
-                                fold=fold, slots_ahead=ahead, keys_major=keys,
+                                fold=fold, slots_ahead=ahead, keys_major=keys, split_c=split_c,
                                 us=bench_us(graph_of(fn), rep=30)))
     del case
     return dict(bs=bs, ctx=ctx, policy_splits=policy, best=min(results, key=lambda r: r["us"]),
@@ -257,8 +260,9 @@ def markdown(meta, heads, copy_bw, rows, sweeps, widths=(KV_LORA_RANK, ROPE)) ->
     if sweeps:
         aheads = sorted({r.get("slots_ahead", 1) for sw in sweeps for r in sw["all"]})
         lines += ["", "## Decode tile / split / fold sweep (graph µs; tile = BLOCK_N/stages/"
-                  "warps, `keys` = the keys-major kernel; slots k: a tile's slot indices loaded "
-                  "k tiles ahead, 0 = in the loop)", "",
+                  "warps, `keys` = the keys-major kernel, `split` = c_kv in two column "
+                  "halves; slots k: a tile's slot indices loaded k tiles ahead, 0 = in the "
+                  "loop)", "",
                   "| bs | ctx | policy splits | best µs | best tile | best splits | best fold "
                   "| best slots | " + " | ".join(f"best µs, slots {a}" for a in aheads) + " |",
                   "|---:|---:|---:|---:|---|---:|---|---:|" + "---:|" * len(aheads)]
@@ -269,7 +273,8 @@ def markdown(meta, heads, copy_bw, rows, sweeps, widths=(KV_LORA_RANK, ROPE)) ->
             cells = " | ".join(f"{u:.1f}" if u is not None else "-" for u in per)
             lines.append(f"| {sw['bs']} | {sw['ctx']} | {sw['policy_splits']} | {b['us']:.1f} "
                          f"| {b['block_n']}/{b['stages']}/{b['warps']}"
-                         f"{' keys' if b.get('keys_major') else ''} | {b['splits']} "
+                         f"{' keys' if b.get('keys_major') else ''}"
+                         f"{' split' if b.get('split_c') else ''} | {b['splits']} "
                          f"| {b['fold']} | {b.get('slots_ahead', 1)} | {cells} |")
     return "\n".join(lines) + "\n"
 
@@ -305,11 +310,12 @@ def main():
         widths = (SMOKE["kv_lora_rank"], SMOKE["rope"])
         batches, contexts, spec_ctx = SMOKE["batches"], SMOKE["contexts"], SMOKE["spec_contexts"]
         sweep_cases, tiles = SMOKE["sweep"], SMOKE["tiles"]
-        tiles += ((32, 2, 4, "keys"),) if args.keys_major else ()
+        tiles += ((32, 2, 4, "keys"), (32, 2, 4, "split")) if args.keys_major else ()
     else:
         widths = (args.kv_lora_rank, ROPE)
         batches, contexts, spec_ctx = BATCHES, CONTEXTS, SPEC_CONTEXTS
-        sweep_cases, tiles = SWEEP_CASES, SWEEP_TILES + (KEYS_TILES if args.keys_major else ())
+        sweep_cases, tiles = SWEEP_CASES, SWEEP_TILES + (
+            KEYS_TILES + SPLIT_TILES if args.keys_major else ())
     gen = torch.Generator(device=device).manual_seed(0)
     copy_bw = copy_bandwidth(device)
     impl = "triton" if args.smoke else "auto"  # on CPU, "auto" would time the torch path

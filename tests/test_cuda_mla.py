@@ -276,10 +276,12 @@ def test_mla_tree_verify_and_extend_in_cuda_graphs():
 @pytest.mark.parametrize("form", [dict(keys_major=False, slots_ahead=0),
                                   dict(keys_major=False, slots_ahead=1),
                                   dict(keys_major=True, slots_ahead=1),
-                                  dict(keys_major=True, slots_ahead=0)])
+                                  dict(keys_major=True, slots_ahead=0),
+                                  dict(keys_major=False, split_c=True)])
 def test_mla_kernel_forms_vs_fp64(mode, form):
     # the row-major and the keys-major (Hopper warp-group MMA) kernel, each with its slot
-    # indices one tile ahead and in the loop: awkward lengths, pads, several splits with
+    # indices one tile ahead and in the loop, and the row-major one with c_kv in two column
+    # halves: awkward lengths, pads, several splits with
     # the merge folded and separate, and the counters zeroed after every launch
     k = 8
     lens = [4097, 1, PAD, 777, 63, 2048]

@@ -380,6 +380,7 @@ def test_absorbed_projections_one_rounding(dtype):
 # ----------------------------------------------------------------------------- kernel forms
 
 FORMS = [dict(keys_major=keys, slots_ahead=ahead) for keys in (False, True) for ahead in (1, 0)]
+FORMS.append(dict(keys_major=False, split_c=True))  # c_kv as two column halves
 
 
 @pytest.mark.parametrize("mode", ["decode", "tree", "causal"])

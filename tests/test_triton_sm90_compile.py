@@ -38,9 +38,10 @@ SCRIPT = textwrap.dedent('''
            "SeqLens": "*i32", "QoIndptr": "*i32", "TreeMask": "*u8", "MidO": "*fp32",
            "MidLse": "*fp32", "Counters": "*i32", "sm_scale": "fp32"}
     for mode, nq in ((0, 1), (1, 8), (2, 1)):       # decode, tree verify, causal extend
-        for ahead in (1, 0):                         # slot indices 1 tile ahead / in the loop
+        for ahead, split_c in ((1, False), (0, False), (1, True)):  # slots in the loop; halves
             build(am._mla_kernel, mla, dict(NUM_Q=nq, MODE=mode, UPCAST=False, BLOCK_H=16,
-                  BLOCK_N=32, BLOCK_C=512, BLOCK_R=64, MERGE_UNROLL=2, SLOTS_AHEAD=ahead))
+                  BLOCK_N=32, BLOCK_C=512, BLOCK_R=64, MERGE_UNROLL=2, SLOTS_AHEAD=ahead,
+                  SPLIT_C=split_c))
         # the keys-major kernel: Hopper warp-group MMAs (16 rows at decode, 32 over 8 warps)
         build(am._mla_keys_major_kernel, mla, dict(NUM_Q=nq, MODE=mode, UPCAST=False,
               BLOCK_H=16 if mode == 0 else 32, BLOCK_N=64, BLOCK_C=512, BLOCK_R=64,
@@ -76,7 +77,7 @@ def run_compiler(args, tmp_path) -> str:
 
 def test_changed_kernels_compile_for_sm90(tmp_path):
     out = run_compiler(["-c", SCRIPT], tmp_path)
-    assert out.count("compiled") == 15, out
+    assert out.count("compiled") == 18, out
 
 
 def test_sm90_regs_reports_the_mla_kernels_resources(tmp_path):

@@ -144,7 +144,7 @@ def _mla_kernel(
     n_heads, kv_lora_rank, rope_dim, num_splits, fold,
     NUM_Q: tl.constexpr, MODE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
-    MERGE_UNROLL: tl.constexpr, SLOTS_AHEAD: tl.constexpr,
+    MERGE_UNROLL: tl.constexpr, SLOTS_AHEAD: tl.constexpr, SPLIT_C: tl.constexpr = False,
 ):
     stride_mo_t, stride_mo_h, stride_mo_s = (aligned(stride_mo_t), aligned(stride_mo_h),
                                              aligned(stride_mo_s))  # padded partials
@@ -164,7 +164,20 @@ def _mla_kernel(
 
         m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)  # finite: all-masked rows stay 0
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
+        if SPLIT_C:  # c_kv as two column halves: q, tiles and accumulator (a benchmark knob)
+            HALF: tl.constexpr = BLOCK_C // 2
+            offs_lo = tl.arange(0, HALF)
+            lo_ok = offs_lo < kv_lora_rank
+            hi_ok = offs_lo + HALF < kv_lora_rank
+            q_base = Q + q_row[:, None] * stride_q_t + qh[:, None] * stride_q_h
+            q_lo = tl.load(q_base + offs_lo[None, :], mask=m_ok[:, None] & lo_ok[None, :],
+                           other=0.0)
+            q_hi = tl.load(q_base + HALF + offs_lo[None, :],
+                           mask=m_ok[:, None] & hi_ok[None, :], other=0.0)
+            acc_lo = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
+            acc_hi = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
         idx = ReqToToken + row * stride_rt
         # SLOTS_AHEAD: a tile's slot indices are loaded one tile ahead (1) or in the loop (0)
         if SLOTS_AHEAD == 1:
@@ -175,14 +188,26 @@ def _mla_kernel(
             if SLOTS_AHEAD == 0:
                 slot = tile_slots(idx, offs_n, end)
             kv_base = KV + slot[:, None] * stride_kv_s
-            kv = tl.load(kv_base + offs_c[None, :], mask=n_ok[:, None] & c_ok[None, :],
-                         other=0.0)  # [BLOCK_N, BLOCK_C]: c_kv, keys and values
+            if SPLIT_C:  # two tiles of c_kv columns: the QK product as independent chains
+                kv_lo = tl.load(kv_base + offs_lo[None, :], mask=n_ok[:, None] & lo_ok[None, :],
+                                other=0.0)  # [BLOCK_N, HALF]
+                kv_hi = tl.load(kv_base + HALF + offs_lo[None, :],
+                                mask=n_ok[:, None] & hi_ok[None, :], other=0.0)
+            else:
+                kv = tl.load(kv_base + offs_c[None, :], mask=n_ok[:, None] & c_ok[None, :],
+                             other=0.0)  # [BLOCK_N, BLOCK_C]: c_kv, keys and values
             kr = tl.load(kv_base + kv_lora_rank + offs_r[None, :],
                          mask=n_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
             if SLOTS_AHEAD == 1:  # the tile and the next tile's slots issue together
                 slot = tile_slots(idx, offs_n + BLOCK_N, end)
-            s = mma(q_c, tl.trans(kv), UPCAST) + mma(q_r, tl.trans(kr), UPCAST)
-            s = (s * sm_scale).to(tl.float32)  # [BLOCK_H, BLOCK_N]
+            if SPLIT_C:  # each product scaled on its own: Triton would fold `dot + dot` into
+                # one accumulation chain again (dot(a, b) + c -> dot(a, b, acc=c))
+                s = (mma(q_lo, tl.trans(kv_lo), UPCAST) * sm_scale
+                     + mma(q_hi, tl.trans(kv_hi), UPCAST) * sm_scale
+                     + mma(q_r, tl.trans(kr), UPCAST) * sm_scale).to(tl.float32)
+            else:
+                s = mma(q_c, tl.trans(kv), UPCAST) + mma(q_r, tl.trans(kr), UPCAST)
+                s = (s * sm_scale).to(tl.float32)  # [BLOCK_H, BLOCK_N]
             visible = n_ok[None, :] & m_ok[:, None]
             if MODE == 1:  # TREE: draft i sees the prefix and the drafts tree_mask[r, i, :]
                 j = offs_n - (seq_len - NUM_Q)  # draft index of key position (>= 0 in the tail)
@@ -197,9 +222,16 @@ def _mla_kernel(
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + mma(p.to(kv.dtype), kv, UPCAST)
+            if SPLIT_C:
+                pk = p.to(kv_lo.dtype)
+                acc_lo = acc_lo * alpha[:, None] + mma(pk, kv_lo, UPCAST)
+                acc_hi = acc_hi * alpha[:, None] + mma(pk, kv_hi, UPCAST)
+            else:
+                acc = acc * alpha[:, None] + mma(p.to(kv.dtype), kv, UPCAST)
             m_i = m_new
 
+        if SPLIT_C:  # [lo | hi] -> [BLOCK_H, BLOCK_C]
+            acc = tl.reshape(tl.permute(tl.join(acc_lo, acc_hi), (0, 2, 1)), (BLOCK_H, BLOCK_C))
         _mla_finish(acc, m_i, l_i, r, blk, split, n_used, fold, Counters, Out, MidO, MidLse,
                     q_row, qh, offs_c, m_ok, c_ok, stride_o_t, stride_o_h, stride_mo_t,
                     stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, MERGE_UNROLL)
@@ -382,13 +414,14 @@ def mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, 
                         fold: bool | None = None, block_n: int | None = None,
                         num_warps: int | None = None, num_stages: int = 2,
                         slots_ahead: int = 1, keys_major: bool | None = None,
-                        block_h: int | None = None):
+                        block_h: int | None = None, split_c: bool = False):
     """Launch the MLA kernel: q_latent [n, H, r + rope] -> o_latent [n, H, r] (callers check
     shapes). DECODE / TREE: n = bs * num_q, request-major; CAUSAL: packed by qo_indptr, padding
     tokens give 0. block_n / block_h / num_warps / num_stages / fold / slots_ahead / keys_major:
     benchmark knobs (slots_ahead: a tile's slot indices are loaded one tile ahead (1) or in the
     loop (0); keys_major: `_mla_keys_major_kernel`, None = `choose_keys_major` unless a tile knob
-    is given); `plan_mla` decides the rest from shapes."""
+    is given; split_c: the row-major kernel with c_kv as two column halves, so that its QK
+    product runs as independent MMA chains); `plan_mla` decides the rest from shapes."""
     check_kernel_dtypes(q_latent, latent_cache, latent_cache)
     if slots_ahead not in (0, 1):
         raise ValueError(f"slots_ahead must be 0 or 1; got {slots_ahead}")
@@ -413,7 +446,10 @@ def mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, 
     req_pool_indices, seq_lens = req_pool_indices.contiguous(), seq_lens.contiguous()
     tree = tree_mask.contiguous().view(torch.uint8) if tree_mask is not None else req_pool_indices
     indptr = qo_indptr.contiguous() if qo_indptr is not None else req_pool_indices
+    if split_c and (keys_major or blocks["BLOCK_C"] < 32):
+        raise ValueError("split_c needs the row-major kernel and a latent of >= 17 columns")
     kernel = _mla_keys_major_kernel if keys_major else _mla_kernel
+    extra = {} if keys_major else dict(SPLIT_C=split_c)
     kernel[(n_blocks, bs, num_splits)](
         q_latent, latent_cache, req_to_token, req_pool_indices, seq_lens, indptr, tree, o,
         mid_o, mid_lse, counters, sm_scale,
@@ -424,7 +460,7 @@ def mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, 
         NUM_Q=num_q if mode != CAUSAL else 1, MODE=mode, UPCAST=upcast_dots(q_latent.dtype),
         num_stages=num_stages,
         MERGE_UNROLL=merge_unroll(block_h, blocks["BLOCK_C"], blocks["num_warps"]),
-        SLOTS_AHEAD=slots_ahead, **blocks,
+        SLOTS_AHEAD=slots_ahead, **extra, **blocks,
     )
     if num_splits > 1 and not fold:
         launch_merge(mid_o, mid_lse, seq_lens, o, num_q, num_splits, blocks["BLOCK_N"])
