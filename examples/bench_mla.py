@@ -41,11 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench.common import env_info, out_dir  # noqa: E402
 from bench_attention import (bench_us, copy_bandwidth, graph_of, random_tree_masks,  # noqa: E402
                              rel_err, sync)
-from padgraph.backends.triton.attention_decode import sm_count  # noqa: E402
 from padgraph.backends.triton.attention_mla import (  # noqa: E402
     mla_decode_attention, mla_extend_attention, mla_sm_scale, mla_tree_verify_attention)
 from padgraph.backends.triton.attention_mla_decode import (  # noqa: E402
-    CAUSAL, DECODE, TREE, choose_mla_splits, mla_paged_attention, plan_mla)
+    CAUSAL, DECODE, TREE, mla_paged_attention, plan_mla)
 
 KV_LORA_RANK, ROPE, NOPE = 512, 64, 128
 SM_SCALE = mla_sm_scale(NOPE, ROPE)
@@ -201,7 +200,7 @@ def sweep_case(bs, ctx, n_heads, gen, device, tiles, widths, aheads=(1,)) -> dic
     contexts <= 1024) x fold (x how many tiles ahead the slot indices load: `aheads`), graph µs."""
     case = LatentCase(bs, ctx, n_heads, gen, device, "decode", *widths)
     ref = case.ours()()
-    policy = choose_mla_splits(bs, 1, ctx, sm_count(device))
+    policy = plan_mla(bs, n_heads, case.width, bs, ctx, case.r, DECODE, 1, device)["num_splits"]
     results = []
     counts = {max(1, policy // 2), policy, policy * 2}
     if ctx <= 1024:             # short contexts: the policy's splits leave most SMs idle

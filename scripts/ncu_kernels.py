@@ -64,7 +64,6 @@ def main():
             backend = best_sdpa_backend(case, case.ours()())
             print("sdpa backend:", backend)
             fn = case.sdpa(backend)
-        ref = ref.float()
     out = fn()
     if args.what.startswith("decode"):
         out = out[rows]

@@ -169,6 +169,8 @@ def _mla_kernel(
             offs_lo = tl.arange(0, HALF)
             lo_ok = offs_lo < kv_lora_rank
             hi_ok = offs_lo + HALF < kv_lora_rank
+            # q's two column halves loaded as such (splitting the loaded q_c in registers with
+            # reshape / permute / split spilled at sm_90 and re-chained part of the product)
             q_base = Q + q_row[:, None] * stride_q_t + qh[:, None] * stride_q_h
             q_lo = tl.load(q_base + offs_lo[None, :], mask=m_ok[:, None] & lo_ok[None, :],
                            other=0.0)
@@ -384,10 +386,11 @@ def plan_mla(n_tok: int, n_heads: int, width: int, bs: int, max_context: int,
     block_h = blocks["BLOCK_H"]
     # CAUSAL: enough row blocks for the longest possible request (all n_tok tokens)
     n_blocks = triton.cdiv((num_q if mode != CAUSAL else n_tok) * n_heads, block_h)
-    wide = (mode == DECODE and block_n is None and num_warps is None
-            and bs * n_blocks >= WIDE_MIN_PAIRS) or keys_major
-    if wide and not keys_major:
+    wide = (not keys_major and mode == DECODE and block_n is None and num_warps is None
+            and bs * n_blocks >= WIDE_MIN_PAIRS)
+    if wide:
         blocks.update(WIDE_TILE)
+    one_per_sm = wide or keys_major  # splits and the folded merge's bound follow from it
     if block_n is not None:
         blocks["BLOCK_N"] = block_n
     if num_warps is not None:
@@ -396,14 +399,14 @@ def plan_mla(n_tok: int, n_heads: int, width: int, bs: int, max_context: int,
         num_splits = choose_mla_extend_splits(bs, n_tok, n_heads, block_h, max_context,
                                               kv_lora_rank, width, sm_count(device))
     elif num_splits is None:
-        num_splits = choose_mla_splits(bs, n_blocks, max_context, sm_count(device), wide)
+        num_splits = choose_mla_splits(bs, n_blocks, max_context, sm_count(device), one_per_sm)
     if not 1 <= num_splits <= 4 * MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1 .. {4 * MAX_SPLITS}; got {num_splits}")
     if mode == CAUSAL:  # a causal block's splits depend on its range: only the folded merge
         fold = True
     elif fold is None:
         fold = should_fold(num_splits, min(block_h, rows), kv_lora_rank,
-                           WIDE_FOLD_MAX_BYTES if wide else None)
+                           WIDE_FOLD_MAX_BYTES if one_per_sm else None)
     return dict(keys_major=keys_major, blocks=blocks, n_blocks=n_blocks, num_splits=num_splits,
                 fold=fold and num_splits > 1)
 
