@@ -60,11 +60,11 @@ KEYS_MAJOR_TILE = dict(BLOCK_N=64, num_warps=4)  # one warp group: 64 keys = one
 KEYS_MAJOR_MANY_ROWS = dict(BLOCK_H=32, BLOCK_N=64, num_warps=8)
 # Where the policy takes the keys-major kernel (sm_90+): bs * max_context (the cache width) at
 # least this much (decode: bs 1 only). H200, bench_mla --keys-major (2026-12-03, first run,
-# results/2026-12-03/s13/mla_keys_first.md; the second run, mla.md, within 0.02): verify took 0.57-0.84 of the row-major time at bs 8 and 32 (ctx 1024,
-# 8192), 0.90 at bs 1 ctx 8192, but 1.26 at bs 1 ctx 1024; extend 0.73-0.93 at bs 8 ctx 8192 and
-# bs 32, but 1.18-1.51 below that; decode 0.80-0.90 at bs 1 ctx >= 8192, 1.08 at bs 1 ctx 1024,
-# 0.98-1.20 at bs 8 and 32 (one program an SM, 168 KB of tiles: latency-bound, no second program
-# to overlap with).
+# results/2026-12-03/s13/mla_keys_first.md; the second run, mla.md, within 0.02): verify took
+# 0.57-0.84 of the row-major time at bs 8 and 32 (ctx 1024, 8192), 0.90 at bs 1 ctx 8192, but
+# 1.26 at bs 1 ctx 1024; extend 0.73-0.93 at bs 8 ctx 8192 and bs 32, but 1.18-1.51 below that;
+# decode 0.80-0.90 at bs 1 ctx >= 8192, 1.08 at bs 1 ctx 1024, 0.98-1.20 at bs 8 and 32 (one
+# program an SM, 168 KB of tiles: latency-bound, no second program to overlap with).
 KEYS_MAJOR_MIN_WORK = {DECODE: 8192, TREE: 8192, CAUSAL: 32768}
 KEYS_MAJOR_MAX_DECODE_BS = 1
 PARTIALS_MAX_BYTES = 64 << 20  # fp32 partials of a split causal extend
