@@ -52,8 +52,7 @@ from padgraph.backends.triton.attention import (  # noqa: E402
     decode_attention, decode_attention_reference, extend_attention, extend_attention_reference,
     tree_verify_attention, tree_verify_attention_reference)
 from padgraph.backends.triton.attention_decode import (  # noqa: E402
-    choose_num_splits, sm_count, split_kv_attention)
-from padgraph.backends.triton.attention_split import should_fold  # noqa: E402
+    choose_fold, choose_num_splits, sm_count, split_kv_attention)
 
 N_Q_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128
 DTYPE = torch.bfloat16
@@ -278,10 +277,11 @@ def time_case(bs, ctx, layout, copy_bw, l2_bytes, gen, device, kind="decode",
     sdpa_fns = [c.sdpa(backend) for c in cases] if backend is not None else []
     row = dict(kind=kind, bs=bs, ctx=ctx, layout=layout, n_sets=n_sets,
                sdpa_backend=backend.name if backend is not None else None,
-               num_splits=choose_num_splits(bs, N_KV_HEADS, ctx, sm_count(first.q.device)),
+               num_splits=choose_num_splits(bs, N_KV_HEADS, ctx, sm_count(first.q.device),
+                                            first.n_q if kind != "extend" else 1),
                bytes=set_bytes, **errs)
-    group_rows = first.n_q * N_Q_HEADS // N_KV_HEADS
-    row["fold"] = kind != "extend" and should_fold(row["num_splits"], group_rows, HEAD_DIM)
+    row["fold"] = kind != "extend" and choose_fold(row["num_splits"], first.n_q,
+                                                   N_Q_HEADS // N_KV_HEADS, HEAD_DIM)
     row["ours_eager_us"] = bench_us(rotating([c.ours() for c in cases]))
     row["ours_us"] = bench_us(rotating([graph_of(c.ours()) for c in cases]))
     if sdpa_fns:
@@ -317,7 +317,7 @@ def sweep_case(bs, ctx, layout, copy_bw, gen, device, splits_list, tiles) -> dic
     ref = case.ours()()
     floor = case.bytes_moved() / copy_bw * 1e6
     policy = choose_num_splits(bs, N_KV_HEADS, ctx, sm_count(case.q.device))
-    policy_fold = should_fold(policy, N_Q_HEADS // N_KV_HEADS, HEAD_DIM)
+    policy_fold = choose_fold(policy, 1, N_Q_HEADS // N_KV_HEADS, HEAD_DIM)
     results = []
     for (block_n, stages, warps), splits in itertools.product(tiles, splits_list):
         if splits > triton.cdiv(ctx, block_n):

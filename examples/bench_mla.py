@@ -55,7 +55,7 @@ SPEC_CONTEXTS = (1024, 8192)
 K_DRAFT, DRAFT_EXTEND = 8, 6
 # (16, 256): the DeepSeek main job's decode (bs 16, contexts of ~100-250 in a 256-wide cache),
 # where the kernel took 20 us a call for ~4 MB (H200 profile, 2026-12-02) at the policy's 2 splits
-SWEEP_CASES = ((1, 8192), (8, 8192), (32, 8192), (16, 256))
+SWEEP_CASES = ((1, 8192), (8, 8192), (32, 8192), (16, 256), (8, 32768))
 SWEEP_TILES = ((32, 2, 4), (16, 2, 4), (64, 2, 8), (32, 3, 4), (32, 2, 8))  # BLOCK_N/stages/warps
 KEYS_TILES = ((64, 2, 4, "keys"), (64, 2, 8, "keys"))  # the keys-major kernel (--keys-major)
 # the row-major kernel with c_kv as two column halves (independent QK chains; --keys-major too)
@@ -175,6 +175,8 @@ def time_case(bs, ctx, n_heads, copy_bw, gen, device, kind, widths, impl,
     row = dict(kind=kind, bs=bs, ctx=ctx, splits=plan["num_splits"], row_blocks=plan["n_blocks"],
                fold=plan["num_splits"] == 1 or plan["fold"],
                kernel="keys" if plan["keys_major"] else "rows",
+               tile="{BLOCK_N}/{num_stages}/{num_warps}".format(**plan["blocks"])
+               + (" split" if plan["blocks"].get("SPLIT_C") else ""),
                err=err, ok=err < 1e-2, sdpa_backend=backend)
     row["us"] = bench_us(graph_of(case.ours()))
     row["sdpa_us"] = bench_us(graph_of(sdpa_fn)) if sdpa_fn is not None else None
@@ -233,13 +235,14 @@ def markdown(meta, heads, copy_bw, rows, sweeps, widths=(KV_LORA_RANK, ROPE)) ->
     lines += [f"- {k}: {v}" for k, v in meta.items()]
     lines += [f"- copy bandwidth: {copy_bw / 1e9:.0f} GB/s (read + write)",
               "- splits `S` = one launch (merge folded, or S = 1), `S+m` = + merge kernel", "",
-              "| kind | bs | ctx | kernel | splits | row blocks | ours µs (graph) "
+              "| kind | bs | ctx | kernel (tile) | splits | row blocks | ours µs (graph) "
               "| sdpa µs (graph) | speedup | GB/s | fraction of copy | sdpa backend | rel err |",
               "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in rows:
         sdpa = f"{r['sdpa_us']:.1f}" if r["sdpa_us"] else "n/a"
         speed = f"{r['speedup_vs_sdpa']:.2f}x" if r["speedup_vs_sdpa"] else "n/a"
         lines.append(f"| {r['kind']} | {r['bs']} | {r['ctx']} | {r.get('kernel', 'rows')} "
+                     f"{r.get('tile', '')} "
                      f"| {r['splits']}"
                      f"{'' if r['fold'] else '+m'} | {r['row_blocks']} | {r['us']:.1f} | {sdpa} "
                      f"| {speed} | {r['gbs']:.0f} | {r['fraction']:.2f} | {r['sdpa_backend']} "

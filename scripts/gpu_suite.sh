@@ -22,6 +22,9 @@
 #                             [tests-attention: the MLA, attention and DeepSeek GPU tests as three processes at once]
 #                             [bench-attention-decode: decode only, also timed as calls inside a graph of 20 (attention.{md,json})]
 #                             [tests-parallel: the cuda tests as five pytest processes and the cuda conformance suite, at once]
+#                             [bench-mla-sweep: MLA decode, both kernels side by side, and the graph-timed tile / split sweep incl. keys-major and split-c tiles (mla.{md,json})]
+#                             [bench-kernels: #12's benchmarks in full - bench_mla --keys-major (decode, verify, extend, both MLA kernels, sweep) and bench_attention --in-graph 20 (decode, verify, extend, sweep, cold capture)]
+#                             [bench-attention-sweep: decode (also inside a graph of 20) and the graph-timed tile / split sweep; no verify / extend, no cold capture (attention.{md,json})]
 # With no arguments, everything. Results and logs go under $OUT (default results/local).
 # PACK=name: write them under a scratch directory instead and leave one $OUT/name.tgz at the end
 # (for a caller that fetches only a few files from $OUT; $OUT itself is never written otherwise).
@@ -116,9 +119,13 @@ want bench-runner && run bench_runner python3 examples/bench_runner.py
 want bench-runner-profile && run bench_runner_profile python3 examples/bench_runner.py --variants padgraph,padgraph+compile --sizes 1,16 --profile padgraph+compile
 want bench-attention && run bench_attention python3 examples/bench_attention.py
 want bench-attention-decode && run bench_attention python3 examples/bench_attention.py --no-sweep --no-spec --no-cold --in-graph 20
+want bench-attention-sweep && run bench_attention_sweep python3 examples/bench_attention.py --no-spec --no-cold --in-graph 20
 want bench-attention-in-graph && run bench_attention python3 examples/bench_attention.py --no-sweep --no-cold --in-graph 20
 want bench-mla && run bench_mla python3 examples/bench_mla.py
 want bench-mla-slots && run bench_mla_slots python3 examples/bench_mla.py --decode-only --slots 1,0
+want bench-kernels && run bench_mla python3 examples/bench_mla.py --keys-major
+want bench-kernels && run bench_attention python3 examples/bench_attention.py --in-graph 20
+want bench-mla-sweep && run bench_mla_sweep python3 examples/bench_mla.py --decode-only --keys-major
 want bench-mla-keys && run bench_mla_keys python3 examples/bench_mla.py --keys-major --no-sweep
 want bench-mla-r256 && run bench_mla_r256 python3 examples/bench_mla.py --kv-lora-rank 256 --decode-only --no-sweep
 want bench-eagle && run bench_eagle python3 examples/bench_eagle.py

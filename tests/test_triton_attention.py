@@ -15,7 +15,7 @@ from attention_cases import K_DRAFT, merge_case, merge_reference, n_used_of, tre
 from padgraph.backends.triton.attention import (
     choose_num_splits, decode_attention, decode_attention_reference, extend_attention,
     extend_attention_reference, tree_verify_attention, tree_verify_attention_reference)
-from padgraph.backends.triton.attention_decode import split_kv_attention
+from padgraph.backends.triton.attention_decode import choose_fold, split_kv_attention
 from padgraph.backends.triton.attention_extend import choose_extend_splits
 from padgraph.backends.triton.attention_split import (
     _COUNTERS, FOLD_MAX_BYTES_TUNED, launch_merge, merge_partials, merge_unroll, partials,
@@ -142,25 +142,35 @@ def test_decode_auto_on_cpu_is_the_reference():
 
 
 def test_choose_num_splits_uses_shapes_only():
-    # splits >= 128 tokens of the cache width, <= 128 splits
-    # decode: ~2 programs an SM (faster on the H200 there) ...
-    assert choose_num_splits(8, 8, 4096, 132) == 5
+    # splits >= 128 tokens of the cache width; decode: the largest power of two <= 4 programs
+    # an SM (132 SMs: 528 programs), <= 64 splits
+    assert choose_num_splits(1, 8, 4096, 132) == 32          # capped by the width
+    assert choose_num_splits(1, 8, 32768, 132) == 64         # capped by DECODE_MAX_SPLITS
+    assert choose_num_splits(8, 8, 4096, 132) == 8
+    assert choose_num_splits(8, 8, 32768, 132) == 8
     assert choose_num_splits(32, 8, 4096, 132) == 2
     assert choose_num_splits(32, 8, 32768, 132) == 2
     assert choose_num_splits(128, 8, 512, 132) == 1
-    # ... but ~16 past 4096 tokens with < 256 (request, kv head) pairs
-    assert choose_num_splits(1, 8, 32768, 132) == 128
-    assert choose_num_splits(8, 8, 32768, 132) == 33
     assert choose_num_splits(128, 8, 32768, 132) == 1
     assert choose_num_splits(1024, 8, 32768, 132) == 1
     assert choose_num_splits(1, 8, 512, 132) == 4
     assert choose_num_splits(1, 8, 100, 132) == 1
-    # tree verify (k = 8 query rows a request): ~16 an SM, as before
+    assert choose_num_splits(3, 2, 32768, 100) == 64         # 400 // 6 = 66 -> 64
+    for bs in range(1, 300):
+        s = choose_num_splits(bs, 8, 32768, 132)
+        assert s & (s - 1) == 0 and bs * 8 * s <= max(528, bs * 8)
+    # tree verify (k = 8 query rows a request): ~16 an SM, <= 128 splits, as before
     assert choose_num_splits(1, 8, 32768, 132, num_q=8) == 128
     assert choose_num_splits(8, 8, 4096, 132, num_q=8) == 32
     assert choose_num_splits(32, 8, 4096, 132, num_q=8) == 9
-    for bs in (1, 8, 32, 128):
-        assert 1 <= choose_num_splits(bs, 8, 4096, 132) <= 32
+
+
+def test_choose_fold_by_split_count_for_decode_by_bytes_for_verify():
+    # decode: folded up to 8 splits (a serial pass over the splits in the last program), then
+    # the merge kernel; verify: while the partials stay <= FOLD_MAX_BYTES (128 KB)
+    assert choose_fold(8, 1, 4, 128) and not choose_fold(16, 1, 4, 128)
+    assert not choose_fold(64, 1, 1, 128)
+    assert choose_fold(8, 8, 4, 128) and not choose_fold(9, 8, 4, 128)
 
 
 def test_merge_is_folded_when_the_partials_are_small():

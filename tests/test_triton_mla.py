@@ -3,6 +3,8 @@ reference (per-head K/V up-projected from the latent cache), at non-power-of-two
 (kv_lora_rank 96 + rope 32 = 128 columns of which V uses 96; 48 + 16 = 64 of which V uses 48),
 with padded lanes (seq_lens 1, row 0) and a NaN-poisoned sink slot 0 and past-the-end slot.
 """
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -97,8 +99,8 @@ def test_absorbed_torch_equals_non_absorbed_fp64():
 
 
 def test_mla_policy_uses_shapes_only():
-    # DeepSeek-V2-Lite decode on an H200: 16 heads in one 16-row block; splits ~2 programs / SM,
-    # >= 128 tokens, <= 64
+    # DeepSeek-V2-Lite on an H200: 16 heads in one 16-row block. Verify / extend: ~2 programs an
+    # SM (cdiv), splits >= 128 tokens, <= 64
     assert mla_blocks(512, 64, 16)["BLOCK_H"] == 16
     assert mla_blocks(512, 64, 8 * 16)["BLOCK_H"] == 16  # verify, k=8: 8 blocks of 1 draft
     assert choose_mla_splits(1, 1, 8192, 132) == 64
@@ -106,22 +108,36 @@ def test_mla_policy_uses_shapes_only():
     assert choose_mla_splits(32, 1, 8192, 132) == 9
     assert choose_mla_splits(32, 1, 1024, 132) == 8
     assert choose_mla_splits(256, 1, 8192, 132) == 2
-    # the wide decode tile (bs * row blocks >= 32 picks it): at most one program an SM
-    assert choose_mla_splits(8, 1, 8192, 132, wide=True) == 16
-    assert choose_mla_splits(32, 1, 8192, 132, wide=True) == 4
-    assert choose_mla_splits(256, 1, 8192, 132, wide=True) == 1
     assert choose_mla_splits(1, 1, 100, 132) == 1
+    # the keys-major tile: at most one program an SM
+    assert choose_mla_splits(8, 1, 8192, 132, one_per_sm=True) == 16
+    assert choose_mla_splits(32, 1, 8192, 132, one_per_sm=True) == 4
+    assert choose_mla_splits(256, 1, 8192, 132, one_per_sm=True) == 1
+    # the decode tile: at most 2 an SM (floor: no partial second wave), splits >= 64 tokens,
+    # <= 128
+    assert choose_mla_splits(1, 1, 8192, 132, decode=True) == 128
+    assert choose_mla_splits(1, 1, 1024, 132, decode=True) == 16
+    assert choose_mla_splits(8, 1, 8192, 132, decode=True) == 33
+    assert choose_mla_splits(32, 1, 8192, 132, decode=True) == 8
+    assert choose_mla_splits(16, 1, 256, 132, decode=True) == 4
+    assert choose_mla_splits(300, 1, 8192, 132, decode=True) == 1
+    assert choose_mla_splits(1, 1, 100, 132, decode=True) == 1
+    for bs in range(1, 300):
+        assert bs * choose_mla_splits(bs, 1, 1 << 20, 132, decode=True) <= max(264, bs)
     # draft-extend, 6 tokens x 16 heads: split while the folded merge stays small; prefill: 1
     assert choose_mla_extend_splits(1, 6, 16, 16, 8192, 512, 576, 132) == 11
     assert choose_mla_extend_splits(1, 2048, 16, 16, 8192, 512, 576, 132) == 1
 
 
 def test_mla_plan_picks_the_kernel_from_shapes(monkeypatch):
-    # an H200 as the policy sees it (capability 9.0, 132 SMs), without one: the keys-major
-    # kernel for verify (bs x cache width >= 8192), extend (>= 32768) and decode at bs 1 with a
-    # cache width >= 8192; the row-major kernel (and the wide tile from 32 pairs) elsewhere
+    # an H200 as the policy sees it (capability 9.0, 132 SMs, 227 KB of opt-in shared memory),
+    # without one: the keys-major kernel for verify (bs x cache width >= 8192) and extend
+    # (>= 32768); decode takes the row-major decode tile (c_kv halves, 32 rows, 3 stages)
     import padgraph.backends.triton.attention_mla_decode as am
+    smem = {"optin": 227 << 10}
     monkeypatch.setattr(am.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(am.torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(
+        shared_memory_per_block_optin=smem["optin"]))
     monkeypatch.setattr(am, "sm_count", lambda device: 132)
     gpu = torch.device("cuda")
 
@@ -129,27 +145,40 @@ def test_mla_plan_picks_the_kernel_from_shapes(monkeypatch):
         n_tok = bs * num_q if n_tok is None else n_tok
         return am.plan_mla(n_tok, 16, 576, bs, ctx, 512, mode, num_q, gpu, **knobs)
 
-    assert plan(DECODE, 1, 8192)["keys_major"] and not plan(DECODE, 1, 4096)["keys_major"]
-    assert not plan(DECODE, 2, 8192)["keys_major"] and not plan(DECODE, 32, 32768)["keys_major"]
-    p = plan(DECODE, 1, 8192)
-    assert p["blocks"]["BLOCK_N"] == 64 and p["blocks"]["num_warps"] == 4
-    assert p["num_splits"] == 64 and p["n_blocks"] == 1
-    p = plan(DECODE, 32, 8192)  # the wide row-major tile, one program an SM
-    assert p["blocks"]["BLOCK_N"] == 64 and p["blocks"]["num_warps"] == 8
-    assert p["num_splits"] == 4 and p["fold"]
+    for bs, ctx, splits, fold in ((1, 8192, 128, False), (8, 8192, 33, False),
+                                  (32, 8192, 8, True), (32, 32768, 8, True), (16, 256, 4, True)):
+        p = plan(DECODE, bs, ctx)
+        assert not p["keys_major"] and p["n_blocks"] == 1
+        assert p["blocks"]["SPLIT_C"] and p["blocks"]["BLOCK_N"] == 32
+        assert p["blocks"]["num_stages"] == 3 and p["blocks"]["num_warps"] == 4
+        assert (p["num_splits"], p["fold"]) == (splits, fold), (bs, ctx, p)
+    # a tile knob starts from the base tile: 2 stages, no c_kv halves unless asked for
+    p = plan(DECODE, 32, 8192, block_n=64, num_warps=8)
+    assert not p["blocks"]["SPLIT_C"] and p["blocks"]["num_stages"] == 2
+    assert p["num_splits"] == 9
+    p = plan(DECODE, 32, 8192, block_n=32, num_warps=4, num_stages=3, split_c=True)
+    assert p["blocks"]["SPLIT_C"] and p["blocks"]["num_stages"] == 3
+    with pytest.raises(ValueError, match="split_c"):
+        plan(DECODE, 1, 8192, keys_major=True, split_c=True)
     p = plan(TREE, 32, 1024, num_q=8)  # 128 rows: 32 a program over two warp groups
     assert p["keys_major"] and p["blocks"]["BLOCK_H"] == 32 and p["n_blocks"] == 4
     assert p["blocks"]["num_warps"] == 8 and p["num_splits"] == 1
+    assert "SPLIT_C" not in p["blocks"] and p["blocks"]["num_stages"] == 2
     assert not plan(TREE, 1, 4096, num_q=8)["keys_major"]
     assert plan(CAUSAL, 32, 1024, n_tok=6 * 32)["keys_major"]
     assert not plan(CAUSAL, 8, 1024, n_tok=6 * 8)["keys_major"]
     # a tile knob keeps the row-major kernel unless keys_major is asked for
     assert not plan(TREE, 32, 1024, num_q=8, block_n=16)["keys_major"]
-    assert plan(DECODE, 32, 8192, keys_major=True)["keys_major"]
+    p = plan(DECODE, 32, 8192, keys_major=True)  # one program an SM, folded up to 8 splits
+    assert p["keys_major"] and p["num_splits"] == 4 and p["fold"]
+    # 99 KB of shared memory (sm_86 / sm_89): the decode tile at 2 stages
+    smem["optin"] = 99 << 10
+    assert plan(DECODE, 8, 8192)["blocks"]["num_stages"] == 2
     # no warp-group MMAs (sm_80) or no GPU: the row-major kernel everywhere
     monkeypatch.setattr(am.torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert not plan(TREE, 32, 1024, num_q=8)["keys_major"]
     assert not am.choose_keys_major(TREE, 32, 1024, torch.device("cpu"))
+    assert plan(DECODE, 8, 8192)["blocks"]["SPLIT_C"]
 
 
 def test_mla_slots_ahead_is_checked():
@@ -175,16 +204,15 @@ def test_decode_matches_non_absorbed(kv_lora_rank, rope_dim, num_splits):
     assert_close(case.output(o_latent), case.reference(q_nope, q_rope))
 
 
-@pytest.mark.parametrize("num_splits", [None, 3])
-def test_wide_decode_tile_matches_non_absorbed(num_splits):
-    """>= WIDE_MIN_PAIRS (request, row block) pairs take the 64-row, 8-warp tile (policy splits,
-    or forced ones folded at 3); padded lanes and lengths 1 / 64 / 65 among them."""
-    from padgraph.backends.triton.attention_mla_decode import WIDE_MIN_PAIRS
-    lens = ([70, PAD, 1, 64, 65, 33] * 6)[:WIDE_MIN_PAIRS]
+@pytest.mark.parametrize("knobs", [dict(), dict(num_splits=3),
+                                   dict(block_n=64, num_warps=8, num_splits=3, fold=True)])
+def test_many_requests_decode_matches_non_absorbed(knobs):
+    """32 requests (the decode tile at its policy splits, or 3 forced; the 64-row 8-warp tile
+    with a folded merge), padded lanes and lengths 1 / 64 / 65 among them."""
+    lens = ([70, PAD, 1, 64, 65, 33] * 6)[:32]
     case = MLACase(lens, 96, 32)
     q_nope, q_rope, q_latent = case.queries(len(lens))
-    o_latent = mla_decode_attention(q_latent, *case.paged(), 96, case.sm_scale,
-                                    num_splits=num_splits, impl="triton")
+    o_latent = mla_paged_attention(q_latent, *case.paged(), 96, case.sm_scale, DECODE, **knobs)
     assert_close(case.output(o_latent), case.reference(q_nope, q_rope))
 
 

@@ -49,14 +49,21 @@ from .kv import resolve_impl
 #   32768 at 32 (55.1 against 128's 69.7). In CUDA graphs (bench_attention, same day) 2 an SM
 #   was faster than 16 at every point with ctx <= 4096 or bs * kv heads >= 256 (bs 8 ctx 4096
 #   53.2 us against 60.6, bs 32 ctx 4096 142.6 against 152.6, bs 128 ctx 512 81.4 against
-#   94.6) but slower at long contexts with few (request, head) pairs: bs 1 ctx 32768 60.1
-#   against 56.0 (33 splits against 128 + merge), bs 8 ctx 32768 299.3 against 275.9 (5
-#   against 33). There, with each split a long serial chain, 16 an SM stays
-#   (LONG_CONTEXT / LONG_CONTEXT_PAIRS below).
+#   94.6) but slower at long contexts with few (request, head) pairs (bs 1 ctx 32768 60.1
+#   against 56.0, bs 8 ctx 32768 299.3 against 275.9), which then took 16 an SM.
+# - Decode now (graph-timed sweep, bench_attention --no-spec --no-cold, 2026-12-03,
+#   results/2026-12-03/s15/attention_sweep.md): the largest power of two <= 4 programs an SM
+#   (DECODE_PROGRAMS_PER_SM), at most DECODE_MAX_SPLITS, the merge folded up to
+#   DECODE_FOLD_MAX_SPLITS splits. bs 8 ctx 4096: 8 splits folded 49.4 us (the policy's 5:
+#   51.9); bs 8 ctx 32768: 8 folded 257.7 (33 + merge: 271.8); bs 1 ctx 4096: 32 + merge 18.2
+#   (32 folded: 19.9); bs 1 ctx 32768: 64 + merge 51.0 (128 + merge: 54.8); bs 32 and 128
+#   unchanged (2 folded, 1: the best measured). Folding costs the last program a serial pass
+#   over every split: slower from 16 splits on at bs 1, faster at <= 8.
 #   Tree verify (k query rows a request) keeps PROGRAMS_PER_SM: it was not swept.
 PROGRAMS_PER_SM = 16
-DECODE_PROGRAMS_PER_SM = 2
-LONG_CONTEXT, LONG_CONTEXT_PAIRS = 4096, 256
+DECODE_PROGRAMS_PER_SM = 4
+DECODE_MAX_SPLITS = 64
+DECODE_FOLD_MAX_SPLITS = 8
 MIN_SPLIT_TOKENS = 128
 MAX_SPLITS = 128
 CPU_SM_COUNT = 4  # under the interpreter: few programs keep tests fast
@@ -217,14 +224,25 @@ def sm_count(device: torch.device) -> int:
 
 def choose_num_splits(bs: int, n_kv_heads: int, max_context: int, n_sm: int,
                       num_q: int = 1) -> int:
-    """Static split count from shapes only, bounded: ~DECODE_PROGRAMS_PER_SM programs per SM
-    for decode (num_q 1), except past LONG_CONTEXT with fewer than LONG_CONTEXT_PAIRS
-    (request, kv head) pairs; ~PROGRAMS_PER_SM there and for tree verify (num_q > 1)."""
-    long_few = max_context > LONG_CONTEXT and bs * n_kv_heads < LONG_CONTEXT_PAIRS
-    per_sm = DECODE_PROGRAMS_PER_SM if num_q == 1 and not long_few else PROGRAMS_PER_SM
-    want = triton.cdiv(per_sm * n_sm, max(1, bs * n_kv_heads))
+    """Static split count from shapes only, bounded by MIN_SPLIT_TOKENS of the cache width:
+    decode (num_q 1) the largest power of two <= DECODE_PROGRAMS_PER_SM programs an SM, at most
+    DECODE_MAX_SPLITS; tree verify (num_q > 1) ~PROGRAMS_PER_SM an SM, at most MAX_SPLITS."""
+    pairs = max(1, bs * n_kv_heads)
     cap = max(1, max_context // MIN_SPLIT_TOKENS)
+    if num_q == 1:
+        want = max(1, DECODE_PROGRAMS_PER_SM * n_sm // pairs)
+        want = 1 << (want.bit_length() - 1)
+        return max(1, min(want, cap, DECODE_MAX_SPLITS))
+    want = triton.cdiv(PROGRAMS_PER_SM * n_sm, pairs)
     return max(1, min(want, cap, MAX_SPLITS))
+
+
+def choose_fold(num_splits: int, num_q: int, group: int, v_head_dim: int) -> bool:
+    """Fold the merge into the split pass: decode up to DECODE_FOLD_MAX_SPLITS splits, tree
+    verify while the partials the last program reads stay small (`should_fold`)."""
+    if num_q == 1 and num_splits > DECODE_FOLD_MAX_SPLITS:
+        return False
+    return should_fold(num_splits, num_q * group, v_head_dim)
 
 
 def kernel_blocks(head_dim: int, v_head_dim: int, n_rows: int, block_n: int | None = None):
@@ -301,7 +319,7 @@ def split_kv_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_
     q [bs * num_q, n_q_heads, head_dim] -> o [bs * num_q, n_q_heads, v_head_dim].
 
     block_n / num_warps / num_stages / fold are tuning knobs for benchmarks; the defaults are the
-    policy (`choose_num_splits`, `should_fold`), decided from shapes only.
+    policy (`choose_num_splits`, `choose_fold`), decided from shapes only.
     """
     check_kernel_dtypes(q, k_cache, v_cache)
     n_rows, n_q_heads, head_dim = q.shape
@@ -313,7 +331,7 @@ def split_kv_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_
     if not 1 <= num_splits <= 2 * MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1 .. {2 * MAX_SPLITS}; got {num_splits}")
     if fold is None:
-        fold = should_fold(num_splits, num_q * group, v_head_dim)
+        fold = choose_fold(num_splits, num_q, group, v_head_dim)
     blocks = kernel_blocks(head_dim, v_head_dim, num_q * group, block_n)
     # the kernels index 1-d metadata with unit stride (a no-op for the dense tensors runners pass)
     req_pool_indices, seq_lens = req_pool_indices.contiguous(), seq_lens.contiguous()

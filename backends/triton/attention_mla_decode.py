@@ -40,20 +40,25 @@ MAX_SPLITS = 64
 # past 4 splits MLA merges in the merge kernel, which now spreads over bs * H * 8 programs of
 # 64 columns, one L2 round trip per 32 splits (was bs * 8 programs reading the splits one by one).
 MIN_SPLIT_TOKENS = 128
-# Decode with >= WIDE_MIN_PAIRS (request, row block) pairs reads 64 latent rows an iteration
-# over 8 warps (no spills, one program an SM) and aims at one program an SM. H200 sweep of
-# 2026-12-01 (bench_mla, DeepSeek-V2-Lite sizes, ctx 8192): bs 8 best at 64/2/8 with 16 splits
-# (58.1 us eager) against the 32/2/4 policy's 33 splits (62.4); bs 32 at 64/2/8 with 4 splits
-# (142.7) against 9 (172.1). bs 1 kept 32/2/4 at 64 splits (62.1 against 74.7 for 64/2/8). In CUDA
-# graphs (bench_mla, same day) it took bs 32 from 197.8 to 145.0 us at ctx 8192 and from 784.8
-# to 523.8 at 32768, but bs 8 from 50.2 to 58.5 at 8192 (the eager sweep had counted the merge
-# kernel's launch): from 32 pairs on, then (bs 8 keeps the 32/2/4 tile with 33 splits + merge).
-# Its splits: floor(SMs / pairs), so that bs 8 gets the 16 it was best at (not 17), with the
-# merge folded up to 16 splits of 16 rows (512 KiB of partials read by the last program: folded,
-# bs 8 took 58.1 us at 16 splits against 72.7 with the merge kernel).
-WIDE_MIN_PAIRS = 32
-WIDE_TILE = dict(BLOCK_N=64, num_warps=8)
-WIDE_FOLD_MAX_BYTES = 512 << 10
+# Decode takes its own row-major tile (DECODE_TILE): c_kv as two column halves (SPLIT_C, so
+# that the QK product runs as independent MMA chains instead of one 36-deep one), 32 latent rows
+# an iteration in 3 stages (3 x 36 KB in flight) over 4 warps, at most DECODE_PROGRAMS_PER_SM
+# programs an SM (floor: no partial second wave), splits of >= DECODE_MIN_SPLIT_TOKENS, merge
+# folded up to DECODE_FOLD_MAX_BYTES of partials. H200 graph sweep (bench_mla --decode-only
+# --keys-major, 2026-12-03, results/2026-12-03/s15/mla_sweep.md, DeepSeek-V2-Lite sizes):
+# best at every swept point - bs 1 ctx 8192 19.2 us at 128 splits (keys-major policy 22.2);
+# bs 8 ctx 8192 42.6 at 33 splits + merge (the 32/2/4 policy 50.9; fold 72.6); bs 32 ctx 8192
+# 110.2 at 8 splits folded (the 64-row 8-warp tile's policy 145.2; unfolded 113.6); the same
+# tile without SPLIT_C 3-5% slower, at 2 stages 20-30% slower. It replaced the wide 64/2/8
+# tile (one program an SM) and keys-major decode at bs 1.
+DECODE_TILE = dict(BLOCK_N=32, num_warps=4, num_stages=3)
+DECODE_PROGRAMS_PER_SM = 2
+DECODE_MIN_SPLIT_TOKENS = 64   # 2 tiles of 32
+DECODE_MAX_SPLITS = 128
+DECODE_FOLD_MAX_BYTES = 256 << 10  # 16 rows x 512 columns fp32: folded up to 8 splits
+# where the shared memory a block may opt into is unknown or smaller than 3 stages of tiles
+# (+ q and the epilogue): 2 stages
+SMEM_MARGIN = 32 << 10
 KEYS_MAJOR_TILE = dict(BLOCK_N=64, num_warps=4)  # one warp group: 64 keys = one wgmma M tile
 # >= 32 rows (verify: 8 drafts x 16 heads): 32 rows a program over two warp groups (sm_90 compile
 # with Triton 3.6: 241 registers, no spills, 200 KB of shared memory; 64 rows do not fit)
@@ -64,9 +69,10 @@ KEYS_MAJOR_MANY_ROWS = dict(BLOCK_H=32, BLOCK_N=64, num_warps=8)
 # 0.57-0.84 of the row-major time at bs 8 and 32 (ctx 1024, 8192), 0.90 at bs 1 ctx 8192, but
 # 1.26 at bs 1 ctx 1024; extend 0.73-0.93 at bs 8 ctx 8192 and bs 32, but 1.18-1.51 below that;
 # decode 0.80-0.90 at bs 1 ctx >= 8192, 1.08 at bs 1 ctx 1024, 0.98-1.20 at bs 8 and 32 (one
-# program an SM, 168 KB of tiles: latency-bound, no second program to overlap with).
-KEYS_MAJOR_MIN_WORK = {DECODE: 8192, TREE: 8192, CAUSAL: 32768}
-KEYS_MAJOR_MAX_DECODE_BS = 1
+# program an SM, 168 KB of tiles: latency-bound, no second program to overlap with); decode
+# now takes DECODE_TILE everywhere (faster than keys-major at every swept point, above).
+KEYS_MAJOR_MIN_WORK = {TREE: 8192, CAUSAL: 32768}
+KEYS_MAJOR_FOLD_MAX_BYTES = 512 << 10  # one program an SM: folded up to 8 splits of 32 rows
 PARTIALS_MAX_BYTES = 64 << 20  # fp32 partials of a split causal extend
 
 
@@ -164,7 +170,7 @@ def _mla_kernel(
 
         m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)  # finite: all-masked rows stay 0
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        if SPLIT_C:  # c_kv as two column halves: q, tiles and accumulator (a benchmark knob)
+        if SPLIT_C:  # c_kv as two column halves: q, tiles and accumulator (DECODE_TILE)
             HALF: tl.constexpr = BLOCK_C // 2
             offs_lo = tl.arange(0, HALF)
             lo_ok = offs_lo < kv_lora_rank
@@ -337,19 +343,34 @@ def choose_keys_major(mode: int, bs: int, max_context: int, device: torch.device
     warp-group MMAs and the shared memory its 64-key tiles take (sm_90 and later)."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
         return False
-    if mode == DECODE and bs > KEYS_MAJOR_MAX_DECODE_BS:
+    if mode == DECODE:
         return False
     return bs * max_context >= KEYS_MAJOR_MIN_WORK[mode]
 
 
 def choose_mla_splits(bs: int, n_blocks: int, max_context: int, n_sm: int,
-                      wide: bool = False) -> int:
-    """Static split count from shapes only, bounded: ~PROGRAMS_PER_SM programs per SM, or with
-    the wide decode tile at most one an SM."""
+                      one_per_sm: bool = False, decode: bool = False) -> int:
+    """Static split count from shapes only, bounded: ~PROGRAMS_PER_SM programs per SM (verify,
+    extend), at most one an SM (`one_per_sm`: the keys-major tile), or with the decode tile at
+    most DECODE_PROGRAMS_PER_SM an SM with splits of >= DECODE_MIN_SPLIT_TOKENS."""
     pairs = max(1, bs * n_blocks)
-    want = max(1, n_sm // pairs) if wide else triton.cdiv(PROGRAMS_PER_SM * n_sm, pairs)
-    cap = max(1, max_context // MIN_SPLIT_TOKENS)
-    return max(1, min(want, cap, MAX_SPLITS))
+    if decode and not one_per_sm:
+        want = max(1, DECODE_PROGRAMS_PER_SM * n_sm // pairs)
+        cap = min(max_context // DECODE_MIN_SPLIT_TOKENS, DECODE_MAX_SPLITS)
+    else:
+        want = max(1, n_sm // pairs) if one_per_sm else triton.cdiv(PROGRAMS_PER_SM * n_sm, pairs)
+        cap = min(max_context // MIN_SPLIT_TOKENS, MAX_SPLITS)
+    return max(1, min(want, cap))
+
+
+def decode_stages(blocks: dict, device: torch.device) -> int:
+    """DECODE_TILE's 3 stages where 3 stages of bf16 tiles (+ SMEM_MARGIN) fit the shared memory
+    a block may opt into (sm_80: 163 KB, sm_90: 227 KB), else 2 (sm_86 / sm_89: 99 KB)."""
+    if device.type != "cuda":
+        return DECODE_TILE["num_stages"]  # the interpreter has no stages
+    optin = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
+    stage = blocks["BLOCK_N"] * (blocks["BLOCK_C"] + blocks["BLOCK_R"]) * 2
+    return DECODE_TILE["num_stages"] if 3 * stage + SMEM_MARGIN <= optin else 2
 
 
 def choose_mla_extend_splits(bs: int, n_tok: int, n_heads: int, block_h: int,
@@ -370,15 +391,20 @@ def plan_mla(n_tok: int, n_heads: int, width: int, bs: int, max_context: int,
              kv_lora_rank: int, mode: int, num_q: int, device: torch.device,
              num_splits: int | None = None, fold: bool | None = None,
              block_n: int | None = None, num_warps: int | None = None,
-             keys_major: bool | None = None, block_h: int | None = None) -> dict:
+             keys_major: bool | None = None, block_h: int | None = None,
+             num_stages: int | None = None, split_c: bool | None = None) -> dict:
     """What `mla_paged_attention` launches, from shapes only (knobs as there): keys_major (the
-    kernel), blocks (tile constexprs + num_warps), n_blocks (row blocks a request), num_splits
-    and fold (before the capture-time fallbacks of a causal extend)."""
+    kernel), blocks (tile constexprs, SPLIT_C for the row-major kernel, num_warps, num_stages),
+    n_blocks (row blocks a request), num_splits and fold (before the capture-time fallbacks of
+    a causal extend). A tile knob (block_n, num_warps, block_h) starts from the row-major
+    kernel's base tile (`mla_blocks`, 2 stages, no SPLIT_C), not from DECODE_TILE."""
     rows = n_heads * (num_q if mode != CAUSAL else 2)
+    tile_knob = block_n is not None or num_warps is not None or block_h is not None
     if keys_major is None:
-        keys_major = (block_n is None and num_warps is None and block_h is None
-                      and choose_keys_major(mode, bs, max_context, device))
-    blocks = mla_blocks(kv_lora_rank, width - kv_lora_rank, rows)
+        keys_major = not tile_knob and choose_keys_major(mode, bs, max_context, device)
+    blocks = dict(mla_blocks(kv_lora_rank, width - kv_lora_rank, rows), num_stages=2)
+    if not keys_major:
+        blocks["SPLIT_C"] = False
     if keys_major:
         blocks.update(KEYS_MAJOR_TILE if rows < 32 else KEYS_MAJOR_MANY_ROWS)
     if block_h is not None:
@@ -386,27 +412,35 @@ def plan_mla(n_tok: int, n_heads: int, width: int, bs: int, max_context: int,
     block_h = blocks["BLOCK_H"]
     # CAUSAL: enough row blocks for the longest possible request (all n_tok tokens)
     n_blocks = triton.cdiv((num_q if mode != CAUSAL else n_tok) * n_heads, block_h)
-    wide = (not keys_major and mode == DECODE and block_n is None and num_warps is None
-            and bs * n_blocks >= WIDE_MIN_PAIRS)
-    if wide:
-        blocks.update(WIDE_TILE)
-    one_per_sm = wide or keys_major  # splits and the folded merge's bound follow from it
+    decode_tile = not keys_major and mode == DECODE and not tile_knob
+    if decode_tile:
+        blocks.update(DECODE_TILE, SPLIT_C=blocks["BLOCK_C"] >= 32)
+        blocks["num_stages"] = decode_stages(blocks, device)
     if block_n is not None:
         blocks["BLOCK_N"] = block_n
     if num_warps is not None:
         blocks["num_warps"] = num_warps
+    if num_stages is not None:
+        blocks["num_stages"] = num_stages
+    if split_c is not None:
+        if split_c and (keys_major or blocks["BLOCK_C"] < 32):
+            raise ValueError("split_c needs the row-major kernel and a latent of >= 17 columns")
+        if not keys_major:
+            blocks["SPLIT_C"] = split_c
     if num_splits is None and mode == CAUSAL:
         num_splits = choose_mla_extend_splits(bs, n_tok, n_heads, block_h, max_context,
                                               kv_lora_rank, width, sm_count(device))
     elif num_splits is None:
-        num_splits = choose_mla_splits(bs, n_blocks, max_context, sm_count(device), one_per_sm)
+        num_splits = choose_mla_splits(bs, n_blocks, max_context, sm_count(device), keys_major,
+                                       decode_tile)
     if not 1 <= num_splits <= 4 * MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1 .. {4 * MAX_SPLITS}; got {num_splits}")
     if mode == CAUSAL:  # a causal block's splits depend on its range: only the folded merge
         fold = True
     elif fold is None:
-        fold = should_fold(num_splits, min(block_h, rows), kv_lora_rank,
-                           WIDE_FOLD_MAX_BYTES if one_per_sm else None)
+        limit = (DECODE_FOLD_MAX_BYTES if decode_tile
+                 else KEYS_MAJOR_FOLD_MAX_BYTES if keys_major else None)
+        fold = should_fold(num_splits, min(block_h, rows), kv_lora_rank, limit)
     return dict(keys_major=keys_major, blocks=blocks, n_blocks=n_blocks, num_splits=num_splits,
                 fold=fold and num_splits > 1)
 
@@ -415,23 +449,25 @@ def mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, 
                         kv_lora_rank: int, sm_scale: float, mode: int, num_q: int = 1,
                         tree_mask=None, qo_indptr=None, num_splits: int | None = None,
                         fold: bool | None = None, block_n: int | None = None,
-                        num_warps: int | None = None, num_stages: int = 2,
+                        num_warps: int | None = None, num_stages: int | None = None,
                         slots_ahead: int = 1, keys_major: bool | None = None,
-                        block_h: int | None = None, split_c: bool = False):
+                        block_h: int | None = None, split_c: bool | None = None):
     """Launch the MLA kernel: q_latent [n, H, r + rope] -> o_latent [n, H, r] (callers check
     shapes). DECODE / TREE: n = bs * num_q, request-major; CAUSAL: packed by qo_indptr, padding
     tokens give 0. block_n / block_h / num_warps / num_stages / fold / slots_ahead / keys_major:
     benchmark knobs (slots_ahead: a tile's slot indices are loaded one tile ahead (1) or in the
     loop (0); keys_major: `_mla_keys_major_kernel`, None = `choose_keys_major` unless a tile knob
     is given; split_c: the row-major kernel with c_kv as two column halves, so that its QK
-    product runs as independent MMA chains); `plan_mla` decides the rest from shapes."""
+    product runs as independent MMA chains, DECODE_TILE's choice); `plan_mla` decides the rest
+    from shapes."""
     check_kernel_dtypes(q_latent, latent_cache, latent_cache)
     if slots_ahead not in (0, 1):
         raise ValueError(f"slots_ahead must be 0 or 1; got {slots_ahead}")
     n_tok, n_heads, width = q_latent.shape
     bs = req_pool_indices.shape[0]
     plan = plan_mla(n_tok, n_heads, width, bs, req_to_token.shape[1], kv_lora_rank, mode, num_q,
-                    q_latent.device, num_splits, fold, block_n, num_warps, keys_major, block_h)
+                    q_latent.device, num_splits, fold, block_n, num_warps, keys_major, block_h,
+                    num_stages, split_c)
     keys_major, blocks, n_blocks = plan["keys_major"], plan["blocks"], plan["n_blocks"]
     num_splits, fold, block_h = plan["num_splits"], plan["fold"], blocks["BLOCK_H"]
     alloc = torch.zeros if mode == CAUSAL else torch.empty  # CAUSAL: padding tokens stay 0
@@ -449,10 +485,7 @@ def mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, 
     req_pool_indices, seq_lens = req_pool_indices.contiguous(), seq_lens.contiguous()
     tree = tree_mask.contiguous().view(torch.uint8) if tree_mask is not None else req_pool_indices
     indptr = qo_indptr.contiguous() if qo_indptr is not None else req_pool_indices
-    if split_c and (keys_major or blocks["BLOCK_C"] < 32):
-        raise ValueError("split_c needs the row-major kernel and a latent of >= 17 columns")
     kernel = _mla_keys_major_kernel if keys_major else _mla_kernel
-    extra = {} if keys_major else dict(SPLIT_C=split_c)
     kernel[(n_blocks, bs, num_splits)](
         q_latent, latent_cache, req_to_token, req_pool_indices, seq_lens, indptr, tree, o,
         mid_o, mid_lse, counters, sm_scale,
@@ -461,9 +494,8 @@ def mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, 
         mid_lse.stride(0), mid_lse.stride(1),
         n_heads, kv_lora_rank, width - kv_lora_rank, num_splits, int(fold),
         NUM_Q=num_q if mode != CAUSAL else 1, MODE=mode, UPCAST=upcast_dots(q_latent.dtype),
-        num_stages=num_stages,
         MERGE_UNROLL=merge_unroll(block_h, blocks["BLOCK_C"], blocks["num_warps"]),
-        SLOTS_AHEAD=slots_ahead, **extra, **blocks,
+        SLOTS_AHEAD=slots_ahead, **blocks,
     )
     if num_splits > 1 and not fold:
         launch_merge(mid_o, mid_lse, seq_lens, o, num_q, num_splits, blocks["BLOCK_N"])
