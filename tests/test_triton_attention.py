@@ -142,8 +142,8 @@ def test_decode_auto_on_cpu_is_the_reference():
 
 
 def test_choose_num_splits_uses_shapes_only():
-    # splits >= 128 tokens of the cache width; decode: the largest power of two <= 4 programs
-    # an SM (132 SMs: 528 programs), <= 64 splits
+    # splits >= 128 tokens of the cache width (decode: >= 64 while <= 8 splits, folded); decode:
+    # the largest power of two <= 4 programs an SM (132 SMs: 528 programs), <= 64 splits
     assert choose_num_splits(1, 8, 4096, 132) == 32          # capped by the width
     assert choose_num_splits(1, 8, 32768, 132) == 64         # capped by DECODE_MAX_SPLITS
     assert choose_num_splits(8, 8, 4096, 132) == 8
@@ -153,7 +153,11 @@ def test_choose_num_splits_uses_shapes_only():
     assert choose_num_splits(128, 8, 512, 132) == 1
     assert choose_num_splits(128, 8, 32768, 132) == 1
     assert choose_num_splits(1024, 8, 32768, 132) == 1
-    assert choose_num_splits(1, 8, 512, 132) == 4
+    assert choose_num_splits(1, 8, 512, 132) == 8            # 64-token splits while folded
+    assert choose_num_splits(8, 8, 512, 132) == 8
+    assert choose_num_splits(1, 8, 1024, 132) == 8           # 128 tokens give 8 already
+    assert choose_num_splits(1, 8, 2048, 132) == 16          # 128 tokens: beyond the fold
+    assert choose_num_splits(1, 8, 256, 132) == 4            # 64-token splits
     assert choose_num_splits(1, 8, 100, 132) == 1
     assert choose_num_splits(3, 2, 32768, 100) == 64         # 400 // 6 = 66 -> 64
     for bs in range(1, 300):

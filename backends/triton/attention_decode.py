@@ -59,12 +59,18 @@ from .kv import resolve_impl
 #   (32 folded: 19.9); bs 1 ctx 32768: 64 + merge 51.0 (128 + merge: 54.8); bs 32 and 128
 #   unchanged (2 folded, 1: the best measured). Folding costs the last program a serial pass
 #   over every split: slower from 16 splits on at bs 1, faster at <= 8.
+#   Short contexts (bench_attention --in-graph 20, 2026-12-03 s15b, sweep at ctx 512): where
+#   128-token splits leave fewer than DECODE_FOLD_MAX_SPLITS, decode splits go down to
+#   DECODE_MIN_SPLIT_TOKENS (one tile of 64) while they stay folded: bs 1 ctx 512 8 splits
+#   folded 11.4 us against the 4 of 128 tokens' 12.9 (SDPA 11.7); bs 8 ctx 512 8 folded 16.5
+#   against 16.4 (unchanged within noise). Longer contexts keep 128 tokens a split.
 #   Tree verify (k query rows a request) keeps PROGRAMS_PER_SM: it was not swept.
 PROGRAMS_PER_SM = 16
 DECODE_PROGRAMS_PER_SM = 4
 DECODE_MAX_SPLITS = 64
 DECODE_FOLD_MAX_SPLITS = 8
 MIN_SPLIT_TOKENS = 128
+DECODE_MIN_SPLIT_TOKENS = 64
 MAX_SPLITS = 128
 CPU_SM_COUNT = 4  # under the interpreter: few programs keep tests fast
 
@@ -226,10 +232,13 @@ def choose_num_splits(bs: int, n_kv_heads: int, max_context: int, n_sm: int,
                       num_q: int = 1) -> int:
     """Static split count from shapes only, bounded by MIN_SPLIT_TOKENS of the cache width:
     decode (num_q 1) the largest power of two <= DECODE_PROGRAMS_PER_SM programs an SM, at most
-    DECODE_MAX_SPLITS; tree verify (num_q > 1) ~PROGRAMS_PER_SM an SM, at most MAX_SPLITS."""
+    DECODE_MAX_SPLITS, with splits down to DECODE_MIN_SPLIT_TOKENS while that keeps them folded
+    (<= DECODE_FOLD_MAX_SPLITS); tree verify (num_q > 1) ~PROGRAMS_PER_SM an SM, at most
+    MAX_SPLITS."""
     pairs = max(1, bs * n_kv_heads)
     cap = max(1, max_context // MIN_SPLIT_TOKENS)
     if num_q == 1:
+        cap = max(cap, min(max_context // DECODE_MIN_SPLIT_TOKENS, DECODE_FOLD_MAX_SPLITS))
         want = max(1, DECODE_PROGRAMS_PER_SM * n_sm // pairs)
         want = 1 << (want.bit_length() - 1)
         return max(1, min(want, cap, DECODE_MAX_SPLITS))
