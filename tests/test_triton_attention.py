@@ -402,3 +402,36 @@ def test_tree_verify_bf16():
                                 impl="triton")
     ref = tree_verify_attention_reference(q, k_cache, v_cache, r2t, rows, lens, mask)
     assert_close(out, ref, torch.bfloat16)
+
+
+def test_extend_tiles_bound_every_split_of_the_tokens():
+    # the grid's row tiles cover sum_r cdiv(n_r * group, block_m) for any n_r summing to <= n_tok
+    from padgraph.backends.triton.attention_extend import extend_tiles
+    gen = torch.Generator().manual_seed(0)
+    for bs, n_tok, group, block_m in [(1, 6, 4, 64), (32, 192, 4, 64), (5, 7, 1, 16),
+                                      (64, 64, 8, 64), (3, 300, 2, 32)]:
+        bound = extend_tiles(bs, n_tok, group, block_m)
+        assert bound <= bs * -(-n_tok * group // block_m)
+        for _ in range(50):
+            cuts = torch.randint(0, n_tok + 1, (bs - 1,), generator=gen).sort().values.tolist()
+            n = [b - a for a, b in zip([0] + cuts, cuts + [n_tok])]
+            assert sum(-(-m * group // block_m) for m in n) <= bound, (bs, n_tok, n)
+    assert extend_tiles(32, 192, 4, 64) == 44  # was 32 requests x 12 tiles = 384
+
+
+@pytest.mark.parametrize("owner_block", [2, 64])  # 2: the prefix sum in several chunks
+def test_extend_packed_tiles_match_reference(monkeypatch, owner_block):
+    # many requests, most with a few tokens, some with none, one spanning several row tiles:
+    # every (request, row tile) is found by the device-side prefix sum
+    from padgraph.backends.triton import attention_extend
+    monkeypatch.setattr(attention_extend, "TILE_OWNER_BLOCK", owner_block)
+    reqs = [(20, 3), (PAD, 0), (5, 5), (33, 1), (12, 0), (70, 40), (8, 2), (PAD, 0), (3, 3)]
+    args = extend_case(32, group=4, reqs=reqs, poison=True)
+    q, k_cache, v_cache, r2t, rows, seq_lens, qo_indptr = args
+    ref = extend_attention_reference(q, unpoisoned(k_cache), unpoisoned(v_cache), r2t, rows,
+                                     seq_lens, qo_indptr)
+    for num_splits in (None, 2):
+        out = extend_attention(*args, impl="triton", num_splits=num_splits)
+        assert torch.isfinite(out).all()
+        assert_close(out, ref, torch.float32)
+    assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())

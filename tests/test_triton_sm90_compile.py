@@ -41,11 +41,16 @@ SCRIPT = textwrap.dedent('''
         for ahead, split_c in ((1, False), (0, False), (1, True)):  # slots in the loop; halves
             build(am._mla_kernel, mla, dict(NUM_Q=nq, MODE=mode, UPCAST=False, BLOCK_H=16,
                   BLOCK_N=32, BLOCK_C=512, BLOCK_R=64, MERGE_UNROLL=2, SLOTS_AHEAD=ahead,
-                  SPLIT_C=split_c))
+                  SPLIT_C=split_c, BLOCK_B=64))
         # the keys-major kernel: Hopper warp-group MMAs (16 rows at decode, 32 over 8 warps)
         build(am._mla_keys_major_kernel, mla, dict(NUM_Q=nq, MODE=mode, UPCAST=False,
               BLOCK_H=16 if mode == 0 else 32, BLOCK_N=64, BLOCK_C=512, BLOCK_R=64,
-              MERGE_UNROLL=1, SLOTS_AHEAD=1), num_warps=4 if mode == 0 else 8)
+              MERGE_UNROLL=1, SLOTS_AHEAD=1, BLOCK_B=64), num_warps=4 if mode == 0 else 8)
+    # extend: packed row tiles found by a prefix sum over qo_indptr (attention_extend.tile_owner)
+    from padgraph.backends.triton import attention_extend as ae
+    ext = dict(dec, QoIndptr="*i32")
+    build(ae._extend_kernel, ext, dict(GROUP=4, UPCAST=False, BLOCK_M=64, BLOCK_N=64,
+          BLOCK_D=128, BLOCK_DV=128, MERGE_UNROLL=2, BLOCK_B=64), num_warps=8)
     from padgraph.backends.triton import gemv as gv
     for split_k, pdl in ((1, False), (4, False), (1, True)):   # PDL: griddepcontrol on sm_90
         build(gv._gemv_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
@@ -77,7 +82,7 @@ def run_compiler(args, tmp_path) -> str:
 
 def test_changed_kernels_compile_for_sm90(tmp_path):
     out = run_compiler(["-c", SCRIPT], tmp_path)
-    assert out.count("compiled") == 18, out
+    assert out.count("compiled") == 19, out
 
 
 def test_sm90_regs_reports_the_mla_kernels_resources(tmp_path):

@@ -4,11 +4,15 @@ New tokens are packed along one token axis: request r owns `q[qo_indptr[r]:qo_in
 with n_r of them they sit at positions `seq_lens[r]-n_r .. seq_lens[r]-1` (already stored) and
 each attends to positions `0 .. its own`. Tokens at index >= qo_indptr[bs] are padding (output 0).
 
-Grid (bs, cdiv(n_tok * GROUP, BLOCK_M), n_kv_heads * S) is fixed by the shapes. Program
-(r, m, kv_head, s) holds BLOCK_M rows = (new token, q head of kv_head's group) pairs of request
-r, so a K/V tile is read once for the whole GQA group; it reads r's token count from qo_indptr
-on the device and exits at once when tile m is past it, so no host planning from values is
-needed and cost follows real lengths. Each tile reads positions up to its last token's; short
+Grid (n_tiles, n_kv_heads * S) is fixed by the shapes: n_tiles bounds the row tiles of all
+requests together, sum_r cdiv(n_r * GROUP, BLOCK_M) <= cdiv(n_tok * GROUP + bs * (BLOCK_M - 1),
+BLOCK_M) (`extend_tiles`). Program (t, kv_head, s) finds on the device which request's row tile
+t is (a prefix sum of the requests' tile counts from qo_indptr, `tile_owner`) and holds its
+BLOCK_M rows = (new token, q head of kv_head's group) pairs, so a K/V tile is read once for the
+whole GQA group; tiles past the last request's exit at once. No host planning from values, and
+cost follows real lengths: the grid grows as bs + n_tok, where one program per (request, tile
+any request could need) grew as bs * n_tok (H200, 2026-12-03: 12288 programs of which 1024
+worked at bs 32 x 6 tokens, 0.89x SDPA-with-mask). Each tile reads positions up to its last token's; short
 extends (draft-extend: a few tokens per request) split that range over S programs like decode
 and merge in the same launch (`attention_split.py`); long ones use S = 1.
 """
@@ -27,6 +31,7 @@ from .attention_split import (aligned, finish_split, merge_unroll, partials, sho
 from .kv import resolve_impl
 
 PARTIALS_MAX_BYTES = 64 << 20  # fp32 partials of a split extend
+TILE_OWNER_BLOCK = 64  # requests a step of `tile_owner`'s prefix sum reads
 
 
 def extend_attention_reference(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
@@ -46,25 +51,50 @@ def extend_attention_reference(q, k_cache, v_cache, req_to_token, req_pool_indic
     return o
 
 
+@triton.jit
+def tile_owner(QoIndptr, bs, t, GROUP, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr):
+    """(request r, its row tile) of packed tile t: request r owns tiles [sum_{b<r} T_b,
+    sum_{b<=r} T_b) with T_b = cdiv(n_b * GROUP, BLOCK_M) its new tokens' row tiles (GROUP: rows
+    a token, q heads of a kv head or MLA's heads). Reads
+    qo_indptr BLOCK_B requests at a time; r = bs when t is past every request's tiles."""
+    r = tl.full([], 0, tl.int32)       # requests whose tiles all come before t
+    before = tl.full([], 0, tl.int32)  # their tiles
+    base = tl.full([], 0, tl.int32)    # tiles of the requests of earlier chunks
+    for b0 in range(0, bs, BLOCK_B):
+        offs_b = b0 + tl.arange(0, BLOCK_B)
+        ok = offs_b < bs
+        lo = tl.load(QoIndptr + offs_b, mask=ok, other=0).to(tl.int32)
+        hi = tl.load(QoIndptr + offs_b + 1, mask=ok, other=0).to(tl.int32)
+        n_t = tl.where(ok, tl.cdiv(tl.maximum(hi - lo, 0) * GROUP, BLOCK_M), 0)
+        done = ok & (base + tl.cumsum(n_t, 0) <= t)
+        r += tl.sum(done.to(tl.int32))
+        before += tl.sum(tl.where(done, n_t, 0))
+        base += tl.sum(n_t)
+    return r, t - before
+
+
 @triton.jit(do_not_specialize=["stride_mo_t", "stride_mo_h", "stride_mo_s", "stride_ml_t",
-                               "stride_ml_h", "num_splits"])
+                               "stride_ml_h", "num_splits", "bs"])
 def _extend_kernel(
     Q, K, V, Out, ReqToToken, ReqPoolIdx, SeqLens, QoIndptr, MidO, MidLse, Counters, sm_scale,
     stride_q_t, stride_q_h, stride_k_s, stride_k_h, stride_v_s, stride_v_h, stride_rt,
     stride_o_t, stride_o_h, stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
-    head_dim, v_head_dim, num_splits,
+    head_dim, v_head_dim, num_splits, bs,
     GROUP: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    MERGE_UNROLL: tl.constexpr,
+    MERGE_UNROLL: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
-    # program (r, tile, kv_head * S + split): rows m = (new token m // GROUP, head m % GROUP of
-    # kv_head's group) of request r, against one split of the positions the tile's rows see
+    # program (t, kv_head * S + split): t is row tile `tile` of request r (`tile_owner`); rows
+    # m = (new token m // GROUP, head m % GROUP of kv_head's group) of request r, against one
+    # split of the positions the tile's rows see
     stride_mo_t, stride_mo_h, stride_mo_s = (aligned(stride_mo_t), aligned(stride_mo_h),
                                              aligned(stride_mo_s))  # padded partials
-    r = tl.program_id(0)
-    tile = tl.program_id(1)
-    kvh = tl.program_id(2) // num_splits
-    split = tl.program_id(2) % num_splits
+    t_glob = tl.program_id(0)
+    kvh = tl.program_id(1) // num_splits
+    split = tl.program_id(1) % num_splits
+    r, tile = tile_owner(QoIndptr, bs, t_glob, GROUP, BLOCK_M, BLOCK_B)
+    live = r < bs  # else t is past the last request's tiles
+    r = tl.minimum(r, bs - 1)
     q_start = tl.load(QoIndptr + r)
     n_new = tl.load(QoIndptr + r + 1) - q_start
     n_rows = n_new * GROUP
@@ -75,7 +105,7 @@ def _extend_kernel(
     n_used = tl.cdiv(kv_end, share)  # the same for every split of this tile
     start = split * share
     end = tl.minimum(start + share, kv_end)
-    if (tile * BLOCK_M < n_rows) & (start < end):  # tiles past r's new tokens exit at once
+    if live & (tile * BLOCK_M < n_rows) & (start < end):  # spare tiles exit at once
         row = tl.load(ReqPoolIdx + r).to(tl.int64)
         offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = offs_m < n_rows
@@ -118,14 +148,20 @@ def _extend_kernel(
 
         # more than one split: always folded (a tile's splits depend on its causal range)
         finish_split(acc, m_i, l_i, split, n_used, 1,
-                     Counters + (r * tl.num_programs(1) + tile) * (tl.num_programs(2)
-                                                                  // num_splits) + kvh,
+                     Counters + t_glob * (tl.num_programs(1) // num_splits) + kvh,
                      Out + t[:, None] * stride_o_t + qh[:, None] * stride_o_h
                      + offs_dv[None, :],
                      MidO + t[:, None] * stride_mo_t + qh[:, None] * stride_mo_h
                      + offs_dv[None, :],
                      MidLse + t * stride_ml_t + qh * stride_ml_h,
                      stride_mo_s, 1, m_ok, dv_ok, MERGE_UNROLL)
+
+
+def extend_tiles(bs: int, n_tok: int, group: int, block_m: int) -> int:
+    """Row tiles of the grid, from shapes only: enough for any split of n_tok new tokens over bs
+    requests (each request's last tile may be partial), and never more than bs tiles of n_tok."""
+    return max(1, min(bs * triton.cdiv(n_tok * group, block_m),
+                      triton.cdiv(n_tok * group + bs * (block_m - 1), block_m)))
 
 
 def extend_blocks(head_dim: int, v_head_dim: int) -> dict:
@@ -177,11 +213,11 @@ def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
     blocks = extend_blocks(head_dim, v_head_dim)
     if n_tok == 0 or bs == 0:
         return o
-    n_tiles = triton.cdiv(n_tok * group, blocks["BLOCK_M"])  # enough for one request with all
+    n_tiles = extend_tiles(bs, n_tok, group, blocks["BLOCK_M"])
     if num_splits is None:
         num_splits = choose_extend_splits(bs, n_tok, n_kv_heads, group, req_to_token.shape[1],
                                           v_head_dim, sm_count(q.device), blocks["BLOCK_M"])
-    counters, ready = tickets(q.device, bs * n_tiles * n_kv_heads if num_splits > 1 else 0,
+    counters, ready = tickets(q.device, n_tiles * n_kv_heads if num_splits > 1 else 0,
                               num_splits > 1)
     if not ready:  # no zeroed counters (first call inside a capture): no split
         num_splits = 1
@@ -189,7 +225,7 @@ def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
         mid_o, mid_lse = partials(n_tok, n_q_heads, num_splits, v_head_dim, q.device)
     else:
         mid_o, mid_lse = partials(1, 1, 1, 1, q.device)
-    grid = (bs, n_tiles, n_kv_heads * num_splits)
+    grid = (n_tiles, n_kv_heads * num_splits)
     # the kernel indexes 1-d metadata with unit stride (a no-op for dense tensors)
     req_pool_indices, seq_lens = req_pool_indices.contiguous(), seq_lens.contiguous()
     qo_indptr = qo_indptr.contiguous()
@@ -199,8 +235,8 @@ def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0), o.stride(0), o.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        head_dim, v_head_dim, num_splits,
-        GROUP=group, UPCAST=upcast_dots(q.dtype), num_stages=2,
+        head_dim, v_head_dim, num_splits, bs,
+        GROUP=group, UPCAST=upcast_dots(q.dtype), num_stages=2, BLOCK_B=TILE_OWNER_BLOCK,
         MERGE_UNROLL=merge_unroll(blocks["BLOCK_M"], blocks["BLOCK_DV"], blocks["num_warps"]),
         **blocks,
     )
