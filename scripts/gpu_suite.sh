@@ -21,7 +21,7 @@
 #                             [ncu: Nsight Compute reports (details + SASS stall samples) of the MLA and GQA decode kernels and SDPA's (ncu_*.log, ncu_*_sass.csv); NCU_CASES="name|regex|args;..." overrides the cases]
 #                             [tests-attention: the MLA, attention and DeepSeek GPU tests as three processes at once]
 #                             [bench-attention-decode: decode only, also timed as calls inside a graph of 20 (attention.{md,json})]
-#                             [tests-parallel: the cuda tests as five pytest processes and the cuda conformance suite, at once]
+#                             [tests-parallel: the cuda tests as six pytest processes and the cuda conformance suite, at once]
 #                             [bench-mla-sweep: MLA decode, both kernels side by side, and the graph-timed tile / split sweep incl. keys-major and split-c tiles (mla.{md,json})]
 #                             [bench-kernels: #12's benchmarks in full - bench_mla --keys-major (decode, verify, extend, both MLA kernels, sweep) and bench_attention --in-graph 20 (decode, verify, extend, sweep, cold capture)]
 #                             [bench-attention-sweep: decode (also inside a graph of 20) and the graph-timed tile / split sweep; no verify / extend, no cold capture (attention.{md,json})]
@@ -56,17 +56,18 @@ rc=0
 run() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS
   timeout "$LIMIT" "$@" 2>&1 | tee "$OUT/$name.log"; local r=${PIPESTATUS[0]}
   echo "=== $name: exit $r in $((SECONDS - t0)) s"; [ "$r" = 0 ] || rc=1; }
-if want tests-parallel; then  # the cuda tests and the cuda conformance suite as six processes at once on the one GPU
+if want tests-parallel; then  # the cuda tests and the cuda conformance suite as seven processes at once on the one GPU
   echo "=== tests-parallel"; t0=$SECONDS
   P="python3 -m pytest -m cuda -q -p no:cacheprovider --timeout=400 -o addopts= --durations=5"
   timeout "$LIMIT" $P tests/test_cuda_deepseek.py -k "lite and whole" >"$OUT/pytest_cuda_lite.log" 2>&1 & p1=$!
   timeout "$LIMIT" $P tests/test_cuda_deepseek.py -k "not (lite and whole)" >"$OUT/pytest_cuda_deepseek.log" 2>&1 & p2=$!
-  timeout "$LIMIT" $P tests/test_cuda_eagle.py tests/test_prefill_runner.py >"$OUT/pytest_cuda_eagle_a.log" 2>&1 & p3=$!
+  timeout "$LIMIT" $P tests/test_cuda_eagle.py >"$OUT/pytest_cuda_eagle_a.log" 2>&1 & p3=$!
+  timeout "$LIMIT" $P tests/test_prefill_runner.py >"$OUT/pytest_cuda_prefill.log" 2>&1 & p7=$!
   timeout "$LIMIT" $P tests/test_spec_overlap.py tests/test_compiled_body.py >"$OUT/pytest_cuda_eagle_b.log" 2>&1 & p4=$!
   timeout "$LIMIT" $P tests/test_cuda_attention.py tests/test_cuda_mla.py tests/test_cuda_backend.py tests/test_cuda_contract.py tests/test_cuda_topk.py tests/test_tp.py tests/test_triton_seq_len_zero.py >"$OUT/pytest_cuda_kernels.log" 2>&1 & p5=$!
   timeout "$LIMIT" python3 -m padgraph.spec --backend cuda -q >"$OUT/spec_cuda.log" 2>&1 & p6=$!
-  for p in $p1 $p2 $p3 $p4 $p5 $p6; do wait $p || rc=1; done
-  for f in pytest_cuda_lite pytest_cuda_deepseek pytest_cuda_eagle_a pytest_cuda_eagle_b pytest_cuda_kernels spec_cuda; do echo "$f: $(tail -1 "$OUT/$f.log")"; done
+  for p in $p1 $p2 $p3 $p4 $p5 $p6 $p7; do wait $p || rc=1; done
+  for f in pytest_cuda_lite pytest_cuda_deepseek pytest_cuda_eagle_a pytest_cuda_prefill pytest_cuda_eagle_b pytest_cuda_kernels spec_cuda; do echo "$f: $(tail -1 "$OUT/$f.log")"; done
   echo "=== tests-parallel: $((SECONDS - t0)) s"
 fi
 if want ncu; then  # hardware counters of single kernel launches (scripts/ncu_kernels.py runs the case)
