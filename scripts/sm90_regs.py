@@ -45,7 +45,7 @@ KERNELS = dict(rows=_mla_kernel, keys=_mla_keys_major_kernel)
 def compile_mla(warps=4, stages=2, kernel="rows", **cx):
     kernel = KERNELS[kernel]
     const = dict(NUM_Q=1, MODE=0, UPCAST=False, BLOCK_H=16, BLOCK_N=32, BLOCK_C=512,
-                 BLOCK_R=64, SLOTS_AHEAD=1, BLOCK_B=64)
+                 BLOCK_R=64, SLOTS_AHEAD=1)
     if kernel is _mla_kernel:
         const["SPLIT_C"] = False  # the JIT's default; a config may set it
     const.update(cx)

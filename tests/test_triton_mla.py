@@ -442,24 +442,3 @@ def test_kernel_forms_give_the_same_outputs(mode):
     for o in outs[1:]:
         torch.testing.assert_close(o[real], outs[0][real], rtol=1e-5, atol=1e-5)
 
-
-@pytest.mark.parametrize("owner_block", [2, 64])  # 2: the prefix sum in several chunks
-def test_extend_packed_row_blocks(monkeypatch, owner_block):
-    # CAUSAL's grid packs the requests' row blocks one after another; each program finds its
-    # (request, row block) on the device: requests with none, one and several row blocks
-    from padgraph.backends.triton import attention_mla_decode as am
-    monkeypatch.setattr(am, "TILE_OWNER_BLOCK", owner_block)
-    reqs = [(20, 3), (PAD, 0), (5, 5), (12, 0), (50, 30), (8, 2), (PAD, 0), (3, 3)]
-    case = MLACase([n for n, _ in reqs], 48, 16, poison=True)
-    qo_indptr = torch.zeros(len(reqs) + 1, dtype=torch.int32)
-    qo_indptr[1:] = torch.cumsum(torch.tensor([m for _, m in reqs]), 0)
-    q_nope, q_rope, q_latent = case.queries(int(qo_indptr[-1]) + N_PAD_TOKENS)
-    ref = case.reference(q_nope, q_rope, qo_indptr=qo_indptr)
-    for kw in (dict(num_splits=1), dict(num_splits=3, block_n=16),
-               dict(num_splits=2, keys_major=True)):
-        o_latent = mla_paged_attention(q_latent, *case.paged(), 48, case.sm_scale, CAUSAL,
-                                       qo_indptr=qo_indptr, **kw)
-        assert torch.isfinite(o_latent).all()
-        assert o_latent[-N_PAD_TOKENS:].abs().sum() == 0
-        assert_close(case.output(o_latent), ref)
-    assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())

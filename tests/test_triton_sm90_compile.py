@@ -41,11 +41,11 @@ SCRIPT = textwrap.dedent('''
         for ahead, split_c in ((1, False), (0, False), (1, True)):  # slots in the loop; halves
             build(am._mla_kernel, mla, dict(NUM_Q=nq, MODE=mode, UPCAST=False, BLOCK_H=16,
                   BLOCK_N=32, BLOCK_C=512, BLOCK_R=64, MERGE_UNROLL=2, SLOTS_AHEAD=ahead,
-                  SPLIT_C=split_c, BLOCK_B=64))
+                  SPLIT_C=split_c))
         # the keys-major kernel: Hopper warp-group MMAs (16 rows at decode, 32 over 8 warps)
         build(am._mla_keys_major_kernel, mla, dict(NUM_Q=nq, MODE=mode, UPCAST=False,
               BLOCK_H=16 if mode == 0 else 32, BLOCK_N=64, BLOCK_C=512, BLOCK_R=64,
-              MERGE_UNROLL=1, SLOTS_AHEAD=1, BLOCK_B=64), num_warps=4 if mode == 0 else 8)
+              MERGE_UNROLL=1, SLOTS_AHEAD=1), num_warps=4 if mode == 0 else 8)
     # extend: packed row tiles found by a prefix sum over qo_indptr (attention_extend.tile_owner)
     from padgraph.backends.triton import attention_extend as ae
     ext = dict(dec, QoIndptr="*i32")

@@ -55,7 +55,7 @@ def extend_attention_reference(q, k_cache, v_cache, req_to_token, req_pool_indic
 def tile_owner(QoIndptr, bs, t, GROUP, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr):
     """(request r, its row tile) of packed tile t: request r owns tiles [sum_{b<r} T_b,
     sum_{b<=r} T_b) with T_b = cdiv(n_b * GROUP, BLOCK_M) its new tokens' row tiles (GROUP: rows
-    a token, q heads of a kv head or MLA's heads). Reads
+    a token: the q heads of a kv head). Reads
     qo_indptr BLOCK_B requests at a time; r = bs when t is past every request's tiles."""
     r = tl.full([], 0, tl.int32)       # requests whose tiles all come before t
     before = tl.full([], 0, tl.int32)  # their tiles

@@ -29,7 +29,6 @@ import triton
 import triton.language as tl
 
 from .attention_decode import check_kernel_dtypes, mma, sm_count, upcast_dots
-from .attention_extend import TILE_OWNER_BLOCK, extend_tiles, tile_owner
 from .attention_split import (aligned, finish_split, launch_merge, merge_unroll, partials,
                               should_fold, split_len, tickets, tile_slots)
 
@@ -127,13 +126,13 @@ def _mla_queries(Q, blk, seq_len, q_start, n_q, n_rows, n_heads, kv_lora_rank, r
 
 
 @triton.jit
-def _mla_finish(acc, m_i, l_i, ticket, split, n_used, fold, Counters, Out, MidO, MidLse,
+def _mla_finish(acc, m_i, l_i, r, blk, split, n_used, fold, Counters, Out, MidO, MidLse,
                 q_row, qh, offs_c, m_ok, c_ok, stride_o_t, stride_o_h, stride_mo_t,
                 stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
                 MERGE_UNROLL: tl.constexpr):
     """acc [BLOCK_H, BLOCK_C]: this split's output or partial (attention_split.finish_split)."""
     finish_split(acc, m_i, l_i, split, tl.maximum(n_used, 1), fold,
-                 Counters + ticket,
+                 Counters + r * tl.num_programs(0) + blk,
                  Out + q_row[:, None] * stride_o_t + qh[:, None] * stride_o_h + offs_c[None, :],
                  MidO + q_row[:, None] * stride_mo_t + qh[:, None] * stride_mo_h
                  + offs_c[None, :],
@@ -141,47 +140,28 @@ def _mla_finish(acc, m_i, l_i, ticket, split, n_used, fold, Counters, Out, MidO,
                  stride_mo_s, 1, m_ok, c_ok, MERGE_UNROLL)
 
 
-@triton.jit
-def _mla_program(QoIndptr, bs, n_heads, MODE: tl.constexpr, BLOCK_H: tl.constexpr,
-                 BLOCK_B: tl.constexpr):
-    """(request r, row block blk, split, ticket, live) of this program. DECODE / TREE: grid
-    (row blocks a request, bs, S). CAUSAL: grid (packed row blocks, 1, S), the requests' row
-    blocks one after another (`attention_extend.tile_owner`), so the grid grows as bs + n_tok
-    instead of bs * n_tok; live is False past the last request's blocks. ticket: the folded
-    merge's counter of (r, blk)."""
-    blk = tl.program_id(0)
-    r = tl.program_id(1)
-    split = tl.program_id(2)
-    ticket = r * tl.num_programs(0) + blk
-    live = blk >= 0
-    if MODE == 2:
-        r, blk = tile_owner(QoIndptr, bs, tl.program_id(0), n_heads, BLOCK_H, BLOCK_B)
-        live = r < bs
-        r = tl.minimum(r, bs - 1)
-    return r, blk, split, ticket, live
-
-
 @triton.jit(do_not_specialize=["stride_mo_t", "stride_mo_h", "stride_mo_s", "stride_ml_t",
-                               "stride_ml_h", "num_splits", "fold", "bs"])
+                               "stride_ml_h", "num_splits", "fold"])
 def _mla_kernel(
     Q, KV, ReqToToken, ReqPoolIdx, SeqLens, QoIndptr, TreeMask, Out, MidO, MidLse, Counters,
     sm_scale,
     stride_q_t, stride_q_h, stride_kv_s, stride_rt, stride_o_t, stride_o_h,
     stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
-    n_heads, kv_lora_rank, rope_dim, num_splits, fold, bs,
+    n_heads, kv_lora_rank, rope_dim, num_splits, fold,
     NUM_Q: tl.constexpr, MODE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
-    MERGE_UNROLL: tl.constexpr, SLOTS_AHEAD: tl.constexpr, BLOCK_B: tl.constexpr,
-    SPLIT_C: tl.constexpr = False,
+    MERGE_UNROLL: tl.constexpr, SLOTS_AHEAD: tl.constexpr, SPLIT_C: tl.constexpr = False,
 ):
     stride_mo_t, stride_mo_h, stride_mo_s = (aligned(stride_mo_t), aligned(stride_mo_h),
                                              aligned(stride_mo_s))  # padded partials
-    r, blk, split, ticket, live = _mla_program(QoIndptr, bs, n_heads, MODE, BLOCK_H, BLOCK_B)
+    blk = tl.program_id(0)
+    r = tl.program_id(1)
+    split = tl.program_id(2)
     seq_len, q_start, n_q, n_rows, n_used, start, end = _mla_span(
         SeqLens, QoIndptr, r, blk, split, n_heads, num_splits, NUM_Q, MODE, BLOCK_H, BLOCK_N)
     # else nothing to read, nothing to write; split 0 of a request with seq_len 0 runs with no
     # tile and writes the 0 the reference gives
-    if live & (blk * BLOCK_H < n_rows) & ((start < end) | (split == 0)):
+    if (blk * BLOCK_H < n_rows) & ((start < end) | (split == 0)):
         row = tl.load(ReqPoolIdx + r).to(tl.int64)
         m_ok, qi, qh, pos_q, q_row, offs_c, c_ok, offs_r, r_ok, q_c, q_r = _mla_queries(
             Q, blk, seq_len, q_start, n_q, n_rows, n_heads, kv_lora_rank, rope_dim,
@@ -260,22 +240,22 @@ def _mla_kernel(
 
         if SPLIT_C:  # [lo | hi] -> [BLOCK_H, BLOCK_C]
             acc = tl.reshape(tl.permute(tl.join(acc_lo, acc_hi), (0, 2, 1)), (BLOCK_H, BLOCK_C))
-        _mla_finish(acc, m_i, l_i, ticket, split, n_used, fold, Counters, Out, MidO, MidLse,
+        _mla_finish(acc, m_i, l_i, r, blk, split, n_used, fold, Counters, Out, MidO, MidLse,
                     q_row, qh, offs_c, m_ok, c_ok, stride_o_t, stride_o_h, stride_mo_t,
                     stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, MERGE_UNROLL)
 
 
 @triton.jit(do_not_specialize=["stride_mo_t", "stride_mo_h", "stride_mo_s", "stride_ml_t",
-                               "stride_ml_h", "num_splits", "fold", "bs"])
+                               "stride_ml_h", "num_splits", "fold"])
 def _mla_keys_major_kernel(
     Q, KV, ReqToToken, ReqPoolIdx, SeqLens, QoIndptr, TreeMask, Out, MidO, MidLse, Counters,
     sm_scale,
     stride_q_t, stride_q_h, stride_kv_s, stride_rt, stride_o_t, stride_o_h,
     stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
-    n_heads, kv_lora_rank, rope_dim, num_splits, fold, bs,
+    n_heads, kv_lora_rank, rope_dim, num_splits, fold,
     NUM_Q: tl.constexpr, MODE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
-    MERGE_UNROLL: tl.constexpr, SLOTS_AHEAD: tl.constexpr, BLOCK_B: tl.constexpr,
+    MERGE_UNROLL: tl.constexpr, SLOTS_AHEAD: tl.constexpr,
 ):
     # _mla_kernel with its products transposed: keys are the rows (the M side of the tensor-core
     # product), the BLOCK_H query rows its columns (N):
@@ -287,12 +267,14 @@ def _mla_keys_major_kernel(
     # over the 576 columns (the row-major kernel's 36-deep chain a tile) and no q in registers.
     stride_mo_t, stride_mo_h, stride_mo_s = (aligned(stride_mo_t), aligned(stride_mo_h),
                                              aligned(stride_mo_s))
-    r, blk, split, ticket, live = _mla_program(QoIndptr, bs, n_heads, MODE, BLOCK_H, BLOCK_B)
+    blk = tl.program_id(0)
+    r = tl.program_id(1)
+    split = tl.program_id(2)
     seq_len, q_start, n_q, n_rows, n_used, start, end = _mla_span(
         SeqLens, QoIndptr, r, blk, split, n_heads, num_splits, NUM_Q, MODE, BLOCK_H, BLOCK_N)
     # else nothing to read, nothing to write; split 0 of a request with seq_len 0 runs with no
     # tile and writes the 0 the reference gives
-    if live & (blk * BLOCK_H < n_rows) & ((start < end) | (split == 0)):
+    if (blk * BLOCK_H < n_rows) & ((start < end) | (split == 0)):
         row = tl.load(ReqPoolIdx + r).to(tl.int64)
         m_ok, qi, qh, pos_q, q_row, offs_c, c_ok, offs_r, r_ok, q_c, q_r = _mla_queries(
             Q, blk, seq_len, q_start, n_q, n_rows, n_heads, kv_lora_rank, rope_dim,
@@ -338,7 +320,7 @@ def _mla_keys_major_kernel(
             acc = acc * alpha[None, :] + mma(tl.trans(kv), p.to(kv.dtype), UPCAST)
             m_i = m_new
 
-        _mla_finish(tl.trans(acc), m_i, l_i, ticket, split, n_used, fold, Counters, Out, MidO,
+        _mla_finish(tl.trans(acc), m_i, l_i, r, blk, split, n_used, fold, Counters, Out, MidO,
                     MidLse, q_row, qh, offs_c, m_ok, c_ok, stride_o_t, stride_o_h, stride_mo_t,
                     stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, MERGE_UNROLL)
 
@@ -413,8 +395,8 @@ def plan_mla(n_tok: int, n_heads: int, width: int, bs: int, max_context: int,
              num_stages: int | None = None, split_c: bool | None = None) -> dict:
     """What `mla_paged_attention` launches, from shapes only (knobs as there): keys_major (the
     kernel), blocks (tile constexprs, SPLIT_C for the row-major kernel, num_warps, num_stages),
-    n_blocks (row blocks a request; CAUSAL: of all requests, packed), num_splits and fold
-    (before the capture-time fallbacks of a causal extend). A tile knob (block_n, num_warps, block_h) starts from the row-major
+    n_blocks (row blocks a request), num_splits and fold (before the capture-time fallbacks of
+    a causal extend). A tile knob (block_n, num_warps, block_h) starts from the row-major
     kernel's base tile (`mla_blocks`, 2 stages, no SPLIT_C), not from DECODE_TILE."""
     rows = n_heads * (num_q if mode != CAUSAL else 2)
     tile_knob = block_n is not None or num_warps is not None or block_h is not None
@@ -428,10 +410,8 @@ def plan_mla(n_tok: int, n_heads: int, width: int, bs: int, max_context: int,
     if block_h is not None:
         blocks["BLOCK_H"] = block_h
     block_h = blocks["BLOCK_H"]
-    # DECODE / TREE: row blocks a request; CAUSAL: of all requests packed (`_mla_program`),
-    # enough for any split of the n_tok tokens
-    n_blocks = (extend_tiles(bs, n_tok, n_heads, block_h) if mode == CAUSAL
-                else triton.cdiv(num_q * n_heads, block_h))
+    # CAUSAL: enough row blocks for the longest possible request (all n_tok tokens)
+    n_blocks = triton.cdiv((num_q if mode != CAUSAL else n_tok) * n_heads, block_h)
     decode_tile = not keys_major and mode == DECODE and not tile_knob
     if decode_tile:
         blocks.update(DECODE_TILE, SPLIT_C=blocks["BLOCK_C"] >= 32)
@@ -494,8 +474,7 @@ def mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, 
     o = alloc(n_tok, n_heads, kv_lora_rank, dtype=q_latent.dtype, device=q_latent.device)
     if n_tok == 0 or bs == 0:
         return o
-    grid = (n_blocks, 1 if mode == CAUSAL else bs, num_splits)
-    counters, fold = tickets(q_latent.device, grid[0] * grid[1] if fold else 0, fold)
+    counters, fold = tickets(q_latent.device, bs * n_blocks if fold else 0, fold)
     if mode == CAUSAL and num_splits > 1 and not fold:  # no zeroed counters yet (in a capture)
         num_splits = 1
     if num_splits > 1:
@@ -507,15 +486,14 @@ def mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, 
     tree = tree_mask.contiguous().view(torch.uint8) if tree_mask is not None else req_pool_indices
     indptr = qo_indptr.contiguous() if qo_indptr is not None else req_pool_indices
     kernel = _mla_keys_major_kernel if keys_major else _mla_kernel
-    kernel[grid](
+    kernel[(n_blocks, bs, num_splits)](
         q_latent, latent_cache, req_to_token, req_pool_indices, seq_lens, indptr, tree, o,
         mid_o, mid_lse, counters, sm_scale,
         q_latent.stride(0), q_latent.stride(1), latent_cache.stride(0), req_to_token.stride(0),
         o.stride(0), o.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
-        n_heads, kv_lora_rank, width - kv_lora_rank, num_splits, int(fold), bs,
+        n_heads, kv_lora_rank, width - kv_lora_rank, num_splits, int(fold),
         NUM_Q=num_q if mode != CAUSAL else 1, MODE=mode, UPCAST=upcast_dots(q_latent.dtype),
-        BLOCK_B=TILE_OWNER_BLOCK,
         MERGE_UNROLL=merge_unroll(block_h, blocks["BLOCK_C"], blocks["num_warps"]),
         SLOTS_AHEAD=slots_ahead, **blocks,
     )
