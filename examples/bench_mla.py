@@ -39,8 +39,8 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench.common import env_info, out_dir  # noqa: E402
-from bench_attention import (bench_us, copy_bandwidth, graph_of, random_tree_masks,  # noqa: E402
-                             rel_err, sync)
+from bench_attention import (bench_us, best_sdpa_backend, copy_bandwidth, graph_of,  # noqa: E402
+                             random_tree_masks, rel_err)
 from padgraph.backends.triton.attention_mla import (  # noqa: E402
     mla_decode_attention, mla_extend_attention, mla_sm_scale, mla_tree_verify_attention)
 from padgraph.backends.triton.attention_mla_decode import (  # noqa: E402
@@ -139,30 +139,10 @@ class LatentCase:
 
 
 def best_sdpa(case, ref):
-    """(the fastest agreeing SDPA backend's callable, its name), or (None, None); timed as graph
-    replays, as the table compares them."""
-    from torch.nn.attention import SDPBackend
-    fused = (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
-             SDPBackend.EFFICIENT_ATTENTION)
-    for backends in (fused, (SDPBackend.MATH,)):
-        timed = []
-        for backend in backends:
-            fn = case.sdpa(backend)
-            try:
-                ok = rel_err(fn(), ref) < 1e-2
-                sync(case.device)
-            except RuntimeError:
-                continue
-            if ok:
-                try:
-                    t = bench_us(graph_of(fn), rep=30)
-                except RuntimeError:  # not capturable
-                    t = bench_us(fn, rep=30)
-                timed.append((t, fn, backend.name))
-        if timed:
-            _, fn, name = min(timed, key=lambda t: t[0])
-            return fn, name
-    return None, None
+    """(the fastest agreeing SDPA backend's callable, its name), or (None, None): the backend
+    `bench_attention.best_sdpa_backend` picks (timed as graph replays, as the table compares)."""
+    backend = best_sdpa_backend(case, ref)
+    return (case.sdpa(backend), backend.name) if backend is not None else (None, None)
 
 
 def time_case(bs, ctx, n_heads, copy_bw, gen, device, kind, widths, impl,

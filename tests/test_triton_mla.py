@@ -441,4 +441,3 @@ def test_kernel_forms_give_the_same_outputs(mode):
         assert_close(case.output(o)[real], ref[real])
     for o in outs[1:]:
         torch.testing.assert_close(o[real], outs[0][real], rtol=1e-5, atol=1e-5)
-

@@ -12,9 +12,9 @@ BLOCK_M rows = (new token, q head of kv_head's group) pairs, so a K/V tile is re
 whole GQA group; tiles past the last request's exit at once. No host planning from values, and
 cost follows real lengths: the grid grows as bs + n_tok, where one program per (request, tile
 any request could need) grew as bs * n_tok (H200, 2026-12-03: 12288 programs of which 1024
-worked at bs 32 x 6 tokens, 0.89x SDPA-with-mask). Each tile reads positions up to its last token's; short
-extends (draft-extend: a few tokens per request) split that range over S programs like decode
-and merge in the same launch (`attention_split.py`); long ones use S = 1.
+worked at bs 32 x 6 tokens, 0.89x SDPA-with-mask). Each tile reads positions up to its last
+token's; short extends (draft-extend: a few tokens per request) split that range over S
+programs like decode and merge in the same launch (`attention_split.py`); long ones use S = 1.
 """
 from __future__ import annotations
 
@@ -54,9 +54,9 @@ def extend_attention_reference(q, k_cache, v_cache, req_to_token, req_pool_indic
 @triton.jit
 def tile_owner(QoIndptr, bs, t, GROUP, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr):
     """(request r, its row tile) of packed tile t: request r owns tiles [sum_{b<r} T_b,
-    sum_{b<=r} T_b) with T_b = cdiv(n_b * GROUP, BLOCK_M) its new tokens' row tiles (GROUP: rows
-    a token: the q heads of a kv head). Reads
-    qo_indptr BLOCK_B requests at a time; r = bs when t is past every request's tiles."""
+    sum_{b<=r} T_b) with T_b = cdiv(n_b * GROUP, BLOCK_M) its new tokens' row tiles (GROUP rows
+    a token: the q heads of a kv head). Reads qo_indptr BLOCK_B requests at a time; r = bs when
+    t is past every request's tiles."""
     r = tl.full([], 0, tl.int32)       # requests whose tiles all come before t
     before = tl.full([], 0, tl.int32)  # their tiles
     base = tl.full([], 0, tl.int32)    # tiles of the requests of earlier chunks
