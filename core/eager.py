@@ -10,6 +10,7 @@ from typing import Mapping
 import torch
 
 from .pack import padded
+from .pads import stored
 from .program import padded_dims
 from .view import PaddedView
 
@@ -52,15 +53,44 @@ def mask_outputs(program, outs: Mapping[str, torch.Tensor], dims: Mapping[str, t
     filled in place) or a 0-d device tensor (graph-capturable: a where over the lanes)."""
     res = dict(outs)
     for name, along in dims.items():
-        t, pad = res[name], program.outputs[name].pad
+        t = res[name]
+        pad = stored(program.outputs[name].pad, t.dtype)
         for d, axis, scale, offset in along:
             limit = scale * extent_of(axis) + offset
             if isinstance(limit, int):
                 t.narrow(d, limit, t.shape[d] - limit).fill_(pad)
-                continue
-            shape = [1] * t.dim()
-            shape[d] = t.shape[d]
-            lane = torch.arange(t.shape[d], device=t.device).view(shape)
-            t = torch.where(lane < limit, t, torch.full((), pad, dtype=t.dtype, device=t.device))
+            else:
+                t = _keep_below(t, d, limit, pad)
         res[name] = t
     return res
+
+
+def _keep_below(t: torch.Tensor, d: int, limit: torch.Tensor, pad) -> torch.Tensor:
+    """t with lanes >= limit along dim d set to pad, as a where over bit patterns (torch.where has
+    no kernel for every dtype: uint16, float8, complex)."""
+    fill = torch.full((), pad, dtype=t.dtype, device=t.device).expand(t.shape)
+    bits, fill_bits = _bit_view(t), _bit_view(fill)
+    shape = [1] * bits.dim()
+    shape[d] = t.shape[d]
+    lane = torch.arange(t.shape[d], device=t.device).view(shape)
+    kept = torch.where(lane < limit, bits, fill_bits)
+    if t.dtype.is_complex:
+        return torch.view_as_complex(kept.view(_real(t.dtype)))
+    return kept.view(t.dtype)
+
+
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _real(dtype: torch.dtype) -> torch.dtype:
+    return {torch.complex32: torch.float16, torch.complex64: torch.float32}.get(dtype, torch.float64)
+
+
+def _bit_view(t: torch.Tensor) -> torch.Tensor:
+    """Same-size signed integers over t's bytes (complex: its real and imaginary parts, a trailing
+    dim of 2); bool as it is."""
+    if t.dtype == torch.bool:
+        return t
+    if t.dtype.is_complex:
+        t = torch.view_as_real(t.contiguous() if t.stride() and 0 in t.stride() else t)
+    return t.view(_INT_OF_SIZE[t.element_size()])

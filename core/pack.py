@@ -28,7 +28,7 @@ from typing import Mapping
 import torch
 
 from .axes import as_affine
-from .pads import Edge, Fill, as_number
+from .pads import Edge, Fill, as_number, stored
 
 FILL, EDGE = "fill", "edge"
 
@@ -103,6 +103,7 @@ def _entry(name, spec, bucket, capacity) -> PackEntry:
     shape = tuple(d if as_affine(d) is None else as_affine(d).at(capacity(as_affine(d).axis.name, bucket))
                   for d in spec.shape)
     mode, fill = _pad(spec.pad)
+    fill = stored(fill, spec.dtype)       # as the dtype holds it: every writer fills this number
     rows, cols, layout = _levels(shape, dims)
     return PackEntry(name, layout, shape, rows, cols, mode, fill, tuple(i for i, _ in dims))
 
@@ -154,7 +155,16 @@ def apply(entry: PackEntry, dst: torch.Tensor, src: torch.Tensor, extents: Mappi
         return
     r = _edge_index(entry.rows.total, r_raw, entry.rows.unit, dst.device)
     c = _edge_index(entry.cols.total, c_raw, entry.cols.unit, dst.device)
+    d2, s2 = _bit_view(d2), _bit_view(s2)      # index_select has no uint16 / uint32 / float8 kernel
     d2.copy_(s2.index_select(0, r).index_select(1, c))
+
+
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bit_view(t: torch.Tensor) -> torch.Tensor:
+    """t's elements as same-size signed integers: copies by bit pattern work for every dtype."""
+    return t if t.dtype == torch.bool else t.view(_INT_OF_SIZE[t.element_size()])
 
 
 def _edge_index(total: int, raw: int, unit: int, device) -> torch.Tensor:

@@ -74,6 +74,18 @@ def pad_value(pad: Pad):
     return pad.default if isinstance(pad, Edge) else pad.value
 
 
+def stored(value, dtype: torch.dtype):
+    """`value` as a `dtype` tensor holds it: a float rounded to the dtype (so a literal such as
+    -3.4028235e38, or 65519 for float16, is written as the dtype's own nearest value instead of
+    failing torch's overflow check on every fill), an int or bool unchanged."""
+    v = as_number(value)
+    if isinstance(v, bool) or not (dtype.is_floating_point or dtype.is_complex):
+        return v
+    real = {torch.complex32: torch.float16, torch.complex64: torch.float32,
+            torch.complex128: torch.float64}.get(dtype, dtype)
+    return torch.tensor(float(v), dtype=torch.float64).to(real).item()
+
+
 def pad_problem(pad, dtype: torch.dtype) -> tuple[type, str, str] | None:
     """Why `pad` cannot pad a `dtype` input: (error class, expected, given), or None when it can.
 

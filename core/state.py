@@ -115,7 +115,12 @@ class _Tree(_Node):
 
     def entries(self):
         obj = self.obj
-        flat, _ = pytree.tree_flatten_with_path(obj, is_leaf=lambda c: c is not obj)
+        is_leaf = lambda c: c is not obj        # noqa: E731 - one level: every child is a leaf
+        try:
+            flat, _ = pytree.tree_flatten_with_path(obj, is_leaf=is_leaf)
+        except ValueError:      # registered without flatten_with_keys_fn: label children by position
+            kids, _ = pytree.tree_flatten(obj, is_leaf=is_leaf)
+            return [(f"[{i}]", c) for i, c in enumerate(kids)]
         return [(pytree.keystr(kp), c) for kp, c in flat]
 
 
