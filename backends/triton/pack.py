@@ -122,8 +122,16 @@ if triton is not None:
         return tl.where(axis < 0, total, (scale * e + offset) * unit)
 
     @triton.jit
-    def _pack_job(dst, src, r_raw, r_tot, r_unit, c_raw, c_tot, c_unit, edge, fill, BLOCK: tl.constexpr):
-        """This program's blocks of one job; dst/src are typed element pointers, dst dense."""
+    def _host_count(total, axis, scale, offset, unit, ext):
+        """A level's raw count at the host bound: the source's own size (its row stride for cols)."""
+        bound = tl.load(ext + tl.maximum(axis, 0)).to(tl.int64)
+        return tl.where(axis < 0, total, (scale * bound + offset) * unit)
+
+    @triton.jit
+    def _pack_job(dst, src, r_raw, r_tot, r_unit, c_raw, c_tot, c_unit, c_src, edge, fill, BLOCK: tl.constexpr):
+        """This program's blocks of one job; dst/src are typed element pointers, dst dense.
+        c_src: elements per source row (the host bound's raw cols; c_raw <= c_src when a device
+        extent cuts the cols)."""
         pid = tl.program_id(0)
         lane = tl.arange(0, BLOCK)                                # [BLOCK]
         n_total = r_tot * c_tot
@@ -158,7 +166,7 @@ if triton is not None:
                     rs = r
                     cs = c
                     read = in_total & (r < r_raw) & (c < c_raw)
-                vals = tl.load(src + rs * c_raw + cs, mask=read, other=fill)
+                vals = tl.load(src + rs * c_src + cs, mask=read, other=fill)
                 tl.store(dst + offs, vals, mask=in_total)
 
     @triton.jit
@@ -176,6 +184,7 @@ if triton is not None:
             return
         r_raw = _raw_count(r_tot, tl.load(desc + 2), tl.load(desc + 3), tl.load(desc + 4), tl.load(desc + 5), ext, dev)
         c_raw = _raw_count(c_tot, tl.load(desc + 7), tl.load(desc + 8), tl.load(desc + 9), tl.load(desc + 10), ext, dev)
+        c_src = _host_count(c_tot, tl.load(desc + 7), tl.load(desc + 8), tl.load(desc + 9), tl.load(desc + 10), ext)
         r_unit = tl.load(desc + 5)
         c_unit = tl.load(desc + 10)
         elem_bytes = tl.load(desc + 11)
@@ -185,16 +194,16 @@ if triton is not None:
         src = tl.load(srcs + j)
         if elem_bytes == 1:
             _pack_job(dst.to(tl.pointer_type(tl.int8)), src.to(tl.pointer_type(tl.int8)),
-                      r_raw, r_tot, r_unit, c_raw, c_tot, c_unit, edge, bits.to(tl.int8), BLOCK)
+                      r_raw, r_tot, r_unit, c_raw, c_tot, c_unit, c_src, edge, bits.to(tl.int8), BLOCK)
         elif elem_bytes == 2:
             _pack_job(dst.to(tl.pointer_type(tl.int16)), src.to(tl.pointer_type(tl.int16)),
-                      r_raw, r_tot, r_unit, c_raw, c_tot, c_unit, edge, bits.to(tl.int16), BLOCK)
+                      r_raw, r_tot, r_unit, c_raw, c_tot, c_unit, c_src, edge, bits.to(tl.int16), BLOCK)
         elif elem_bytes == 4:
             _pack_job(dst.to(tl.pointer_type(tl.int32)), src.to(tl.pointer_type(tl.int32)),
-                      r_raw, r_tot, r_unit, c_raw, c_tot, c_unit, edge, bits.to(tl.int32), BLOCK)
+                      r_raw, r_tot, r_unit, c_raw, c_tot, c_unit, c_src, edge, bits.to(tl.int32), BLOCK)
         else:
             _pack_job(dst.to(tl.pointer_type(tl.int64)), src.to(tl.pointer_type(tl.int64)),
-                      r_raw, r_tot, r_unit, c_raw, c_tot, c_unit, edge, bits, BLOCK)
+                      r_raw, r_tot, r_unit, c_raw, c_tot, c_unit, c_src, edge, bits, BLOCK)
 
 
 def grid_programs(entries: Sequence[P.PackEntry]) -> int:
