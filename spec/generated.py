@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 import padgraph as pg
 
-from . import oracle as O
+from padgraph.spec import oracle as O
 
 DTYPES = (torch.bool, torch.uint8, torch.uint16, torch.uint32, torch.int8, torch.int16, torch.int32,
           torch.int64, torch.float8_e4m3fn, torch.float8_e5m2, torch.float16, torch.bfloat16,

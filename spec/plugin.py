@@ -28,6 +28,11 @@ def pytest_addoption(parser):
     group.addoption("--torch-compile", action="store_true", default=False,
                     help="compile every case's body with torch_compile=True (the compiled path "
                          "keeps the contract too)")
+    group.addoption("--generated", type=int, default=60,
+                    help="generated programs (each with a call sequence) that test_generated runs, in all")
+    group.addoption("--seed", type=int, default=0, help="seed of the generated programs")
+    group.addoption("--pack", default=None,
+                    help="the cuda backend's pack strategy under test: in-graph, eager or torch (default: auto)")
     group.addoption("--xfails", default=None,
                     help="file of test ids (or id substrings) this backend is known to fail, one a line")
 
@@ -100,8 +105,34 @@ def device(pytestconfig) -> torch.device:
 def compile(backend, device, pytestconfig):
     """`pg.compile` bound to the backend under test and its device (and `torch_compile=True`
     under `--torch-compile`; a case's own `torch_compile=` wins)."""
-    extra = {"torch_compile": True} if pytestconfig.getoption("--torch-compile") else {}
-    return functools.partial(pg.compile, backend=backend, device=device, **extra)
+    return functools.partial(pg.compile, backend=backend, device=device, **compile_options(pytestconfig))
+
+
+def compile_options(config) -> dict:
+    """The options `--torch-compile` and `--pack` add to every case's compile."""
+    extra = {"torch_compile": True} if config.getoption("--torch-compile") else {}
+    if config.getoption("--pack"):
+        extra["pack"] = config.getoption("--pack")
+    return extra
+
+
+@pytest.fixture(scope="session")
+def options(pytestconfig) -> dict:
+    """compile options of the run (`--torch-compile`, `--pack`), for cases that call pg.compile themselves."""
+    return compile_options(pytestconfig)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line for the generated cases: programs, calls, rejected calls, failing shards."""
+    from . import generated
+    c = generated.COUNTS
+    if not c["programs"]:
+        return
+    failed = sum(1 for r in terminalreporter.stats.get("failed", []) if "test_generated" in r.nodeid)
+    variant = ", ".join(f"{k}={v}" for k, v in compile_options(config).items()) or "default"
+    terminalreporter.write_line(
+        f"padgraph.spec generated: backend={config.getoption('--backend')} ({variant}) seed={config.getoption('--seed')} "
+        f"programs={c['programs']} calls={c['calls']} rejected_calls={c['rejected']} failing_shards={failed}")
 
 
 @pytest.fixture(scope="session")

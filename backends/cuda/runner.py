@@ -37,6 +37,24 @@ def _no_hook(x) -> None:
     return None
 
 
+_STRATEGIES = ("in-graph", "eager", "torch")
+
+
+def _strategy(program: str, pack: str, prepare) -> str:
+    """The pack strategy: `pack=` by name, or "auto" (in-graph unless a prepare hook must see the
+    packed view first; torch ops where Triton is absent)."""
+    if pack not in ("auto", *_STRATEGIES):
+        raise ContractValueError(f"{where(program)}: pack must be 'auto' or one of {list(_STRATEGIES)}, got {pack!r}")
+    if pack == "auto":
+        pack = "eager" if prepare is not None else "in-graph"
+    if pack == "in-graph" and prepare is not None:
+        raise ContractValueError(f"{where(program)}: pack must be 'eager' or 'torch' with a prepare hook (the hook "
+                                 f"reads the packed view before the replay), got 'in-graph'")
+    if pack != "torch" and not tpack.triton_available():
+        return "torch"
+    return pack
+
+
 class CudaGraphRunner(Runner):
     """pg.compile(..., backend="cuda"). Options: device, pool (a graph pool handle, or another
     CudaGraphRunner to share its pool — opt-in: the runners' graphs must then never replay
@@ -45,7 +63,9 @@ class CudaGraphRunner(Runner):
     restore_state (default True: bound state is copied before warm-up and capture and restored
     after, so compile leaves it as it found it; False for state too large to copy twice),
     copy ("cudart": the per-call copy through the CUDA runtime by ctypes, ~1 µs; "torch":
-    through Tensor.copy_; "cudart" falls back to "torch" where the runtime cannot be found)."""
+    through Tensor.copy_; "cudart" falls back to "torch" where the runtime cannot be found),
+    pack ("auto": "in-graph" without a prepare hook, "eager" with one, "torch" without Triton;
+    or one of those three by name: every strategy keeps the same contract, see staging.Pack)."""
 
     backend = "cuda"
     allow_host_inputs = True
@@ -64,7 +84,7 @@ class CudaGraphRunner(Runner):
 
     def __init__(self, program, body, *, state=None, prepare=None, overflow="eager", copy_outputs=False,
                  device=None, pool=None, warmup: int = 2, progress: bool | None = None, restore_state: bool = True,
-                 copy: str = "cudart", torch_compile=None):
+                 copy: str = "cudart", torch_compile=None, pack: str = "auto"):
         reason = self.unavailable()
         if reason is not None:
             raise ContractRuntimeError(f"{where(program.name)}: {reason}")
@@ -73,7 +93,7 @@ class CudaGraphRunner(Runner):
         self.device = self._cuda_device(self.device)
         self._check_state_device()
         self.static = StaticInputs(self.plan, self.device)
-        strategy = "torch" if not tpack.triton_available() else ("eager" if prepare is not None else "in-graph")
+        strategy = _strategy(program.name, pack, prepare)
         with torch.cuda.device(self.device):
             self.pack = Pack(self.plan, self.static, self.device, strategy, copy)
             self._hook = prepare if prepare is not None else _no_hook

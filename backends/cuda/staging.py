@@ -101,6 +101,7 @@ class CallBlock:
         self.extents = {a: self.eff[i] for i, a in enumerate(self.axes)}
         self._axis_index = {a: i for i, a in enumerate(self.axes)}
         self.slots = [_Slot(self), _Slot(self)]
+        self.keep: list = []
         self._turn = 0
         self.others = [n for n in program.inputs if n not in set(jobs)]   # packed by torch ops
         self._dev_base = self.device_buf.data_ptr()
@@ -123,12 +124,11 @@ class CallBlock:
         slot = self._acquire()
         used = self.header
         srcs = []
+        self.keep = keep = []     # this call's dense copies of strided device inputs (see below)
         for name in self.jobs:
             t = raw[name]
             if t.is_cuda:
-                if not t.is_contiguous():
-                    t = t.contiguous()  # freed after the call: the stream-ordered allocator keeps it for the pack
-                srcs.append(t.data_ptr())
+                srcs.append(dense_source(t, keep))
             else:
                 used = max(used, self._stage(slot, name, t))
                 srcs.append(self._dev_base + self.staging[name])
@@ -166,6 +166,18 @@ class CallBlock:
         off = self.staging[name]
         n = t.numel() * t.element_size()
         return self.device_buf[off: off + n].view(t.dtype).view(t.shape)
+
+
+def dense_source(t: torch.Tensor, keep: list) -> int:
+    """The address the pack reads a device input from: its own, or a dense copy's that `keep`
+    holds until the next call. Without the reference a copy is freed at once, and the next
+    input's copy takes the same block before the pack has read the first (the pack runs after
+    every source is known). Freed at the next call, a block is only reused by work queued after
+    this call's pack (the caching allocator is stream-ordered)."""
+    if not t.is_contiguous():
+        t = t.contiguous()
+        keep.append(t)
+    return t.data_ptr()
 
 
 class Pack:

@@ -1,0 +1,42 @@
+"""Generated programs and call sequences on the backend under test, judged by the oracle.
+
+`--generated N` programs in all (default 60), `--seed S`, split into shards so that one failure
+does not hide the others; each shard's failure is shrunk by hypothesis and printed with a
+runnable reproduction (`generated.repro`). Keep a shrunk failure as a named case in
+`test_regressions.py`.
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+from hypothesis import HealthCheck, given, note, seed, settings, strategies as st
+
+from padgraph.spec import generated as G
+
+SHARDS = 8
+
+
+@pytest.mark.parametrize("shard", range(SHARDS))
+def test_generated(shard, backend, device, options, pytestconfig):
+    total = pytestconfig.getoption("--generated")
+    n = total // SHARDS + (shard < total % SHARDS)
+    if n == 0:
+        pytest.skip("no generated programs left for this shard (--generated is small)")
+
+    @seed(pytestconfig.getoption("--seed") * 1000 + shard)
+    @settings(max_examples=n, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(st.data())
+    def run(data):
+        recipe = data.draw(G.recipes(), label="recipe")
+        calls = data.draw(G.call_lists(recipe), label="calls")
+        note("reproduction:\n" + G.repro(recipe, calls, backend, device, options))
+        G.run_case(recipe, calls, backend=backend, device=device, **options)
+
+    padgraph_log = logging.getLogger("padgraph")
+    level = padgraph_log.level
+    padgraph_log.setLevel(logging.ERROR)      # overflow warnings, once per generated runner
+    try:
+        run()
+    finally:
+        padgraph_log.setLevel(level)
