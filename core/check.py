@@ -209,11 +209,30 @@ class _State:
         self.bound.restore(snap)
 
     def poisoned(self) -> list[torch.Tensor]:
-        """Fill the poisonable tensors with POISON; returns every tensor's contents after."""
+        """Fill the poisonable tensors with row-distinct poison; returns every tensor's contents
+        after. Distinct rows: a padded lane copying one row onto another changes the target even
+        where the bound values of both rows were equal (a cache that starts at zeros)."""
         for t, p in zip(self.tensors, self.poison):
             if p:
-                t.fill_(POISON)
+                t.copy_(poison_like(t))
         return self.snapshot()
+
+
+_MANTISSA = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2, torch.bfloat16: 7, torch.float16: 10}
+
+
+def poison_like(t: torch.Tensor) -> torch.Tensor:
+    """Values in [1, 2) that differ between rows (and columns): element (r, c) is
+    1 + ((r * 97 + c) mod 2^m) / 2^m, m = the dtype's mantissa bits (at most 20), so every value
+    is exact in the dtype and two rows are equal only when their indices agree mod 2^m."""
+    m = _MANTISSA.get(t.dtype if not t.is_complex() else torch.float32, 20)
+    if t.dim() == 0:
+        return torch.full_like(t, POISON)
+    rows = torch.arange(t.shape[0], dtype=torch.int64, device=t.device).view(-1, *[1] * (t.dim() - 1))
+    cols = torch.arange(max(t[0].numel(), 1), dtype=torch.int64, device=t.device).view(t.shape[1:]) \
+        if t.dim() > 1 else torch.zeros((), dtype=torch.int64, device=t.device)
+    frac = (rows * 97 + cols) % (1 << m)
+    return (1 + frac.double() / (1 << m)).to(t.dtype)
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
@@ -230,9 +249,22 @@ def _changed_rows(now: torch.Tensor, before: torch.Tensor) -> set[int]:
     return set(diff.reshape(diff.shape[0], -1).any(1).nonzero().flatten().tolist())
 
 
-def _same(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> tuple[bool, str]:
+# (rtol, atol) by dtype: a few units in the last place of the dtype, at least torch.testing's
+_TOLERANCE = {torch.float16: (2e-3, 1e-5), torch.bfloat16: (1.6e-2, 1e-5), torch.float32: (1.3e-6, 1e-5),
+              torch.float64: (1e-7, 1e-7), torch.float8_e4m3fn: (0.125, 1e-3), torch.float8_e5m2: (0.25, 1e-3),
+              torch.complex64: (1.3e-6, 1e-5), torch.complex128: (1e-7, 1e-7), torch.complex32: (2e-3, 1e-5)}
+
+
+def tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """The default (rtol, atol) pg.check compares raw lanes of a `dtype` output with across sizes."""
+    return _TOLERANCE.get(dtype, (0.0, 0.0))
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, rtol: float | None, atol: float | None) -> tuple[bool, str]:
     if a.shape != b.shape:
         return False, f"shape {tuple(a.shape)} vs {tuple(b.shape)}"
+    d_rtol, d_atol = tolerance(a.dtype)
+    rtol, atol = (d_rtol if rtol is None else rtol), (d_atol if atol is None else atol)
     a, b = _wide(a), _wide(b)
     if a.dtype.is_floating_point or a.dtype.is_complex:
         ok = torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
@@ -343,11 +375,13 @@ class _Ctx:
 
 def check(program: Program, body: Callable, *, state: Mapping | None = None, prepare: Callable | None = None,
           sample: Callable | None = None, trials: int = 16, seed: int = 0, sizes_per_trial: int = 3,
-          rtol: float = 1e-5, atol: float = 1e-6) -> CheckResult:
+          rtol: float | None = None, atol: float | None = None) -> CheckResult:
     """Run `body` on the reference backend over random raw inputs; report contract findings.
 
     sample: fn(gen: torch.Generator) -> raw inputs dict (bodies that index with their inputs need
     one that draws valid indices); default draws extents and small values at random.
+    rtol / atol: the tolerance of raw lanes across sizes; default by dtype (`tolerance`): a GEMM
+    whose row count changes may round differently in the last bits.
     State is restored after every run; see the module docstring for how writes are detected.
     """
     runner = ReferenceRunner(program, body, state=state, prepare=prepare)
@@ -478,8 +512,11 @@ def _all_pad_writes(ctx: _Ctx, raw: dict, ext: dict, size: int, trial: int, targ
         after = ctx.state.snapshot()
         ctx.state.restore(snap)
     allowed = ctx.state.allowed({plan.bucket_axis: 0}, size, plan.bucket_axis)
-    for label, ok_rows, a, b, t in zip(ctx.state.labels, allowed, after, snap, targets):
-        extra = _changed_rows(a, b) - ok_rows - t
+    changed = [_changed_rows(a, b) for a, b in zip(after, snap)]
+    _outside_view(ctx, changed, size, zero, size, trial, f"the all-pad run at size {size}")
+    for label, ok_rows, rows, t, is_rows in zip(ctx.state.labels, allowed, changed, targets, ctx.state.rows):
+        past_view = {r for r in rows if r >= size} if is_rows else set()     # reported just above
+        extra = rows - ok_rows - t - past_view
         if extra:
             ctx.add("state-write", f"state {label!r}", f"rows {_rows(sorted(extra))} written with every "
                     f"lane padded (raw extents 0), that are not sinks", zero, size, trial, sorted(extra))
@@ -491,6 +528,8 @@ def _trial(ctx: _Ctx, raw: dict, ext: dict, gen, n_sizes: int, trial: int) -> No
     snap = ctx.state.snapshot()
     try:
         base, again_run = _baseline(ctx, raw, ext, snap, trial)
+        exact_rows = bs if base.what == "the exact run" else runner.plan.fit(ext)
+        _outside_view(ctx, base.written, exact_rows, ext, exact_rows, trial, base.what)
         again = again_run()
         _compare(ctx, "nondeterminism", base, _Seen(again, ctx.state.snapshot(), []), ext, bs, trial, 0.0, 0.0)
         sizes = _sizes(runner.plan, runner.plan.fit(ext), gen, n_sizes)
@@ -574,8 +613,21 @@ def _drop_rows(t: torch.Tensor, rows: set[int]) -> torch.Tensor:
     return t[keep]
 
 
+def _outside_view(ctx: _Ctx, written: list, rows: int, ext, size, trial, run: str) -> None:
+    """Batch-ordered state: the body was handed rows [0, rows) of each leaf (x.<state>); a row at
+    or past that was written through another reference (a closure over the full tensor)."""
+    for label, is_rows, wrote in zip(ctx.state.labels, ctx.state.rows, written):
+        past = sorted(r for r in wrote if r >= rows) if is_rows else []
+        if past:
+            ctx.add("state-write", f"state {label!r}",
+                    f"rows {_rows(past)} written in {run}, outside the rows [0, {rows}) that x.<state> holds "
+                    f"there: the body writes batch-ordered state it was not handed (a closure over the whole "
+                    f"tensor instead of x.<state>?)", ext, size, trial, past)
+
+
 def _state_writes(ctx: _Ctx, targets: list, written: list, ext, size, trial) -> list[set[int]]:
     """Report rows written that are neither targets of the exact run nor sinks; returns them."""
+    _outside_view(ctx, written, size, ext, size, trial, f"a run at size {size}")
     stray = []
     allowed = ctx.state.allowed(ext, size, ctx.runner.plan.bucket_axis)
     for label, sinks, target, rows in zip(ctx.state.labels, allowed, targets, written):

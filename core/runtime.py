@@ -10,6 +10,7 @@ A call that raises changes nothing: not the runner's device, stats, state or the
 from __future__ import annotations
 
 import logging
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
@@ -135,6 +136,8 @@ class Runner:
         if self._compiled:
             from .compiled import CompiledBody   # local: plain runners never import dynamo
             self.body = CompiledBody(program, body, torch_compile, self.stats, self.state)
+        self._lock = threading.Lock()
+        self._owner = None         # the thread inside call(), to tell re-entry from another thread
         self._warned_overflow = False
         self._deferred = None      # compile counts of calls that raised, for the next that returns
         # output -> ((dim, axis name, affine), ...): slicing without re-deriving shapes per call
@@ -155,6 +158,20 @@ class Runner:
         past the device extent (clamped into [0, bound]) hold pads, `x.extent` returns it, and
         output lanes past it hold the output's pad. The cuda backend reads it on the device only.
         """
+        me = threading.get_ident()
+        if self._owner == me:
+            raise ContractRuntimeError(
+                f"{where(self.program.name)}: a runner must not be called from inside its own call (its prepare "
+                f"hook or body), got a re-entrant call: the inner call would overwrite the outer call's staged "
+                f"inputs. Use a second runner, or call after the outer call returns")
+        with self._lock:                # rule 4.5: calls from several threads run one at a time
+            self._owner = me
+            try:
+                return self._locked_call(raw, extents)
+            finally:
+                self._owner = None
+
+    def _locked_call(self, raw, extents) -> Outputs:
         with torch.no_grad():           # rule 10.5: inference only, outputs never require grad
             pinned = self.device
             before = self.stats.compile_counts() if self._compiled else None
