@@ -379,8 +379,11 @@ def _carriers(recipe: Recipe, axis: str) -> int:
 COUNTS = {"programs": 0, "calls": 0, "rejected": 0}
 
 
-def run_case(recipe: Recipe, calls, *, backend: str = "reference", device="cpu", **options) -> None:
-    """Compile `recipe` on `backend`, run `calls`, assert every rule the oracle models."""
+def run_case(recipe: Recipe, calls, *, backend: str = "reference", device="cpu", counts: dict | None = None,
+             **options) -> None:
+    """Compile `recipe` on `backend`, run `calls`, assert every rule the oracle models.
+    counts: a dict whose programs / calls / rejected entries this case adds to."""
+    counts = {"programs": 0, "calls": 0, "rejected": 0} if counts is None else counts
     device = torch.device(device)
     program = build_program(recipe)
     body, hook = make_body(recipe), make_hook(recipe)
@@ -388,7 +391,7 @@ def run_case(recipe: Recipe, calls, *, backend: str = "reference", device="cpu",
     mirror = clone_state(state)
     runner = pg.compile(program, body, backend=backend, state=state, prepare=hook, device=device,
                         copy_outputs=recipe.copy_outputs, overflow=recipe.overflow, **options)
-    COUNTS["programs"] += 1
+    counts["programs"] += 1
     same_state(recipe, state, mirror, "after compile (rule 10: compile leaves state as it found it)")
     kept = []
     for i, call in enumerate(calls):
@@ -397,7 +400,7 @@ def run_case(recipe: Recipe, calls, *, backend: str = "reference", device="cpu",
         if call.reject is not None:
             _rejected(runner, reject(raw, call.reject, recipe), case)
             same_state(recipe, state, mirror, f"{case} (rule 2.5: a rejected call changes nothing)")
-            COUNTS["rejected"] += 1
+            counts["rejected"] += 1
             continue
         expected = _expect(recipe, program, raw, call, mirror, body, hook, device)
         dev = {a: torch.tensor(v, dtype=torch.int32, device=device) for a, v in call.dev}
@@ -408,7 +411,7 @@ def run_case(recipe: Recipe, calls, *, backend: str = "reference", device="cpu",
         scribble_after(raw, dev)    # the caller reuses its tensors at once (stream-ordered)
         same_outputs(out, expected, case)
         same_state(recipe, state, mirror, case)
-        COUNTS["calls"] += 1
+        counts["calls"] += 1
         if recipe.copy_outputs:
             kept.append((case, out, expected))
             for old_case, old, old_expected in kept:

@@ -31,7 +31,7 @@ def test_generated(shard, backend, device, options, pytestconfig):
         recipe = data.draw(G.recipes(), label="recipe")
         calls = data.draw(G.call_lists(recipe), label="calls")
         note("reproduction:\n" + G.repro(recipe, calls, backend, device, options))
-        G.run_case(recipe, calls, backend=backend, device=device, **options)
+        G.run_case(recipe, calls, backend=backend, device=device, counts=G.COUNTS, **options)
 
     padgraph_log = logging.getLogger("padgraph")
     level = padgraph_log.level
