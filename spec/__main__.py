@@ -2,7 +2,7 @@
 import os
 import sys
 
-INSTALL_HINT = "padgraph.spec: the conformance suite runs under pytest, which is not installed: pip install padgraph[spec]"
+INSTALL_HINT = "padgraph.spec: the conformance suite runs under pytest, which is not installed: pip install pytest hypothesis (or, from a checkout of padgraph: pip install -e '.[spec]')"
 
 
 def main(argv: list[str] | None = None) -> int:

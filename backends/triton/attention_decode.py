@@ -28,7 +28,7 @@ from .attention_split import (aligned, finish_split, launch_merge, merge_unroll,
                               should_fold, split_len, tickets, tile_slots)
 from .kv import resolve_impl
 
-# Split-count policy (see docs/notes/attention.md): aim for ~PROGRAMS_PER_SM programs per SM
+# Split-count policy (see docs/attention.md): aim for ~PROGRAMS_PER_SM programs per SM
 # (2-3 fit at once: 5-8 waves, so the last, partial wave costs <= ~15 %), but never make a
 # split shorter than MIN_SPLIT_TOKENS of the cache width, nor use more than MAX_SPLITS splits.
 # - MIN_SPLIT_TOKENS 256 -> 128 (2 tiles of BLOCK_N 64): it bounded the merge, which read the
@@ -52,7 +52,7 @@ from .kv import resolve_impl
 #   94.6) but slower at long contexts with few (request, head) pairs (bs 1 ctx 32768 60.1
 #   against 56.0, bs 8 ctx 32768 299.3 against 275.9), which then took 16 an SM.
 # - Decode now (graph-timed sweep, bench_attention --no-spec --no-cold, 2026-12-03,
-#   results/2026-12-03/s15/attention_sweep.md): the largest power of two <= 4 programs an SM
+#   results/attention.md): the largest power of two <= 4 programs an SM
 #   (DECODE_PROGRAMS_PER_SM), at most DECODE_MAX_SPLITS, the merge folded up to
 #   DECODE_FOLD_MAX_SPLITS splits. bs 8 ctx 4096: 8 splits folded 49.4 us (the policy's 5:
 #   51.9); bs 8 ctx 32768: 8 folded 257.7 (33 + merge: 271.8); bs 1 ctx 4096: 32 + merge 18.2
