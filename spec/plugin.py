@@ -31,6 +31,8 @@ def pytest_addoption(parser):
     group.addoption("--generated", type=int, default=60,
                     help="generated programs (each with a call sequence) that test_generated runs, in all")
     group.addoption("--seed", type=int, default=0, help="seed of the generated programs")
+    group.addoption("--no-shrink", action="store_true", default=False,
+                    help="report a generated failure as drawn, without hypothesis' shrinking (long GPU runs)")
     group.addoption("--pack", default=None,
                     help="the cuda backend's pack strategy under test: in-graph, eager or torch (default: auto)")
     group.addoption("--xfails", default=None,
@@ -120,6 +122,20 @@ def compile_options(config) -> dict:
 def options(pytestconfig) -> dict:
     """compile options of the run (`--torch-compile`, `--pack`), for cases that call pg.compile themselves."""
     return compile_options(pytestconfig)
+
+
+def pytest_sessionfinish(session):
+    """Under pytest-xdist, a worker hands its generated counts to the controller."""
+    from . import generated
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["padgraph_generated"] = dict(generated.COUNTS)
+
+
+def pytest_testnodedown(node, error):
+    """The controller adds up the workers' counts (pytest-xdist)."""
+    from . import generated
+    for k, v in getattr(node, "workeroutput", {}).get("padgraph_generated", {}).items():
+        generated.COUNTS[k] += v
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -10,11 +10,11 @@ from __future__ import annotations
 import logging
 
 import pytest
-from hypothesis import HealthCheck, given, note, seed, settings, strategies as st
+from hypothesis import HealthCheck, Phase, given, note, seed, settings, strategies as st
 
 from padgraph.spec import generated as G
 
-SHARDS = 8
+SHARDS = 16
 
 
 @pytest.mark.parametrize("shard", range(SHARDS))
@@ -24,8 +24,11 @@ def test_generated(shard, backend, device, options, pytestconfig):
     if n == 0:
         pytest.skip("no generated programs left for this shard (--generated is small)")
 
+    shrink = [] if pytestconfig.getoption("--no-shrink") else [Phase.shrink]
+    phases = [Phase.explicit, Phase.reuse, Phase.generate, *shrink]
+
     @seed(pytestconfig.getoption("--seed") * 1000 + shard)
-    @settings(max_examples=n, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=n, deadline=None, database=None, suppress_health_check=list(HealthCheck), phases=phases)
     @given(st.data())
     def run(data):
         recipe = data.draw(G.recipes(), label="recipe")
