@@ -228,7 +228,7 @@ def _int_view(t: torch.Tensor) -> torch.Tensor:
 
 def digest(t: torch.Tensor) -> torch.Tensor:
     """[dim 0] int64: each row's element bit patterns summed (pads included)."""
-    v = _int_view(t).to(torch.int64)
+    v = (t if t.dtype == torch.bool else _int_view(t)).to(torch.int64)
     return v.flatten(1).sum(1) if v.dim() > 1 else v
 
 
@@ -249,7 +249,7 @@ def make_body(recipe: Recipe):
         if recipe.state != "none":
             outs.update(_write_state(recipe, x))
         for n in recipe.mutate:
-            _int_view(x[n]).bitwise_not_()
+            _scribble(x[n])
         return outs
 
     return body
@@ -261,6 +261,14 @@ def _outer(x, scale: int, offset: int, axis: str):
     rows = torch.arange(x.bucket, device=dev, dtype=torch.int64)[:, None] * 1000
     cols = torch.arange(scale * x.bucket + offset, device=dev, dtype=torch.int64)[None, :]
     return rows + cols + x.extent(axis).to(torch.int64) * 7
+
+
+def _scribble(t: torch.Tensor) -> None:
+    """Overwrite every lane in place (bools flipped, anything else bit-inverted)."""
+    if t.dtype == torch.bool:
+        t.logical_not_()
+    else:
+        _int_view(t).bitwise_not_()
 
 
 def _write_state(recipe: Recipe, x) -> dict:
@@ -286,7 +294,7 @@ def make_hook(recipe: Recipe):
     def prepare(x):
         x.h.fill_(x.bucket)
         x.h[1].copy_(x.extent("bs"))
-        x.h[2].copy_(_int_view(x[first]).to(torch.int64).sum())
+        x.h[2].copy_(digest(x[first].reshape(1, -1)).sum())
     return prepare
 
 
@@ -567,6 +575,14 @@ def input_decl(draw, name: str, axes: list[str]):
     return (name, dims, dtype, (kind, draw(st.sampled_from(pad_values(dtype)))))
 
 
+MAX_ELEMENTS = 1 << 20     # per input at the largest size a call reaches (memory of many runs at once)
+
+
+def _numel(dims, axes, size: int) -> int:
+    caps = {"bs": size, **{name: scale * size + offset + 1 for name, scale, offset, _ in axes}}
+    return math.prod(d if isinstance(d, int) else d[1] * caps[d[0]] + d[2] for d in dims)
+
+
 def _carried(inputs) -> set:
     return {d[0] for _, dims, _, _ in inputs for d in dims if not isinstance(d, int)}
 
@@ -595,7 +611,10 @@ def recipes(draw) -> Recipe:
     outer = (draw(st.sampled_from(dev_axes)), draw(st.sampled_from([0, -1, 99]))) \
         if dev_axes and draw(st.booleans()) else ()
     state_dtype = draw(st.sampled_from([torch.int64, torch.float32, torch.bfloat16]))
-    return Recipe(axes=axes, ladder=draw(ladders()), inputs=tuple(inputs), echo=echo, digest=digest,
+    ladder = draw(ladders())
+    if max(_numel(dims, axes, ladder[-1] + 2) for _, dims, _, _ in inputs) > MAX_ELEMENTS:
+        ladder = tuple(b for b in ladder if b <= 8) or (1, 2)      # nd inputs grow as bucket^3
+    return Recipe(axes=axes, ladder=ladder, inputs=tuple(inputs), echo=echo, digest=digest,
                   ext_out=draw(st.booleans()), outer=outer, state=state,
                   state_form=draw(st.sampled_from(STATE_FORMS)), state_dtype=state_dtype, sinks=sinks,
                   grad_state=state == "rows" and state_dtype.is_floating_point and draw(st.booleans()),

@@ -76,11 +76,16 @@ def test_r7_state_classes_registered_without_key_functions(form, options, backen
     G.run_case(recipe, [G.Call(ext=(("bs", 3),), seed=2)], backend=backend, device=device, **options)
 
 
-def test_r4_a_reentrant_call_raises_and_threads_are_serialised(compile, device):
-    """A runner called from its own prepare hook overwrote the outer call's staged inputs; calls
-    from several threads (copy_outputs=True) returned another thread's outputs."""
-    program = pg.Program("threads", inputs={"a": pg.Input((bs,), torch.int64, pad=0)},
-                         outputs={"o": pg.Output((bs,), torch.int64)}, buckets=pg.Buckets([8]))
+def _threads_program():
+    return pg.Program("threads", inputs={"a": pg.Input((bs,), torch.int64, pad=0)},
+                      outputs={"o": pg.Output((bs,), torch.int64)}, buckets=pg.Buckets([8]))
+
+
+def test_r4_a_reentrant_call_raises(compile, device, options):
+    """A runner called from its own prepare hook overwrote the outer call's staged inputs."""
+    if options.get("pack") == "in-graph":
+        pytest.skip("a prepare hook needs the eager pack (it reads the packed view before the replay)")
+    program = _threads_program()
     inner = {}
 
     def hook(x):
@@ -95,6 +100,11 @@ def test_r4_a_reentrant_call_raises_and_threads_are_serialised(compile, device):
     out = runner(a=torch.arange(5, device=device))
     assert inner.get("raised"), "the hook's inner call did not run"
     S.assert_equal("o", out.o.cpu(), torch.arange(5) * 3, "outer call after a rejected re-entrant call")
+
+
+def test_r4_calls_from_several_threads_run_one_at_a_time(compile, device):
+    """Calls from several threads (copy_outputs=True) returned another thread's outputs."""
+    runner = compile(_threads_program(), lambda x: {"o": x.a * 3}, copy_outputs=True)
     results, errors = {}, []
 
     def worker(k):
