@@ -164,7 +164,7 @@ class Runner:
                 f"{where(self.program.name)}: a runner must not be called from inside its own call (its prepare "
                 f"hook or body), got a re-entrant call: the inner call would overwrite the outer call's staged "
                 f"inputs. Use a second runner, or call after the outer call returns")
-        with self._lock:                # rule 4.5: calls from several threads run one at a time
+        with self._lock:                # rule 4.4: calls from several threads run one at a time
             self._owner = me
             try:
                 return self._locked_call(raw, extents)

@@ -346,6 +346,8 @@ def make_raw(recipe: Recipe, call: Call, device, host_ok: bool = True) -> dict[s
         shape = raw_shape(recipe, dims, ext)
         v = slots(recipe, shape[0], gen) if name == "slot" else raw_values(shape, dtype, gen)
         form = forms.get(name, "contig")
+        if name == "slot" and form in ("alias", "expand"):
+            form = "offset"          # slots stay distinct rows: another input's bits are no slots
         if form == "host" and not host_ok:
             form = "contig"
         if form == "alias":
