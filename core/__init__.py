@@ -10,7 +10,8 @@ from .capture import capturing
 from .check import CheckResult, Finding, check
 from . import distributed  # noqa: F401  pg.distributed: tensor-parallel helpers
 from .errors import (BucketOverflowError, CaptureError, ContractAttributeError, ContractError, ContractKeyError,
-                     ContractRuntimeError, ContractTypeError, ContractValueError, StateStorageError)
+                     ContractRuntimeError, ContractTypeError, ContractValueError, OverflowWarning, ShadowMismatch,
+                     StaleOutputError, StateStorageError)
 from .pads import Edge, Fill
 from .plan import Plan
 from .program import Input, Output, Program, State
@@ -23,6 +24,6 @@ __version__ = "0.1.0"
 __all__ = [
     "Affine", "Axis", "Buckets", "capturing", "check", "CheckResult", "Finding",
     "BucketOverflowError", "CaptureError", "ContractAttributeError", "ContractError", "ContractKeyError", "ContractRuntimeError", "ContractTypeError",
-    "ContractValueError", "StateStorageError", "Edge", "Fill", "Plan", "Input", "Output", "Program",
+    "ContractValueError", "OverflowWarning", "ShadowMismatch", "StaleOutputError", "StateStorageError", "Edge", "Fill", "Plan", "Input", "Output", "Program",
     "State", "backend_names", "compile", "register_backend", "Outputs", "Runner", "Stats", "PaddedView",
 ]

@@ -46,6 +46,18 @@ class CaptureError(ContractRuntimeError):
     """A backend could not capture the body for a bucket."""
 
 
+class StaleOutputError(ContractRuntimeError):
+    """An output read after the runner's next call overwrote it (copy_outputs=False)."""
+
+
+class ShadowMismatch(ContractRuntimeError):
+    """A shadow-verified call's replay differs from the eager padded path (pg.Shadow)."""
+
+
+class OverflowWarning(UserWarning):
+    """A call past the ladder ran eagerly (overflow="eager"): once per runner, counted in stats."""
+
+
 def where(program: str, buffer: str | None = None, kind: str = "input") -> str:
     """The 'program ..., input ...' prefix every message starts with."""
     head = f"program {program!r}"

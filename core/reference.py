@@ -36,7 +36,7 @@ class ReferenceRunner(Runner):
             raise ValueError(f"program {self.program.name!r}: size {size} does not hold extents {ext}")
         device = self.device or next(iter(raw.values())).device
         outs = run_padded(self, size, raw, ext, device)
-        return self._finish({n: t.clone() for n, t in outs.items()}, ext)
+        return self._finish({n: t.clone() for n, t in outs.items()}, ext, lend_=False)
 
     def _into_arena(self, outs, bucket):
         """Copy the outputs into the runner's arena (one flat buffer per output at the largest

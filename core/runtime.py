@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
@@ -19,7 +20,8 @@ import torch
 
 from .eager import device_axis_dims, mask_outputs, run_padded
 from .errors import (ContractAttributeError, ContractKeyError, ContractRuntimeError, ContractTypeError,
-                     ContractValueError, mismatch, where)
+                     ContractValueError, OverflowWarning, mismatch, where)
+from .lifetimes import Lease, lend, unlend
 from .plan import Plan
 from .program import Program, padded_dims
 from .state import BoundState
@@ -136,6 +138,8 @@ class Runner:
         if self._compiled:
             from .compiled import CompiledBody   # local: plain runners never import dynamo
             self.body = CompiledBody(program, body, torch_compile, self.stats, self.state)
+        self._lease = Lease(program.name, 0)     # the last call's claim on its outputs
+        self._n_calls = 0
         self._lock = threading.Lock()
         self._owner = None         # the thread inside call(), to tell re-entry from another thread
         self._warned_overflow = False
@@ -191,6 +195,8 @@ class Runner:
         if type(raw) is not dict and not isinstance(raw, Mapping):    # dict: the common case, no ABC check
             raise ContractTypeError(mismatch(self.program.name, None, "the raw inputs",
                                              "a mapping input name -> tensor", type(raw).__name__))
+        if any(type(t) is not torch.Tensor for t in raw.values()):
+            raw = {n: unlend(t) for n, t in raw.items()}      # another call's output as input
         device = self.device
         if device is None or (device.index is None and device.type != "cpu"):
             device = self._resolve_device(raw, device)
@@ -201,11 +207,14 @@ class Runner:
         self.device = device        # only once the call is valid: a rejected call pins nothing
         bucket = self.plan.bucket_for(ext)
         if bucket is None:
-            return self._finish(self._overflow(raw, ext, dev), ext)
+            outs = self._overflow(raw, ext, dev)
+            self._next_lease()      # it ran: the previous call's outputs are now stale (rule 6.2)
+            return self._finish(outs, ext)
         outs = self._run_device(bucket, raw, ext, dev) if dev else self._run(bucket, raw, ext)
+        self._next_lease()
         self.stats.record(bucket, ext[self.plan.bucket_axis])
         if self.cache_output_views and not self.copy_outputs:
-            return self._finish_cached(outs, ext, bucket)
+            return self._lend(self._finish_cached(outs, ext, bucket))
         return self._finish(outs, ext)
 
     def _resolve_device(self, raw, device):
@@ -285,16 +294,16 @@ class Runner:
         outs = self._run_eager(size, run_raw, run_ext)
         # counted (and warned about) once it ran: a call that raises changes no stats (10.6)
         if not self._warned_overflow:
-            log.warning("program %r: raw extents %s are past the largest bucket %d; running eagerly "
-                        "(counted in stats.eager_fallbacks; warned once)", self.program.name, dict(ext),
-                        self.plan.buckets[-1])
             self._warned_overflow = True
+            warnings.warn(f"program {self.program.name!r}: raw extents {dict(ext)} are past the largest bucket "
+                          f"{self.plan.buckets[-1]}; running eagerly (counted in stats.eager_fallbacks; warned "
+                          f"once per runner; overflow='error' raises instead)", OverflowWarning, stacklevel=5)
         self.stats.eager_fallbacks += 1
         # fresh tensors: a body may return (a view of) bound state, which an output must not alias
         outs = {name: t.clone() for name, t in outs.items()}
         return mask_outputs(self.program, outs, self._device_dims, run_ext.__getitem__) if dev else outs
 
-    def _finish(self, outs: Mapping[str, torch.Tensor], ext: Mapping[str, int]) -> Outputs:
+    def _finish(self, outs: Mapping[str, torch.Tensor], ext: Mapping[str, int], lend_: bool = True) -> Outputs:
         res = Outputs()
         res.__dict__[_PROGRAM] = self.program.name
         for name, dims in self._out_slices.items():
@@ -302,7 +311,20 @@ class Runner:
             for d, axis, af in dims:
                 t = t.narrow(d, 0, af.scale * ext[axis] + af.offset)
             res[name] = t.clone() if self.copy_outputs else t
-        return res
+        return self._lend(res) if lend_ and not self.copy_outputs else res
+
+    def _next_lease(self) -> None:
+        """End the last call's lease on its outputs (rule 6.2) and open this call's."""
+        self._lease.alive = False
+        self._n_calls += 1
+        self._lease = Lease(self.program.name, self._n_calls)
+
+    def _lend(self, res: Outputs) -> Outputs:
+        """The outputs as Lent tensors under this call's lease (a read after the next call raises)."""
+        lease = self._lease
+        out = Outputs({n: lend(t, lease, n) for n, t in res.items()})
+        out.__dict__[_PROGRAM] = self.program.name
+        return out
 
     def _finish_cached(self, outs, ext, bucket: int) -> Outputs:
         """The sliced views of a bucket's fixed outputs, made once per (bucket, extents).
@@ -321,7 +343,7 @@ class Runner:
                 res = Outputs(zip(self._out_slices, (h[0] for h in hit)))
                 res.__dict__[_PROGRAM] = self.program.name
                 return res
-        res = self._finish(outs, ext)
+        res = self._finish(outs, ext, lend_=False)
         if len(self._views) > 4096:
             self._views.clear()
         self._views[key] = [(v, v.shape, v.stride(), v.data_ptr(), v.dtype) for v in res.values()]

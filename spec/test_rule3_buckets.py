@@ -2,6 +2,8 @@
 import logging
 import random
 
+import warnings
+
 import pytest
 
 import padgraph as pg
@@ -34,12 +36,14 @@ def test_r3_1_smallest_bucket_holding_every_axis(compile, device, n, n_tok):
     S.assert_equal("padded shape of seq_lens (bs)", int((state["p_seq_lens"] != S.SENTINEL).sum()), want, case)
 
 
-def test_r3_2_overflow_eager(compile, device, caplog):
-    """Past the ladder: run at the exact fitting size, count it, warn once, results still right."""
+def test_r3_2_overflow_eager(compile, device):
+    """Past the ladder: run at the exact fitting size, count it, warn once (pg.OverflowWarning,
+    a Python warning that warning filters see), results still right."""
     program = P.pads_program()
     state = P.pads_state(program, device)
     runner = compile(program, P.probing_body, state=state)
-    with caplog.at_level(logging.WARNING):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         for i, (n, n_tok) in enumerate([(9, 3), (8, 17), (10, 20)]):
             raw = P.pads_raw(n, n_tok, device, seed=i)
             out = runner(**raw)
@@ -47,8 +51,9 @@ def test_r3_2_overflow_eager(compile, device, caplog):
             P.check_probes(program, state, raw, n, n_tok, case)
             S.assert_equal("y", out.y, raw["seq_lens"], case)
             S.assert_equal("stats.eager_fallbacks", runner.stats.eager_fallbacks, i + 1, case)
-    warned = [r for r in caplog.records if "past the largest bucket" in r.getMessage()]
+    warned = [w for w in caught if issubclass(w.category, pg.OverflowWarning)]
     S.assert_equal("overflow warnings", len(warned), 1, "three overflowing calls")
+    assert "past the largest bucket" in str(warned[0].message), str(warned[0].message)
     out = runner(**P.pads_raw(3, 2, device, seed=9))       # and back on the ladder
     S.assert_equal("bucket after overflow", int(state["p_bucket"][0]), 4, "bs=3 after overflow")
 

@@ -71,11 +71,11 @@ def test_overflow_warns_once_and_outputs_do_not_alias_state(caplog):
         return {"y": x.kv[: x.bucket]}     # a view of state: the runner must hand out a copy
 
     r = pg.compile(p, body, state={"kv": kv})
-    with caplog.at_level(logging.WARNING, logger="padgraph"):
+    with pytest.warns(pg.OverflowWarning, match="past the largest bucket") as caught:
         for n in (3, 5, 2):
             out = r(a=torch.arange(n))
             assert out.y.untyped_storage().data_ptr() != kv.untyped_storage().data_ptr(), f"bs={n}"
-    assert sum("past the largest bucket" in m for m in caplog.messages) == 1
+    assert sum(issubclass(w.category, pg.OverflowWarning) for w in caught) == 1
 
 
 def test_first_call_checks_every_input_device():
@@ -97,11 +97,15 @@ def test_outputs_mapping_and_copy_outputs():
 
 
 def test_default_outputs_live_in_one_arena():
-    """Default lifetime: the next call reuses the output storage (why copy_outputs exists)."""
+    """Default lifetime: the next call reuses the output storage (why copy_outputs exists), so an
+    output read after it raises (rule 6.2) instead of showing the next call's values."""
     r = pg.compile(_prog(), lambda x: {"y": x.a + x.b})
     y1 = r(a=torch.ones(2, dtype=torch.int64), b=torch.ones(2, dtype=torch.int64)).y
+    p1 = y1.untyped_storage().data_ptr()
     y2 = r(a=torch.zeros(3, dtype=torch.int64), b=torch.zeros(3, dtype=torch.int64)).y
-    assert y1.untyped_storage().data_ptr() == y2.untyped_storage().data_ptr()
+    assert p1 == y2.untyped_storage().data_ptr()
+    with pytest.raises(pg.StaleOutputError, match="'y' of call 1.*copy_outputs=True"):
+        y1.untyped_storage()
 
 
 def test_run_at_and_register_backend():

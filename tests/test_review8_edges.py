@@ -46,10 +46,13 @@ def test_a_cached_view_whose_dtype_changed_is_replaced():
     runner = pg.compile(p, lambda x: {"y": x.a + 1}, backend="reference-cached-views")
     o = runner(a=torch.tensor([1, 2, 3]))
     again = runner(a=torch.tensor([1, 2, 3]))
-    assert again.y is o.y                                   # intact: handed out again
-    o.y.data = o.y.data.view(torch.float64)
+    assert again.y is not o.y                               # each call lends its own alias
+    with pytest.raises(pg.StaleOutputError):
+        o.y.tolist()
+    again.y.data = again.y.data.view(torch.float64)         # the caller's alias, not the cached view
+    again.y.unsqueeze_(0)
     fresh = runner(a=torch.tensor([1, 2, 3])).y
-    assert fresh is not o.y and fresh.dtype == torch.int64 and fresh.tolist() == [2, 3, 4]
+    assert fresh.dtype == torch.int64 and fresh.shape == (3,) and fresh.tolist() == [2, 3, 4]
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
