@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .llama import PagedBatch
+from ..batch import Batch
+from .llama import AttnPlan
 
 # Rows up to which "fp8-fused" runs the fused lm_head + top-k kernel (H200, 2026-12-01,
 # examples/bench_topk.py, V 128256 x H 2048): 88.5 / 115.9 us a draft step at 16 / 64 rows
@@ -73,16 +74,16 @@ class DraftHead(nn.Module):
         """(token ids [n], target hidden [n, H]) -> the layer's input [n, H]."""
         raise NotImplementedError
 
-    def _layer(self, x: Tensor, positions: Tensor, batch: PagedBatch, kv) -> Tensor:
+    def _layer(self, x: Tensor, positions: Tensor, batch: AttnPlan, kv) -> Tensor:
         """The decoder layer over its one-layer cache `kv` (the worker's bound view)."""
         raise NotImplementedError
 
-    def _extend_batch(self, req_to_token, req_pool_indices, seq_lens, qo_indptr, out_cache_loc,
-                      impl) -> PagedBatch:
+    def _extend_batch(self, b: Batch) -> AttnPlan:
+        """The layer's attention plan over packed tokens (`qo_indptr`)."""
         raise NotImplementedError
 
-    def _tree_batch(self, req_to_token, req_pool_indices, seq_lens, tree_mask, out_cache_loc,
-                    impl) -> PagedBatch:
+    def _tree_batch(self, b: Batch) -> AttnPlan:
+        """The layer's attention plan over a tree (`tree_mask`)."""
         raise NotImplementedError
 
     @classmethod
@@ -206,32 +207,27 @@ class DraftHead(nn.Module):
         return h @ self.hot_weight.t()
 
     # ---- forwards ----------------------------------------------------------------------
-    def _run(self, input_ids, hidden, positions, batch: PagedBatch, kv) -> Tensor:
+    def _run(self, input_ids, hidden, positions, batch: AttnPlan, kv) -> Tensor:
         x = self._layer(self._inputs(input_ids, hidden), positions, batch, kv)
         return self.norm(x)                                          # [n, H]
 
-    def forward_extend(self, input_ids, hidden, positions, kv, req_to_token, req_pool_indices,
-                       seq_lens, qo_indptr, out_cache_loc, impl="auto") -> Tensor:
+    def forward_extend(self, input_ids, hidden, positions, batch: Batch) -> Tensor:
         """Packed [n_tok] pairs → the head's hidden [n_tok, H] (logits: `topk`/`logits`)."""
-        batch = self._extend_batch(req_to_token, req_pool_indices, seq_lens, qo_indptr,
-                                   out_cache_loc, impl)
-        return self._run(input_ids, hidden, positions, batch, kv)
+        return self._run(input_ids, hidden, positions, self._extend_batch(batch), batch.kv)
 
-    def forward_draft_step(self, step: int, input_ids, hidden, positions, kv, req_to_token,
-                           req_pool_indices, seq_lens, tree_mask, out_cache_loc,
-                           impl="auto") -> Tensor:
+    def forward_draft_step(self, step: int, input_ids, hidden, positions, batch: Batch) -> Tensor:
         """The `topk` nodes of draft step `step` per request ([bs*topk] tokens) → hidden.
 
         The draft tree's n nodes sit at positions seq_lens-n .. seq_lens-1 of each row (node
-        step*topk + j is this step's j-th); tree_mask [bs, n, n] says which ancestors each sees.
+        step*topk + j is this step's j-th); `batch.tree_mask` [bs, n, n] says which ancestors
+        each sees, `batch.out_cache_loc` [bs*topk] where this step's K/V go.
         This step's queries go in their node rows of an otherwise-zero query block for the tree
         attention, whose other rows' outputs are dropped.
         """
-        bs, n = tree_mask.shape[:2]
+        bs, n = batch.tree_mask.shape[:2]
         topk = input_ids.shape[0] // bs
         lo = step * topk
-        tree = self._tree_batch(req_to_token, req_pool_indices, seq_lens, tree_mask,
-                                out_cache_loc, impl)
+        tree = self._tree_batch(batch)
 
         def attend(q, *caches):                                      # q [bs*topk, n_heads, D]
             q_all = q.new_zeros(bs, n, *q.shape[1:])                 # [bs, n, n_heads, D]
@@ -239,7 +235,8 @@ class DraftHead(nn.Module):
             o = tree.attend(q_all.view(bs * n, *q.shape[1:]), *caches)   # [bs*n, n_heads, Dv]
             return o.view(bs, n, *o.shape[1:])[:, lo:lo + topk].reshape(bs * topk, *o.shape[1:])
 
-        return self._run(input_ids, hidden, positions, PagedBatch(out_cache_loc, attend), kv)
+        return self._run(input_ids, hidden, positions, AttnPlan(batch.out_cache_loc, attend),
+                         batch.kv)
 
     def forward_dense(self, input_ids: Tensor, hidden: Tensor):
         """Teacher-forced [B, T] pairs (token p+1, target hidden p) → (logits, hidden), no cache."""

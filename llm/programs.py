@@ -11,6 +11,8 @@ value (padded requests own no tokens). No runner writes padding code of its own.
 
 Model-specific parts are parameters: `outputs` is a mapping of `pg.Output`s, or a function of the
 program's axes (`RunnerAxes`) returning one, since output shapes name the same axis objects.
+`programs(cfg, spec, ...)` fills them in for a target and draft head (the outputs the bodies in
+`padgraph.llm.bodies` return).
 """
 from __future__ import annotations
 
@@ -19,10 +21,10 @@ from typing import Callable, Mapping, Union
 
 import torch
 
-from .axes import Axis
-from .buckets import Buckets
-from .pads import Edge
-from .program import Input, Output, Program, State
+import padgraph as pg
+from padgraph import Axis, Buckets, Edge, Input, Output, Program, State
+
+from .config import SpecConfig
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,8 @@ def draft_program(steps: int, topk: int, hidden_size: int, hidden_dtype: torch.d
     """EAGLE multi-step draft from the last draft-extend's top-k and hidden state.
 
     `out_cache_loc` holds `steps * topk` draft slots per request, laid out per request, so a
-    padded request's slots are a tail of sink slots.
+    padded request's slots are a tail of sink slots. `verified_id` (the tree's root, pad 0) lets
+    the body emit verify's inputs itself.
     """
     _check_pos(steps=steps, topk=topk, hidden_size=hidden_size)
     bs = Axis("bs")
@@ -111,6 +114,7 @@ def draft_program(steps: int, topk: int, hidden_size: int, hidden_dtype: torch.d
         "positions": Input((bs,), torch.int64, pad=0),
         **_per_request(bs),
         "out_cache_loc": Input((bs * (steps * topk),), torch.int64, pad=0),
+        "verified_id": Input((bs,), torch.int64, pad=0),
     }
     return _program(name, inputs, outputs, RunnerAxes(bs), state, buckets)
 
@@ -182,3 +186,75 @@ def draft_prefill_program(hidden_size: int, hidden_dtype: torch.dtype, outputs: 
     inputs.update(hidden_states=Input((tokens, hidden_size), hidden_dtype, pad=0),
                   verified_id=Input((reqs,), torch.int64, pad=0))
     return _program(name, inputs, outputs, RunnerAxes(reqs, tokens), state, buckets)
+
+
+# ------------------------------------------------------------------ a model's programs
+
+def _state_decl(cache_names) -> dict[str, pg.State]:
+    """The runners' bound state: the caches (sink slot 0) and req_to_token (sink row 0)."""
+    return {**{n: pg.State(sink=0) for n in cache_names}, "req_to_token": pg.State(sink=0)}
+
+
+def programs(cfg, spec: SpecConfig, hidden_dtype, buckets=None,
+             cache_names=("k_cache", "v_cache")) -> dict[str, pg.Program]:
+    """The four EAGLE runner programs (decode, verify, draft, draft-extend) with this model's
+    outputs and cache state names."""
+    H, k, S, topk = cfg.hidden_size, spec.num_draft_tokens, spec.steps, spec.topk
+    O = pg.Output
+    state = _state_decl(cache_names)
+    return {
+        "decode": decode_program(lambda a: {
+            "next_token": O((a.bs,), torch.int64), "top2_gap": O((a.bs,), torch.float32)},
+            buckets=buckets, state=state),
+        "verify": verify_program(k, lambda a: {
+            "accept_len": O((a.bs,), torch.int32), "out_tokens": O((a.bs, S + 1), torch.int64),
+            "bonus": O((a.bs,), torch.int64),
+            "de_input_ids": O((a.bs * (S + 1),), torch.int64),
+            "de_positions": O((a.bs * (S + 1),), torch.int64),
+            "de_out_cache_loc": O((a.bs * (S + 1),), torch.int64),
+            "de_hidden": O((a.bs * (S + 1), H), hidden_dtype),
+            "de_qo_indptr": O((a.bs + 1,), torch.int32),
+            "de_seq_lens": O((a.bs,), torch.int32)}, buckets=buckets, state=state),
+        "draft": draft_program(S, topk, H, hidden_dtype, lambda a: {
+            "draft_tokens": O((a.bs, k - 1), torch.int64),
+            "tree_mask": O((a.bs, k, k), torch.bool),
+            "depth": O((a.bs, k), torch.int64),
+            "verify_input_ids": O((a.bs * k,), torch.int64),
+            "verify_positions": O((a.bs * k,), torch.int64),
+            "verify_out_cache_loc": O((a.bs * k,), torch.int64)}, buckets=buckets, state=state),
+        "draft_extend": draft_extend_program(S, H, hidden_dtype, lambda a: {
+            "topk_p": O((a.bs, topk), torch.float32), "topk_index": O((a.bs, topk), torch.int64),
+            "next_hidden": O((a.bs, H), hidden_dtype),
+            "draft_out_cache_loc": O((a.bs * (S * topk),), torch.int64)}, buckets=buckets,
+            state=state),
+    }
+
+
+def extend_prefill_program(cfg, hidden_dtype, max_tokens: int,
+                           cache_names=("k_cache", "v_cache")) -> pg.Program:
+    """The prefill runner program (bucketed by packed prompt tokens, `prefill_buckets`)."""
+    O = pg.Output
+    return extend_program(lambda a: {
+        "hidden": O((a.tokens, cfg.hidden_size), hidden_dtype),
+        "last_hidden": O((a.bs, cfg.hidden_size), hidden_dtype)},
+        buckets=prefill_buckets(max_tokens), state=_state_decl(cache_names), name="prefill")
+
+
+def draft_prefill_runner_program(cfg, spec: SpecConfig, hidden_dtype, max_tokens: int,
+                                 cache_names=("k_cache", "v_cache")) -> pg.Program:
+    """The draft-prefill runner program, on the prefill program's ladder of packed tokens."""
+    O, S, topk = pg.Output, spec.steps, spec.topk
+    return draft_prefill_program(cfg.hidden_size, hidden_dtype, lambda a: {
+        "topk_p": O((a.bs, topk), torch.float32), "topk_index": O((a.bs, topk), torch.int64),
+        "next_hidden": O((a.bs, cfg.hidden_size), hidden_dtype),
+        "draft_out_cache_loc": O((a.bs * (S * topk),), torch.int64)},
+        buckets=prefill_buckets(max_tokens), state=_state_decl(cache_names),
+        name="draft_prefill")
+
+
+def prefill_buckets(max_tokens: int) -> pg.Buckets:
+    """Packed-token ladder for the prefill program: 16, 24, 32, 48, 64, ... (powers of two and
+    1.5x them), up to max_tokens: a batch pads by at most a third."""
+    sizes = sorted({s for i in range(4, max(4, max_tokens.bit_length()) + 1)
+                    for s in (1 << i, 3 << (i - 1)) if s <= max_tokens})
+    return pg.Buckets(sizes + ([max_tokens] if not sizes or sizes[-1] != max_tokens else []))

@@ -16,7 +16,7 @@ compete for anything, so padded tokens cannot change real tokens' results (`pg.c
 `tests/test_deepseek.py` shows a capacity-limited grouping where they do). The cost is
 n_experts / top_k times the routed FLOPs of a sparse kernel: right for tiny and medium sizes.
 
-Forward functions keep `LlamaModel`'s signatures and return `(logits, hidden)`; `kv` is a
+Forward functions keep `LlamaModel`'s signatures (tokens, positions, one `Batch`) and return `(logits, hidden)`; `kv` is a
 `LatentCache` (or the bound view `kv.latent[layer]` inside a runner program).
 """
 from __future__ import annotations
@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .llama import MLP, PagedBatch, PagedForwards, RMSNorm, Rotary, init_weights
+from ..batch import Batch
+from .llama import MLP, AttnPlan, PagedForwards, RMSNorm, Rotary, init_weights
 
 
 @dataclass(frozen=True)
@@ -131,27 +132,27 @@ def _store_latent(latent_cache, loc, c_kv, k_rope):
 
 # Each batch's `attend(q_latent [n, H, r + rope], latent_cache) -> o_latent [n, H, r]`.
 
-def mla_decode_batch(cfg, req_to_token, req_pool_indices, seq_lens, out_cache_loc, impl="auto"):
-    fn = partial(_mla().mla_decode_attention, req_to_token=req_to_token,
-                 req_pool_indices=req_pool_indices, seq_lens=seq_lens,
-                 kv_lora_rank=cfg.kv_lora_rank, sm_scale=cfg.sm_scale, impl=impl)
-    return PagedBatch(out_cache_loc, lambda q, cache: fn(q, cache))
+def mla_decode_batch(cfg, b: Batch) -> AttnPlan:
+    fn = partial(_mla().mla_decode_attention, req_to_token=b.req_to_token,
+                 req_pool_indices=b.req_pool_indices, seq_lens=b.seq_lens,
+                 kv_lora_rank=cfg.kv_lora_rank, sm_scale=cfg.sm_scale, impl=b.impl)
+    return AttnPlan(b.out_cache_loc, lambda q, cache: fn(q, cache))
 
 
-def mla_extend_batch(cfg, req_to_token, req_pool_indices, seq_lens, qo_indptr, out_cache_loc,
-                     impl="auto"):
-    fn = partial(_mla().mla_extend_attention, req_to_token=req_to_token,
-                 req_pool_indices=req_pool_indices, seq_lens=seq_lens, qo_indptr=qo_indptr,
-                 kv_lora_rank=cfg.kv_lora_rank, sm_scale=cfg.sm_scale, impl=impl)
-    return PagedBatch(out_cache_loc, lambda q, cache: fn(q, cache))
+def mla_extend_batch(cfg, b: Batch) -> AttnPlan:
+    fn = partial(_mla().mla_extend_attention, req_to_token=b.req_to_token,
+                 req_pool_indices=b.req_pool_indices, seq_lens=b.seq_lens,
+                 qo_indptr=b.qo_indptr, kv_lora_rank=cfg.kv_lora_rank, sm_scale=cfg.sm_scale,
+                 impl=b.impl)
+    return AttnPlan(b.out_cache_loc, lambda q, cache: fn(q, cache))
 
 
-def mla_tree_batch(cfg, req_to_token, req_pool_indices, seq_lens, tree_mask, out_cache_loc,
-                   impl="auto"):
-    fn = partial(_mla().mla_tree_verify_attention, req_to_token=req_to_token,
-                 req_pool_indices=req_pool_indices, seq_lens=seq_lens, tree_mask=tree_mask,
-                 kv_lora_rank=cfg.kv_lora_rank, sm_scale=cfg.sm_scale, impl=impl)
-    return PagedBatch(out_cache_loc, lambda q, cache: fn(q, cache))
+def mla_tree_batch(cfg, b: Batch) -> AttnPlan:
+    fn = partial(_mla().mla_tree_verify_attention, req_to_token=b.req_to_token,
+                 req_pool_indices=b.req_pool_indices, seq_lens=b.seq_lens,
+                 tree_mask=b.tree_mask, kv_lora_rank=cfg.kv_lora_rank, sm_scale=cfg.sm_scale,
+                 impl=b.impl)
+    return AttnPlan(b.out_cache_loc, lambda q, cache: fn(q, cache))
 
 
 # ------------------------------------------------------------------------------------- MLA
@@ -185,7 +186,7 @@ class MLAttention(nn.Module):
         k_rope = rope(k_rope[:, None], positions)[:, 0]               # one rope key, all heads
         return q_nope, rope(q_rope, positions), self.kv_norm(c_kv), k_rope
 
-    def forward(self, x, positions, rope, batch: PagedBatch, latent_cache):
+    def forward(self, x, positions, rope, batch: AttnPlan, latent_cache):
         """Absorbed: store [c_kv, k_rope], attend in the latent space, up-project after."""
         mla = _mla()
         q_nope, q_rope, c_kv, k_rope = self.project(x, positions, rope)
@@ -325,7 +326,7 @@ class DeepSeekModel(PagedForwards, nn.Module):
         return LatentCache(n_layers, n_slots, self.cfg.latent_width, max_context, n_req_rows,
                            w.dtype, w.device)
 
-    def _run(self, input_ids, positions, batch: PagedBatch, kv) -> Tensor:
+    def _run(self, input_ids, positions, batch: AttnPlan, kv) -> Tensor:
         x = self.embed(input_ids)                                    # [n, hidden]
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, self.rope, batch, kv.latent[i])
@@ -339,14 +340,14 @@ class DeepSeekModel(PagedForwards, nn.Module):
         return self.lm_head(hidden).argmax(-1)
 
     # the paged forwards are PagedForwards'; the metadata is MLA's (one latent head per slot)
-    def _decode_batch(self, *args):
-        return mla_decode_batch(self.cfg, *args)
+    def _decode_batch(self, b: Batch) -> AttnPlan:
+        return mla_decode_batch(self.cfg, b)
 
-    def _extend_batch(self, *args):
-        return mla_extend_batch(self.cfg, *args)
+    def _extend_batch(self, b: Batch) -> AttnPlan:
+        return mla_extend_batch(self.cfg, b)
 
-    def _tree_batch(self, *args):
-        return mla_tree_batch(self.cfg, *args)
+    def _tree_batch(self, b: Batch) -> AttnPlan:
+        return mla_tree_batch(self.cfg, b)
 
     def forward_dense(self, input_ids: Tensor, last_only: bool = False):
         """[B, T] → (logits [B, T, V] (or [B, V] with last_only), hidden [B, T, hidden]),

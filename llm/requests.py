@@ -1,8 +1,9 @@
-"""What a request must be, checked before anything is written: the Worker (spec_decode) and the
-Hugging Face client (hf_llama) raise the same errors for the same bad request."""
+"""A request and what it must be, checked before anything is written: the engine and the
+Hugging Face client raise the same errors for the same bad request."""
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,3 +39,26 @@ def budget(i: int, n, name: str = "max_new_tokens") -> int:
     if n < 1:
         raise ValueError(f"request {i}: {name} must be >= 1; got {n}")
     return n
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    output: list[int] = field(default_factory=list)
+    row: int = 0
+    slots: list[int] = field(default_factory=list)
+    done: bool = False
+    gaps: list[float] = field(default_factory=list)   # greedy: target's top-1 minus top-2 logit
+
+
+def sure_to_finish(r: Request) -> bool:
+    """One token left: the round in flight finishes it (every round emits at least one)."""
+    return r.max_new_tokens - len(r.output) <= 1
+
+
+def may_finish(r: Request, max_emit: int) -> bool:
+    """At most max_emit tokens left (a round emits up to max_emit): the round in flight may
+    finish it."""
+    return r.max_new_tokens - len(r.output) <= max_emit

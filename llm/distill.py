@@ -11,7 +11,7 @@ head memorises a small corpus (H200, random 1B target: held-out top-1 0.63 after
 against 0.86 for the untrained passthrough; kept at step 15, 0.874). Weights are saved locally
 only.
 
-    python examples/distill.py --model tiny --out /tmp/eagle_tiny.pt
+    python -m padgraph.llm.distill --model tiny --out /tmp/eagle_tiny.pt
 
 The same script distils the DeepSeek MTP-style head (`--model ds-tiny | ds-lite`): any target
 with `forward_dense(tokens) -> (logits, hidden)` and any `DraftHead` (EagleHead, MTPHead).
@@ -22,16 +22,17 @@ import argparse
 import contextlib
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.deepseek import DeepSeekConfig, DeepSeekModel
-from models.draft_head import DraftHead
-from models.eagle_head import EagleHead
-from models.llama import LlamaConfig, LlamaModel
-from models.mtp_head import MTPHead
+from .models.deepseek import DeepSeekConfig, DeepSeekModel
+from .models.draft_head import DraftHead
+from .models.eagle_head import EagleHead
+from .models.llama import LlamaConfig, LlamaModel
+from .models.mtp_head import MTPHead
 
 FAMILIES = {"llama": (LlamaModel, EagleHead), "deepseek": (DeepSeekModel, MTPHead)}
 
@@ -67,9 +68,21 @@ def _depth_losses(head: DraftHead, ids, h_in, y, h_out, depth: int):
     return out
 
 
-def train_head(head: DraftHead, tokens, hidden, labels, *, steps: int, batch: int, lr: float,
-               hidden_weight: float = 0.1, scale_lr: float = 0.05, depth: int = 1,
-               select=None, select_depth: int = 3, n_evals: int = 20, log=print):
+@dataclass(frozen=True)
+class TrainOptions:
+    """`train_head`'s knobs (its keyword arguments besides `log`)."""
+    steps: int
+    batch: int
+    lr: float
+    hidden_weight: float = 0.1
+    scale_lr: float = 0.05
+    depth: int = 1
+    select: tuple | None = None     # held-out (tokens, hidden, labels) for early stopping
+    select_depth: int = 3
+    n_evals: int = 20
+
+
+def train_head(head: DraftHead, tokens, hidden, labels, *, log=print, **options):
     """EAGLE training on pairs (token p+1, h_p) → (label p+1, h_p+1): teacher-forced with
     depth 1; with depth > 1 also unrolled as the draft runs (`forward_unrolled`: depth d's
     input hidden is the head's own output of depth d-1), the losses averaged over depths.
@@ -79,7 +92,10 @@ def train_head(head: DraftHead, tokens, hidden, labels, *, steps: int, batch: in
     during it, and at steps 1, 2, 3, 4, 6, 8, ... before the first of those; the best weights
     are kept (early stopping): a one-layer head memorises a small corpus and can end up
     predicting fresh text worse than the passthrough it started from. Returns (step of the kept
-    weights or None, its held-out check)."""
+    weights or None, its held-out check). `options`: `TrainOptions`' fields."""
+    o = TrainOptions(**options)
+    steps, batch, lr, depth, select = o.steps, o.batch, o.lr, o.depth, o.select
+    select_depth, scale_lr = o.select_depth, o.scale_lr
     if steps <= 0:
         return None, None
     best = None
@@ -109,7 +125,7 @@ def train_head(head: DraftHead, tokens, hidden, labels, *, steps: int, batch: in
     y, h_out = labels[:, 1:], hidden[:, 1:].float()
     g = torch.Generator().manual_seed(0)
     cuda = tokens.is_cuda
-    every = max(1, steps // max(1, n_evals))
+    every = max(1, steps // max(1, o.n_evals))
     # evenly spaced checks, and denser ones before the first: the best weights can come early
     # (the H200 runs kept the first evenly spaced check), so 1, 2, 3, 4, 6, 8, 12, ... below it
     early = {m << k for k in range(12) for m in (2, 3)} | {1}
@@ -121,7 +137,7 @@ def train_head(head: DraftHead, tokens, hidden, labels, *, steps: int, batch: in
         amp = torch.autocast("cuda", torch.bfloat16) if cuda else contextlib.nullcontext()
         with amp:
             parts = _depth_losses(head, ids[sel], h_in[sel], y[sel], h_out[sel], depth)
-            loss = sum(ce + hidden_weight * reg for ce, reg, _ in parts) / len(parts)
+            loss = sum(ce + o.hidden_weight * reg for ce, reg, _ in parts) / len(parts)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -196,34 +212,56 @@ def hot_vocab(labels, n_hot: int) -> torch.Tensor:
     return counts.topk(n).indices.sort().values
 
 
-def distill(target: nn.Module, head: DraftHead, *, n_seq=64, prompt_len=16, gen_len=48,
-            gen_batch=64, steps=300, batch=32, lr=1e-3, n_hot=None, init="passthrough",
-            depth=1, check_depth=3, n_check=16, early_stop=True, log=print) -> dict:
+@dataclass(frozen=True)
+class DistillOptions:
+    """`distill`'s knobs (its keyword arguments besides `log`): corpus size and lengths,
+    training steps, batch and learning rate, draft vocabulary size, start, unroll depth, and
+    the held-out check."""
+    n_seq: int = 64
+    prompt_len: int = 16
+    gen_len: int = 48
+    gen_batch: int = 64
+    steps: int = 300
+    batch: int = 32
+    lr: float = 1e-3
+    n_hot: int | None = None
+    init: str = "passthrough"
+    depth: int = 1
+    check_depth: int = 3
+    n_check: int = 16
+    early_stop: bool = True
+
+
+def distill(target: nn.Module, head: DraftHead, *, log=print, **options) -> dict:
     """Data + training + draft vocabulary; returns timings and, on `n_check` held-out
     sequences, the chain draft's per-depth accuracy and accept length (`chain_accept`).
+    `options`: `DistillOptions`' fields.
 
     early_stop: keep the weights with the best chain accept on another `n_check` held-out
     sequences (`train_head(select=...)`), then set the draft temperature to the likelihood's
     optimum on them (`calibrate_temperature`)."""
+    o = DistillOptions(**options)
+    n_seq, prompt_len, gen_len, gen_batch = o.n_seq, o.prompt_len, o.gen_len, o.gen_batch
+    steps, depth, check_depth, n_check = o.steps, o.depth, o.check_depth, o.n_check
     t0 = time.perf_counter()
     tokens, hidden, labels = greedy_corpus(target, n_seq, prompt_len, gen_len, gen_batch)
     select = (greedy_corpus(target, n_check, prompt_len, gen_len, gen_batch, seed=4322)
-              if early_stop and n_check else None)
+              if o.early_stop and n_check else None)
     t1 = time.perf_counter()
     head.float().train()
-    if init == "passthrough":
+    if o.init == "passthrough":
         head.init_passthrough()
     for p in head.parameters():
         p.requires_grad_(True)
-    kept, _ = train_head(head, tokens, hidden, labels, steps=steps, batch=min(batch, n_seq),
-                         lr=lr, depth=depth, select=select, select_depth=check_depth, log=log)
+    kept, _ = train_head(head, tokens, hidden, labels, steps=steps, batch=min(o.batch, n_seq),
+                         lr=o.lr, depth=depth, select=select, select_depth=check_depth, log=log)
     head.eval().to(target.lm_head.weight.dtype)
     if select is not None:
         calibrate_temperature(head, *select, log=log)
     for p in head.parameters():
         p.requires_grad_(False)
-    if n_hot:
-        head.set_draft_vocab(hot_vocab(labels, n_hot))
+    if o.n_hot:
+        head.set_draft_vocab(hot_vocab(labels, o.n_hot))
     t2 = time.perf_counter()
     info = {"data_s": t1 - t0, "train_s": t2 - t1, "n_seq": n_seq,
             "seq_len": prompt_len + gen_len, "steps": steps, "depth": depth,
@@ -254,7 +292,7 @@ PRESETS = {
     # three times the steps (H200 main job at the (3, 4, 8) tree, 2026-12-02, before early
     # stopping): accept 2.99 -> 3.30, 1.49x -> 1.76x greedy, for 12 s more distillation (the 1B
     # Llama head, same change: accept 2.97 -> 3.22 but 2.02x -> 1.98x, so "1b" keeps 256 x 300).
-    # With early stopping (tenth session) the kept weights were step 45's (accept 3.89, 1.95x):
+    # With early stopping the kept weights were step 45's (accept 3.89, 1.95x):
     # the larger corpus still helps the held-out check; most of the 900 steps are discarded.
     "ds-lite": dict(family="deepseek", cfg=DeepSeekConfig.lite, n_seq=512, prompt_len=16,
                     gen_len=48, steps=900, lr=3e-4),

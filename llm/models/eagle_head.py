@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..batch import Batch
 from .draft_head import DraftHead
-from .llama import (DecoderLayer, LlamaConfig, LlamaModel, PagedBatch, RMSNorm, extend_batch,
+from .llama import (DecoderLayer, LlamaConfig, LlamaModel, AttnPlan, RMSNorm, extend_batch,
                     init_weights, tree_batch)
 
 
@@ -37,15 +38,11 @@ class EagleHead(DraftHead):
         emb = self.target.embed(input_ids)                            # [n, H]
         return self.fc(torch.cat([emb, hidden.to(emb.dtype)], dim=-1))
 
-    def _layer(self, x, positions, batch: PagedBatch, kv) -> Tensor:
+    def _layer(self, x, positions, batch: AttnPlan, kv) -> Tensor:
         return self.layer(x, positions, self.target.rope, batch, kv.k[0], kv.v[0])
 
-    def _extend_batch(self, req_to_token, req_pool_indices, seq_lens, qo_indptr, out_cache_loc,
-                      impl) -> PagedBatch:
-        return extend_batch(req_to_token, req_pool_indices, seq_lens, qo_indptr, out_cache_loc,
-                            impl)
+    def _extend_batch(self, b: Batch) -> AttnPlan:
+        return extend_batch(b)
 
-    def _tree_batch(self, req_to_token, req_pool_indices, seq_lens, tree_mask, out_cache_loc,
-                    impl) -> PagedBatch:
-        return tree_batch(req_to_token, req_pool_indices, seq_lens, tree_mask, out_cache_loc,
-                          impl)
+    def _tree_batch(self, b: Batch) -> AttnPlan:
+        return tree_batch(b)

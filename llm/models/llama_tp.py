@@ -27,7 +27,9 @@ import torch.distributed as dist
 from einops import rearrange
 from torch import Tensor, nn
 
-from .llama import (MLP, Attention, LlamaConfig, LlamaModel, PagedBatch, PagedForwards, RMSNorm,
+from ..batch import Batch
+from ..kv import KVCache
+from .llama import (MLP, Attention, LlamaConfig, LlamaModel, AttnPlan, PagedForwards, RMSNorm,
                     Rotary, decode_batch)
 
 
@@ -88,7 +90,7 @@ class TPDecoderLayer(nn.Module):
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = MLP(local)
 
-    def forward(self, x, positions, rope, batch: PagedBatch, k_cache, v_cache):
+    def forward(self, x, positions, rope, batch: AttnPlan, k_cache, v_cache):
         # x [n, H] replicated; k_cache [n_slots, n_kv_heads / W, D] this rank's heads
         x = x + self.tp.all_reduce(self.attn(self.input_norm(x), positions, rope, batch,
                                              k_cache, v_cache))
@@ -142,13 +144,12 @@ class LlamaTP(PagedForwards, nn.Module):
 
     def new_cache(self, n_layers: int, n_slots: int, max_context: int, n_req_rows: int):
         """This rank's KV pools ([n_slots, n_kv_heads / W, D] per layer) and its req_to_token."""
-        from padgraph.backends.triton.kv import KVCache
         w = self.lm_head.weight
         return KVCache(n_layers, n_slots, self.local.n_kv_heads, self.cfg.head_dim, max_context,
                        n_req_rows, w.dtype, w.device)
 
     # ---- forward -------------------------------------------------------------------------
-    def _run(self, input_ids, positions, batch: PagedBatch, kv) -> Tensor:
+    def _run(self, input_ids, positions, batch: AttnPlan, kv) -> Tensor:
         x = self.embed(input_ids)                                    # [n, H] replicated
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, self.rope, batch, kv.k[i], kv.v[i])
@@ -175,12 +176,10 @@ class LlamaTP(PagedForwards, nn.Module):
         cand = rearrange(parts, "(w n) c -> n w c", w=self.tp.world)
         return combine_top2(cand[..., :2].flatten(1), cand[..., 2:].flatten(1).long())
 
-    def decode_top2(self, input_ids, positions, kv, req_to_token, req_pool_indices, seq_lens,
-                    out_cache_loc, impl="auto"):
+    def decode_top2(self, input_ids, positions, batch: Batch):
         """[bs] tokens → (top-2 logits [bs, 2] fp32, their ids [bs, 2]): the decode step with
         one [bs, 4] all-gather at the head instead of [bs, V]."""
-        batch = decode_batch(req_to_token, req_pool_indices, seq_lens, out_cache_loc, impl)
-        return self.top2(self._run(input_ids, positions, batch, kv))
+        return self.top2(self._run(input_ids, positions, decode_batch(batch), batch.kv))
 
 
 def combine_top2(values: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:

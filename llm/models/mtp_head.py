@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .deepseek import (DeepSeekConfig, DeepSeekLayer, DeepSeekModel, PagedBatch, RMSNorm,
+from ..batch import Batch
+from .deepseek import (DeepSeekConfig, DeepSeekLayer, DeepSeekModel, AttnPlan, RMSNorm,
                        init_deepseek, mla_extend_batch, mla_tree_batch)
 from .draft_head import DraftHead
 
@@ -45,16 +46,12 @@ class MTPHead(DraftHead):
         both = torch.cat([self.enorm(emb), self.hnorm(hidden.to(emb.dtype))], dim=-1)
         return self.eh_proj(both)                                     # [n, hidden]
 
-    def _layer(self, x, positions, batch: PagedBatch, kv) -> Tensor:
+    def _layer(self, x, positions, batch: AttnPlan, kv) -> Tensor:
         return self.layer(x, positions, self.target.rope, batch, kv.latent[0])
 
-    def _extend_batch(self, req_to_token, req_pool_indices, seq_lens, qo_indptr, out_cache_loc,
-                      impl) -> PagedBatch:
-        return mla_extend_batch(self.cfg, req_to_token, req_pool_indices, seq_lens, qo_indptr,
-                                out_cache_loc, impl)
+    def _extend_batch(self, b: Batch) -> AttnPlan:
+        return mla_extend_batch(self.cfg, b)
 
-    def _tree_batch(self, req_to_token, req_pool_indices, seq_lens, tree_mask, out_cache_loc,
-                    impl) -> PagedBatch:
+    def _tree_batch(self, b: Batch) -> AttnPlan:
         """Absorbed MLA tree verify over the latent rows."""
-        return mla_tree_batch(self.cfg, req_to_token, req_pool_indices, seq_lens, tree_mask,
-                              out_cache_loc, impl)
+        return mla_tree_batch(self.cfg, b)

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..batch import Batch
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -66,7 +68,7 @@ AttendFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q [n,Hq,D], k_cache, v
 
 
 @dataclass(frozen=True)
-class PagedBatch:
+class AttnPlan:
     """What every layer needs for one call: where new K/V go and how queries attend."""
     out_cache_loc: Tensor  # [n_tok] int64 slot per new token (0 = sink for padded lanes)
     attend: AttendFn
@@ -77,27 +79,27 @@ def _attn():
     return attention
 
 
-def decode_batch(req_to_token, req_pool_indices, seq_lens, out_cache_loc, impl="auto"):
+def decode_batch(b: Batch) -> AttnPlan:
     """One new token per request at position seq_lens - 1."""
-    fn = partial(_attn().decode_attention, req_to_token=req_to_token,
-                 req_pool_indices=req_pool_indices, seq_lens=seq_lens, impl=impl)
-    return PagedBatch(out_cache_loc, lambda q, k, v: fn(q, k, v))
+    fn = partial(_attn().decode_attention, req_to_token=b.req_to_token,
+                 req_pool_indices=b.req_pool_indices, seq_lens=b.seq_lens, impl=b.impl)
+    return AttnPlan(b.out_cache_loc, lambda q, k, v: fn(q, k, v))
 
 
-def extend_batch(req_to_token, req_pool_indices, seq_lens, qo_indptr, out_cache_loc, impl="auto"):
+def extend_batch(b: Batch) -> AttnPlan:
     """Packed new tokens: request r's at q[qo_indptr[r]:qo_indptr[r+1]], ending at seq_lens[r]."""
-    fn = partial(_attn().extend_attention, req_to_token=req_to_token,
-                 req_pool_indices=req_pool_indices, seq_lens=seq_lens, qo_indptr=qo_indptr,
-                 impl=impl)
-    return PagedBatch(out_cache_loc, lambda q, k, v: fn(q, k, v))
+    fn = partial(_attn().extend_attention, req_to_token=b.req_to_token,
+                 req_pool_indices=b.req_pool_indices, seq_lens=b.seq_lens,
+                 qo_indptr=b.qo_indptr, impl=b.impl)
+    return AttnPlan(b.out_cache_loc, lambda q, k, v: fn(q, k, v))
 
 
-def tree_batch(req_to_token, req_pool_indices, seq_lens, tree_mask, out_cache_loc, impl="auto"):
+def tree_batch(b: Batch) -> AttnPlan:
     """k tree tokens per request at req_to_token positions seq_lens-k..seq_lens-1, tree_mask [bs,k,k]."""
-    fn = partial(_attn().tree_verify_attention, req_to_token=req_to_token,
-                 req_pool_indices=req_pool_indices, seq_lens=seq_lens, tree_mask=tree_mask,
-                 impl=impl)
-    return PagedBatch(out_cache_loc, lambda q, k, v: fn(q, k, v))
+    fn = partial(_attn().tree_verify_attention, req_to_token=b.req_to_token,
+                 req_pool_indices=b.req_pool_indices, seq_lens=b.seq_lens,
+                 tree_mask=b.tree_mask, impl=b.impl)
+    return AttnPlan(b.out_cache_loc, lambda q, k, v: fn(q, k, v))
 
 
 def _store_kv(k_cache, v_cache, loc, k, v):
@@ -153,7 +155,7 @@ class Attention(nn.Module):
         q, k, v = qkv.split((self.n_heads, self.n_kv, self.n_kv), dim=1)
         return rope(q, positions), rope(k, positions), v               # [n, Hq | Hkv, D]
 
-    def forward(self, x, positions, rope, batch: PagedBatch, k_cache, v_cache):
+    def forward(self, x, positions, rope, batch: AttnPlan, k_cache, v_cache):
         q, k, v = self.qkv(x, positions, rope)
         _store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
         o = batch.attend(q, k_cache, v_cache)                         # [n, Hq, D]
@@ -219,58 +221,45 @@ def last_tokens(qo_indptr: Tensor) -> Tensor:
 
 
 class PagedForwards:
-    """The paged forwards of a target, given its `_run(ids, positions, batch, kv) -> hidden` and
+    """The paged forwards of a target, given its `_run(ids, positions, attn, kv) -> hidden` and
     `logits(hidden)`: every target (single GPU, one tensor-parallel rank, the MLA target)
-    shares them. The attention metadata comes from `_decode_batch` / `_extend_batch` /
-    `_tree_batch`: GQA's here, the MLA target overrides them."""
+    shares them. Each takes the tokens, their positions and one `Batch`; the attention plan
+    comes from `_decode_batch` / `_extend_batch` / `_tree_batch` of it: GQA's here, the MLA
+    target overrides them."""
 
-    def _decode_batch(self, *args):
-        return decode_batch(*args)
+    def _decode_batch(self, b: Batch) -> AttnPlan:
+        return decode_batch(b)
 
-    def _extend_batch(self, *args):
-        return extend_batch(*args)
+    def _extend_batch(self, b: Batch) -> AttnPlan:
+        return extend_batch(b)
 
-    def _tree_batch(self, *args):
-        return tree_batch(*args)
+    def _tree_batch(self, b: Batch) -> AttnPlan:
+        return tree_batch(b)
 
-    def forward_decode(self, input_ids, positions, kv, req_to_token, req_pool_indices, seq_lens,
-                       out_cache_loc, impl="auto"):
+    def forward_decode(self, input_ids, positions, batch: Batch):
         """[bs] tokens → (logits [bs, V] fp32, hidden [bs, H])."""
-        batch = self._decode_batch(req_to_token, req_pool_indices, seq_lens, out_cache_loc, impl)
-        hidden = self._run(input_ids, positions, batch, kv)
+        hidden = self._run(input_ids, positions, self._decode_batch(batch), batch.kv)
         return self.logits(hidden), hidden
 
-    def forward_extend(self, input_ids, positions, kv, req_to_token, req_pool_indices, seq_lens,
-                       qo_indptr, out_cache_loc, impl="auto"):
+    def forward_extend(self, input_ids, positions, batch: Batch):
         """Packed [n_tok] tokens → (logits at each request's last token [bs, V], hidden [n_tok, H])."""
-        hidden = self.forward_extend_hidden(input_ids, positions, kv, req_to_token,
-                                            req_pool_indices, seq_lens, qo_indptr,
-                                            out_cache_loc, impl)
-        return self.logits(hidden[last_tokens(qo_indptr)]), hidden
+        hidden = self.forward_extend_hidden(input_ids, positions, batch)
+        return self.logits(hidden[last_tokens(batch.qo_indptr)]), hidden
 
-    def forward_extend_hidden(self, input_ids, positions, kv, req_to_token, req_pool_indices,
-                              seq_lens, qo_indptr, out_cache_loc, impl="auto"):
+    def forward_extend_hidden(self, input_ids, positions, batch: Batch):
         """Packed [n_tok] tokens → hidden [n_tok, H] only (the prefill program: the caller takes
         the lm_head of the requests' last rows, not of every padded request)."""
-        batch = self._extend_batch(req_to_token, req_pool_indices, seq_lens, qo_indptr,
-                                   out_cache_loc, impl)
-        return self._run(input_ids, positions, batch, kv)
+        return self._run(input_ids, positions, self._extend_batch(batch), batch.kv)
 
-    def forward_verify(self, input_ids, positions, kv, req_to_token, req_pool_indices, seq_lens,
-                       tree_mask, out_cache_loc, impl="auto"):
+    def forward_verify(self, input_ids, positions, batch: Batch):
         """[bs*k] tree tokens (seq_lens = prefix + k) → (logits [bs*k, V], hidden [bs*k, H])."""
-        hidden = self.forward_verify_hidden(input_ids, positions, kv, req_to_token,
-                                            req_pool_indices, seq_lens, tree_mask, out_cache_loc,
-                                            impl)
+        hidden = self.forward_verify_hidden(input_ids, positions, batch)
         return self.logits(hidden), hidden
 
-    def forward_verify_hidden(self, input_ids, positions, kv, req_to_token, req_pool_indices,
-                              seq_lens, tree_mask, out_cache_loc, impl="auto"):
+    def forward_verify_hidden(self, input_ids, positions, batch: Batch):
         """`forward_verify`'s hidden [bs*k, H] only (greedy verification takes `greedy_ids` of
         it: no [bs*k, V] fp32 logits written and read back)."""
-        batch = self._tree_batch(req_to_token, req_pool_indices, seq_lens, tree_mask,
-                                 out_cache_loc, impl)
-        return self._run(input_ids, positions, batch, kv)
+        return self._run(input_ids, positions, self._tree_batch(batch), batch.kv)
 
     def greedy_ids(self, hidden: Tensor) -> Tensor:
         """argmax of `logits(hidden)` [n] int64 (ties to the lower id)."""
@@ -293,7 +282,7 @@ class LlamaModel(PagedForwards, nn.Module):
         with torch.no_grad():  # a larger embedding keeps the residual stream token-dependent
             self.embed.weight.copy_(torch.randn(self.embed.weight.shape, generator=gen))
 
-    def _run(self, input_ids, positions, batch: PagedBatch, kv) -> Tensor:
+    def _run(self, input_ids, positions, batch: AttnPlan, kv) -> Tensor:
         x = self.embed(input_ids)                                    # [n, H]
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, self.rope, batch, kv.k[i], kv.v[i])
