@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from .requests import Request, sure_to_finish
 from .state import LoopState
+from .timing import Readback
 
 
 class Refill:

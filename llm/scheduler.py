@@ -45,7 +45,7 @@ import torch
 
 from .admission import Refill
 from .requests import Request, budget, may_finish, prompt_ids, sure_to_finish
-from .state import LoopState, to_device
+from .state import GreedyState, LoopState, to_device
 from .timing import PhaseClock, Readback, RunStats
 from .worker import Worker
 

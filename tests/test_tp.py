@@ -7,22 +7,19 @@ naming the ranks, their buckets and extents. The pieces are also checked in one 
 model of one rank is the single-device model, the distributed top-2 combine is topk's, and the
 check off is the runner itself.
 """
-import os
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
-import tp_decode  # noqa: E402
-from models.llama import LlamaConfig, LlamaModel  # noqa: E402
-from models.llama_tp import LlamaTP, TPGroup, combine_top2  # noqa: E402
+import tp_decode
+from padgraph.llm.models.llama import LlamaConfig, LlamaModel
+from padgraph.llm.models.llama_tp import LlamaTP, TPGroup, combine_top2
 
-import padgraph as pg  # noqa: E402
-import padgraph.distributed as pgd  # noqa: E402
+import padgraph as pg
+import padgraph.distributed as pgd
 
 SETUP = tp_decode.Setup(world=2, check_ranks=True)
 
@@ -90,7 +87,7 @@ def disagree_rank(rank, setup, port, out_dir):
 def test_nccl_greedy_and_eagle_match_one_gpu():
     """2 GPUs, NCCL collectives captured in every bucket's graph, 1B shape, bf16: tokens equal
     one GPU's up to a first divergence at a top-2 near-tie (eagle.py's rule)."""
-    from eagle import TIE_TOL, compare
+    from padgraph.llm.oracle import TIE_TOL, compare
     setup = tp_decode.Setup(**{**tp_decode.GPU.__dict__, "n_requests": 8, "check_ranks": True})
     prompts, news = tp_decode.requests(setup)
     ranks = tp_decode.spawn(both_rank, setup, prompts, news)
@@ -124,9 +121,10 @@ def test_one_rank_tp_model_is_the_model():
     rows, lens, loc = torch.arange(1, 4, dtype=torch.int32), torch.ones(3, dtype=torch.int32), \
         torch.tensor([5, 6, 7])
     with torch.no_grad():
-        want, _ = full.forward_decode(ids, pos, kv_a, kv_a.req_to_token, rows, lens, loc)
-        got, _ = tp.forward_decode(ids, pos, kv_b, kv_b.req_to_token, rows, lens, loc)
-        values, top = tp.decode_top2(ids, pos, kv_b, kv_b.req_to_token, rows, lens, loc)
+        b = Batch(kv_b, kv_b.req_to_token, rows, lens, loc)
+        want, _ = full.forward_decode(ids, pos, Batch(kv_a, kv_a.req_to_token, rows, lens, loc))
+        got, _ = tp.forward_decode(ids, pos, b)
+        values, top = tp.decode_top2(ids, pos, b)
     assert torch.equal(got, want), f"max |diff|={(got - want).abs().max()}, but should be 0"
     assert torch.equal(top[:, 0], want.argmax(-1))
     assert torch.equal(values, want.topk(2, dim=-1).values)
