@@ -12,12 +12,12 @@ What it does, in order:
    tokens, the target verifies the tree in one call) and plain greedy decoding.
 3. Checks the oracle: EAGLE's output equals greedy's token for token (`greedy_match=N/N`).
 
-Why the CPU speedup is below 1: on the CPU (what CI runs: a tiny target, fp32, the "reference"
-backend that runs each program eagerly) a forward costs about as much as its many small PyTorch
-ops take to dispatch, so verifying 6 tree tokens costs several greedy steps and the drafted
-tokens do not pay for it. On a GPU a verify of k tokens costs about one decode step (both are
-memory bound) and the runners replay CUDA graphs, so the same accept length gives 2x and more
-(H200: `speedup_vs_greedy` 2.24 Llama 1B, 1.98 DeepSeek-V2-Lite widths).
+Why the CPU speedup says little, and is often below 1: on the CPU (what CI runs: a tiny
+target, fp32, the "reference" backend that runs each program eagerly) a forward's cost grows
+with its tokens and with its many small PyTorch ops, so verifying 6 tree tokens costs several
+greedy steps and the drafted tokens barely pay for it. On a GPU a verify of k tokens costs about
+one decode step (both are memory bound) and the runners replay CUDA graphs, so the same accept
+length gives 2x and more (H200: `speedup_vs_greedy` 2.24 Llama 1B, 1.98 DeepSeek-V2-Lite widths).
 
 On a GPU: the Llama-3.2-1B-shaped target (deepseek: DeepSeek-V2-Lite widths, 6 layers, 16
 experts; bf16) on the "cuda" backend, 16 requests of varied prompt and output lengths; the
