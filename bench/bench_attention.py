@@ -1,8 +1,8 @@
 """Benchmark paged attention on the GPU: ours vs SDPA vs the bytes-moved floor, and cold capture.
 
-    python examples/bench_attention.py              # everything (< 3 min on an H200)
-    python examples/bench_attention.py --no-sweep --no-cold
-    python examples/bench_attention.py --smoke      # CPU, tiny sizes, interpreted: a script check
+    python -m bench.bench_attention.py              # everything (< 3 min on an H200)
+    python -m bench.bench_attention.py --no-sweep --no-cold
+    python -m bench.bench_attention.py --smoke      # CPU, tiny sizes, interpreted: a script check
 
 32 q heads, 8 kv heads, head_dim 128, bf16, every request at full length.
 - decode: bs {1, 8, 32, 128} x context {512, 4096, 32768}, random and contiguous slot layouts;
@@ -445,7 +445,9 @@ def cold_capture() -> list[dict]:
     """Run cold_child twice in fresh processes sharing a new, empty Triton cache directory."""
     results = []
     with tempfile.TemporaryDirectory(prefix="triton-cold-") as cache_dir:
-        env = dict(os.environ, TRITON_CACHE_DIR=cache_dir)
+        root = str(Path(__file__).resolve().parents[1])          # `bench` importable there
+        env = dict(os.environ, TRITON_CACHE_DIR=cache_dir,
+                   PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         for label in ("empty Triton cache", "Triton cache of the run before"):
             t0 = time.perf_counter()
             proc = subprocess.run([sys.executable, __file__, "--cold-child"], env=env,

@@ -1,6 +1,6 @@
 """Benchmark: plain greedy (graphs), EAGLE (graphs), EAGLE (eager) on the 1B-shaped target.
 
-One GPU call, distillation included:  python examples/bench_eagle.py
+One GPU call, distillation included:  python -m bench.bench_eagle.py
 Writes $OUT/eagle.md and $OUT/eagle.json (date, GPU, torch/triton versions, command).
 EAGLE_MODEL=deepseek: the DeepSeek-like target (MLA + MoE, "ds-lite") with the MTP-style head,
 written to $OUT/eagle_deepseek.{md,json}.
@@ -10,7 +10,7 @@ EAGLE_STEPS / EAGLE_TOPK / EAGLE_K override the draft tree, EAGLE_DISTILL_STEPS 
 EAGLE_DISTILL_SEQS / EAGLE_DISTILL_DEPTH the head's distillation (training steps, greedy
 sequences of the target, unrolled draft steps);
 the md and JSON record what ran.
-Every loop runs with overlap scheduling on (spec_decode.Worker(overlap=True): round / step N+1
+Every loop runs with overlap scheduling on (padgraph.llm.Engine(overlap=True): round / step N+1
 is queued before N is read back), greedy included, so the speedup compares equally scheduled
 loops; the output says so.
 """
@@ -25,8 +25,9 @@ import time
 import torch
 
 import padgraph as pg
-from eagle import DRAFT_COMPILE, DRAFT_LM_HEAD, GPU_TREE, MODELS, TIE_TOL, first_divergences, setup
-from spec_decode import RunStats, SpecConfig, Worker
+from padgraph.llm.oracle import TIE_TOL, first_divergences
+from padgraph.llm.presets import DRAFT_COMPILE, DRAFT_LM_HEAD, GPU_TREE, MODELS, setup
+from padgraph.llm import Engine, RunStats, SpecConfig
 
 BATCHES = (1, 4, 16)
 NEW_TOKENS = 128
@@ -39,11 +40,11 @@ MODEL = os.environ.get("EAGLE_MODEL", "llama")
 DESCRIPTION = {"llama": "Llama-3.2-1B shape, random init (scaled residual), bf16",
                "deepseek": "DeepSeek-like (MLA + dense masked MoE), V2-Lite widths, 6 layers, "
                            "16 experts top-6, MTP-style head, random init, bf16"}
-OVERLAP = True     # overlap scheduling for every loop (spec_decode.Worker)
-# the graph workers' prefill (spec_decode.Worker(prefill=)): "runner" (default: the prefill
+OVERLAP = True     # overlap scheduling for every loop (padgraph.llm.Engine)
+# the graph workers' prefill (padgraph.llm.Engine(prefill=)): "runner" (default: the prefill
 # program, CUDA graphs per bucket of packed prompt tokens) or "eager" (plain torch calls)
 PREFILL = os.environ.get("EAGLE_PREFILL", "runner")
-# the EAGLE worker's draft-head prefill (Worker(draft_prefill=)): "runner" (default: the
+# the EAGLE worker's draft-head prefill (Engine(draft_prefill=)): "runner" (default: the
 # draft-prefill program, graphs on the prefill ladder) or "eager" (plain torch calls). A comma
 # list ("runner,eager") measures the others too, in the same process on the same batches, as
 # extra EAGLE workers (each row's "variants"; the tables stay the first one's). H200, 2026-12-02
@@ -94,7 +95,7 @@ def row_batches(bs: int, vocab: int) -> list[list[list[int]]]:
     return [prompts_for(bs, vocab, seed=1000 * bs + i) for i in range(max(1, ROW_REQUESTS // bs))]
 
 
-def measure(worker: Worker, mode: str, batches, news, repeats: int = REPEATS):
+def measure(worker: Engine, mode: str, batches, news, repeats: int = REPEATS):
     """A warm-up run (8 tokens each, at most one batch of prompts), then each batch timed `repeats`
     times; the run of median time counts. Returns (requests of all batches, in order; the summed
     RunStats; per-batch RunStats). news: per batch, one count for all its requests or a list.
@@ -156,14 +157,14 @@ def main():
                       + max(spec.num_draft_tokens, spec.steps * spec.topk))
     kw = dict(max_bs=max(BATCHES), max_context=max_context, buckets=buckets, overlap=OVERLAP)
     workers = {
-        "greedy_graphs": Worker(target, head, spec, backend="cuda", prefill=PREFILL, **kw),
-        "eagle_graphs": Worker(target, head, spec, backend="cuda", prefill=PREFILL,
+        "greedy_graphs": Engine(target, head, spec, backend="cuda", prefill=PREFILL, **kw),
+        "eagle_graphs": Engine(target, head, spec, backend="cuda", prefill=PREFILL,
                                draft_compile=DRAFT_COMPILE[MODEL], draft_prefill=DRAFT_PREFILL,
                                **kw),
-        "eagle_eager": Worker(target, head, spec, backend="reference", **kw),
+        "eagle_eager": Engine(target, head, spec, backend="reference", **kw),
     }
     for dp in DRAFT_PREFILLS[1:]:
-        workers[f"eagle_graphs[draft_prefill={dp}]"] = Worker(
+        workers[f"eagle_graphs[draft_prefill={dp}]"] = Engine(
             target, head, spec, backend="cuda", prefill=PREFILL, draft_compile=DRAFT_COMPILE[MODEL],
             draft_prefill=dp, **kw)
     rows = []

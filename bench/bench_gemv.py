@@ -23,7 +23,7 @@ decode body of one kernel per linear can reach, whatever runs between the linear
 
 Writes gemv.{md,json,png} under $OUT (or results/local).
 
-    python examples/bench_gemv.py [--sizes 1,4,16] [--quick] [--no-chain]
+    python -m bench.bench_gemv.py [--sizes 1,4,16] [--quick] [--no-chain]
 """
 from __future__ import annotations
 
@@ -32,13 +32,11 @@ import itertools
 import json
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench.common import copy_bandwidth, env_info, out_dir, pyplot  # noqa: E402
 

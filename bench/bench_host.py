@@ -4,7 +4,7 @@ A decode-shaped program with 8 inputs and a tiny body (one small fused op) so th
 and what is timed is the host: padgraph's call path vs an SGLang-style hand-written runner vs
 a bare `graph.replay()` of the same captured graph. Also prints a cProfile breakdown.
 
-    python examples/bench_host.py [--calls 2000]
+    python -m bench.bench_host.py [--calls 2000]
 """
 from __future__ import annotations
 
@@ -14,17 +14,14 @@ import io
 import json
 import pstats
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import padgraph as pg  # noqa: E402
 from bench.common import env_info, out_dir  # noqa: E402
-from bench_runner import HandwrittenRunner, Step, decode_program  # noqa: E402
+from bench.bench_runner import HandwrittenRunner, Step, decode_program  # noqa: E402
 
 
 class TinyStep(Step):

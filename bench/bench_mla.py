@@ -1,8 +1,8 @@
 """Benchmark absorbed MLA over a paged latent cache: ours vs an SDPA-based absorbed MLA vs a copy.
 
-    python examples/bench_mla.py               # DeepSeek-V2-Lite: 16 heads, r 512, rope 64
-    python examples/bench_mla.py --heads 128   # DeepSeek-V3-like head count
-    python examples/bench_mla.py --smoke       # CPU, tiny sizes, interpreter: checks the script
+    python -m bench.bench_mla.py               # DeepSeek-V2-Lite: 16 heads, r 512, rope 64
+    python -m bench.bench_mla.py --heads 128   # DeepSeek-V3-like head count
+    python -m bench.bench_mla.py --smoke       # CPU, tiny sizes, interpreter: checks the script
 
 bf16, every request at full length, slots shuffled.
 - decode: bs {1, 8, 32} x context {1024, 8192, 32768};
@@ -27,7 +27,6 @@ import json
 import os
 import sys
 import traceback
-from pathlib import Path
 
 if "--smoke" in sys.argv:  # before triton is imported: kernels run interpreted on CPU tensors
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -36,10 +35,9 @@ import einops  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench.common import env_info, out_dir  # noqa: E402
-from bench_attention import (bench_us, best_sdpa_backend, copy_bandwidth, graph_of,  # noqa: E402
+from bench.bench_attention import (bench_us, best_sdpa_backend, copy_bandwidth, graph_of,  # noqa: E402
                              random_tree_masks, rel_err)
 from padgraph.backends.triton.attention_mla import (  # noqa: E402
     mla_decode_attention, mla_extend_attention, mla_sm_scale, mla_tree_verify_attention)

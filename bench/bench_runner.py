@@ -19,7 +19,7 @@ eleventh session the floor counted the whole table, 0.53 GB of the 1B model's 3.
 floor at bs 1). For the ladder: capture seconds and pool bytes.
 Writes bench_runner.{md,json,png} under $OUT (or results/local).
 
-    python examples/bench_runner.py [--variants a,b] [--sizes 1,3,8] [--tiny]
+    python -m bench.bench_runner.py [--variants a,b] [--sizes 1,3,8] [--tiny]
 """
 from __future__ import annotations
 
@@ -29,17 +29,16 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import padgraph as pg  # noqa: E402
 from bench.common import (CudagraphSkips, copy_bandwidth, env_info, kernel_lines,  # noqa: E402
                           kernel_table, out_dir, plot_step_times)
-from models.llama import LlamaConfig, LlamaModel  # noqa: E402
-from padgraph.backends.triton.kv import KVCache  # noqa: E402
+from padgraph.llm.models.llama import LlamaConfig, LlamaModel  # noqa: E402
+from padgraph.llm import Batch
+from padgraph.llm.kv import KVCache  # noqa: E402
 
 SIZES = [1, 3, 8, 27, 64, 200]
 MAX_BS, MAX_CTX = 256, 1024
@@ -73,8 +72,8 @@ class Step:
 
     def __call__(self, input_ids, positions, seq_lens, req_pool_indices, out_cache_loc,
                  temperature, stop_token, done):
-        logits, _ = self.model.forward_decode(input_ids, positions, self.kv, self.kv.req_to_token,
-                                              req_pool_indices, seq_lens, out_cache_loc)
+        batch = Batch(self.kv, self.kv.req_to_token, req_pool_indices, seq_lens, out_cache_loc)
+        logits, _ = self.model.forward_decode(input_ids, positions, batch)
         nxt = (logits / temperature[:, None]).argmax(-1)                        # [bs]
         nxt = torch.where(done, stop_token, nxt)
         return nxt, done | (nxt == stop_token)

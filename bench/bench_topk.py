@@ -1,7 +1,7 @@
 """Benchmark the draft distribution's top-k: padgraph's kernel vs torch, alone and behind the lm_head.
 
-    python examples/bench_topk.py            # H200: Llama-3 vocabulary, a few row counts
-    python examples/bench_topk.py --smoke    # CPU, tiny sizes, interpreter: checks the script
+    python -m bench.bench_topk.py            # H200: Llama-3 vocabulary, a few row counts
+    python -m bench.bench_topk.py --smoke    # CPU, tiny sizes, interpreter: checks the script
 
 A draft step turns the head's hidden [n, H] into the k best tokens and their probabilities under
 a temperature t: top-k of the logits and logsumexp(t * logits). n = draft rows (requests x topk),
@@ -24,18 +24,16 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
 if "--smoke" in sys.argv:  # before triton is imported: kernels run interpreted on CPU tensors
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench.common import env_info, out_dir  # noqa: E402
-from bench_attention import bench_us, copy_bandwidth, graph_of  # noqa: E402
-from models.draft_head import fp8_logits, fp8_rows  # noqa: E402
+from bench.bench_attention import bench_us, copy_bandwidth, graph_of  # noqa: E402
+from padgraph.llm.models.draft_head import fp8_logits, fp8_rows  # noqa: E402
 from padgraph.backends.triton import topk as topk_mod  # noqa: E402
 from padgraph.backends.triton.lm_head_topk import (  # noqa: E402
     fp8_lm_head_topk_torch, fp8_lm_head_topk_triton)

@@ -12,7 +12,7 @@ import torch
 
 def out_dir() -> Path:
     """$OUT on the device machine, else results/local/."""
-    path = Path(os.environ.get("OUT") or Path(__file__).resolve().parents[2] / "results" / "local")
+    path = Path(os.environ.get("OUT") or Path(__file__).resolve().parents[1] / "results" / "local")
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -1,28 +1,26 @@
 """Run one attention case a few times inside an NVTX range named "prof", for Nsight Compute.
 
-    python scripts/ncu_kernels.py mla 8 8192            # our MLA decode, bs 8, context 8192
-    python scripts/ncu_kernels.py mla 8 8192 --knobs block_n=64,num_warps=8,num_splits=16
-    python scripts/ncu_kernels.py mla-sdpa 8 8192       # the SDPA absorbed-MLA peer
-    python scripts/ncu_kernels.py decode 8 4096         # paged GQA decode (bench_attention's case)
-    python scripts/ncu_kernels.py decode-sdpa 8 4096    # SDPA (cuDNN / flash) on the dense copy
+    python -m bench.ncu_kernels.py mla 8 8192            # our MLA decode, bs 8, context 8192
+    python -m bench.ncu_kernels.py mla 8 8192 --knobs block_n=64,num_warps=8,num_splits=16
+    python -m bench.ncu_kernels.py mla-sdpa 8 8192       # the SDPA absorbed-MLA peer
+    python -m bench.ncu_kernels.py decode 8 4096         # paged GQA decode (bench_attention's case)
+    python -m bench.ncu_kernels.py decode-sdpa 8 4096    # SDPA (cuDNN / flash) on the dense copy
 
 Under ncu: `ncu --nvtx --nvtx-include "prof/" --launch-skip 2 --launch-count 2 ... python
-scripts/ncu_kernels.py ...` (`gpu_suite.sh ncu` does that for a few cases). The case's inputs are
-those of examples/bench_mla.py / bench_attention.py (random data, shuffled slots); the output is
+-m bench.ncu_kernels ...`. The case's inputs are
+those of bench/bench_mla.py / bench_attention.py (random data, shuffled slots); the output is
 checked against the torch path before the profiled calls.
 """
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from bench_attention import PagedCase, best_sdpa_backend, rel_err  # noqa: E402
-from bench_mla import LatentCase, best_sdpa  # noqa: E402
+from bench.bench_attention import PagedCase, best_sdpa_backend, rel_err  # noqa: E402
+from bench.bench_mla import LatentCase, best_sdpa  # noqa: E402
 
 
 def knob_dict(text: str) -> dict:

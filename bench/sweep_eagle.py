@@ -1,12 +1,12 @@
 """The draft tree's shape against its cost: EAGLE (graphs) over several (steps, topk, k) on one
 target and one distilled head, against greedy (graphs) on the same requests, in one process.
 
-    python examples/sweep_eagle.py                       # GPU: the 1B-shaped target
-    EAGLE_MODEL=deepseek python examples/sweep_eagle.py  # the DeepSeek-like target
-    python examples/sweep_eagle.py --device cpu          # reference backend, tiny sizes: runs the
+    python -m bench.sweep_eagle.py                       # GPU: the 1B-shaped target
+    EAGLE_MODEL=deepseek python -m bench.sweep_eagle.py  # the DeepSeek-like target
+    python -m bench.sweep_eagle.py --device cpu          # reference backend, tiny sizes: runs the
                                                          # loop, says nothing about speed
 
-Each tree is a fresh Worker (its own graphs) on the ladder [1, 16] only, so a tree costs one
+Each tree is a fresh Engine (its own graphs) on the ladder [1, 16] only, so a tree costs one
 capture per bucket; dynamo's caches are reset between trees so no tree runs past its recompile
 limit. Rows: bs 1 (8 requests one at a time) and bs 16 (one batch of 16), 128 new tokens each;
 each batch timed REPEATS times, the median run counts (bench_eagle.measure). A round's cost is
@@ -26,9 +26,9 @@ import torch
 
 import padgraph as pg
 from bench.common import pyplot
-from bench_eagle import match_line, measure, prompts_for
-from eagle import DRAFT_COMPILE, DRAFT_LM_HEAD, MODELS, setup
-from spec_decode import RunStats, SpecConfig, Worker
+from bench.bench_eagle import match_line, measure, prompts_for
+from padgraph.llm.presets import DRAFT_COMPILE, DRAFT_LM_HEAD, MODELS, setup
+from padgraph.llm import Engine, RunStats, SpecConfig
 
 # (steps, topk, k): the main job's tree first, then deeper ones. (3, 4, 8) won the sweep of
 # 2026-12-01 when the head accepted ~3.0 of at most 4; with early stopping it accepts 3.82
@@ -52,7 +52,7 @@ def per_round_ms(stats: list[RunStats]) -> tuple[float, dict[str, float]]:
     return sum(ph.values()), ph
 
 
-def row(worker: Worker, mode: str, batches, new: int):
+def row(worker: Engine, mode: str, batches, new: int):
     reqs, tot, per = measure(worker, mode, batches, [new] * len(batches), repeats=REPEATS)
     ms, ph = per_round_ms(per)
     return reqs, {"tok_s": tot.tokens_per_s, "accept_len": tot.accept_len, "rounds": tot.rounds,
@@ -97,7 +97,7 @@ def main(argv=None):
             if not greedy:
                 kw["draft_compile"] = DRAFT_COMPILE[model]
                 kw["draft_prefill"] = "runner"
-        return Worker(target, head, spec, **kw)
+        return Engine(target, head, spec, **kw)
 
     greedy_w = worker(SpecConfig(*deepest), greedy=True)
     greedy = {bs: row(greedy_w, "greedy", batches[bs], new) for bs in sizes}

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 
-from padgraph.llm import Request, SpecConfig, programs
+from padgraph.llm import Batch, Request, SpecConfig, programs
 from padgraph.llm import tp_run
 from padgraph.llm.kv import new_cache
 from padgraph.llm.models.llama import LlamaConfig, LlamaModel
@@ -155,7 +155,7 @@ def test_disagreement_message_and_check_off():
 
 def test_call_key_is_the_plan_bucket():
     prog = programs(LlamaConfig.tiny(), SpecConfig(), torch.float32,
-                              pg.Buckets([1, 2, 4, 8]))["decode"]
+                    pg.Buckets([1, 2, 4, 8]))["decode"]
     runner = SimpleNamespace(program=prog, plan=pg.Plan(prog))   # what call_key reads
     assert pgd.call_key(runner, decode_raw(3)) == ("decode", 4, {"bs": 3})
     assert pgd.call_key(runner, decode_raw(9)) == ("decode", "overflow", {"bs": 9})

@@ -19,7 +19,7 @@ from ..batch import Batch
 from .llama import AttnPlan
 
 # Rows up to which "fp8-fused" runs the fused lm_head + top-k kernel (H200, 2026-12-01,
-# examples/bench_topk.py, V 128256 x H 2048): 88.5 / 115.9 us a draft step at 16 / 64 rows
+# bench/bench_topk.py, V 128256 x H 2048): 88.5 / 115.9 us a draft step at 16 / 64 rows
 # against 126.2 / 143.5 unfused, but 364.9 against 240.1 at 256 (its tiles re-read the weight
 # once per 64-row block). Between 64 and 256 it was not measured.
 FUSED_MAX_ROWS = 64

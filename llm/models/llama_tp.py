@@ -14,7 +14,7 @@ the single-GPU ones; only the two all-reduces per layer are new. Collectives go 
 captured into each bucket's graph like any kernel), and nothing here syncs with the host.
 
 Logits, two ways: `forward_*` all-gather the vocab shards into full [n, V] logits (so
-`spec_decode`'s bodies run unchanged), and `decode_top2` is a distributed top-2: each rank's
+`padgraph.llm.bodies` run unchanged), and `decode_top2` is a distributed top-2: each rank's
 local top-2, one all-gather of [n, 4] floats, the same combine on every rank (ties go to the
 lower vocab index, as `argmax` on the full logits does).
 """
