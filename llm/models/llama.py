@@ -1,7 +1,7 @@
 """A Llama-like target (RMSNorm, RoPE, GQA, SwiGLU) over a paged KV cache, random init.
 
-Forward functions take padded, static-shape tensors and return `(logits, hidden)`; none of them
-syncs with the host or produces a data-dependent shape, so each can run inside a captured graph.
+Forward functions take padded, static-shape tokens and positions and one `Batch` (the cache and
+its metadata: `padgraph.llm.batch`) and return `(logits, hidden)`; none of them syncs with the host or produces a data-dependent shape, so each can run inside a captured graph.
 `hidden` is the final-normed hidden state (the input of `lm_head`): what the EAGLE head consumes.
 
 KV layout (as SGLang's): per layer `k_cache[slot, kv_head, head_dim]`, `req_to_token[row, pos]`
@@ -69,7 +69,8 @@ AttendFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q [n,Hq,D], k_cache, v
 
 @dataclass(frozen=True)
 class AttnPlan:
-    """What every layer needs for one call: where new K/V go and how queries attend."""
+    """What every layer needs for one call, derived from the `Batch` once per forward: where new
+    K/V go and how queries attend (the attention kernel with the batch's metadata bound)."""
     out_cache_loc: Tensor  # [n_tok] int64 slot per new token (0 = sink for padded lanes)
     attend: AttendFn
 
