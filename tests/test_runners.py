@@ -158,3 +158,20 @@ def test_check_runner_programs(worker, name):
                        sample=sample_for(name, worker), trials=4, sizes_per_trial=2,
                        rtol=1e-5, atol=1e-5)
     assert res.ok, str(res)
+
+
+def test_draft_emits_verify_inputs(worker):
+    """The draft body hands verify its inputs (tree root + draft tokens, their positions and
+    slots), so no eager work runs between the two replays; they are `verify_inputs` of the raw
+    batch (padded to its bucket inside the runner)."""
+    from padgraph.backends.triton import eagle as ops
+    raw = sample_for("draft", worker)(torch.Generator().manual_seed(3))
+    raw["verified_id"] = torch.arange(1, raw["seq_lens"].shape[0] + 1)
+    with torch.no_grad():
+        d = worker.runner("draft")(**raw)
+    ids, pos, loc = ops.verify_inputs(raw["verified_id"], d.draft_tokens, d.depth, raw["seq_lens"],
+                                      worker.kv.req_to_token, raw["req_pool_indices"])
+    n = raw["seq_lens"].shape[0] * SPEC.num_draft_tokens
+    assert d.verify_input_ids.shape == (n,)
+    assert torch.equal(d.verify_input_ids, ids) and torch.equal(d.verify_positions, pos)
+    assert torch.equal(d.verify_out_cache_loc, loc)
