@@ -1,13 +1,21 @@
 """Cases shared by the paged-attention and MLA interpreter tests."""
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-from bench.common import random_tree_masks  # noqa: E402,F401  (the benchmarks' generator)
 
 K_DRAFT = 4
+
+
+def random_tree_masks(bs, k, gen):
+    """[bs, k, k] bool on the CPU: each draft token sees itself and the ancestors of a random parent."""
+    masks = torch.zeros(bs, k, k, dtype=torch.bool)
+    for r in range(bs):
+        for i in range(k):
+            masks[r, i, i] = True
+            if i:
+                parent = int(torch.randint(0, i, (), generator=gen))
+                masks[r, i] |= masks[r, parent]
+    return masks
 
 
 def tree_masks(bs, pad_rows):

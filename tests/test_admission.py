@@ -1,24 +1,20 @@
-"""Continuous admission in spec_decode's Worker: more requests than max_bs. The rest wait and
+"""Continuous admission in padgraph.llm's Engine: more requests than max_bs. The rest wait and
 take rows as running requests finish; each admission is prefilled and appended to the running
 batch. On the CPU (reference backend) every request must get exactly the tokens it gets when
 served alone, with overlap on or off, for EAGLE and greedy; no row is handed out while a round
 in flight uses it, and every row and slot comes back."""
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-sys.path.insert(0, os.path.dirname(__file__))
 
-import spec_decode  # noqa: E402
-from models.eagle_head import EagleHead  # noqa: E402
-from models.llama import LlamaConfig, LlamaModel  # noqa: E402
-from spec_decode import SpecConfig, Worker  # noqa: E402
-from test_eagle_e2e import assert_released  # noqa: E402
+from padgraph.llm import admission, timing
+from padgraph.llm.models.eagle_head import EagleHead
+from padgraph.llm.models.llama import LlamaConfig, LlamaModel
+from padgraph.llm import Engine, SpecConfig
+from test_eagle_e2e import assert_released
 
-import padgraph as pg  # noqa: E402
+import padgraph as pg
 
 SPEC = SpecConfig(steps=3, topk=2, num_draft_tokens=5)
 # 11 requests for 4 rows: done at prefill (1), sure to finish in their first round (2), long ones
@@ -40,7 +36,7 @@ def _prompts(vocab, lens=LENS, seed=7):
 
 
 def _worker(target, head, overlap=True, max_bs=4, **kw):
-    return Worker(target, head, SPEC, max_bs=max_bs, max_context=64, overlap=overlap,
+    return Engine(target, head, SPEC, max_bs=max_bs, max_context=64, overlap=overlap,
                   buckets=pg.Buckets([b for b in (1, 2, 4, 8) if b <= max_bs]), **kw)
 
 
@@ -59,11 +55,11 @@ def alone(models):
 
 
 def track_in_flight(monkeypatch, step_name: str) -> list:
-    """Patch Worker.<step_name> (spec_round / decode_step) and Readback.wait so the returned
+    """Patch Engine.<step_name> (spec_round / decode_step) and Readback.wait so the returned
     list holds the readbacks of rounds queued and not yet read back, each with `.rows`, the
     req_to_token rows its round uses."""
     in_flight: list = []
-    orig_step, orig_wait = getattr(Worker, step_name), spec_decode.Readback.wait
+    orig_step, orig_wait = getattr(Engine, step_name), timing.Readback.wait
 
     def step(self, st, clock):
         nxt, rb = orig_step(self, st, clock)
@@ -76,8 +72,8 @@ def track_in_flight(monkeypatch, step_name: str) -> list:
         in_flight[:] = [rb for rb in in_flight if rb is not self]
         return out
 
-    monkeypatch.setattr(Worker, step_name, step)
-    monkeypatch.setattr(spec_decode.Readback, "wait", wait)
+    monkeypatch.setattr(Engine, step_name, step)
+    monkeypatch.setattr(timing.Readback, "wait", wait)
     return in_flight
 
 
@@ -112,7 +108,7 @@ def test_admitted_rows_are_never_in_flight(models, monkeypatch, tail_sync):
     w = _worker(target, head, True, tail_sync=tail_sync)
     in_flight = track_in_flight(monkeypatch, "spec_round")
     checked = []
-    orig_admit = Worker._admit
+    orig_admit = Engine._admit
 
     def admit(self, prompts, news, rids=None):
         reqs = orig_admit(self, prompts, news, rids)
@@ -121,7 +117,7 @@ def test_admitted_rows_are_never_in_flight(models, monkeypatch, tail_sync):
         checked.append(len(busy))
         return reqs
 
-    monkeypatch.setattr(Worker, "_admit", admit)
+    monkeypatch.setattr(Engine, "_admit", admit)
     reqs, st = _run(w, "spec", prompts, news)
     assert st.prefills > 2 and all(r.done for r in reqs)
     assert sum(1 for b in checked if b) >= 2      # admissions while a round was in flight
@@ -156,7 +152,7 @@ def test_admissions_read_first_tokens_late_and_eos_there_releases_after_the_roun
     in_flight = track_in_flight(monkeypatch, "spec_round" if mode == "spec" else "decode_step")
     deferred: list = []
     released_while_busy = []
-    orig_release, orig_read = Worker.release, spec_decode._Refill.read_first
+    orig_release, orig_read = Engine.release, admission.Refill.read_first
 
     def release(self, req):
         busy = set().union(*(rb.rows for rb in in_flight)) if in_flight else set()
@@ -170,8 +166,8 @@ def test_admissions_read_first_tokens_late_and_eos_there_releases_after_the_roun
         deferred.extend(r.rid for r in done)
         return done
 
-    monkeypatch.setattr(Worker, "release", release)
-    monkeypatch.setattr(spec_decode._Refill, "read_first", read_first)
+    monkeypatch.setattr(Engine, "release", release)
+    monkeypatch.setattr(admission.Refill, "read_first", read_first)
     reqs, st = _run(w, mode, prompts, news)
     assert [r.output for r in reqs] == want
     assert late_ones[0] in deferred            # finished by its deferred first token

@@ -12,7 +12,7 @@
 import torch
 
 import padgraph as pg
-from padgraph.runners import decode_program, draft_extend_program
+from padgraph.llm.programs import decode_program, draft_extend_program
 
 H = 4
 B = pg.Buckets([1, 2, 4, 8])

@@ -122,9 +122,6 @@ def test_stores_compile_to_index_copy_even_when_the_kernel_is_asked_for():
 def test_eagle_ops_compile_to_their_references_even_when_the_kernel_is_asked_for():
     """build_tree, verify_greedy and pack_draft_extend under compile (fullgraph, inductor) are
     their torch references, never traced user kernels, and give eager's results."""
-    import sys
-    import os
-    sys.path.insert(0, os.path.dirname(__file__))
     from test_eagle_ops import random_candidates, random_tree_case
     from padgraph.backends.triton import eagle
 

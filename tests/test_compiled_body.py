@@ -136,11 +136,10 @@ def test_inductor_kernels_are_captured_in_padgraphs_graphs():
 # ---------------------------------------------------------------- regional compilation
 
 def _tiny_decode(n_layers=4):
-    import os
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-    from models.llama import LlamaConfig, LlamaModel
-    from spec_decode import SpecConfig, decode_body, new_cache, programs
+    from padgraph.llm.models.llama import LlamaConfig, LlamaModel
+    from padgraph.llm import SpecConfig, programs
+    from padgraph.llm.bodies import decode_body
+    from padgraph.llm.kv import new_cache
     target = LlamaModel(LlamaConfig.tiny(n_layers=n_layers)).eval()
     kv = new_cache(target, n_layers, 8 * 32 + 1, 32, 9)
     for t in kv.k + kv.v:
@@ -295,8 +294,9 @@ def test_reduce_overhead_over_the_triton_kernels_keeps_its_cudagraphs():
         torch._dynamo.mark_static_address(t)
 
     def step(**r):
-        logits, _ = target.forward_decode(r["input_ids"], r["positions"], kv, kv.req_to_token,
-                                          r["req_pool_indices"], r["seq_lens"], r["out_cache_loc"])
+        batch = Batch(kv, kv.req_to_token, r["req_pool_indices"], r["seq_lens"],
+                      r["out_cache_loc"])
+        logits, _ = target.forward_decode(r["input_ids"], r["positions"], batch)
         return logits.argmax(-1)
 
     reasons = []

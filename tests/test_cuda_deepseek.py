@@ -8,21 +8,17 @@ bf16 noise the two paths may pick different experts, and the outputs then differ
 logit near-tie. Those are allowed (at most ROUTER_TIES per run) and printed; fp32 on the CPU is
 exact (tests/test_deepseek.py).
 """
-import os
-import sys
 
 import pytest
 import torch
 
 import padgraph as pg
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-sys.path.insert(0, os.path.dirname(__file__))
 
-from models.deepseek import DeepSeekConfig, DeepSeekModel  # noqa: E402
-from models.mtp_head import MTPHead  # noqa: E402
-from spec_decode import SpecConfig, Worker  # noqa: E402
-from test_cuda_eagle import TIE_TOL, _prompts  # noqa: E402
+from padgraph.llm.models.deepseek import DeepSeekConfig, DeepSeekModel
+from padgraph.llm.models.mtp_head import MTPHead
+from padgraph.llm import Engine, SpecConfig
+from test_cuda_eagle import TIE_TOL, _prompts
 
 pytestmark = pytest.mark.cuda
 ROUTER_TIES = 2
@@ -45,7 +41,7 @@ def test_bf16_cuda_deepseek_spec_matches_greedy_up_to_ties(oracle):
     head = (MTPHead.copy_of_target(target) if oracle else MTPHead(target)).cuda()
     head = head.bfloat16().eval()
     spec = SpecConfig(steps=4, topk=1 if oracle else 4, num_draft_tokens=5 if oracle else 8)
-    w = Worker(target, head, spec, backend="cuda", max_bs=16, max_context=96,
+    w = Engine(target, head, spec, backend="cuda", max_bs=16, max_context=96,
                buckets=pg.Buckets([1, 2, 4, 8, 12, 16]))
     prompts, news = _prompts(cfg.vocab_size, 11)
     with torch.no_grad():
@@ -74,7 +70,7 @@ def test_lite_config_fits_and_runs_a_graph_step(draft_compile):
     torch.manual_seed(0)
     target = DeepSeekModel(DeepSeekConfig.lite(n_layers=2, vocab_size=4096)).cuda()
     target = target.bfloat16().eval()
-    w = Worker(target, MTPHead(target).cuda().bfloat16().eval(), SpecConfig(4, 4, 8),
+    w = Engine(target, MTPHead(target).cuda().bfloat16().eval(), SpecConfig(4, 4, 8),
                backend="cuda", max_bs=4, max_context=64, buckets=pg.Buckets([1, 2, 4]),
                draft_compile=draft_compile)
     prompts, news = _prompts(4096, 3)

@@ -1,7 +1,5 @@
 """EAGLE on the GPU: the ops' Triton kernels against their references, and the oracle in bf16 on
 the "cuda" backend (speculative == greedy, except where the target's top-2 logits tie)."""
-import os
-import sys
 
 import pytest
 import torch
@@ -9,14 +7,12 @@ import torch
 import padgraph as pg
 from padgraph.backends.triton import eagle
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-sys.path.insert(0, os.path.dirname(__file__))
 
-from models.eagle_head import EagleHead  # noqa: E402
-from models.llama import LlamaConfig, LlamaModel  # noqa: E402
-from eagle import TIE_TOL, compare  # noqa: E402
-from spec_decode import SpecConfig, Worker  # noqa: E402
-from test_eagle_ops import random_candidates, random_tree_case  # noqa: E402
+from padgraph.llm.models.eagle_head import EagleHead
+from padgraph.llm.models.llama import LlamaConfig, LlamaModel
+from padgraph.llm.oracle import TIE_TOL, compare
+from padgraph.llm import Engine, SpecConfig
+from test_eagle_ops import random_candidates, random_tree_case
 
 pytestmark = pytest.mark.cuda
 
@@ -62,7 +58,7 @@ def test_bf16_cuda_spec_matches_greedy_up_to_ties(oracle):
     head = (EagleHead.copy_of_target(target) if oracle else EagleHead(target)).cuda()
     head = head.bfloat16().eval()
     spec = SpecConfig(steps=4, topk=1 if oracle else 4, num_draft_tokens=5 if oracle else 8)
-    w = Worker(target, head, spec, backend="cuda", max_bs=16, max_context=96,
+    w = Engine(target, head, spec, backend="cuda", max_bs=16, max_context=96,
                buckets=pg.Buckets([1, 2, 4, 8, 12, 16]))
     prompts, news = _prompts(cfg.vocab_size, 11)
     with torch.no_grad():
@@ -96,8 +92,8 @@ def test_cuda_continuous_admission_matches_greedy_up_to_ties(overlap):
     spec = SpecConfig(steps=3, topk=2, num_draft_tokens=5)
     prompts, news = _prompts(cfg.vocab_size, 11, seed=3)
     kw = dict(backend="cuda", max_context=96, overlap=overlap)
-    wide = Worker(target, head, spec, max_bs=16, buckets=pg.Buckets([1, 2, 4, 8, 12, 16]), **kw)
-    narrow = Worker(target, head, spec, max_bs=4, buckets=pg.Buckets([1, 2, 4]), **kw)
+    wide = Engine(target, head, spec, max_bs=16, buckets=pg.Buckets([1, 2, 4, 8, 12, 16]), **kw)
+    narrow = Engine(target, head, spec, max_bs=4, buckets=pg.Buckets([1, 2, 4]), **kw)
     with torch.no_grad():
         ref, _ = wide.generate_greedy(prompts, news)
         for mode in ("spec", "greedy"):

@@ -5,15 +5,12 @@ lm_head's scaled GEMM, and the fused fp8 lm_head + top-k kernel against its fp32
 
 Run on a GPU: `pytest -m cuda tests/test_cuda_topk.py` (skipped without one).
 """
-import os
-import sys
 
 import pytest
 import torch
 
 from padgraph.backends.triton.topk import topk_logsumexp, topk_logsumexp_torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 pytestmark = pytest.mark.cuda
 V = 128256
@@ -82,9 +79,9 @@ def test_fp8_draft_lm_head_on_the_gpu():
     random 128256-row lm_head have top-2 gaps of the order of the quantization error, so the
     top-1 agreement here (0.86 on the H200) is lower than on text-like logits; what decides is
     the accept length of the main job (3.46 with fp8 against 3.40 with bf16 in one run)."""
-    from models.draft_head import fp8_logits
-    from models.eagle_head import EagleHead
-    from models.llama import LlamaConfig, LlamaModel
+    from padgraph.llm.models.draft_head import fp8_logits
+    from padgraph.llm.models.eagle_head import EagleHead
+    from padgraph.llm.models.llama import LlamaConfig, LlamaModel
     torch.manual_seed(0)
     target = LlamaModel(LlamaConfig.llama_1b(n_layers=1)).cuda().bfloat16().eval()
     head = EagleHead(target).cuda().bfloat16()
@@ -104,7 +101,7 @@ def test_fused_fp8_lm_head_topk_at_the_1b_shape(n):
     is 1e-3: Hopper's fp8 tensor cores accumulate with fewer mantissa bits than fp32 inside each
     BLOCK_H step, and the kernel promotes after every step; unpromoted (Triton's sm90 default)
     the whole hidden accumulated that way was 3.5e-3 off at n = 64 and 100."""
-    from models.draft_head import fp8_rows
+    from padgraph.llm.models.draft_head import fp8_rows
     from padgraph.backends.triton.lm_head_topk import fp8_lm_head_topk, fp8_lm_head_topk_torch
     g = torch.Generator(device="cuda").manual_seed(n)
     x8, sx = fp8_rows(torch.randn(n, 2048, device="cuda", generator=g))

@@ -4,22 +4,18 @@ against the non-absorbed dense forward, dense masked MoE against a per-token loo
 greedy token for token, `pg.check` on the four bodies, and a capacity-limited MoE grouping where
 padded tokens do change real tokens' results (`pg.check` reports the pad leakage).
 """
-import os
-import sys
 
 import pytest
 import torch
 
 import padgraph as pg
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-sys.path.insert(0, os.path.dirname(__file__))
 
-from models.deepseek import DeepSeekConfig, DeepSeekModel, MoE  # noqa: E402
-from models.mtp_head import MTPHead  # noqa: E402
-from spec_decode import SpecConfig, Worker  # noqa: E402
-from test_eagle_e2e import LENS, assert_distilled_head_accepts, assert_released, one_thread, prompts  # noqa: E402,F401
-from test_runners import SPEC, sample_for  # noqa: E402
+from padgraph.llm.models.deepseek import DeepSeekConfig, DeepSeekModel, MoE
+from padgraph.llm.models.mtp_head import MTPHead
+from padgraph.llm import Batch, Engine, SpecConfig
+from test_eagle_e2e import LENS, assert_distilled_head_accepts, assert_released, one_thread, prompts  # noqa: F401
+from test_runners import SPEC, sample_for
 
 @pytest.fixture(scope="module")
 def target():
@@ -39,13 +35,14 @@ def _dense_logits(target, seq):
 def test_absorbed_paged_forwards_match_non_absorbed_dense(target, impl):
     """Prefill (extend), one decode step and a chain verify of 3 tokens, all absorbed over the
     latent cache, equal the non-absorbed dense forward (per-head K/V) of the same weights."""
-    w = Worker(target, None, SpecConfig(), max_bs=4, max_context=32)
+    w = Engine(target, None, SpecConfig(), max_bs=4, max_context=32)
     ps, rt = [[3, 9, 4, 1, 7], [5, 2, 8]], w.kv.req_to_token
     close = dict(rtol=1e-4, atol=1e-4)
     reqs = w.admit(ps, [8, 8])
     _, _, b = w.prefill(reqs)
-    logits, hidden = target.forward_extend(b.ids, b.positions, w.kv, rt, b.rows, b.seq_lens,
-                                           b.qo, b.loc, impl=impl)
+    logits, hidden = target.forward_extend(b.ids, b.positions,
+                                           Batch(w.kv, rt, b.rows, b.seq_lens, b.loc,
+                                                 qo_indptr=b.qo, impl=impl))
     for r, p in enumerate(ps):
         dl, dh = _dense_logits(target, p)
         torch.testing.assert_close(logits[r], dl[-1], **close)
@@ -54,14 +51,16 @@ def test_absorbed_paged_forwards_match_non_absorbed_dense(target, impl):
 
     nxt, lens = [11, 12], torch.tensor([6, 4], dtype=torch.int32)
     pos = (lens - 1).long()
-    dl_dec, _ = target.forward_decode(torch.tensor(nxt), pos, w.kv, rt, b.rows, lens,
-                                      rt[b.rows.long(), pos].long(), impl=impl)
+    dl_dec, _ = target.forward_decode(torch.tensor(nxt), pos,
+                                      Batch(w.kv, rt, b.rows, lens, rt[b.rows.long(), pos].long(),
+                                            impl=impl))
     k, chain = 3, [[21, 22, 23], [31, 32, 33]]
     pos = lens.long()[:, None] + torch.arange(k)                      # [bs, k]
     mask = torch.tril(torch.ones(k, k, dtype=torch.bool)).repeat(2, 1, 1)
-    dl_ver, _ = target.forward_verify(torch.tensor(chain).view(-1), pos.view(-1), w.kv, rt,
-                                      b.rows, lens + k, mask, rt[b.rows.long()[:, None], pos]
-                                      .view(-1).long(), impl=impl)
+    loc = rt[b.rows.long()[:, None], pos].view(-1).long()
+    dl_ver, _ = target.forward_verify(torch.tensor(chain).view(-1), pos.view(-1),
+                                      Batch(w.kv, rt, b.rows, lens + k, loc, tree_mask=mask,
+                                            impl=impl))
     for r, p in enumerate(ps):
         dl, _ = _dense_logits(target, p + [nxt[r]] + chain[r])
         torch.testing.assert_close(dl_dec[r], dl[len(p)], **close)
@@ -136,7 +135,7 @@ def test_capacity_limited_moe_leaks_pads_dense_masked_does_not(target):
 # -------------------------------------------------------------------------- EAGLE / MTP
 
 def run_both(target, head, spec, buckets=(1, 2, 4, 8)):
-    w = Worker(target, head, spec, max_bs=8, max_context=64, buckets=pg.Buckets(list(buckets)))
+    w = Engine(target, head, spec, max_bs=8, max_context=64, buckets=pg.Buckets(list(buckets)))
     ps, mx = prompts(target.cfg.vocab_size), [m for _, m in LENS]
     with torch.no_grad():
         greedy, _ = w.generate_greedy(ps, mx)
@@ -162,7 +161,7 @@ def test_whole_mtp_draft_bodies_compile_to_the_eager_tokens(target):
     ps, mx = prompts(target.cfg.vocab_size)[:3], [m for _, m in lens]
 
     def serve(**kw):
-        w = Worker(target, head, spec, max_bs=4, max_context=64, buckets=pg.Buckets([1, 2, 4]), **kw)
+        w = Engine(target, head, spec, max_bs=4, max_context=64, buckets=pg.Buckets([1, 2, 4]), **kw)
         with torch.no_grad():
             return w, w.generate_spec(ps, mx)[0]
     whole, a = serve(torch_compile=True, draft_compile="whole")
@@ -207,7 +206,7 @@ def test_distilled_mtp_head_generalises_beyond_its_corpus(one_thread):
 
 @pytest.fixture(scope="module")
 def worker(target):
-    w = Worker(target, MTPHead(target).eval(), SPEC, max_bs=8, max_context=48,
+    w = Engine(target, MTPHead(target).eval(), SPEC, max_bs=8, max_context=48,
                buckets=pg.Buckets([1, 2, 4, 8]))
     rt = w.kv.req_to_token                                   # every row but 0 owns 48 slots
     rt[1:] = torch.randperm(w.slots.n - 1, generator=torch.Generator().manual_seed(0))[

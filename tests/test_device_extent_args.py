@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import padgraph as pg
-from padgraph.runners import draft_extend_program
+from padgraph.llm.programs import draft_extend_program
 
 S, H = 3, 4
 

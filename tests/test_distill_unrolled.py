@@ -2,20 +2,17 @@
 is what the draft computes for that node, checked against a plain causal pass over the node's
 own context (the teacher-forced prefix the draft-extend cache holds, then the node's chain of
 ancestors), for the Llama EAGLE head and the DeepSeek MTP head; and the held-out chain check."""
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
-from distill import chain_accept, train_head  # noqa: E402
-from models.deepseek import DeepSeekConfig, DeepSeekModel  # noqa: E402
-from models.draft_head import unrolled_mask  # noqa: E402
-from models.eagle_head import EagleHead  # noqa: E402
-from models.llama import LlamaConfig, LlamaModel  # noqa: E402
-from models.mtp_head import MTPHead  # noqa: E402
+from padgraph.llm.distill import chain_accept, train_head
+from padgraph.llm.models.deepseek import DeepSeekConfig, DeepSeekModel
+from padgraph.llm.models.draft_head import unrolled_mask
+from padgraph.llm.models.eagle_head import EagleHead
+from padgraph.llm.models.llama import LlamaConfig, LlamaModel
+from padgraph.llm.models.mtp_head import MTPHead
 
 
 def test_unrolled_mask_rows():
@@ -69,7 +66,7 @@ def test_unrolled_training_and_chain_check():
     target, head = _family("llama")
     for p in target.parameters():
         p.requires_grad_(False)
-    from distill import greedy_corpus
+    from padgraph.llm.distill import greedy_corpus
     tokens, hidden, labels = greedy_corpus(target, 8, 6, 10, 8)
     before = chain_accept(head, tokens, hidden, labels, depth=3)
     head.init_passthrough()
@@ -94,7 +91,7 @@ def test_early_stopping_keeps_the_best_held_out_weights_and_calibrates():
     likelihood's optimum (nudging the temperature either way raises the held-out CE)."""
     import torch.nn.functional as F
 
-    from distill import calibrate_temperature, greedy_corpus
+    from padgraph.llm.distill import calibrate_temperature, greedy_corpus
     target, head = _family("llama")
     for p in target.parameters():
         p.requires_grad_(False)

@@ -1,19 +1,16 @@
 """EAGLE end to end on the CPU (reference backend, fp32, tiny model): speculative output equals
 plain greedy token for token, acceptance behaves (oracle draft: all; random draft: ~none), and
 finished requests give their KV slots and rows back."""
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
-from models.eagle_head import EagleHead  # noqa: E402
-from models.llama import LlamaConfig, LlamaModel  # noqa: E402
-from spec_decode import SpecConfig, SpecState, Worker  # noqa: E402
+from padgraph.llm.models.eagle_head import EagleHead
+from padgraph.llm.models.llama import LlamaConfig, LlamaModel
+from padgraph.llm import Engine, SpecConfig, SpecState
 
-import padgraph as pg  # noqa: E402
+import padgraph as pg
 
 LENS = [(5, 14), (11, 6), (3, 19), (8, 1), (6, 11)]   # (prompt, max_new): the batch shrinks
 
@@ -24,7 +21,7 @@ def prompts(vocab, seed=0):
 
 
 def run_both(target, head, spec, eos_id=None, buckets=(1, 2, 4, 8)):
-    w = Worker(target, head, spec, max_bs=8, max_context=64, eos_id=eos_id,
+    w = Engine(target, head, spec, max_bs=8, max_context=64, eos_id=eos_id,
                buckets=pg.Buckets(list(buckets)))
     ps, mx = prompts(target.cfg.vocab_size), [m for _, m in LENS]
     with torch.no_grad():
@@ -53,7 +50,7 @@ def assert_released(w):
 def test_paged_forwards_match_dense():
     torch.manual_seed(0)
     target = LlamaModel(LlamaConfig.tiny()).eval()
-    w = Worker(target, None, SpecConfig(), max_bs=4, max_context=32)
+    w = Engine(target, None, SpecConfig(), max_bs=4, max_context=32)
     ps = [[3, 9, 4, 1, 7], [5, 2, 8]]
     with torch.no_grad():
         reqs = w.admit(ps, [4, 4])
@@ -99,7 +96,7 @@ def test_phase_times_cover_the_run():
     """RunStats.phases: every phase of the loop, adding up to at most the run's wall time."""
     torch.manual_seed(0)
     target = LlamaModel(LlamaConfig.tiny(n_layers=1)).eval()
-    w = Worker(target, EagleHead.copy_of_target(target).eval(), SpecConfig(3, 2, 5), max_bs=4,
+    w = Engine(target, EagleHead.copy_of_target(target).eval(), SpecConfig(3, 2, 5), max_bs=4,
                max_context=48, buckets=pg.Buckets([1, 2, 4]))
     ps = prompts(target.cfg.vocab_size)[:3]
     with torch.no_grad():
@@ -150,7 +147,7 @@ def _mid(**kw):
 def test_bf16_reference_spec_matches_greedy(size):
     """bf16 on the CPU: the decode and verify paths differ by <= 1 logit ulp, so the oracle
     allows only first divergences at a top-2 tie within TIE_TOL — anything else is a bug."""
-    from eagle import TIE_TOL, compare
+    from padgraph.llm.oracle import TIE_TOL, compare
     torch.manual_seed(0)
     target = LlamaModel(LlamaConfig.tiny() if size == "tiny" else _mid()).bfloat16().eval()
     head = EagleHead(target)
@@ -177,14 +174,14 @@ def test_distilled_head_generalises_beyond_its_corpus(one_thread):
 def assert_distilled_head_accepts(target, head_cls):
     """Distil head_cls(target) on a small corpus; it must be calibrated and, on prompts the
     corpus never saw, keep exact greedy equality. Returns the speculative run's stats."""
-    from distill import distill
+    from padgraph.llm.distill import distill
     for p in target.parameters():
         p.requires_grad_(False)
     head = head_cls(target)
     distill(target, head, n_seq=16, prompt_len=8, gen_len=24, gen_batch=16, steps=100, lr=3e-4,
             log=lambda *a: None)
     assert head.log_scale.exp() > 3           # a flat 1/4096 top-1 would make trees shallow
-    w = Worker(target, head, SpecConfig(5, 4, 8), max_bs=8, max_context=96,
+    w = Engine(target, head, SpecConfig(5, 4, 8), max_bs=8, max_context=96,
                buckets=pg.Buckets([1, 2, 4, 8]))
     g = torch.Generator().manual_seed(99)     # prompts the corpus never saw
     ps = [torch.randint(1, 4096, (n,), generator=g).tolist() for n in (5, 12, 20, 9)]
@@ -199,7 +196,7 @@ def test_fp8_draft_lm_head_logits_and_quantization():
     """The e4m3 lm_head copy: per-row scales, logits within the quantization error of the bf16
     ones, the same top-1 for almost every hidden; a zero (padded) hidden gives zero logits; the
     hot-vocabulary rows are re-quantized when the draft vocabulary changes; off again = None."""
-    from models.draft_head import fp8_logits
+    from padgraph.llm.models.draft_head import fp8_logits
     torch.manual_seed(0)
     target = LlamaModel(_mid()).eval()
     head = EagleHead(target)
@@ -275,7 +272,7 @@ def test_fused_fp8_draft_lm_head_matches_the_unfused_draft():
 def test_fused_fp8_draft_lm_head_past_its_row_bound_runs_the_unfused_path(monkeypatch):
     """Past FUSED_MAX_ROWS rows (where the fused kernel was slower on the H200) "fp8-fused"
     takes the unfused fp8 path: exactly its proposals; up to the bound, the fused op."""
-    from models import draft_head
+    from padgraph.llm.models import draft_head
     target, head, h = _passthrough_head_and_hiddens()
     head.set_draft_lm_head("fp8")
     want = head.topk(h, 3)

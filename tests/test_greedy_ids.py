@@ -1,17 +1,15 @@
 """`greedy_ids(hidden)`: the verify program's argmax on the lm_head's own output equals the
 argmax of the fp32 logits, ties to the lower id, for every target kind."""
-import os
-import sys
 
 import pytest
 import torch
 
-from padgraph.backends.triton.kv import KVCache
+from padgraph.llm import Batch
+from padgraph.llm.kv import KVCache
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-from models.deepseek import DeepSeekConfig, DeepSeekModel  # noqa: E402
-from models.llama import LlamaConfig, LlamaModel  # noqa: E402
-from models.llama_tp import LlamaTP, TPGroup  # noqa: E402
+from padgraph.llm.models.deepseek import DeepSeekConfig, DeepSeekModel
+from padgraph.llm.models.llama import LlamaConfig, LlamaModel
+from padgraph.llm.models.llama_tp import LlamaTP, TPGroup
 
 
 def _with_ties(model, dtype):
@@ -66,10 +64,9 @@ def test_verify_hidden_and_greedy_ids_equal_forward_verify():
     tree = torch.tril(torch.ones(k, k, dtype=torch.bool)).expand(2, k, k).contiguous()
     loc = torch.tensor([3, 4, 5, 6, 12, 13, 14, 15])
     with torch.no_grad():
-        logits, hidden = model.forward_verify(ids, pos, kv, kv.req_to_token, rows, lens, tree,
-                                              loc)
-        hidden2 = model.forward_verify_hidden(ids, pos, kv, kv.req_to_token, rows, lens, tree,
-                                              loc)
+        batch = Batch(kv, kv.req_to_token, rows, lens, loc, tree_mask=tree)
+        logits, hidden = model.forward_verify(ids, pos, batch)
+        hidden2 = model.forward_verify_hidden(ids, pos, batch)
     assert torch.equal(hidden, hidden2)
     assert torch.equal(model.greedy_ids(hidden2), logits.argmax(-1))
 
@@ -78,8 +75,8 @@ def test_a_target_with_hidden_verify_but_no_greedy_ids_verifies_by_its_logits():
     """The verify body's fallback: forward_verify_hidden without greedy_ids takes the argmax of
     logits(hidden); a target with neither uses forward_verify's logits. Same tokens as the
     full model (the reference backend, the tiny Llama, an oracle draft)."""
-    from models.eagle_head import EagleHead
-    from spec_decode import SpecConfig, Worker
+    from padgraph.llm.models.eagle_head import EagleHead
+    from padgraph.llm import Engine, SpecConfig
     import padgraph as pg
 
     class NoGreedyIds(LlamaModel):
@@ -89,11 +86,8 @@ def test_a_target_with_hidden_verify_but_no_greedy_ids_verifies_by_its_logits():
         forward_verify_hidden = property(
             lambda self: (_ for _ in ()).throw(AttributeError("forward_verify_hidden")))
 
-        def forward_verify(self, input_ids, positions, kv, req_to_token, req_pool_indices,
-                           seq_lens, tree_mask, out_cache_loc, impl="auto"):
-            batch = self._tree_batch(req_to_token, req_pool_indices, seq_lens, tree_mask,
-                                     out_cache_loc, impl)
-            hidden = self._run(input_ids, positions, batch, kv)
+        def forward_verify(self, input_ids, positions, batch):
+            hidden = self._run(input_ids, positions, self._tree_batch(batch), batch.kv)
             return self.logits(hidden), hidden
 
     outs = []
@@ -103,7 +97,7 @@ def test_a_target_with_hidden_verify_but_no_greedy_ids_verifies_by_its_logits():
         assert hasattr(target, "greedy_ids") == (cls is not NoGreedyIds)
         assert hasattr(target, "forward_verify_hidden") == (cls is not OnlyLogits)
         head = EagleHead.copy_of_target(target).eval()
-        w = Worker(target, head, SpecConfig(steps=3, topk=2, num_draft_tokens=5), max_bs=2,
+        w = Engine(target, head, SpecConfig(steps=3, topk=2, num_draft_tokens=5), max_bs=2,
                    max_context=64, buckets=pg.Buckets([1, 2]))
         with torch.no_grad():
             reqs, _ = w.generate_spec([[5, 6, 7], [9, 3]], [7, 5])

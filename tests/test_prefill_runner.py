@@ -1,25 +1,21 @@
-"""The prefill program (`Worker(prefill="runner")`): the target's extend over whole prompts as a
+"""The prefill program (`Engine(prefill="runner")`): the target's extend over whole prompts as a
 runner, bucketed by packed prompt tokens. On the CPU (reference backend, the oracle) it must give
 exactly the eager prefill's tokens and greedy's top-2 gaps, for a Llama and a DeepSeek (MLA + MoE)
 target, eager and with the decoder layers compiled; on a GPU, the cuda backend's graphs give the
 eager prefill's tokens."""
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-sys.path.insert(0, os.path.dirname(__file__))
 
-from models.deepseek import DeepSeekConfig, DeepSeekModel  # noqa: E402
-from models.eagle_head import EagleHead  # noqa: E402
-from models.llama import LlamaConfig, LlamaModel  # noqa: E402
-from models.mtp_head import MTPHead  # noqa: E402
-from spec_decode import SpecConfig, Worker  # noqa: E402
-from test_eagle_e2e import assert_released  # noqa: E402
+from padgraph.llm.models.deepseek import DeepSeekConfig, DeepSeekModel
+from padgraph.llm.models.eagle_head import EagleHead
+from padgraph.llm.models.llama import LlamaConfig, LlamaModel
+from padgraph.llm.models.mtp_head import MTPHead
+from padgraph.llm import Engine, SpecConfig
+from test_eagle_e2e import assert_released
 
-import padgraph as pg  # noqa: E402
+import padgraph as pg
 
 LENS = [(5, 1), (9, 7), (3, 13), (7, 2), (4, 12), (6, 5), (1, 6)]   # (prompt, max_new)
 SPEC = SpecConfig(steps=3, topk=2, num_draft_tokens=5)
@@ -40,7 +36,7 @@ def _models(kind):
 
 
 def _worker(target, head, prefill, **kw):
-    return Worker(target, head, SPEC, max_bs=8, max_context=48, prefill=prefill,
+    return Engine(target, head, SPEC, max_bs=8, max_context=48, prefill=prefill,
                   buckets=pg.Buckets([1, 2, 4, 8]), **kw)
 
 
@@ -128,7 +124,7 @@ def test_cuda_prefill_runner_gives_the_eager_prefill_tokens(kind):
 
 @pytest.mark.parametrize("kind", ["llama", "deepseek"])
 def test_draft_prefill_runner_equals_eager_draft_prefill(kind):
-    """Worker(draft_prefill="runner"): the head's prefill as the draft-prefill program on the
+    """Engine(draft_prefill="runner"): the head's prefill as the draft-prefill program on the
     prefill ladder gives the eager draft prefill's first draft state (top-k, hidden, draft
     slots) for every request of a padded bucket, and the same tokens and accept counts, with
     the target's prefill eager or a runner, and through continuous admission (more requests
@@ -157,9 +153,9 @@ def test_draft_prefill_runner_equals_eager_draft_prefill(kind):
     for r in reqs:
         runner.release(r)
     # continuous admission: 7 requests through 3 rows
-    small = Worker(target, head, SPEC, max_bs=3, max_context=48, prefill="runner",
+    small = Engine(target, head, SPEC, max_bs=3, max_context=48, prefill="runner",
                    draft_prefill="runner", buckets=pg.Buckets([1, 2, 3]))
-    ref = Worker(target, head, SPEC, max_bs=3, max_context=48, prefill="runner",
+    ref = Engine(target, head, SPEC, max_bs=3, max_context=48, prefill="runner",
                  buckets=pg.Buckets([1, 2, 3]))
     _same(_run(small, "spec", prompts, news), _run(ref, "spec", prompts, news))
     assert sum(small.runner("draft_prefill").stats.calls.values()) >= 3
@@ -203,7 +199,7 @@ def test_compiled_draft_prefill_runner_gives_the_eager_tokens():
 def test_shifted_prompts_against_a_loop():
     """The head's prefill tokens: each prompt shifted by one, its first generated token last;
     padded tokens and padded requests (qo_indptr repeating its last value) change nothing real."""
-    from spec_decode import shifted_prompts
+    from padgraph.llm.bodies import shifted_prompts
     prompts = [[5, 6, 7], [9], [1, 2]]
     first = torch.tensor([50, 90, 10, 0, 0])                   # two padded requests
     ids = torch.tensor(sum(prompts, []) + [0, 0, 0])           # three padded tokens

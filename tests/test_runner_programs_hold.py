@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import padgraph as pg
-from padgraph.runners import decode_program, draft_extend_program, extend_program, verify_program
+from padgraph.llm.programs import decode_program, draft_extend_program, extend_program, verify_program
 
 H, S = 4, 3
 B = pg.Buckets([1, 2, 4, 8])

@@ -1,21 +1,19 @@
 """The runner programs (decode, verify, draft, draft-extend, prefill, draft prefill): declared pad values, axes,
 and pg.check with the example model's bodies (no pad leakage, no state writes outside raw
 targets and sinks, deterministic)."""
-import os
-import sys
 
 import pytest
 import torch
 
 import padgraph as pg
-from padgraph.runners import (decode_program, draft_extend_program, draft_prefill_program,
+from padgraph.llm.programs import (decode_program, draft_extend_program, draft_prefill_program,
                               draft_program, extend_program, verify_program)
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
-from models.eagle_head import EagleHead  # noqa: E402
-from models.llama import LlamaConfig, LlamaModel  # noqa: E402
-from spec_decode import SpecConfig, Worker, prefill_buckets  # noqa: E402
+from padgraph.llm.models.eagle_head import EagleHead
+from padgraph.llm.models.llama import LlamaConfig, LlamaModel
+from padgraph.llm import Engine, SpecConfig
+from padgraph.llm.programs import prefill_buckets
 
 
 def pads(p):
@@ -92,7 +90,7 @@ def worker():
     torch.manual_seed(0)
     target = LlamaModel(LlamaConfig.tiny()).eval()
     head = EagleHead(target).eval()
-    w = Worker(target, head, SPEC, max_bs=8, max_context=48, buckets=pg.Buckets([1, 2, 4, 8]),
+    w = Engine(target, head, SPEC, max_bs=8, max_context=48, buckets=pg.Buckets([1, 2, 4, 8]),
                prefill="runner", draft_prefill="runner")
     rt = w.kv.req_to_token                                   # every row but 0 owns 48 slots
     rt[1:] = torch.randperm(w.slots.n - 1)[: 8 * 48].int().view(8, 48) + 1
@@ -128,7 +126,8 @@ def sample_for(name, w):
             pos = L.long()[:, None] + torch.arange(S * topk)
             return dict(topk_p=p, topk_index=torch.randint(0, V, (bs, topk), generator=gen),
                         hidden_states=torch.randn(bs, H, generator=gen), positions=L.long(),
-                        seq_lens=L, req_pool_indices=rows, out_cache_loc=slots(pos))
+                        seq_lens=L, req_pool_indices=rows, out_cache_loc=slots(pos),
+                        verified_id=ids(bs))
         if name in ("prefill", "draft_prefill"):   # whole prompts from position 0, packed
             qo = torch.cat([torch.zeros(1, dtype=torch.int32), L.cumsum(0).int()])
             pos = torch.cat([torch.arange(int(n)) for n in L])
@@ -159,3 +158,20 @@ def test_check_runner_programs(worker, name):
                        sample=sample_for(name, worker), trials=4, sizes_per_trial=2,
                        rtol=1e-5, atol=1e-5)
     assert res.ok, str(res)
+
+
+def test_draft_emits_verify_inputs(worker):
+    """The draft body hands verify its inputs (tree root + draft tokens, their positions and
+    slots), so no eager work runs between the two replays; they are `verify_inputs` of the raw
+    batch (padded to its bucket inside the runner)."""
+    from padgraph.backends.triton import eagle as ops
+    raw = sample_for("draft", worker)(torch.Generator().manual_seed(3))
+    raw["verified_id"] = torch.arange(1, raw["seq_lens"].shape[0] + 1)
+    with torch.no_grad():
+        d = worker.runner("draft")(**raw)
+    ids, pos, loc = ops.verify_inputs(raw["verified_id"], d.draft_tokens, d.depth, raw["seq_lens"],
+                                      worker.kv.req_to_token, raw["req_pool_indices"])
+    n = raw["seq_lens"].shape[0] * SPEC.num_draft_tokens
+    assert d.verify_input_ids.shape == (n,)
+    assert torch.equal(d.verify_input_ids, ids) and torch.equal(d.verify_positions, pos)
+    assert torch.equal(d.verify_out_cache_loc, loc)

@@ -1,26 +1,22 @@
-"""Overlap scheduling in spec_decode's Worker: round N+1 is queued before round N is read back,
+"""Overlap scheduling in padgraph.llm's Engine: round N+1 is queued before round N is read back,
 finished requests are retired one round late. On the CPU (reference backend, tiny models) the
 overlapped loop must give exactly the plain loop's tokens (and greedy's top-2 gaps), count only
 real request-rounds, release every row after the last round that used it, and keep the extra
 round inside each request's reservation. On a GPU: the overlapped rounds never synchronise
 except in the one readback wait per round."""
-import os
-import sys
 import warnings
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-sys.path.insert(0, os.path.dirname(__file__))
 
-import spec_decode  # noqa: E402
-from models.eagle_head import EagleHead  # noqa: E402
-from models.llama import LlamaConfig, LlamaModel  # noqa: E402
-from spec_decode import SpecConfig, Worker  # noqa: E402
-from test_eagle_e2e import assert_released  # noqa: E402
+from padgraph.llm import timing
+from padgraph.llm.models.eagle_head import EagleHead
+from padgraph.llm.models.llama import LlamaConfig, LlamaModel
+from padgraph.llm import Engine, SpecConfig
+from test_eagle_e2e import assert_released
 
-import padgraph as pg  # noqa: E402
+import padgraph as pg
 
 # (prompt, max_new): 1 (done at prefill), 2, values that end mid-round; the batch shrinks
 LENS = [(5, 1), (9, 7), (3, 13), (7, 2), (4, 22), (6, 5), (8, 10)]
@@ -41,7 +37,7 @@ def models():
 
 
 def _worker(target, head, overlap, spec=SPEC, max_context=64, **kw):
-    return Worker(target, head, spec, max_bs=8, max_context=max_context, overlap=overlap,
+    return Engine(target, head, spec, max_bs=8, max_context=max_context, overlap=overlap,
                   buckets=pg.Buckets([1, 2, 4, 8]), **kw)
 
 
@@ -180,8 +176,8 @@ def test_late_retirement_stays_in_bounds_and_releases_after_readback(models, mon
     for name, log in calls.items():
         w._runners[name] = _Recorder(w.runner(name), log)
     launched, reads, released = [], [0], []
-    orig_round, orig_wait, orig_release = Worker.spec_round, spec_decode.Readback.wait, \
-        Worker.release
+    orig_round, orig_wait, orig_release = Engine.spec_round, timing.Readback.wait, \
+        Engine.release
 
     def spec_round(self, st, clock):
         launched.append(set(st.rows.tolist()))
@@ -195,9 +191,9 @@ def test_late_retirement_stays_in_bounds_and_releases_after_readback(models, mon
         released.append((req.row, reads[0], len(launched)))
         return orig_release(self, req)
 
-    monkeypatch.setattr(Worker, "spec_round", spec_round)
-    monkeypatch.setattr(spec_decode.Readback, "wait", wait)
-    monkeypatch.setattr(Worker, "release", release)
+    monkeypatch.setattr(Engine, "spec_round", spec_round)
+    monkeypatch.setattr(timing.Readback, "wait", wait)
+    monkeypatch.setattr(Engine, "release", release)
     with warnings.catch_warnings():
         warnings.simplefilter("error")                # it fits: overlap stays on
         on = _run(w, "spec", prompts, news)
@@ -233,10 +229,10 @@ def test_overlap_off_where_the_extra_round_does_not_fit(models):
 
 
 def sync_checked_loop(monkeypatch) -> list:
-    """Run Worker._loop under sync debug mode "error", a Readback's wait exempt; the list
+    """Run Engine._loop under sync debug mode "error", a Readback's wait exempt; the list
     that gets one entry per wait."""
     waits = []
-    orig_wait, orig_loop = spec_decode.Readback.wait, Worker._loop
+    orig_wait, orig_loop = timing.Readback.wait, Engine._loop
 
     def exempt_wait(self):
         prev = torch.cuda.get_sync_debug_mode()
@@ -254,8 +250,8 @@ def sync_checked_loop(monkeypatch) -> list:
         finally:
             torch.cuda.set_sync_debug_mode(0)
 
-    monkeypatch.setattr(spec_decode.Readback, "wait", exempt_wait)
-    monkeypatch.setattr(Worker, "_loop", checked_loop)
+    monkeypatch.setattr(timing.Readback, "wait", exempt_wait)
+    monkeypatch.setattr(Engine, "_loop", checked_loop)
     return waits
 
 
@@ -269,7 +265,7 @@ def test_cuda_overlapped_rounds_never_sync(monkeypatch):
     torch.manual_seed(0)
     target = LlamaModel(LlamaConfig.tiny(n_layers=1)).cuda().to(torch.bfloat16).eval()
     head = EagleHead.copy_of_target(target).cuda().to(torch.bfloat16).eval()
-    w = Worker(target, head, SpecConfig(3, 2, 5), backend="cuda", max_bs=4, max_context=64,
+    w = Engine(target, head, SpecConfig(3, 2, 5), backend="cuda", max_bs=4, max_context=64,
                buckets=pg.Buckets([1, 2, 4]))
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, target.cfg.vocab_size, (n,), generator=g).tolist()
@@ -298,7 +294,7 @@ def test_cuda_continuous_admission_never_syncs(monkeypatch):
     torch.manual_seed(0)
     target = LlamaModel(LlamaConfig.tiny(n_layers=1)).cuda().to(torch.bfloat16).eval()
     head = EagleHead.copy_of_target(target).cuda().to(torch.bfloat16).eval()
-    w = Worker(target, head, SpecConfig(3, 2, 5), backend="cuda", max_bs=2, max_context=64,
+    w = Engine(target, head, SpecConfig(3, 2, 5), backend="cuda", max_bs=2, max_context=64,
                buckets=pg.Buckets([1, 2]))
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, target.cfg.vocab_size, (n,), generator=g).tolist()
@@ -317,7 +313,7 @@ def test_cuda_continuous_admission_never_syncs(monkeypatch):
 
 
 def test_compiled_layers_give_the_eager_tokens(models):
-    """Worker(torch_compile=True): every runner's decoder layers compiled regionally (the GPU
+    """Engine(torch_compile=True): every runner's decoder layers compiled regionally (the GPU
     default) serve the same tokens as the eager oracle, spec and greedy."""
     target, head = models["oracle"]
     prompts, news = _prompts(target.cfg.vocab_size), [n for _, n in LENS]
@@ -332,7 +328,7 @@ def test_compiled_layers_give_the_eager_tokens(models):
 
 
 def test_whole_draft_bodies_compile_fullgraph_and_give_the_eager_tokens(models):
-    """Worker(draft_compile="whole"): the draft and draft-extend bodies (tree expansion, the
+    """Engine(draft_compile="whole"): the draft and draft-extend bodies (tree expansion, the
     head's steps, top-k, tree build) compile as one fullgraph each for the ladder; tokens equal
     the eager oracle's. The head's top-k is the opaque `padgraph::topk_logsumexp` op in that
     graph. Short run: the CPU compile of the unrolled draft is the cost here."""

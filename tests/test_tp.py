@@ -7,24 +7,23 @@ naming the ranks, their buckets and extents. The pieces are also checked in one 
 model of one rank is the single-device model, the distributed top-2 combine is topk's, and the
 check off is the runner itself.
 """
-import os
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
-import tp_decode  # noqa: E402
-from models.llama import LlamaConfig, LlamaModel  # noqa: E402
-from models.llama_tp import LlamaTP, TPGroup, combine_top2  # noqa: E402
+from padgraph.llm import Batch, Request, SpecConfig, programs
+from padgraph.llm import tp_run
+from padgraph.llm.kv import new_cache
+from padgraph.llm.models.llama import LlamaConfig, LlamaModel
+from padgraph.llm.models.llama_tp import LlamaTP, TPGroup, combine_top2
 
-import padgraph as pg  # noqa: E402
-import padgraph.distributed as pgd  # noqa: E402
+import padgraph as pg
+import padgraph.distributed as pgd
 
-SETUP = tp_decode.Setup(world=2, check_ranks=True)
+SETUP = tp_run.Setup(world=2, check_ranks=True)
 
 
 @pytest.fixture
@@ -38,9 +37,9 @@ def one_thread():
 # --------------------------------------------------------------------------- two processes
 
 def test_tp_greedy_and_eagle_equal_single_process(one_thread):
-    prompts, news = tp_decode.requests(SETUP)
-    ranks = tp_decode.spawn(both_rank, SETUP, prompts, news)
-    want = [r.output for r in tp_decode.run_single(SETUP, prompts, news)]
+    prompts, news = tp_run.requests(SETUP)
+    ranks = tp_run.spawn(both_rank, SETUP, prompts, news)
+    want = [r.output for r in tp_run.run_single(SETUP, prompts, news)]
     greedy, eagle = ranks[0]["greedy"], ranks[0]["eagle"]
     assert [o for o, _ in greedy["outputs"]] == want, "TP greedy tokens != single-process tokens"
     assert sum(map(len, want)) > 50
@@ -53,17 +52,17 @@ def test_tp_greedy_and_eagle_equal_single_process(one_thread):
 
 
 def both_rank(rank, setup, port, out_dir, prompts, news):
-    """Greedy as tp_decode.rank_main runs it (rank 0 broadcasts each step), then EAGLE rounds."""
+    """Greedy as tp_run.rank_main runs it (rank 0 broadcasts each step), then EAGLE rounds."""
     def work(tp, group):
-        res = {"greedy": tp_decode.greedy(rank, setup, tp, group, prompts, news)}
-        target = tp_decode.rank_target(rank, setup, tp)
-        res["eagle"] = tp_decode.run_eagle(target, setup, group, prompts, news)
+        res = {"greedy": tp_run.greedy(rank, setup, tp, group, prompts, news)}
+        target = tp_run.rank_target(rank, setup, tp)
+        res["eagle"] = tp_run.run_eagle(target, setup, group, prompts, news)
         return res
-    tp_decode.put(out_dir, rank, tp_decode.in_group(rank, setup, port, work))
+    tp_run.put(out_dir, rank, tp_run.in_group(rank, setup, port, work))
 
 
 def test_disagreement_raises_on_every_rank(one_thread):
-    ranks = tp_decode.spawn(disagree_rank, SETUP)
+    ranks = tp_run.spawn(disagree_rank, SETUP)
     assert sorted(ranks) == [0, 1]
     msg = ranks[0]
     assert ranks[1] == msg, "both ranks must raise the same error"
@@ -75,14 +74,14 @@ def test_disagreement_raises_on_every_rank(one_thread):
 def disagree_rank(rank, setup, port, out_dir):
     """Rank 0 calls decode with 3 requests, rank 1 with 5: a driver bug the check catches."""
     def work(tp, group):
-        shard = tp_decode.rank_shard(rank, setup, tp, group)
+        shard = tp_run.rank_shard(rank, setup, tp, group)
         try:
             with torch.no_grad():
                 shard.decode(**decode_raw(3 if rank == 0 else 5))
         except pg.ContractError as e:
             return f"{type(e).__name__}: {e}"
         return "no error"
-    tp_decode.put(out_dir, rank, tp_decode.in_group(rank, setup, port, work))
+    tp_run.put(out_dir, rank, tp_run.in_group(rank, setup, port, work))
 
 
 @pytest.mark.cuda
@@ -90,13 +89,13 @@ def disagree_rank(rank, setup, port, out_dir):
 def test_nccl_greedy_and_eagle_match_one_gpu():
     """2 GPUs, NCCL collectives captured in every bucket's graph, 1B shape, bf16: tokens equal
     one GPU's up to a first divergence at a top-2 near-tie (eagle.py's rule)."""
-    from eagle import TIE_TOL, compare
-    setup = tp_decode.Setup(**{**tp_decode.GPU.__dict__, "n_requests": 8, "check_ranks": True})
-    prompts, news = tp_decode.requests(setup)
-    ranks = tp_decode.spawn(both_rank, setup, prompts, news)
-    single = tp_decode.run_single(setup, prompts, news)
+    from padgraph.llm.oracle import TIE_TOL, compare
+    setup = tp_run.Setup(**{**tp_run.GPU.__dict__, "n_requests": 8, "check_ranks": True})
+    prompts, news = tp_run.requests(setup)
+    ranks = tp_run.spawn(both_rank, setup, prompts, news)
+    single = tp_run.run_single(setup, prompts, news)
     for mode in ("greedy", "eagle"):
-        got = [tp_decode.Request(r.rid, r.prompt, r.max_new_tokens, output=o, gaps=g)
+        got = [Request(r.rid, r.prompt, r.max_new_tokens, output=o, gaps=g)
                for r, (o, g) in zip(single, ranks[0][mode]["outputs"])]
         match, ties, real = compare(single, got, tie_tol=TIE_TOL)
         assert not real, f"{mode}: divergences (rid, index, gap)={real}, but should be none"
@@ -116,7 +115,7 @@ def test_one_rank_tp_model_is_the_model():
     cfg = LlamaConfig.tiny()
     full = LlamaModel(cfg, seed=0).eval()
     tp = LlamaTP.shard(full, TPGroup())
-    kv_a = tp_decode.new_cache(full, cfg.n_layers, 32, 8, 4)
+    kv_a = new_cache(full, cfg.n_layers, 32, 8, 4)
     kv_b = tp.new_cache(cfg.n_layers, 32, 8, 4)
     for kv in (kv_a, kv_b):
         kv.req_to_token[1:4, :1] = torch.tensor([[5], [6], [7]], dtype=torch.int32)
@@ -124,9 +123,10 @@ def test_one_rank_tp_model_is_the_model():
     rows, lens, loc = torch.arange(1, 4, dtype=torch.int32), torch.ones(3, dtype=torch.int32), \
         torch.tensor([5, 6, 7])
     with torch.no_grad():
-        want, _ = full.forward_decode(ids, pos, kv_a, kv_a.req_to_token, rows, lens, loc)
-        got, _ = tp.forward_decode(ids, pos, kv_b, kv_b.req_to_token, rows, lens, loc)
-        values, top = tp.decode_top2(ids, pos, kv_b, kv_b.req_to_token, rows, lens, loc)
+        b = Batch(kv_b, kv_b.req_to_token, rows, lens, loc)
+        want, _ = full.forward_decode(ids, pos, Batch(kv_a, kv_a.req_to_token, rows, lens, loc))
+        got, _ = tp.forward_decode(ids, pos, b)
+        values, top = tp.decode_top2(ids, pos, b)
     assert torch.equal(got, want), f"max |diff|={(got - want).abs().max()}, but should be 0"
     assert torch.equal(top[:, 0], want.argmax(-1))
     assert torch.equal(values, want.topk(2, dim=-1).values)
@@ -154,8 +154,8 @@ def test_disagreement_message_and_check_off():
 
 
 def test_call_key_is_the_plan_bucket():
-    prog = tp_decode.programs(LlamaConfig.tiny(), tp_decode.SpecConfig(), torch.float32,
-                              pg.Buckets([1, 2, 4, 8]))["decode"]
+    prog = programs(LlamaConfig.tiny(), SpecConfig(), torch.float32,
+                    pg.Buckets([1, 2, 4, 8]))["decode"]
     runner = SimpleNamespace(program=prog, plan=pg.Plan(prog))   # what call_key reads
     assert pgd.call_key(runner, decode_raw(3)) == ("decode", 4, {"bs": 3})
     assert pgd.call_key(runner, decode_raw(9)) == ("decode", "overflow", {"bs": 9})

@@ -62,32 +62,3 @@ def test_torch_impl_and_checks():
         gemv(x, torch.randn(8, 5).T)
     with pytest.raises(ValueError, match="split_k"):
         gemv(x, w, split_k=0)
-
-
-def test_bench_gemv_report_lines():
-    """bench_gemv's table from one measured row (the GPU run writes it; here its format)."""
-    import os
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-    import bench_gemv
-    cfgs = [dict(block_n=16, block_k=256, split_k=1, err=1e-3, ok=True, us=5.0),
-            dict(block_n=32, block_k=256, split_k=2, err=2e-3, ok=True, us=4.0)]
-    row = dict(shape="o", n=2048, k=2048, bs=1, cublas_us=5.7, cublas_gbs=1472.0,
-               cublas_of_copy=0.35, gemv_gbs=2097.0, gemv_of_copy=0.49, speedup=5.7 / 4.0,
-               best=cfgs[1], configs=cfgs)
-    meta = dict(gpu="GPU", date="d", torch="t", triton="tr", command="c", copy_GBps=4251.0,
-                n_configs=2)
-    md = bench_gemv.markdown(meta, [row])
-    line = [ln for ln in md.splitlines() if ln.startswith("| o |")][0]
-    assert "2048 x 2048" in line and "1.43x" in line and "32 / 256 / 2" in line and "2.0e-03" in line
-    assert len(bench_gemv.CONFIGS) == 27 and all(c["block_n"] >= 16 for c in bench_gemv.CONFIGS)
-    # the chain section: the floor ratios, the shapes that took gemv, a variant that failed
-    chain = [dict(bs=1, weight_bytes=2.47e9, floor_us=585.0, cublas_us=838.0, mixed_us=813.0,
-                  isolated_sum_us=817.0, picks={"qkv": "F.linear", "down": {"block_n": 64}},
-                  mixed_rel_err=1.8e-2, cublas_over_floor=838 / 585, mixed_over_floor=813 / 585,
-                  variants={"gemv_split1": dict(us=873.0, over_floor=873 / 585, rel_err=1e-2),
-                            "gemv_split1_pdl": dict(error="TypeError: launch_pdl")})]
-    md = bench_gemv.markdown(meta, [row], chain)
-    line = [ln for ln in md.splitlines() if ln.startswith("| 1 | 585 |")][0]
-    assert "838 (1.43)" in line and "813 (1.39)" in line and "| down |" in line
-    assert "| 1 | gemv_split1 | 873 | 1.49 |" in md and "failed: TypeError: launch_pdl" in md

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from padgraph.backends.triton.kv import KVCache, RowAllocator, SlotAllocator, resolve_impl
+from padgraph.backends.triton.kv import resolve_impl
+from padgraph.llm.kv import KVCache, RowAllocator, SlotAllocator
 from padgraph.backends.triton.store import store_kv, store_kv_reference
 
 
@@ -65,8 +66,8 @@ def test_allocator_ids_are_distinct_under_churn():
 # ----------------------------------------------------------------------------- KVCache
 
 def test_kvcache_shapes_and_fixed_storage():
-    c = KVCache(n_layers=3, n_slots=10, n_kv_heads=2, head_dim=96, max_context=17,
-                n_req_rows=4, dtype=torch.bfloat16, device="cpu", v_head_dim=64)
+    c = KVCache(n_layers=3, n_slots=10, n_kv_heads=2, head_dim=(96, 64), max_context=17,
+                n_req_rows=4, dtype=torch.bfloat16, device="cpu")
     assert len(c.k) == len(c.v) == 3
     assert c.k[0].shape == (10, 2, 96) and c.v[2].shape == (10, 2, 64)
     assert c.k[1].dtype == torch.bfloat16

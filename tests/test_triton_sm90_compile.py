@@ -3,7 +3,6 @@ Triton's real compiler (TTIR -> TTGIR -> LLVM -> PTX -> cubin), with no GPU: the
 other CPU tests use runs the kernels' Python and would not catch code the compiler rejects.
 Runs in a subprocess (TRITON_INTERPRET must be unset before triton is imported) with a fresh
 cache; skipped where this Triton has no NVIDIA backend or ptxas."""
-import json
 import os
 import subprocess
 import sys
@@ -83,12 +82,3 @@ def run_compiler(args, tmp_path) -> str:
 def test_changed_kernels_compile_for_sm90(tmp_path):
     out = run_compiler(["-c", SCRIPT], tmp_path)
     assert out.count("compiled") == 19, out
-
-
-def test_sm90_regs_reports_the_mla_kernels_resources(tmp_path):
-    """scripts/sm90_regs.py (the register / spill / cp.async report of the MLA kernel, no GPU)."""
-    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "sm90_regs.py")
-    out = run_compiler([script, '[{"BLOCK_N": 32, "warps": 4}]'], tmp_path)
-    report = json.loads(out.strip().splitlines()[-1])["report"]
-    assert 0 < report["regs"] <= 255 and report["merge_unroll"] == 1
-    assert report["ldgsts_in_loops"] > 0          # the latent tile is loaded with cp.async

@@ -1,21 +1,18 @@
-"""spec_decode.Worker against bad requests and failing calls, on the CPU (reference backend):
+"""padgraph.llm.Engine against bad requests and failing calls, on the CPU (reference backend):
 requests are checked before any is admitted (empty prompts, token ids outside the vocabulary,
 max_new_tokens < 1 or not an int), an impossible tree is rejected when the SpecConfig is built,
 and a call that fails after admission gives back every row and slot, so the next call runs as
 on a fresh worker; a call that cannot get a row raises instead of waiting forever."""
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
-from models.eagle_head import EagleHead  # noqa: E402
-from models.llama import LlamaConfig, LlamaModel  # noqa: E402
-from spec_decode import SpecConfig, Worker  # noqa: E402
+from padgraph.llm.models.eagle_head import EagleHead
+from padgraph.llm.models.llama import LlamaConfig, LlamaModel
+from padgraph.llm import Engine, SpecConfig
 
-import padgraph as pg  # noqa: E402
+import padgraph as pg
 
 torch.manual_seed(0)
 TARGET = LlamaModel(LlamaConfig.tiny(n_layers=1)).eval()
@@ -30,7 +27,7 @@ def _prompts(*lens, seed=0):
 
 def _worker(spec=SpecConfig(3, 2, 5), **kw):
     kw = {"max_bs": 2, "max_context": 40, "buckets": pg.Buckets([1, 2]), **kw}
-    return Worker(TARGET, HEAD, spec, **kw)
+    return Engine(TARGET, HEAD, spec, **kw)
 
 
 def _released(w):

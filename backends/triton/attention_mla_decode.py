@@ -331,7 +331,7 @@ def mla_blocks(kv_lora_rank: int, rope_dim: int, rows: int) -> dict:
     """Tiles: BLOCK_H = 16 (query, head) rows per program, BLOCK_N = 32 latent rows per
     iteration, c_kv / rope widths padded to powers of 2, 4 warps. (sm_90 at 512 + 64: 4 warps use
     255 registers and spill ~0.1-0.2 KB a thread but fit 2 programs an SM, 72 KB of tiles in flight;
-    8 warps don't spill but fit one; 32 rows spill 0.4-0.9 KB. `examples/bench_mla.py` sweeps.)
+    8 warps don't spill but fit one; 32 rows spill 0.4-0.9 KB. `bench/bench_mla.py` sweeps.)
     `rows` (a request's query rows) is unused today: more rows are more row blocks."""
     return dict(BLOCK_H=16, BLOCK_N=32,
                 BLOCK_C=max(16, triton.next_power_of_2(kv_lora_rank)),

@@ -162,7 +162,7 @@ def topk_logsumexp_torch(logits: torch.Tensor, k: int, scale: torch.Tensor):
 def topk_logsumexp_triton(logits: torch.Tensor, k: int, scale: torch.Tensor,
                           block: int = BLOCK, num_warps: int = NUM_WARPS):
     """The kernels; `block` (a power of two) and `num_warps` are tuning knobs
-    (examples/bench_topk.py sweeps them)."""
+    (bench/bench_topk.py sweeps them)."""
     _check(logits, k, scale)
     if block & (block - 1) or block < 16:
         raise ValueError(f"block must be a power of two >= 16; got {block}")

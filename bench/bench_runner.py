@@ -1,0 +1,361 @@
+"""Benchmark: padgraph's CUDA runner against its peers on a Llama-3.2-1B-shaped decode step.
+
+All variants run side by side in one process on the same body, weights and KV cache:
+  eager            the body called at the raw batch size, no graphs
+  handwritten      an SGLang-style runner: per-buffer copy_/fill_, bisect, one graph per bucket
+  compile-ro       torch.compile(mode="reduce-overhead") at the raw sizes (its own cudagraphs), set
+                   up as its users do: the KV pools and the request map are marked static addresses
+                   (what HF's StaticCache and gpt-fast's buffers do), so the graphs may mutate them
+                   in place; every "skipping cudagraphs" reason torch logs is printed and recorded
+  padgraph         pg.compile(backend="cuda") with the eager body
+  padgraph+compile pg.compile(backend="cuda", torch_compile={"regions": model.layers}): the decoder
+                   layer compiled once for every layer and the whole ladder, inductor's kernels
+                   captured in padgraph's graphs (--pg-compile whole: the whole body compiled)
+Per raw batch size: step time (CUDA events, median), host time per call (median), a
+correctness check of next tokens against eager, and the floor: (weight bytes a step reads + KV
+bytes read) / measured device-to-device copy bandwidth. A step reads every weight but the
+embedding table, of which it reads one row per request (`step_weight_bytes`; before 2026-12-02's
+eleventh session the floor counted the whole table, 0.53 GB of the 1B model's 3.00: 126 us more
+floor at bs 1). For the ladder: capture seconds and pool bytes.
+Writes bench_runner.{md,json,png} under $OUT (or results/local).
+
+    python -m bench.bench_runner.py [--variants a,b] [--sizes 1,3,8] [--tiny]
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+
+import padgraph as pg  # noqa: E402
+from bench.common import (CudagraphSkips, copy_bandwidth, env_info, kernel_lines,  # noqa: E402
+                          kernel_table, out_dir, plot_step_times)
+from padgraph.llm.models.llama import LlamaConfig, LlamaModel  # noqa: E402
+from padgraph.llm import Batch
+from padgraph.llm.kv import KVCache  # noqa: E402
+
+SIZES = [1, 3, 8, 27, 64, 200]
+MAX_BS, MAX_CTX = 256, 1024
+
+
+def decode_program(hidden_dtype=torch.bfloat16) -> pg.Program:
+    """8 inputs: the five of every decode step plus temperature, stop token and a done mask."""
+    bs = pg.Axis("bs")
+    return pg.Program(
+        "llama_decode",
+        inputs={
+            "input_ids": pg.Input((bs,), torch.int64, pad=0),
+            "positions": pg.Input((bs,), torch.int64, pad=0),
+            "seq_lens": pg.Input((bs,), torch.int32, pad=1),
+            "req_pool_indices": pg.Input((bs,), torch.int32, pad=0),
+            "out_cache_loc": pg.Input((bs,), torch.int64, pad=0),
+            "temperature": pg.Input((bs,), torch.float32, pad=1.0),
+            "stop_token": pg.Input((bs,), torch.int64, pad=0),
+            "done": pg.Input((bs,), torch.bool, pad=True),
+        },
+        outputs={"next_token": pg.Output((bs,), torch.int64), "finished": pg.Output((bs,), torch.bool)},
+        buckets=pg.Buckets.default(MAX_BS),
+    )
+
+
+class Step:
+    """The decode body: model forward, temperature-scaled greedy pick, stop handling."""
+
+    def __init__(self, model: LlamaModel, kv: KVCache):
+        self.model, self.kv = model, kv
+
+    def __call__(self, input_ids, positions, seq_lens, req_pool_indices, out_cache_loc,
+                 temperature, stop_token, done):
+        batch = Batch(self.kv, self.kv.req_to_token, req_pool_indices, seq_lens, out_cache_loc)
+        logits, _ = self.model.forward_decode(input_ids, positions, batch)
+        nxt = (logits / temperature[:, None]).argmax(-1)                        # [bs]
+        nxt = torch.where(done, stop_token, nxt)
+        return nxt, done | (nxt == stop_token)
+
+    def body(self, x):
+        nxt, fin = self(x.input_ids, x.positions, x.seq_lens, x.req_pool_indices, x.out_cache_loc,
+                        x.temperature, x.stop_token, x.done)
+        return {"next_token": nxt, "finished": fin}
+
+
+class HandwrittenRunner:
+    """What engines write by hand: a static buffer per input, copy_ + fill_ per buffer, bisect."""
+
+    PADS = {"input_ids": 0, "positions": 0, "seq_lens": 1, "req_pool_indices": 0,
+            "out_cache_loc": 0, "temperature": 1.0, "stop_token": 0, "done": True}
+
+    def __init__(self, step: Step, program: pg.Program, device):
+        self.step, self.buckets = step, list(program.buckets)
+        self.bufs = {n: torch.zeros(MAX_BS, dtype=s.dtype, device=device) for n, s in program.inputs.items()}
+        for n, v in self.PADS.items():
+            self.bufs[n].fill_(v)
+        self.graphs, self.outs = {}, {}
+        self.pool = torch.cuda.graph_pool_handle()
+        t0 = time.perf_counter()
+        for b in reversed(self.buckets):
+            args = {n: t[:b] for n, t in self.bufs.items()}
+            for _ in range(2):
+                step(**args)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                self.outs[b] = step(**args)
+            self.graphs[b] = g
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - t0
+
+    def __call__(self, **raw):
+        n = raw["input_ids"].shape[0]
+        b = self.buckets[bisect.bisect_left(self.buckets, n)]
+        for name, t in raw.items():
+            self.bufs[name][:n].copy_(t)
+            if b != n:
+                self.bufs[name][n:b].fill_(self.PADS[name])
+        self.graphs[b].replay()
+        nxt, fin = self.outs[b]
+        return nxt[:n], fin[:n]
+
+
+def make_batch(n: int, kv: KVCache, cfg, gen: torch.Generator, device) -> dict:
+    """n requests with random context lengths; their KV rows and slots are laid out in kv."""
+    ctx = torch.randint(256, MAX_CTX - 1, (n,), generator=gen)
+    rows = torch.arange(1, n + 1)
+    slots = torch.stack([1 + r * MAX_CTX + torch.arange(MAX_CTX) for r in range(n)])   # [n, MAX_CTX]
+    kv.req_to_token[1:n + 1] = slots.to(device, torch.int32)
+    return {
+        "input_ids": torch.randint(1, cfg.vocab_size, (n,), generator=gen).to(device),
+        "positions": (ctx - 1).to(device),
+        "seq_lens": ctx.to(device, torch.int32),
+        "req_pool_indices": rows.to(device, torch.int32),
+        "out_cache_loc": slots[torch.arange(n), ctx - 1].to(device),
+        "temperature": torch.full((n,), 0.7).to(device),
+        "stop_token": torch.full((n,), 2, dtype=torch.int64).to(device),
+        "done": torch.zeros(n, dtype=torch.bool).to(device),
+    }
+
+
+def time_calls(fn, raw: dict, iters: int) -> tuple[float, float]:
+    """(median step µs by CUDA events, median host µs per call), after warm-up."""
+    for _ in range(3):
+        fn(**raw)
+    torch.cuda.synchronize()
+    steps, hosts = [], []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(iters):
+        start.record()
+        t0 = time.perf_counter()
+        fn(**raw)
+        hosts.append((time.perf_counter() - t0) * 1e6)
+        end.record()
+        end.synchronize()
+        steps.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(steps), statistics.median(hosts)
+
+
+def next_tokens(out):
+    return out["next_token"] if isinstance(out, dict) else out[0]
+
+
+def build_variants(names, step, program, device, pg_compile=True):
+    variants, setup = {}, {}
+    if "eager" in names:
+        variants["eager"] = lambda **r: step(**r)
+    if "handwritten" in names:
+        hw = HandwrittenRunner(step, program, device)
+        variants["handwritten"] = hw
+        setup["handwritten"] = {"capture_seconds": hw.capture_seconds}
+    if "padgraph" in names:
+        t0 = time.perf_counter()
+        r = pg.compile(program, step.body, backend="cuda", progress=False)
+        setup["padgraph"] = {"capture_seconds": time.perf_counter() - t0, "pool_bytes": r.pool_bytes()}
+        variants["padgraph"] = r
+    if "padgraph+compile" in names:
+        t0 = time.perf_counter()
+        r = pg.compile(program, step.body, backend="cuda", progress=False, torch_compile=pg_compile)
+        setup["padgraph+compile"] = {"warmup_seconds": time.perf_counter() - t0, "pool_bytes": r.pool_bytes(),
+                                     "compiles": r.stats.compiles, "recompiles": r.stats.recompiles,
+                                     "compile_seconds": r.stats.compile_seconds}
+        variants["padgraph+compile"] = r
+    if "compile-ro" in names:
+        variants["compile-ro"] = torch.compile(step, mode="reduce-overhead")
+        setup["compile-ro"] = {"warmup_seconds": 0.0, "cudagraph_skips": 0, "skip_reasons": []}
+    return variants, setup
+
+
+def static_addresses(kv: KVCache) -> None:
+    """Tell dynamo the cache tensors never move, as HF's StaticCache does for its layers.
+
+    reduce-overhead's cudagraphs copy every non-static input into the graph's own buffer before a
+    replay and refuse graphs that mutate one ("skipping cudagraphs due to mutated inputs"); a KV
+    pool written in place each step must therefore be a static address (or a module buffer).
+    """
+    for t in kv.k + kv.v + [kv.req_to_token]:
+        torch._dynamo.mark_static_address(t)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", default="eager,handwritten,padgraph,padgraph+compile,compile-ro")
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--tiny", action="store_true", help="tiny model (smoke test)")
+    ap.add_argument("--pg-compile", default="regions", choices=["regions", "whole"],
+                    help="padgraph+compile: compile the decoder layer (regions) or the whole body")
+    ap.add_argument("--profile", default=None, metavar="VARIANT",
+                    help="after the timed runs, --iters more calls of VARIANT at each size under "
+                         "torch.profiler: its kernels per step, written to bench_runner_profile.json")
+    ap.add_argument("--size-oblivious", action="store_true",
+                    help="padgraph+compile: size-oblivious tracing, so bucket 1 shares the graph")
+    args = ap.parse_args()
+    names, sizes = args.variants.split(","), [int(s) for s in args.sizes.split(",")]
+    if args.profile is not None and args.profile not in names:
+        ap.error(f"--profile {args.profile!r} must be one of --variants {names}")
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    cfg = LlamaConfig.tiny() if args.tiny else LlamaConfig.llama_1b()
+    model = LlamaModel(cfg).to(device, torch.bfloat16).eval()
+    kv = KVCache(cfg.n_layers, MAX_BS * MAX_CTX + 1, cfg.n_kv_heads, cfg.head_dim, MAX_CTX, MAX_BS + 1,
+                 torch.bfloat16, device)
+    for t in kv.k + kv.v:
+        t.normal_()                                     # never time on zeros
+    static_addresses(kv)                                # as torch.compile users set a cache up
+    step = Step(model, kv)
+    program = decode_program()
+    bw = copy_bandwidth(device)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())   # all, stored
+    step_bytes = lambda n: step_weight_bytes(model, n)   # noqa: E731  (what a step of n reads)
+    gen = torch.Generator().manual_seed(0)
+    batches = {n: make_batch(n, kv, cfg, gen, device) for n in sizes}
+    with torch.inference_mode():
+        pg_compile = {"regions": model.layers, "fullgraph": True} if args.pg_compile == "regions" \
+            else {"fullgraph": True}
+        if args.size_oblivious:
+            pg_compile["size_oblivious"] = True
+        variants, setup = build_variants(names, step, program, device, pg_compile)
+        rows = run_all(variants, setup, batches, sizes, args.iters, cfg, step_bytes, bw,
+                       lambda rows, done: report(rows, setup, names, done, bw, weight_bytes, cfg, args))
+        if args.profile:
+            profile_steps(variants[args.profile], args.profile, batches, sizes, args.iters, rows)
+
+
+def profile_steps(fn, name: str, batches, sizes, iters: int, rows) -> None:
+    """`iters` calls of one variant per size under torch.profiler: kernels and kernel-µs per step
+    beside its measured step time and floor (where the time over the floor goes)."""
+    from torch.profiler import ProfilerActivity, profile
+    out = {"variant": name, "sizes": {}}
+    for n in sizes:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                fn(**batches[n])
+            torch.cuda.synchronize()
+        table = kernel_table(prof.events(), iters, top=24)
+        row = next(r for r in rows if r["bs"] == n and r["variant"] == name)
+        table.update(step_us=row["step_us"], floor_us=row["floor_us"])
+        out["sizes"][n] = table
+        print("\n".join(kernel_lines(table, f"{name} bs={n}", f"step (step {row['step_us']:.0f} "
+                                                             f"µs, floor {row['floor_us']:.0f} µs)")))
+    (out_dir() / "bench_runner_profile.json").write_text(json.dumps(out, indent=1))
+
+
+def step_weight_bytes(model, n: int) -> int:
+    """Weight bytes one decode step of n requests must read: every parameter but the embedding
+    table, of which it reads n rows (a table shared with the lm_head is read whole)."""
+    table = model.embed.weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if table is model.lm_head.weight:
+        return total
+    return total - table.numel() * table.element_size() + n * table.stride(0) * table.element_size()
+
+
+def run_all(variants, setup, batches, sizes, iters, cfg, weight_bytes, bw, after_size):
+    """Every variant at every size; the results are written after each size (a timeout keeps them).
+    weight_bytes(n): the weight bytes a step of n requests reads (the floor's)."""
+    rows = []
+    for i, n in enumerate(sizes):
+        raw = batches[n]
+        ref = next_tokens(next(iter(variants.values()))(**raw)).clone()   # the first variant (eager)
+        kv_bytes = int(raw["seq_lens"].sum()) * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 2
+        floor_us = (weight_bytes(n) + kv_bytes) / bw * 1e6
+        for name, fn in variants.items():
+            if name == "compile-ro":
+                got = warm_compile_ro(fn, raw, setup["compile-ro"], n)
+            else:
+                got = next_tokens(fn(**raw))
+            match = float((got == ref).float().mean())
+            step_us, host_us = time_calls(fn, raw, iters)
+            rows.append({"bs": n, "variant": name, "step_us": step_us, "host_us": host_us,
+                         "floor_us": floor_us, "token_match_vs_eager": match})
+            print(f"bs={n:>3} {name:<17} step {step_us:9.1f} µs  host {host_us:8.1f} µs  "
+                  f"floor {floor_us:8.1f} µs  match {match:.3f}", flush=True)
+        after_size(rows, sizes[:i + 1])
+    return rows
+
+
+def warm_compile_ro(fn, raw: dict, setup: dict, n: int) -> torch.Tensor:
+    """First three calls at this size (compile, warm-up, cudagraph record): timed, skips recorded."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with CudagraphSkips() as skips:
+        for _ in range(3):
+            got = next_tokens(fn(**raw)).clone()
+        torch.cuda.synchronize()
+    setup["warmup_seconds"] += time.perf_counter() - t0
+    setup["cudagraph_skips"] += skips.count
+    setup["skip_reasons"] += [r for r in skips.reasons if r not in setup["skip_reasons"]]
+    print(f"bs={n:>3} compile-ro: {skips.summary()}", flush=True)
+    return got
+
+
+def report(rows, setup, names, sizes, bw, weight_bytes, cfg, args):
+    out = out_dir()
+    info = env_info(" ".join(["python"] + sys.argv))
+    data = {"env": info, "copy_bandwidth_GBps": bw / 1e9, "weight_bytes": weight_bytes,
+            "floor": "weight bytes a step reads (all but the embedding table, one row of it per "
+                     "request) + KV bytes read, over the copy bandwidth",
+            "config": cfg.__dict__, "setup": setup, "rows": rows}
+    (out / "bench_runner.json").write_text(json.dumps(data, indent=1, default=str))
+    by = {(r["bs"], r["variant"]): r for r in rows}
+    lines = [f"# bench_runner — {info['date']}, {info['gpu']}, torch {info['torch']}, triton {info['triton']}",
+             f"command: `{info['command']}`; copy bandwidth {bw / 1e9:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB "
+             "stored; floor: the weight bytes a step reads (all but the embedding table, one row "
+             "of it per request) + KV bytes read, over the copy bandwidth", "",
+             "step time µs (median, CUDA events) / host µs per call (median)", "",
+             "| bs | floor | " + " | ".join(names) + " | padgraph/handwritten |",
+             "|---|---|" + "---|" * len(names) + "---|"]
+    for n in sizes:
+        cells = [f"{by[(n, v)]['step_us']:.0f} / {by[(n, v)]['host_us']:.0f}" if (n, v) in by else "-" for v in names]
+        ratio = (by[(n, "padgraph")]["step_us"] / by[(n, "handwritten")]["step_us"]
+                 if (n, "padgraph") in by and (n, "handwritten") in by else float("nan"))
+        lines.append(f"| {n} | {by[(n, names[0])]['floor_us']:.0f} | " + " | ".join(cells) + f" | {ratio:.3f} |")
+    lines += warmup_lines(setup, sizes)
+    lines += ["", "setup (capture / warm-up seconds, pool bytes):", "", "```", json.dumps(setup, indent=1), "```"]
+    (out / "bench_runner.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    plot_step_times(rows, names, out / "bench_runner.png", "Llama-3.2-1B-shaped decode step", "step time (ms)",
+                    floor_key="floor_us")
+
+
+def warmup_lines(setup: dict, sizes) -> list[str]:
+    """padgraph+compile's warm-up for its whole ladder against compile-ro's for the measured sizes."""
+    if "padgraph+compile" not in setup or "compile-ro" not in setup:
+        return []
+    pgc, ro = setup["padgraph+compile"], setup["compile-ro"]
+    skips = (f"compile-ro skipped cudagraphs {ro['cudagraph_skips']} time(s): {ro['skip_reasons']}"
+             if ro["cudagraph_skips"] else "compile-ro captured its cudagraphs (no skip logged)")
+    return ["", f"warm-up: padgraph+compile {pgc['warmup_seconds']:.1f} s for the whole ladder "
+            f"({pgc['compiles']} graphs compiled, {pgc['recompiles']} recompiles, "
+            f"{pgc['compile_seconds']:.1f} s in the calls that compiled; the rest is warm-up "
+            f"runs and capture) vs compile-ro "
+            f"{ro['warmup_seconds']:.1f} s for sizes {list(sizes)}: ratio "
+            f"{pgc['warmup_seconds'] / max(ro['warmup_seconds'], 1e-9):.2f}", "", skips]
+
+
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Shared by the benchmarks: where results go, what they were measured on, copy bandwidth, the
+kernels of a profiled run."""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+
+def out_dir() -> Path:
+    """$OUT on the device machine, else results/local/."""
+    path = Path(os.environ.get("OUT") or Path(__file__).resolve().parents[1] / "results" / "local")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def env_info(command: str | None = None) -> dict:
+    import triton
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (cpu)"
+    return {"date": datetime.date.today().isoformat(), "gpu": gpu,
+            "torch": torch.__version__, "triton": triton.__version__,
+            "command": command or " ".join(["python"] + sys.argv)}
+
+
+def copy_bandwidth(device, n_bytes: int = 2 << 30, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src = torch.randn(n_bytes // 4, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    times.sort()
+    return 2 * n_bytes / times[len(times) // 2]
+
+
+class CudagraphSkips:
+    """Inductor's "skipping cudagraphs due to …" messages while the block runs (a context manager).
+
+    torch logs each skip on the `cudagraphs` artifact logger and counts it in
+    counters["inductor"]["cudagraph_skips"]; `reasons` holds the messages, `count` the counter's delta.
+    """
+
+    LOGGER = "torch._inductor.cudagraph_utils.__cudagraphs"
+
+    def __init__(self):
+        self.reasons: list[str] = []
+        self.count = 0
+
+    def __enter__(self) -> "CudagraphSkips":
+        import logging
+
+        from torch._dynamo.utils import counters
+        skips = self
+
+        class _Keep(logging.Handler):
+            def emit(self, record):
+                msg = record.getMessage()
+                if "skipping cudagraphs" in msg:
+                    skips.reasons.append(msg)
+
+        self._handler, self._counters = _Keep(), counters
+        self._start = counters["inductor"]["cudagraph_skips"]
+        logging.getLogger(self.LOGGER).addHandler(self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import logging
+        logging.getLogger(self.LOGGER).removeHandler(self._handler)
+        self.count = self._counters["inductor"]["cudagraph_skips"] - self._start
+
+    def summary(self) -> str:
+        if not self.count and not self.reasons:
+            return "cudagraphs captured (no skip logged)"
+        seen = sorted(set(self.reasons)) or ["(no reason logged: torch logs reasons for CUDA graphs only)"]
+        return f"{self.count} cudagraph skip(s): " + " | ".join(seen)
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, or None where matplotlib is not installed
+    (it is not a dependency: the md and JSON are written anyway)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def plot_step_times(rows, names, path, title: str, ylabel: str, floor_key: str | None = None) -> None:
+    """Step time (ms) per raw batch size, one line per variant (rows: dicts with variant, bs,
+    step_us; `floor_key`: a per-row floor in µs drawn dashed). Skipped without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for v in names:
+        pts = sorted((r["bs"], r["step_us"]) for r in rows if r["variant"] == v)
+        ax.plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], marker="o", label=v)
+    if floor_key is not None:
+        pts = sorted((r["bs"], r[floor_key]) for r in rows if r["variant"] == names[0])
+        ax.plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], "k--", label="bandwidth floor")
+    ax.set_xscale("log")
+    ax.set(xlabel="raw batch size", ylabel=ylabel, title=title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def random_tree_masks(bs, k, gen):
+    """[bs, k, k] bool on the CPU: each draft token sees itself and the ancestors of a random parent."""
+    masks = torch.zeros(bs, k, k, dtype=torch.bool)
+    for r in range(bs):
+        for i in range(k):
+            masks[r, i, i] = True
+            if i:
+                parent = int(torch.randint(0, i, (), generator=gen))
+                masks[r, i] |= masks[r, parent]
+    return masks
+
+
+def kernel_table(events, n_calls: int, top: int = 18) -> dict:
+    """GPU kernels of a torch.profiler run (those inside CUDA graphs included) per call of what
+    ran `n_calls` times: {"kernels": count per call, "kernel_us": kernel time per call, "top":
+    [(µs per call, launches per call, name), ...] the `top` kernels by time}."""
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    n = max(n_calls, 1)
+    by: dict = {}
+    for e in kernels:
+        c, us = by.get(e.name, (0, 0.0))
+        by[e.name] = (c + 1, us + e.device_time)
+    ranked = sorted(by.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"kernels": len(kernels) / n, "kernel_us": sum(us for _, us in by.values()) / n,
+            "top": [(us / n, c / n, name) for name, (c, us) in ranked]}
+
+
+def kernel_lines(table: dict, what: str, per: str) -> list[str]:
+    """The printed form of `kernel_table`: a summary line, then one line per kernel."""
+    lines = [f"profile {what}: {table['kernels']:.0f} kernels and {table['kernel_us']:.0f} "
+             f"kernel-µs per {per}; top {len(table['top'])} by time:"]
+    lines += [f"  {us:8.1f} µs {c:6.1f}x  {name[:110]}" for us, c, name in table["top"]]
+    return lines

@@ -1,0 +1,313 @@
+"""A Llama-like target (RMSNorm, RoPE, GQA, SwiGLU) over a paged KV cache, random init.
+
+Forward functions take padded, static-shape tokens and positions and one `Batch` (the cache and
+its metadata: `padgraph.llm.batch`) and return `(logits, hidden)`; none of them syncs with the host or produces a data-dependent shape, so each can run inside a captured graph.
+`hidden` is the final-normed hidden state (the input of `lm_head`): what the EAGLE head consumes.
+
+KV layout (as SGLang's): per layer `k_cache[slot, kv_head, head_dim]`, `req_to_token[row, pos]`
+maps a request's position to its slot; slot 0 and row 0 are sinks for padded lanes.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..batch import Batch
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_size: int
+    rope_theta: float = 500000.0
+    rms_eps: float = 1e-5
+    max_position: int = 4096
+    init_std: float = 0.02
+
+    @classmethod
+    def tiny(cls, **kw) -> "LlamaConfig":
+        """CPU-test size: a few hundred kB of weights."""
+        base = dict(vocab_size=256, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                    head_dim=16, ffn_size=128, max_position=1024)
+        return cls(**{**base, **kw})
+
+    @classmethod
+    def llama_1b(cls, **kw) -> "LlamaConfig":
+        """Llama-3.2-1B's shape (random weights).
+
+        init_std 0.008, not 0.02: what each layer adds to the residual stream grows like
+        init_std**2 * hidden_size, so at 2048 wide 0.02 gives layers that swamp the token
+        embedding and a chaotic generator — its greedy next token agrees with the embedding→
+        lm_head map of the current token 8% of the time, n-gram lookup of its own history
+        accepts nothing, and no one-layer draft can predict it (accept length 1.1 on the H200).
+        At 0.008 (the small configs' regime, init_std**2 * H ~ 0.13) the token sets ~85-90% of
+        the next token and the context the rest: predictable but not trivial, like text.
+        """
+        base = dict(vocab_size=128256, hidden_size=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+                    head_dim=64, ffn_size=8192, max_position=8192, init_std=0.008)
+        return cls(**{**base, **kw})
+
+    def replace(self, **kw) -> "LlamaConfig":
+        return dataclasses.replace(self, **kw)
+
+
+# ---------------------------------------------------------------------------- attention metadata
+
+AttendFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q [n,Hq,D], k_cache, v_cache) -> [n,Hq,D]
+
+
+@dataclass(frozen=True)
+class AttnPlan:
+    """What every layer needs for one call, derived from the `Batch` once per forward: where new
+    K/V go and how queries attend (the attention kernel with the batch's metadata bound)."""
+    out_cache_loc: Tensor  # [n_tok] int64 slot per new token (0 = sink for padded lanes)
+    attend: AttendFn
+
+
+def _attn():
+    from padgraph.backends.triton import attention
+    return attention
+
+
+def decode_batch(b: Batch) -> AttnPlan:
+    """One new token per request at position seq_lens - 1."""
+    fn = partial(_attn().decode_attention, req_to_token=b.req_to_token,
+                 req_pool_indices=b.req_pool_indices, seq_lens=b.seq_lens, impl=b.impl)
+    return AttnPlan(b.out_cache_loc, lambda q, k, v: fn(q, k, v))
+
+
+def extend_batch(b: Batch) -> AttnPlan:
+    """Packed new tokens: request r's at q[qo_indptr[r]:qo_indptr[r+1]], ending at seq_lens[r]."""
+    fn = partial(_attn().extend_attention, req_to_token=b.req_to_token,
+                 req_pool_indices=b.req_pool_indices, seq_lens=b.seq_lens,
+                 qo_indptr=b.qo_indptr, impl=b.impl)
+    return AttnPlan(b.out_cache_loc, lambda q, k, v: fn(q, k, v))
+
+
+def tree_batch(b: Batch) -> AttnPlan:
+    """k tree tokens per request at req_to_token positions seq_lens-k..seq_lens-1, tree_mask [bs,k,k]."""
+    fn = partial(_attn().tree_verify_attention, req_to_token=b.req_to_token,
+                 req_pool_indices=b.req_pool_indices, seq_lens=b.seq_lens,
+                 tree_mask=b.tree_mask, impl=b.impl)
+    return AttnPlan(b.out_cache_loc, lambda q, k, v: fn(q, k, v))
+
+
+def _store_kv(k_cache, v_cache, loc, k, v):
+    from padgraph.backends.triton.store import store_kv
+    store_kv(k_cache, v_cache, loc, k, v)
+
+
+# ---------------------------------------------------------------------------------------- layers
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """Rotate-half RoPE from a precomputed [max_position, head_dim/2] table."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float):
+        super().__init__()
+        inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        ang = torch.arange(max_position, dtype=torch.float64)[:, None] * inv[None]
+        self.register_buffer("cos", ang.cos().float(), persistent=False)
+        self.register_buffer("sin", ang.sin().float(), persistent=False)
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        # x [n, heads, D]; positions [n]
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [n, 1, D/2]
+        x1, x2 = x.float().chunk(2, dim=-1)
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        return out.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        q_size, kv_size = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=False)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+
+    def qkv(self, x: Tensor, positions: Tensor, rope: Rotary):
+        # heads unflattened before the split: a view of the contiguous projection, so torch
+        # need not reason about the strides of a view of a column slice (which guards on the
+        # batch being 1 or not, and gives bucket 1 a graph of its own under size-oblivious tracing)
+        qkv = self.qkv_proj(x).view(x.shape[0], self.n_heads + 2 * self.n_kv, self.head_dim)
+        q, k, v = qkv.split((self.n_heads, self.n_kv, self.n_kv), dim=1)
+        return rope(q, positions), rope(k, positions), v               # [n, Hq | Hkv, D]
+
+    def forward(self, x, positions, rope, batch: AttnPlan, k_cache, v_cache):
+        q, k, v = self.qkv(x, positions, rope)
+        _store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
+        o = batch.attend(q, k_cache, v_cache)                         # [n, Hq, D]
+        return self.o_proj(o.reshape(o.shape[0], -1))
+
+    def forward_dense(self, x, positions, rope, mask=None):
+        """Causal attention over x [B, T, H] without a cache (distillation, checks); `mask`
+        [T, T] bool (True: attend) replaces the causal one."""
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x.reshape(B * T, -1), positions.reshape(-1), rope)
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=True)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.ffn_size, bias=False)
+        self.down = nn.Linear(cfg.ffn_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.attn = Attention(cfg)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, rope, batch, k_cache, v_cache):
+        x = x + self.attn(self.input_norm(x), positions, rope, batch, k_cache, v_cache)
+        return x + self.mlp(self.post_norm(x))
+
+    def forward_dense(self, x, positions, rope, mask=None):
+        x = x + self.attn.forward_dense(self.input_norm(x), positions, rope, mask)
+        return x + self.mlp(self.post_norm(x))
+
+
+def init_weights(module: nn.Module, std: float, generator: torch.Generator | None = None,
+                 n_layers: int = 1):
+    """Normal(0, std) for every matrix, std / sqrt(2 * n_layers) for the projections back into
+    the residual stream (GPT-2's scaled init), ones for norms: a deterministic random model."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.dim() >= 2:
+                s = std / (2 * n_layers) ** 0.5 if name.endswith(("o_proj.weight", "down.weight")) \
+                    else std
+                p.copy_(torch.randn(p.shape, generator=generator) * s)
+
+
+# ----------------------------------------------------------------------------------------- model
+
+def last_tokens(qo_indptr: Tensor) -> Tensor:
+    """[bs] int64 row of each request's last token in a packed extend (a request without
+    tokens, a padded one, gives the row before its start, clamped to 0)."""
+    return (qo_indptr[1:] - 1).clamp_min(0).long()
+
+
+class PagedForwards:
+    """The paged forwards of a target, given its `_run(ids, positions, attn, kv) -> hidden` and
+    `logits(hidden)`: every target (single GPU, one tensor-parallel rank, the MLA target)
+    shares them. Each takes the tokens, their positions and one `Batch`; the attention plan
+    comes from `_decode_batch` / `_extend_batch` / `_tree_batch` of it: GQA's here, the MLA
+    target overrides them."""
+
+    def _decode_batch(self, b: Batch) -> AttnPlan:
+        return decode_batch(b)
+
+    def _extend_batch(self, b: Batch) -> AttnPlan:
+        return extend_batch(b)
+
+    def _tree_batch(self, b: Batch) -> AttnPlan:
+        return tree_batch(b)
+
+    def forward_decode(self, input_ids, positions, batch: Batch):
+        """[bs] tokens → (logits [bs, V] fp32, hidden [bs, H])."""
+        hidden = self._run(input_ids, positions, self._decode_batch(batch), batch.kv)
+        return self.logits(hidden), hidden
+
+    def forward_extend(self, input_ids, positions, batch: Batch):
+        """Packed [n_tok] tokens → (logits at each request's last token [bs, V], hidden [n_tok, H])."""
+        hidden = self.forward_extend_hidden(input_ids, positions, batch)
+        return self.logits(hidden[last_tokens(batch.qo_indptr)]), hidden
+
+    def forward_extend_hidden(self, input_ids, positions, batch: Batch):
+        """Packed [n_tok] tokens → hidden [n_tok, H] only (the prefill program: the caller takes
+        the lm_head of the requests' last rows, not of every padded request)."""
+        return self._run(input_ids, positions, self._extend_batch(batch), batch.kv)
+
+    def forward_verify(self, input_ids, positions, batch: Batch):
+        """[bs*k] tree tokens (seq_lens = prefix + k) → (logits [bs*k, V], hidden [bs*k, H])."""
+        hidden = self.forward_verify_hidden(input_ids, positions, batch)
+        return self.logits(hidden), hidden
+
+    def forward_verify_hidden(self, input_ids, positions, batch: Batch):
+        """`forward_verify`'s hidden [bs*k, H] only (greedy verification takes `greedy_ids` of
+        it: no [bs*k, V] fp32 logits written and read back)."""
+        return self._run(input_ids, positions, self._tree_batch(batch), batch.kv)
+
+    def greedy_ids(self, hidden: Tensor) -> Tensor:
+        """argmax of `logits(hidden)` [n] int64 (ties to the lower id)."""
+        return self.logits(hidden).argmax(-1)
+
+
+class LlamaModel(PagedForwards, nn.Module):
+    """The target. `kv` is a KVCache with `.k[layer]`, `.v[layer]` of [n_slots, n_kv_heads, D]."""
+
+    def __init__(self, cfg: LlamaConfig, seed: int = 0):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = Rotary(cfg.head_dim, cfg.max_position, cfg.rope_theta)
+        gen = torch.Generator().manual_seed(seed)
+        init_weights(self, cfg.init_std, gen, cfg.n_layers)
+        with torch.no_grad():  # a larger embedding keeps the residual stream token-dependent
+            self.embed.weight.copy_(torch.randn(self.embed.weight.shape, generator=gen))
+
+    def _run(self, input_ids, positions, batch: AttnPlan, kv) -> Tensor:
+        x = self.embed(input_ids)                                    # [n, H]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, self.rope, batch, kv.k[i], kv.v[i])
+        return self.norm(x)                                          # [n, H] final-normed
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(hidden).float()
+
+    def greedy_ids(self, hidden: Tensor) -> Tensor:
+        """argmax of `logits(hidden)`, taken on the lm_head's own output (bf16 on a GPU): the
+        fp32 upcast in `logits` is exact and monotone, so the ids are the same (ties to the lower
+        id either way), without writing [n, V] fp32 logits and reading twice the bytes back."""
+        return self.lm_head(hidden).argmax(-1)
+
+    def forward_dense(self, input_ids: Tensor, last_only: bool = False):
+        """[B, T] → (logits [B, T, V], hidden [B, T, H]) with plain causal attention, no cache.
+
+        last_only: logits of the last position only ([B, V]); the lm_head is most of a small
+        model's FLOPs, so greedy generation without a cache should not pay it at every position.
+        """
+        B, T = input_ids.shape
+        positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer.forward_dense(x, positions, self.rope)
+        hidden = self.norm(x)
+        return self.logits(hidden[:, -1] if last_only else hidden), hidden

@@ -1,0 +1,61 @@
+"""The main job's settings per model family: which distillation preset on a GPU and on the CPU,
+the draft tree and draft compile on a GPU, and the request batch served; `setup` builds a target
+and distils its head, `workload` draws the requests."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .distill import build, distill
+
+
+# --model -> the draft bodies' compile (`WorkerOptions.draft_compile`): whole where it has run on a GPU
+DRAFT_COMPILE = {"llama": "whole", "deepseek": "whole"}
+# --model -> the lm_head the draft reads on a GPU (the CPU run reads the target's): its e4m3
+# copy, read by the fused lm_head + top-k kernel (H200, Llama: draft 0.84 ms a round against
+# 0.91 unfused, the same accept length)
+DRAFT_LM_HEAD = {"llama": "fp8-fused", "deepseek": "fp8-fused"}
+# --model -> the draft tree on a GPU, (steps, topk, k). Llama: (3, 4, 8) from the tree sweep
+# (bench/sweep_eagle.py, H200, one process): against (5, 4, 8) it gave 2.03x / 1.35x greedy at
+# bs 1 / 16 instead of 1.92x / 1.16x, a round of 1.41 greedy steps at bs 1 instead of 1.69 (accept
+# 3.02 against 3.48: two draft steps fewer cost less than the half token they found). DeepSeek:
+# (3, 4, 8) too (main job, H200, 2026-12-02): its MTP draft step is one MLA + MoE layer, 0.31 ms
+# at bs 16, so two steps fewer took the round from 4.33 ms (2.22 greedy steps) to 3.41 (1.75) and
+# the main job from 1.24x to 1.49x greedy (accept 3.50 -> 2.99).
+GPU_TREE = {"llama": (3, 4, 8), "deepseek": (3, 4, 8)}
+# --model -> (GPU preset, CPU preset, what the CPU run says it is)
+MODELS = {"llama": ("1b", "tiny", "tiny Llama-like target"),
+          "deepseek": ("ds-lite", "ds-tiny", "tiny DeepSeek-like target (MLA + MoE, MTP head)")}
+
+
+def setup(size: str, device: str, log=print, **distill_kw):
+    """Target + distilled head for a preset of `distill.PRESETS` ("tiny", "1b", "ds-tiny", ...);
+    distill_kw (e.g. steps, n_seq) override the preset's distillation settings."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    target, head, pre = build(size, device, dtype)
+    info = distill(target, head, log=log, **{**pre, **distill_kw})
+    return target, head, info
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A batch of n requests, prompt and output lengths uniform in [lo, hi): as they finish the
+    batch shrinks through odd sizes, which the runners pad to their buckets."""
+    n: int
+    prompt_lens: tuple[int, int]
+    new_tokens: tuple[int, int]
+    max_context: int          # >= longest prompt + output + tree margin (+ steps + 1: overlap)
+
+
+WORKLOADS = {"gpu": Workload(16, (4, 97), (16, 129), max_context=256),
+             "cpu": Workload(8, (3, 25), (4, 41), max_context=96)}     # tiny: CI runs it
+
+
+def workload(vocab: int, n: int, seed: int, prompt_lens=(5, 29), new_tokens=(8, 48)):
+    """n prompts of different lengths with different output budgets (the batch shrinks)."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(*prompt_lens, (n,), generator=g).tolist()
+    news = torch.randint(*new_tokens, (n,), generator=g).tolist()
+    return [torch.randint(1, vocab, (m,), generator=g).tolist() for m in lens], news
