@@ -17,6 +17,7 @@ from .plan import Plan
 from .program import Input, Output, Program, State
 from .registry import backend_names, compile, register_backend
 from .runtime import Outputs, Runner, Stats
+from .shadow import Shadow
 from .view import PaddedView
 
 __version__ = "0.1.0"
@@ -24,6 +25,6 @@ __version__ = "0.1.0"
 __all__ = [
     "Affine", "Axis", "Buckets", "capturing", "check", "CheckResult", "Finding",
     "BucketOverflowError", "CaptureError", "ContractAttributeError", "ContractError", "ContractKeyError", "ContractRuntimeError", "ContractTypeError",
-    "ContractValueError", "OverflowWarning", "ShadowMismatch", "StaleOutputError", "StateStorageError", "Edge", "Fill", "Plan", "Input", "Output", "Program",
+    "ContractValueError", "OverflowWarning", "Shadow", "ShadowMismatch", "StaleOutputError", "StateStorageError", "Edge", "Fill", "Plan", "Input", "Output", "Program",
     "State", "backend_names", "compile", "register_backend", "Outputs", "Runner", "Stats", "PaddedView",
 ]

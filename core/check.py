@@ -52,7 +52,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from .eager import make_view
+from .eager import exact_run as _exact_run, make_view
 from .errors import ContractError, ContractValueError, mismatch
 from .plan import Plan
 from .program import Program, padded_dims
@@ -292,32 +292,6 @@ def _guarded(size: int, run: Callable) -> Callable:
         except Exception as e:
             raise _BodyRaised(size, e) from e
     return call
-
-
-def _exact_run(runner: ReferenceRunner, raw: Mapping[str, torch.Tensor], ext: Mapping[str, int]) -> dict:
-    """prepare + body on the raw tensors themselves (no padded lane on any axis); outputs cloned."""
-    plan, name = runner.plan, runner.program.name
-    device = runner.device or next(iter(raw.values())).device
-    # row-major copies, as every runner hands its body dense inputs (rule 10.1)
-    buffers: dict[str, object] = {n: raw[n].to(device).clone(memory_format=torch.contiguous_format)
-                                  for n in runner.program.inputs}
-    buffers.update(runner.state.at(ext[plan.bucket_axis]))
-    extents = {a: torch.tensor(n, dtype=torch.int32, device=device) for a, n in ext.items()}
-    x = PaddedView(name, ext[plan.bucket_axis], buffers, extents)
-    if runner.prepare is not None:
-        runner.prepare(x)
-    outs = runner.body(x)
-    if not isinstance(outs, Mapping) or set(outs) != set(runner.program.outputs):
-        got = sorted(outs) if isinstance(outs, Mapping) else type(outs).__name__
-        raise ContractValueError(mismatch(name, None, "the body's return value (exact run)",
-                                          f"a dict with keys {sorted(runner.program.outputs)}", got))
-    for n, spec in runner.program.outputs.items():
-        t, shape = outs[n], plan.raw_shape(n, ext)
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != spec.dtype:
-            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ContractValueError(mismatch(name, n, "shape and dtype at raw extents (exact run)",
-                                              f"{shape} {spec.dtype}", got, kind="output"))
-    return {n: t.clone() for n, t in outs.items()}
 
 
 @dataclass

@@ -12,6 +12,7 @@ import torch
 from .pack import padded
 from .pads import stored
 from .program import padded_dims
+from .errors import ContractValueError, mismatch
 from .view import PaddedView
 
 
@@ -35,6 +36,32 @@ def run_padded(runner, size: int, raw, ext, device, body=None) -> Mapping[str, t
         outs = (runner.body if body is None else body)(x)
     runner.check_outputs(outs, size, device)
     return outs
+
+
+def exact_run(runner, raw: Mapping[str, torch.Tensor], ext: Mapping[str, int], body=None) -> dict:
+    """prepare + body on the raw tensors themselves (no padded lane on any axis); outputs cloned."""
+    plan, name = runner.plan, runner.program.name
+    device = runner.device or next(iter(raw.values())).device
+    # row-major copies, as every runner hands its body dense inputs (rule 10.1)
+    buffers: dict[str, object] = {n: raw[n].to(device).clone(memory_format=torch.contiguous_format)
+                                  for n in runner.program.inputs}
+    buffers.update(runner.state.at(ext[plan.bucket_axis]))
+    extents = {a: torch.tensor(n, dtype=torch.int32, device=device) for a, n in ext.items()}
+    x = PaddedView(name, ext[plan.bucket_axis], buffers, extents)
+    if runner.prepare is not None:
+        runner.prepare(x)
+    outs = (runner.body if body is None else body)(x)
+    if not isinstance(outs, Mapping) or set(outs) != set(runner.program.outputs):
+        got = sorted(outs) if isinstance(outs, Mapping) else type(outs).__name__
+        raise ContractValueError(mismatch(name, None, "the body's return value (exact run)",
+                                          f"a dict with keys {sorted(runner.program.outputs)}", got))
+    for n, spec in runner.program.outputs.items():
+        t, shape = outs[n], plan.raw_shape(n, ext)
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != spec.dtype:
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ContractValueError(mismatch(name, n, "shape and dtype at raw extents (exact run)",
+                                              f"{shape} {spec.dtype}", got, kind="output"))
+    return {n: t.clone() for n, t in outs.items()}
 
 
 def device_axis_dims(specs: Mapping) -> dict[str, tuple]:

@@ -22,6 +22,7 @@ from .eager import device_axis_dims, mask_outputs, run_padded
 from .errors import (ContractAttributeError, ContractKeyError, ContractRuntimeError, ContractTypeError,
                      ContractValueError, OverflowWarning, mismatch, where)
 from .lifetimes import Lease, lend, unlend
+from .shadow import Sampler, Shadow, report, verify
 from .plan import Plan
 from .program import Program, padded_dims
 from .state import BoundState
@@ -61,6 +62,9 @@ class Stats:
     padded_lanes: dict = field(default_factory=lambda: defaultdict(int))   # bucket -> lanes of the bucketed axis
     raw_lanes: dict = field(default_factory=lambda: defaultdict(int))
     eager_fallbacks: int = 0
+    shadow_calls: int = 0      # calls shadow-verified (pg.Shadow)
+    shadow_mismatches: int = 0
+    shadow_exact_skipped: int = 0   # verified calls whose exact run (no padded lane) could not run
     compiles: int = 0          # graphs inductor compiled for a torch_compile'd body
     recompiles: int = 0        # of those, compiled after the body's first call
     compile_seconds: float = 0.0   # wall time of the body calls that compiled (dynamo + inductor)
@@ -119,7 +123,8 @@ class Runner:
 
     def __init__(self, program: Program, body: Callable, *, state: Mapping | None = None,
                  prepare: Callable | None = None, overflow: str = "eager", copy_outputs: bool = False,
-                 device: torch.device | str | None = None, torch_compile: bool | Mapping | None = None):
+                 device: torch.device | str | None = None, torch_compile: bool | Mapping | None = None,
+                 shadow: Shadow | None = None):
         if overflow not in ("eager", "error"):
             raise ContractValueError(mismatch(program.name, None, "overflow", "'eager' or 'error'", repr(overflow)))
         if not callable(body):
@@ -138,6 +143,9 @@ class Runner:
         if self._compiled:
             from .compiled import CompiledBody   # local: plain runners never import dynamo
             self.body = CompiledBody(program, body, torch_compile, self.stats, self.state)
+        if shadow is not None and not isinstance(shadow, Shadow):
+            raise ContractTypeError(mismatch(program.name, None, "shadow", "a pg.Shadow(...) or None", repr(shadow)))
+        self._shadow = Sampler(shadow) if shadow is not None else None
         self._lease = Lease(program.name, 0)     # the last call's claim on its outputs
         self._n_calls = 0
         self._lock = threading.Lock()
@@ -210,12 +218,26 @@ class Runner:
             outs = self._overflow(raw, ext, dev)
             self._next_lease()      # it ran: the previous call's outputs are now stale (rule 6.2)
             return self._finish(outs, ext)
-        outs = self._run_device(bucket, raw, ext, dev) if dev else self._run(bucket, raw, ext)
+        if self._shadow is not None and self._shadow.sampled(bucket):
+            outs = self._shadowed(bucket, raw, ext, dev)
+        else:
+            outs = self._run_device(bucket, raw, ext, dev) if dev else self._run(bucket, raw, ext)
         self._next_lease()
         self.stats.record(bucket, ext[self.plan.bucket_axis])
         if self.cache_output_views and not self.copy_outputs:
             return self._lend(self._finish_cached(outs, ext, bucket))
         return self._finish(outs, ext)
+
+    def _shadowed(self, bucket: int, raw, ext, dev):
+        """A sampled call: run it, then verify it against the eager runs (see padgraph/shadow.py)."""
+        before = self.state.snapshot()
+        outs = self._run_device(bucket, raw, ext, dev) if dev else self._run(bucket, raw, ext)
+        after = self.state.snapshot()
+        self.stats.shadow_calls += 1
+        found = verify(self, self._shadow.spec, bucket, raw, ext, dev, outs, before, after)
+        if found is not None:
+            report(self, self._shadow.spec, bucket, ext, found)
+        return outs
 
     def _resolve_device(self, raw, device):
         """No device yet: the first input's. A bare "cuda": the index of the first such input."""

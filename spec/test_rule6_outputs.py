@@ -99,14 +99,41 @@ def test_r6_2_copy_outputs_are_the_callers(compile, device, n_first, n_next):
 
 
 def test_r6_2_default_outputs_valid_until_next_call(compile, device):
-    """Default lifetime: right until the next call (which may overwrite them; not asserted)."""
+    """Default lifetime: right until the next call; then any read raises StaleOutputError."""
     kv = torch.zeros(4 * S.LADDER[-1], dtype=torch.int64, device=device)
     runner = compile(program(), body, state={"kv": kv})
-    for n in [3, 8, 1, 4]:
+    previous = None
+    for n in [3, 8, 1, 4, 4]:
         raw = _raw(n, n, device, seed=n)
         out = runner(**raw)
         for name, want in expected(**raw).items():
             S.assert_close(f"output {name!r}", out[name], want, f"bs={n}")
+        if previous is not None:
+            _assert_stale(previous, f"outputs of the call before bs={n}")
+        previous = (out, out["y"][:1])       # an output and a view of one
+
+
+def _assert_stale(previous, case: str) -> None:
+    out, view = previous
+    reads = {"print": lambda: repr(out["y"]), "arithmetic": lambda: out["h"] + 1, "item": lambda: out["k"][0].item(),
+             "cpu": lambda: out["z"].cpu(), "a view": lambda: view.sum()}
+    for what, read in reads.items():
+        try:
+            read()
+        except pg.StaleOutputError as e:
+            assert "copy_outputs=True" in str(e) and "'outs'" in str(e), S.msg("message", str(e), "naming the fix", case)
+        else:
+            raise AssertionError(S.msg(f"{what} of a stale output", "no error", "pg.StaleOutputError", case))
+
+
+def test_r6_2_a_rejected_call_ends_no_lease(compile, device):
+    kv = torch.zeros(4 * S.LADDER[-1], dtype=torch.int64, device=device)
+    runner = compile(program(), body, state={"kv": kv})
+    raw = _raw(3, 3, device, seed=1)
+    out = runner(**raw)
+    with pytest.raises(pg.ContractError):
+        runner(**{**raw, "a": raw["a"].to(torch.int32)})
+    S.assert_close("output 'y' after a rejected call", out["y"], expected(**raw)["y"], "bs=3")
 
 
 BAD_RETURNS = [

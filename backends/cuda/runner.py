@@ -84,12 +84,12 @@ class CudaGraphRunner(Runner):
 
     def __init__(self, program, body, *, state=None, prepare=None, overflow="eager", copy_outputs=False,
                  device=None, pool=None, warmup: int = 2, progress: bool | None = None, restore_state: bool = True,
-                 copy: str = "cudart", torch_compile=None, pack: str = "auto"):
+                 copy: str = "cudart", torch_compile=None, pack: str = "auto", shadow=None):
         reason = self.unavailable()
         if reason is not None:
             raise ContractRuntimeError(f"{where(program.name)}: {reason}")
         super().__init__(program, body, state=state, prepare=prepare, overflow=overflow,
-                         copy_outputs=copy_outputs, device=device, torch_compile=torch_compile)
+                         copy_outputs=copy_outputs, device=device, torch_compile=torch_compile, shadow=shadow)
         self.device = self._cuda_device(self.device)
         self._check_state_device()
         self.static = StaticInputs(self.plan, self.device)
