@@ -77,7 +77,8 @@ def stage_breakdown(runner, raw, calls):
         "bucket lookup": host_us(lambda: runner.plan.bucket_for(ext), calls),
         "srcs + extents + H2D copy + event": host_us(lambda: runner.pack.block.send(raw, ext), calls),
         "graph.replay": host_us(g.graph.replay, calls),
-        "slice outputs": host_us(lambda: runner._finish(g.outputs, ext), calls),
+        "slice outputs (cached views)": host_us(lambda: runner._finish_cached(g.outputs, ext, bucket), calls),
+        "lend outputs (lifetimes enforced)": host_us(lambda: runner._lend(runner._finish_cached(g.outputs, ext, bucket)), calls),
         "whole call": host_us(lambda: runner(**raw), calls),
     }
 

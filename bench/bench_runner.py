@@ -174,6 +174,12 @@ def build_variants(names, step, program, device, pg_compile=True):
         r = pg.compile(program, step.body, backend="cuda", progress=False)
         setup["padgraph"] = {"capture_seconds": time.perf_counter() - t0, "pool_bytes": r.pool_bytes()}
         variants["padgraph"] = r
+    for every in (1000, 1):          # shadow verification: the unsampled path, and every call sampled
+        name = f"padgraph+shadow{every}"
+        if name in names:
+            variants[name] = pg.compile(program, step.body, backend="cuda", progress=False,
+                                        shadow=pg.Shadow(every=every, first=1))
+            setup[name] = {"shadow_every": every}
     if "padgraph+compile" in names:
         t0 = time.perf_counter()
         r = pg.compile(program, step.body, backend="cuda", progress=False, torch_compile=pg_compile)

@@ -85,20 +85,17 @@ class Plan:
         ext: dict[str, int] = {}
         for c in self._checks:
             t = raw[c.name]
-            if not isinstance(t, torch.Tensor) or t.dtype != c.dtype or t.dim() != c.rank \
+            if type(t) is not torch.Tensor or t.dtype is not c.dtype or t.ndim != c.rank \
                     or (device is not None and t.device != device):
-                self._check_tensor(c, t, device, allow_host)   # raises, or accepts a host input
+                if not isinstance(t, torch.Tensor) or t.dtype != c.dtype or t.dim() != c.rank \
+                        or (device is not None and t.device != device):
+                    self._check_tensor(c, t, device, allow_host)   # raises, or accepts a host input
             shp = t.shape
             for d, size in c.fixed:
                 if shp[d] != size:
                     raise ContractValueError(mismatch(self.program.name, c.name, f"dim {d} of shape {c.shape}", size, f"{tuple(shp)}"))
             for d, axis, scale, offset in c.moving:
-                m = shp[d] - offset
-                n = m // scale
-                if n < 0 or n * scale != m:
-                    raise ContractValueError(mismatch(
-                        self.program.name, c.name, f"dim {d}", f"{c.shape[d]!r} for some {axis} >= 0",
-                        f"{shp[d]} in shape {tuple(shp)}"))
+                n = shp[d] if scale == 1 and offset == 0 else self._solve(c, shp, d, axis, scale, offset)
                 old = ext.get(axis)
                 if old is None:
                     ext[axis] = n
@@ -109,6 +106,16 @@ class Plan:
             raise ContractValueError(mismatch(self.program.name, giver,
                                               f"raw extent of bucketed axis {self.bucket_axis!r}", ">= 1", 0))
         return ext
+
+    def _solve(self, c: _InputCheck, shp, d: int, axis: str, scale: int, offset: int) -> int:
+        """n with scale * n + offset == shp[d], n >= 0; else the error rule 2.3 names."""
+        m = shp[d] - offset
+        n = m // scale
+        if n < 0 or n * scale != m:
+            raise ContractValueError(mismatch(
+                self.program.name, c.name, f"dim {d}", f"{c.shape[d]!r} for some {axis} >= 0",
+                f"{shp[d]} in shape {tuple(shp)}"))
+        return n
 
     def _disagree(self, raw, axis: str, name: str, n: int, old: int):
         first = next(c.name for c in self._checks for m in c.moving if m[1] == axis)

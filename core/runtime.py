@@ -155,7 +155,7 @@ class Runner:
         # output -> ((dim, axis name, affine), ...): slicing without re-deriving shapes per call
         self._out_slices = {n: tuple((d, a.axis.name, a) for d, a in padded_dims(s.shape))
                             for n, s in program.outputs.items()}
-        self._views: dict[tuple, list] = {}     # (bucket, *extents) -> [(view, shape, stride, ptr)]
+        self._views: dict[tuple, Outputs] = {}  # (bucket, *extents) -> sliced views (never handed out)
         self._device_dims = device_axis_dims(program.outputs)     # buffers along device-extent axes
         self._in_device_dims = device_axis_dims(program.inputs)
 
@@ -349,27 +349,17 @@ class Runner:
         return out
 
     def _finish_cached(self, outs, ext, bucket: int) -> Outputs:
-        """The sliced views of a bucket's fixed outputs, made once per (bucket, extents).
-
-        A cached view is handed out again only while it is intact: a caller that changed its
-        metadata in place (t_(), unsqueeze_(), set_(), requires_grad_(), `.data =` another dtype)
-        gets a fresh view."""
+        """The sliced views of a bucket's fixed outputs, made once per (bucket, extents). They never
+        leave the runner: each call lends aliases of them (`_lend`), so a caller's in-place change
+        of an output's metadata (t_(), unsqueeze_(), set_(), `.data =`) cannot reach them."""
         key = (bucket, *ext.values())
         hit = self._views.get(key)
-        if hit is not None:
-            for v, shape, stride, ptr, dtype in hit:
-                if v.requires_grad or v.shape != shape or v.stride() != stride or v.data_ptr() != ptr \
-                        or v.dtype != dtype:      # `v.data = v.data.view(other dtype)`
-                    break
-            else:
-                res = Outputs(zip(self._out_slices, (h[0] for h in hit)))
-                res.__dict__[_PROGRAM] = self.program.name
-                return res
-        res = self._finish(outs, ext, lend_=False)
-        if len(self._views) > 4096:
-            self._views.clear()
-        self._views[key] = [(v, v.shape, v.stride(), v.data_ptr(), v.dtype) for v in res.values()]
-        return res
+        if hit is None:
+            hit = self._finish(outs, ext, lend_=False)
+            if len(self._views) > 4096:
+                self._views.clear()
+            self._views[key] = hit
+        return hit
 
     def check_outputs(self, outs, bucket: int, device: torch.device | None = None) -> None:
         """The body returned every declared output at the bucket's padded shape and dtype, dense

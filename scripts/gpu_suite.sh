@@ -4,6 +4,9 @@
 # stages:
 #   tests            the cuda tests (pytest -m cuda)
 #   spec             the cuda conformance suite (python -m padgraph.spec --backend cuda)
+#   generated        the generated conformance cases on each cuda variant: the three pack strategies
+#                    (GEN_N programs each, default 5000) and torch_compile (GEN_COMPILE_N, default 300),
+#                    GEN_SEED seed, GEN_VARIANTS to run fewer; one summary line per variant in generated.txt
 #   eagle            the main job, Llama 1B-shaped target: examples/eagle.py --model llama
 #   eagle-deepseek   the main job, DeepSeek-V2-Lite widths: examples/eagle.py --model deepseek
 #   bench-host       host time per call (bench/bench_host.py)
@@ -47,6 +50,14 @@ run() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS
   echo "=== $name: exit $r in $((SECONDS - t0)) s"; [ "$r" = 0 ] || rc=1; }
 want tests && run pytest_cuda python3 -m pytest -m cuda tests -q -p no:cacheprovider --timeout=300 -o addopts=""
 want spec && run spec_cuda python3 -m padgraph.spec --backend cuda -q
+if want generated; then
+  for v in ${GEN_VARIANTS:-in-graph eager torch compile}; do
+    if [ "$v" = compile ]; then opts=(--torch-compile --generated "${GEN_COMPILE_N:-300}"); else opts=(--pack "$v" --generated "${GEN_N:-5000}"); fi
+    run "generated_$v" python3 -m padgraph.spec --backend cuda -q -p no:cacheprovider -k "generated or regressions" \
+      --seed "${GEN_SEED:-1}" --no-shrink -n "${GEN_PROCS:-16}" "${opts[@]}"
+    grep -h "padgraph.spec generated:" "$OUT/generated_$v.log" >> "$OUT/generated.txt"
+  done
+fi
 want eagle && run eagle python3 examples/eagle.py --model llama
 want eagle-deepseek && run eagle_deepseek python3 examples/eagle.py --model deepseek
 want bench-host && run bench_host python3 -m bench.bench_host --calls 1000

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import struct
 
 import numpy as np
 import torch
@@ -65,14 +66,11 @@ def _prefix(t: torch.Tensor, shape: tuple) -> torch.Tensor:
 class _Slot:
     """One pinned copy of the per-call block, with the event of the copy that last read it."""
 
-    __slots__ = ("host", "srcs", "ext", "raw", "event")
+    __slots__ = ("host", "raw", "event")
 
     def __init__(self, layout: "CallBlock"):
         self.host = torch.zeros(layout.nbytes, dtype=torch.uint8, pin_memory=True)
-        b = self.host.numpy()
-        self.raw = b
-        self.srcs = b[: layout.ext_off].view(np.int64)[: layout.n_jobs]
-        self.ext = b[layout.ext_off: layout.ext_off + 8 * layout.n_axes].view(np.int32)   # [bounds | dev]
+        self.raw = self.host.numpy()              # the block's bytes, written by CallBlock._write
         self.event = layout.copier.new_event()     # an event never recorded counts as done
 
 
@@ -100,6 +98,8 @@ class CallBlock:
         self.eff = torch.zeros(self.n_axes, dtype=torch.int32, device=device)     # the extents used
         self.extents = {a: self.eff[i] for i, a in enumerate(self.axes)}
         self._axis_index = {a: i for i, a in enumerate(self.axes)}
+        # [srcs (int64) | pad | bounds, device extents (int32)] in one struct call per call
+        self._write = struct.Struct(f"<{self.n_jobs}q{self.ext_off - 8 * self.n_jobs}x{2 * self.n_axes}i").pack_into
         self.slots = [_Slot(self), _Slot(self)]
         self.keep: list = []
         self._turn = 0
@@ -128,7 +128,7 @@ class CallBlock:
         for name in self.jobs:
             t = raw[name]
             if t.is_cuda:
-                srcs.append(dense_source(t, keep))
+                srcs.append(t.data_ptr() if t.is_contiguous() else dense_source(t, keep))
             else:
                 used = max(used, self._stage(slot, name, t))
                 srcs.append(self._dev_base + self.staging[name])
@@ -136,9 +136,8 @@ class CallBlock:
             t = raw[name]
             if not t.is_cuda:
                 used = max(used, self._stage(slot, name, t))
-        slot.srcs[:] = srcs
         bounds = [ext[a] for a in self.axes]
-        slot.ext[:] = bounds + bounds             # device extents default to the host ones
+        self._write(slot.raw, 0, *srcs, *bounds, *bounds)   # device extents default to the host ones
         self.copier.copy(self.device_buf, slot.host, used, slot.event)
 
     def send_device_extents(self, dev) -> None:
