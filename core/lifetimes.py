@@ -16,6 +16,10 @@ import torch
 from .errors import StaleOutputError
 
 
+class LentInput(Exception):
+    """Plan.extents met a Lent tensor among a call's inputs: the runner unlends them and retries."""
+
+
 class Lease:
     """One call's claim on its outputs: alive until the runner's next call ends it."""
 

@@ -11,6 +11,7 @@ import torch
 
 from .axes import Affine, as_affine
 from .errors import BucketOverflowError, ContractTypeError, ContractValueError, mismatch, where
+from .lifetimes import Lent, LentInput
 from .pack import PackTable, pack_table
 from .program import Program, padded_dims
 
@@ -87,6 +88,8 @@ class Plan:
             t = raw[c.name]
             if type(t) is not torch.Tensor or t.dtype is not c.dtype or t.ndim != c.rank \
                     or (device is not None and t.device != device):
+                if type(t) is Lent:
+                    raise LentInput(c.name)      # the runner hands over plain aliases (or stale errors)
                 if not isinstance(t, torch.Tensor) or t.dtype != c.dtype or t.dim() != c.rank \
                         or (device is not None and t.device != device):
                     self._check_tensor(c, t, device, allow_host)   # raises, or accepts a host input

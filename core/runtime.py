@@ -21,7 +21,7 @@ import torch
 from .eager import device_axis_dims, mask_outputs, run_padded
 from .errors import (ContractAttributeError, ContractKeyError, ContractRuntimeError, ContractTypeError,
                      ContractValueError, OverflowWarning, mismatch, where)
-from .lifetimes import Lease, lend, unlend
+from .lifetimes import Lease, Lent, LentInput, lend, unlend
 from .shadow import Sampler, Shadow, report, verify
 from .plan import Plan
 from .program import Program, padded_dims
@@ -52,6 +52,49 @@ class Outputs(dict):
     def __missing__(self, name):          # out["nope"]: as out.nope, a KeyError that names it
         raise ContractKeyError(f"{_named(self)}no output {name!r}: outputs must be one "
                                f"of {sorted(self)}, got {name!r}")
+
+
+class LentOutputs(Outputs):
+    """Outputs on loan until the runner's next call (rule 6.2): each is made a `Lent` view under
+    the call's lease when first read, so outputs never read cost nothing. Every way to read one
+    (`out.y`, `out["y"]`, values(), items(), get(), `{**out}`, dict(out)) goes through __getitem__."""
+
+    def __init__(self, views: Mapping, lease):
+        super().__init__(views)
+        self.__dict__[_PROGRAM] = lease.program
+        self.__dict__["<lease>"] = lease
+
+    def __getitem__(self, name):
+        t = dict.__getitem__(self, name)          # raises __missing__'s error for an unknown name
+        if type(t) is not Lent:
+            t = lend(t, self.__dict__["<lease>"], name)
+            dict.__setitem__(self, name, t)
+        return t
+
+    def __getattr__(self, name: str):
+        if name in self:
+            return self[name]
+        return Outputs.__getattr__(self, name)
+
+    def __iter__(self):                           # dict(out), {**out}: through keys() and __getitem__
+        return iter(list(dict.keys(self)))
+
+    def get(self, name, default=None):
+        return self[name] if name in self else default
+
+    def values(self):
+        return [self[n] for n in dict.keys(self)]
+
+    def items(self):
+        return [(n, self[n]) for n in dict.keys(self)]
+
+    def __repr__(self) -> str:
+        return "{" + ", ".join(f"{n!r}: {self[n]!r}" for n in dict.keys(self)) + "}"
+
+    def __eq__(self, other):
+        return dict(self.items()) == other
+
+    __hash__ = None
 
 
 @dataclass
@@ -176,15 +219,11 @@ class Runner:
                 f"{where(self.program.name)}: a runner must not be called from inside its own call (its prepare "
                 f"hook or body), got a re-entrant call: the inner call would overwrite the outer call's staged "
                 f"inputs. Use a second runner, or call after the outer call returns")
+        grad = torch.is_grad_enabled()  # rule 10.5: inference only, outputs never require grad
         with self._lock:                # rule 4.4: calls from several threads run one at a time
             self._owner = me
-            try:
-                return self._locked_call(raw, extents)
-            finally:
-                self._owner = None
-
-    def _locked_call(self, raw, extents) -> Outputs:
-        with torch.no_grad():           # rule 10.5: inference only, outputs never require grad
+            if grad:
+                torch._C._set_grad_enabled(False)     # torch.no_grad() without its context-manager cost
             pinned = self.device
             before = self.stats.compile_counts() if self._compiled else None
             try:
@@ -194,6 +233,10 @@ class Runner:
                 if before is not None:   # compiles count with the next call that returns
                     self._deferred = self.stats.defer_compiles(before, self._deferred)
                 raise
+            finally:
+                self._owner = None
+                if grad:
+                    torch._C._set_grad_enabled(True)
             if self._deferred is not None:
                 self.stats.add_compiles(self._deferred)
                 self._deferred = None
@@ -203,12 +246,14 @@ class Runner:
         if type(raw) is not dict and not isinstance(raw, Mapping):    # dict: the common case, no ABC check
             raise ContractTypeError(mismatch(self.program.name, None, "the raw inputs",
                                              "a mapping input name -> tensor", type(raw).__name__))
-        if any(type(t) is not torch.Tensor for t in raw.values()):
-            raw = {n: unlend(t) for n, t in raw.items()}      # another call's output as input
         device = self.device
         if device is None or (device.index is None and device.type != "cpu"):
             device = self._resolve_device(raw, device)
-        ext = self.plan.extents(raw, device, self.allow_host_inputs)
+        try:
+            ext = self.plan.extents(raw, device, self.allow_host_inputs)
+        except LentInput:               # another call's output as an input: a plain alias of it
+            raw = {n: unlend(t) for n, t in raw.items()}      # (raises when it is stale)
+            ext = self.plan.extents(raw, device, self.allow_host_inputs)
         dev = (self._device_extents(extents, device) or None) if extents is not None else None   # {}: none
         self.state.check()          # first: a moved state's old range means nothing to aliasing
         self._check_aliasing(raw)
@@ -225,7 +270,7 @@ class Runner:
         self._next_lease()
         self.stats.record(bucket, ext[self.plan.bucket_axis])
         if self.cache_output_views and not self.copy_outputs:
-            return self._lend(self._finish_cached(outs, ext, bucket))
+            return LentOutputs(self._finish_cached(outs, ext, bucket), self._lease)
         return self._finish(outs, ext)
 
     def _shadowed(self, bucket: int, raw, ext, dev):
@@ -342,11 +387,8 @@ class Runner:
         self._lease = Lease(self.program.name, self._n_calls)
 
     def _lend(self, res: Outputs) -> Outputs:
-        """The outputs as Lent tensors under this call's lease (a read after the next call raises)."""
-        lease = self._lease
-        out = Outputs({n: lend(t, lease, n) for n, t in res.items()})
-        out.__dict__[_PROGRAM] = self.program.name
-        return out
+        """The outputs lent under this call's lease (a read after the next call raises)."""
+        return LentOutputs(res, self._lease)
 
     def _finish_cached(self, outs, ext, bucket: int) -> Outputs:
         """The sliced views of a bucket's fixed outputs, made once per (bucket, extents). They never

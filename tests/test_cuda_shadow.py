@@ -61,7 +61,7 @@ def test_a_padded_lane_writing_a_non_sink_row():
 def test_a_hook_building_metadata_from_a_raw_buffer():
     program = pg.Program("meta", inputs={"v": pg.Input((bs,), torch.float32, pad=0)}, outputs={"o": pg.Output((bs,), torch.float32)},
                          state={"kv": pg.State(sink=0), "loc": pg.State()}, buckets=pg.Buckets([4, 8]))
-    batch = {}
+    batch = {"loc": torch.zeros(0, dtype=torch.int64, device="cuda")}     # what the capture's hook runs see
 
     def hook(x):
         x.loc[: batch["loc"].shape[0]].copy_(batch["loc"])
