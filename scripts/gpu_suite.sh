@@ -2,7 +2,7 @@
 # The GPU suite and the benchmarks in ONE call (the device tool runs this on the H200):
 #   bash scripts/gpu_suite.sh [tests] [spec] [spec-compile] [eagle] [eagle-deepseek] [bench-host] [bench-runner]
 #                             [bench-attention] [bench-mla] [bench-eagle] [bench-eagle-deepseek] [hf] [hf-compile]
-#                             [bench-hf] [bench-runner-compile: the two compiled variants only; same file names as bench-runner]
+#                             [bench-hf] [bench-hf-qwen3] [bench-runner-compile: the two compiled variants only; same file names as bench-runner]
 #                             [bench-runner-oblivious: bench-runner-compile with size-oblivious tracing]
 #                             [bench-topk: the draft top-k kernel against torch, alone and behind the lm_head]
 #                             [eagle-fused: the main job with the fused fp8 lm_head + top-k draft kernel]
@@ -41,7 +41,7 @@ export OUT
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(tests spec spec-compile eagle eagle-deepseek bench-host bench-runner bench-attention bench-mla bench-eagle bench-eagle-deepseek hf hf-compile bench-hf)
+[ ${#stages[@]} -gt 0 ] || stages=(tests spec spec-compile eagle eagle-deepseek bench-host bench-runner bench-attention bench-mla bench-eagle bench-eagle-deepseek hf hf-compile bench-hf bench-hf-qwen3)
 LIMIT=${STAGE_TIMEOUT:-900}   # seconds per stage
 want() { local s; for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
@@ -132,11 +132,12 @@ want bench-mla-r256 && run bench_mla_r256 python3 examples/bench_mla.py --kv-lor
 want bench-eagle && run bench_eagle python3 examples/bench_eagle.py
 want bench-eagle-deepseek && EAGLE_MODEL=deepseek run bench_eagle_deepseek python3 examples/bench_eagle.py
 want bench-eagle-draft-prefill && EAGLE_DRAFT_PREFILL=runner,eager run bench_eagle python3 examples/bench_eagle.py
-want hf && run hf_llama python3 examples/hf_llama.py
-want hf-compile && run hf_llama_compile python3 examples/hf_llama.py --torch-compile
+want hf && run hf_generate python3 examples/hf_generate.py
+want hf-compile && run hf_generate_compile python3 examples/hf_generate.py --torch-compile
 want bench-runner-compile && run bench_runner_compile python3 examples/bench_runner.py --variants padgraph+compile,compile-ro --iters 30
 want bench-runner-oblivious && run bench_runner_oblivious python3 examples/bench_runner.py --variants padgraph+compile,compile-ro --iters 30 --size-oblivious
-want bench-hf && run bench_hf python3 examples/bench_hf.py
+want bench-hf && run bench_hf python3 bench/bench_hf.py --model llama1b
+want bench-hf-qwen3 && run bench_hf_qwen3 python3 bench/bench_hf.py --model qwen3
 want sweep-eagle && run sweep_eagle python3 examples/sweep_eagle.py
 want sweep-eagle-deepseek && EAGLE_MODEL=deepseek run sweep_eagle_deepseek python3 examples/sweep_eagle.py
 want bench-topk && run bench_topk python3 examples/bench_topk.py
