@@ -41,16 +41,33 @@ def decode_program(buckets: pg.Buckets) -> pg.Program:
 
 
 @contextlib.contextmanager
-def serving(model):
-    """The model's attention implementation set to padgraph's for the duration (restored after,
-    also on error): the model stays the user's, and HF's own calls run as before."""
+def serving(model, experts: str | None = None):
+    """The model's attention implementation set to padgraph's (and, given `experts`, an eager
+    MoE experts implementation replaced by it) for the duration, restored after, also on error:
+    the model stays the user's, and HF's own calls run as before."""
     cfg = model.config
-    before = cfg._attn_implementation
+    before = cfg._attn_implementation, getattr(cfg, "_experts_implementation", None)
     cfg._attn_implementation = attention.NAME
+    if experts is not None and before[1] == "eager":
+        cfg._experts_implementation = experts
     try:
         yield
     finally:
-        cfg._attn_implementation = before
+        cfg._attn_implementation = before[0]
+        if experts is not None and before[1] == "eager":
+            cfg._experts_implementation = before[1]
+
+
+def graph_safe_experts(device: torch.device) -> str | None:
+    """On a GPU, HF's eager MoE experts pick the experts hit with `nonzero()` (a host sync that
+    graph capture refuses): use transformers' grouped_mm experts there, where it is registered."""
+    if device.type != "cuda":
+        return None
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:
+        return None
+    return "grouped_mm" if "grouped_mm" in ALL_EXPERTS_FUNCTIONS else None
 
 
 class DecodeBody:
@@ -96,9 +113,13 @@ class Decoder:
         self.program = decode_program(ladder)
         self.body = DecodeBody(model, triton_decode_kernel(backend, device))
         self.rows = torch.arange(1, max_batch + 1, device=device)                     # [max_batch] request rows
-        with serving(model), torch.no_grad():
+        self.experts = graph_safe_experts(device)
+        with self.serving(), torch.no_grad():
             self.runner = pg.compile(self.program, self.body, backend=backend, state=self.state(),
                                      copy_outputs=True, torch_compile=torch_compile or None, **options)
+
+    def serving(self):
+        return serving(self.model, self.experts)
 
     def state(self) -> dict:
         return {"kv": self.cache.kv, "req_to_token": self.cache.req_to_token}
@@ -111,14 +132,14 @@ class Decoder:
         rows = self.rows[:input_ids.shape[0], None]                                    # [n, 1]
         slots = torch.where(valid, self.cache.req_to_token[rows, positions].long(), SINK)   # [n, P]
         batch = Prefill(self.cache.kv, slots, positions, valid)
-        with serving(self.model), torch.no_grad():
+        with self.serving(), torch.no_grad():
             logits = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=1,
                                 padgraph_batch=batch).logits                           # [n, 1, vocab]
         return logits[:, -1].argmax(-1), valid.sum(-1)
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One decode call: tokens [n] at positions [n] of requests 1..n -> next tokens [n]."""
-        with serving(self.model), torch.no_grad():
+        with self.serving(), torch.no_grad():
             return self.runner(input_ids=tokens, positions=positions,
                                req_pool_indices=self.rows[:tokens.shape[0]]).next_token
 
@@ -138,7 +159,7 @@ class Decoder:
     def check(self, trials: int = 4, seed: int = 0) -> pg.CheckResult:
         """`pg.check` of the decode body over random valid calls, on copies of the cache."""
         state = {"kv": [t.clone() for t in self.cache.kv], "req_to_token": self.cache.req_to_token.clone()}
-        with serving(self.model), torch.no_grad():
+        with self.serving(), torch.no_grad():
             return pg.check(self.program, self.body, state=state, sample=self.sample, trials=trials, seed=seed)
 
     def sample(self, gen: torch.Generator) -> dict:

@@ -4,6 +4,8 @@ decodes through `Decoder` (reference backend) to the very tokens of HF's own
 finds nothing on the decode body."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -68,3 +70,18 @@ def test_tokens_equal_hf_generate(name):
         ours = dec.generate(ids, attention_mask=mask, max_new_tokens=NEW)
         assert ours.tolist() == ref.tolist(), f"{name} bs {n}: tokens differ from HF's generate"
     assert dec.check(trials=2).ok, dec.check(trials=2)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_triton_decode_kernel_path(name):
+    """The GPU path's attention: full layers through the Triton paged decode kernel (interpreted
+    on the CPU), layers whose window is shorter than the row through the torch path."""
+    from padgraph.backends.triton import attention_decode
+    kernel = functools.partial(attention_decode.decode_attention, impl="triton")
+    model = build(name)
+    dec = pghf.Decoder(model, max_batch=3, max_len=MAX_LEN, backend="reference")
+    dec.body.kernel = kernel                       # what backend="cuda" picks on a GPU
+    ids, mask = prompts(3, seed=11)
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6)
+    assert dec.generate(ids, attention_mask=mask, max_new_tokens=6).tolist() == ref.tolist()
