@@ -285,6 +285,9 @@ def main() -> None:
     names = [v for v in VARIANTS if v in args.variants.split(",")]     # hf-eager first: the token reference
     if device.type != "cuda":
         names = [v for v in names if v not in CUDA_ONLY]
+    else:
+        torch._logging.set_logs(cudagraphs=True)       # torch prints every "skipping cudagraphs due to ..."
+        torch._dynamo.config.recompile_limit = 64      # hf-auto, hf-compiled: a graph per size, never eager fallback
     model = build_model(args.model, args.tiny, device, torch.float32 if args.tiny else torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
     prompts = {n: torch.randint(1, model.config.vocab_size, (n, CTX), generator=gen).to(device) for n in sizes}

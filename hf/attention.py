@@ -54,21 +54,23 @@ class Decode:
 
     kv: list                    # [k0, v0, k1, v1, ...], each [slots, kv_heads, head_dim]
     req_to_token: torch.Tensor  # [rows, max_len] int32
-    rows: torch.Tensor          # [bs] int32: the request's row (padded lanes: 0)
+    rows: torch.Tensor          # [bs] int64: the request's row (padded lanes: 0)
     positions: torch.Tensor     # [bs] int64: the new token's position (padded lanes: 0)
     kernel: object = None       # Triton paged decode attention, or None for the torch path
+
+    def __post_init__(self):    # once per forward, for every layer
+        self.out_cache_loc = self.req_to_token[self.rows, self.positions].long()        # [bs]: padded -> slot 0
+        self.seq_lens = (self.positions + 1).to(torch.int32)                           # [bs]: padded -> 1
 
     def attend(self, idx: int, q, k, v, layer: Layer):
         """q [bs, h, 1, d], k / v [bs, kv_heads, 1, d] -> [bs, 1, h, d]."""
         k_cache, v_cache = self.kv[2 * idx], self.kv[2 * idx + 1]
-        out_cache_loc = self.req_to_token[self.rows, self.positions].long()           # [bs]
-        store(k_cache, v_cache, out_cache_loc, k, v)
-        seq_lens = (self.positions + 1).to(torch.int32)                                # [bs]
+        store(k_cache, v_cache, self.out_cache_loc, k, v)
         if self.kernel is not None and kernel_serves(layer, self.req_to_token.shape[1]):
-            o = self.kernel(q[:, :, 0], k_cache, v_cache, self.req_to_token, self.rows, seq_lens,
+            o = self.kernel(q[:, :, 0], k_cache, v_cache, self.req_to_token, self.rows, self.seq_lens,
                             sm_scale=layer.scaling)                                    # [bs, h, d]
             return o[:, None]
-        return self.gathered(q, k_cache, v_cache, seq_lens, layer)
+        return self.gathered(q, k_cache, v_cache, self.seq_lens, layer)
 
     def gathered(self, q, k_cache, v_cache, seq_lens, layer: Layer):
         """The torch path: each lane's row of the cache, masked to its length and window."""
