@@ -45,7 +45,8 @@ class Prefill:
         causal = torch.ones(P, P, dtype=torch.bool, device=q.device).tril()            # [P, P]
         visible = causal & self.valid[:, None, :]                                      # [n, P, P]
         visible = visible & in_window(self.positions[:, :, None], self.positions[:, None, :], layer)
-        return attend(q, k, v, visible, layer)
+        own = torch.eye(P, dtype=torch.bool, device=q.device)                          # a left pad sees itself
+        return attend(q, k, v, visible | own, layer)                                   # (no all-masked row: no NaN)
 
 
 @dataclass
@@ -103,21 +104,23 @@ def store(k_cache, v_cache, loc, k, v) -> None:
 
 
 def attend(q, k, v, visible, layer: Layer):
-    """Softmax attention in fp32, GQA by head repeat, soft-cap as HF's eager path applies it.
+    """Softmax attention, GQA by head repeat: torch's SDPA, or in fp32 with the logit soft-cap as
+    HF's eager path applies it (SDPA has no soft-cap).
 
     q [b, h, nq, d], k / v [b, kv_heads, nk, d], visible [b, nq, nk] bool -> [b, nq, h, d].
-    A query that sees no key (a left pad) gets 0, not NaN.
+    Every query must see at least one key (a prefill's left pads see themselves).
     """
     group = q.shape[1] // k.shape[1]
-    k = k.float().repeat_interleave(group, dim=1)                                      # [b, h, nk, d]
-    v = v.float().repeat_interleave(group, dim=1)
-    scores = torch.matmul(q.float(), k.transpose(-1, -2)) * layer.scaling             # [b, h, nq, nk]
-    if layer.softcap is not None:
-        scores = torch.tanh(scores / layer.softcap) * layer.softcap
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)      # [b, h, nk, d]
     mask = visible[:, None]                                                            # [b, 1, nq, nk]
+    if layer.softcap is None:
+        o = torch.nn.functional.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+                                                             scale=layer.scaling)     # [b, h, nq, d]
+        return o.transpose(1, 2)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * layer.scaling     # [b, h, nq, nk]
+    scores = torch.tanh(scores / layer.softcap) * layer.softcap
     p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-    p = torch.where(mask.any(-1, keepdim=True), p, 0.0)
-    return torch.matmul(p, v).transpose(1, 2).to(q.dtype)                              # [b, nq, h, d]
+    return torch.matmul(p, v.float()).transpose(1, 2).to(q.dtype)                      # [b, nq, h, d]
 
 
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,

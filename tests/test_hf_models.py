@@ -29,7 +29,7 @@ def configs() -> dict:
         "qwen2": (t.Qwen2ForCausalLM, t.Qwen2Config(**COMMON)),
         "qwen3": (t.Qwen3ForCausalLM, t.Qwen3Config(**COMMON, head_dim=8)),
         "mistral": (t.MistralForCausalLM, t.MistralConfig(**COMMON, sliding_window=4)),
-        "gemma2": (t.Gemma2ForCausalLM, t.Gemma2Config(**gemma, attn_logit_softcapping=50.0,
+        "gemma2": (t.Gemma2ForCausalLM, t.Gemma2Config(**gemma, attn_logit_softcapping=2.0, initializer_range=0.3,
                                                        layer_types=["sliding_attention", "full_attention"])),
         "gemma3": (t.Gemma3ForCausalLM, t.Gemma3TextConfig(**gemma, sliding_window_pattern=2,
                                                            layer_types=["sliding_attention", "full_attention"])),
