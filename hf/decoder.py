@@ -100,6 +100,7 @@ class Decoder:
     `pg.compile`'s; buckets: the decode ladder (default `pg.Buckets.default(max_batch)`);
     options: passed to `pg.compile` (e.g. the cuda backend's `warmup`, `restore_state`).
     Raises `UnsupportedModelError` for a model with a mixer that is not attention (Mamba, ...).
+    `generate` is `prefill` (eager) then `step` (one decode-program call) per new token.
     """
 
     def __init__(self, model, *, max_batch: int, max_len: int, backend: str = "cuda", torch_compile=False,
@@ -116,7 +117,8 @@ class Decoder:
         self.experts = graph_safe_experts(device)
         with self.serving(), torch.no_grad():
             self.runner = pg.compile(self.program, self.body, backend=backend, state=self.state(),
-                                     copy_outputs=True, torch_compile=torch_compile or None, **options)
+                                     copy_outputs=True, torch_compile=None if torch_compile is False else torch_compile,
+                                     **options)
 
     def serving(self):
         return serving(self.model, self.experts)
@@ -149,6 +151,7 @@ class Decoder:
         max_new_tokens=...)` returns them: [n, P + new], prompts left-padded."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
+        input_ids, attention_mask = input_ids.to(self.rows.device), attention_mask.to(self.rows.device)
         check_request(self, input_ids, attention_mask, max_new_tokens)
         token, lens = self.prefill(input_ids, attention_mask)
         new = [token]
