@@ -85,3 +85,18 @@ def test_attention_outside_a_decoder_call_raises():
     model.config._attn_implementation = "padgraph"
     with pytest.raises(pghf.NotBoundError, match="padgraph_batch"):
         model(torch.ones(1, 3, dtype=torch.int64))
+
+
+def test_check_catches_padded_lanes_on_a_real_row():
+    """The hazard the sink pads prevent: padded lanes pointed at request row 1 write its slots;
+    `pg.check` on the same body reports state writes outside raw targets and sinks."""
+    dec = pghf.Decoder(build("llama"), max_batch=5, max_len=16, backend="reference")
+    good = dec.program
+    bs = good.inputs["positions"].shape[0]
+    inputs = dict(good.inputs, req_pool_indices=pg.Input((bs,), torch.int64, pad=1))
+    bad = pg.Program("hf_decode_bad_pad", inputs=inputs, outputs=dict(good.outputs), state=dict(good.state),
+                     buckets=good.buckets)
+    state = {"kv": [t.clone() for t in dec.cache.kv], "req_to_token": dec.cache.req_to_token}
+    with dec.serving(), torch.no_grad():
+        result = pg.check(bad, dec.body, state=state, sample=dec.sample, trials=4)
+    assert {f.kind for f in result.findings} == {"state-write"}, result
