@@ -34,6 +34,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -133,7 +134,18 @@ class Skips:
         self.count = self.counters["inductor"]["cudagraph_skips"] - self.start
 
 
-# ---- the peers: each returns (tokens [bs, STEPS], step ms, warm-up s, skips) -----------------------
+@dataclass
+class Run:
+    """One peer at one batch size."""
+
+    toks: torch.Tensor              # [bs, STEPS] greedy tokens
+    step_ms: float
+    warm_s: float                   # seconds of the calls that compiled / recorded graphs
+    skips: "Skips | None" = None
+    margins: tuple | None = None    # hf-eager: (top-2 gap, tie tolerance), each [bs, STEPS]
+
+
+# ---- the peers ----------------------------------------------------------------------------------
 def run_hf_static(model, ids, clock: Clock, compiled: bool):
     """hf-eager / hf-compiled: prefill eagerly into a StaticCache, then one forward per step."""
     forward = model.forward
@@ -141,21 +153,35 @@ def run_hf_static(model, ids, clock: Clock, compiled: bool):
         forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True, dynamic=False)
     bs = ids.shape[0]
     cache = StaticCache(config=model.config, max_cache_len=CTX + HEADROOM)
+    margins = []                                      # hf-eager: (top-2 gap, tie tolerance) per step
     with torch.no_grad():
-        tok = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1)
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    tok = logits.argmax(-1)
+    margins.append(tie_margin(logits))
     mark_static(cache)                                # after the prefill: its layers are allocated now
     pos = torch.arange(CTX, CTX + HEADROOM, device=ids.device)[:, None].expand(-1, bs).contiguous()  # [HEADROOM, bs]
 
     def step(tok, i):
         with torch.no_grad():
             logits = forward(input_ids=tok[:, None], position_ids=pos[i][:, None], past_key_values=cache,
-                             use_cache=True).logits
-        return logits[:, -1].argmax(-1).clone()       # cudagraph outputs are reused by the next replay
+                             use_cache=True).logits[:, -1]
+        if not compiled:
+            margins.append(tie_margin(logits))
+        return logits.argmax(-1).clone()              # cudagraph outputs are reused by the next replay
 
     with Skips() as skips:
         toks, warm = greedy(step, tok, clock)
     ms = clock.median_ms(lambda i: step(toks[:, -1], STEPS + i), ITERS)
-    return toks, ms, warm, skips
+    gap_tol = None if compiled else tuple(torch.stack(m[:STEPS], 1) for m in zip(*margins))   # [bs, STEPS] each
+    return Run(toks, ms, warm, skips, gap_tol)
+
+
+def tie_margin(logits):
+    """(top-2 gap [bs], tolerance [bs]): a near tie when the gap is within 4 ulps of the top logit in
+    the logits' dtype (two kernels that round differently may each move a logit by 2 ulps)."""
+    top2 = logits.float().topk(2, dim=-1).values                                   # [bs, 2]
+    ulp = torch.finfo(logits.dtype).eps * torch.exp2(torch.floor(torch.log2(top2[:, 0].abs().clamp(min=1e-6))))
+    return top2[:, 0] - top2[:, 1], 4 * ulp
 
 
 def mark_static(cache) -> None:
@@ -188,7 +214,7 @@ def run_hf_auto(model, ids, clock: Clock):
         out, warm = clock.seconds(lambda: gen(STEPS))
     _, short = clock.seconds(lambda: gen(STEPS))
     _, long = clock.seconds(lambda: gen(STEPS + ITERS))
-    return out[:, CTX:], (long - short) * 1e3 / ITERS, warm, skips
+    return Run(out[:, CTX:], (long - short) * 1e3 / ITERS, warm, skips)
 
 
 def run_padgraph(dec, ids, clock: Clock):
@@ -196,8 +222,7 @@ def run_padgraph(dec, ids, clock: Clock):
     tok, lens = dec.prefill(ids, torch.ones_like(ids))
     pos = lens[None, :] + torch.arange(HEADROOM, device=ids.device)[:, None]          # [HEADROOM, bs], made once
     toks, _ = greedy(lambda t, i: dec.step(t, pos[i]), tok, clock)
-    ms = clock.median_ms(lambda i: dec.step(toks[:, -1], pos[STEPS + i]), ITERS)
-    return toks, ms, 0.0, None
+    return Run(toks, clock.median_ms(lambda i: dec.step(toks[:, -1], pos[STEPS + i]), ITERS), 0.0)
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -212,27 +237,44 @@ def run_variant(name, model, prompts, clock, results, backend):
     warm_total, skip_total, reasons = 0.0, 0, []
     for bs, ids in prompts.items():
         if dec is not None:
-            toks, ms, warm, skips = run_padgraph(dec, ids, clock)
+            run = run_padgraph(dec, ids, clock)
         elif name == "hf-auto":
-            toks, ms, warm, skips = run_hf_auto(model, ids, clock)
+            run = run_hf_auto(model, ids, clock)
         else:
-            toks, ms, warm, skips = run_hf_static(model, ids, clock, compiled=name == "hf-compiled")
-        warm_total += warm
-        if skips is not None:
-            skip_total += skips.count
-            reasons += [r for r in skips.reasons if r not in reasons]
-        record(results, name, bs, ms, toks)
+            run = run_hf_static(model, ids, clock, compiled=name == "hf-compiled")
+        warm_total += run.warm_s
+        if run.skips is not None:
+            skip_total += run.skips.count
+            reasons += [r for r in run.skips.reasons if r not in reasons]
+        record(results, name, bs, run)
     if dec is None and name != "hf-eager":
         results["warmup"][name] = {"seconds": warm_total, "cudagraph_skips": skip_total, "skip_reasons": reasons}
         print(f"{name}: warm-up {warm_total:.1f} s; cudagraph skips {skip_total}: {reasons or 'none logged'}",
               flush=True)
 
 
-def record(results, name, bs, ms, toks):
-    ref = results["tokens"].setdefault(bs, toks) if name == "hf-eager" else results["tokens"].get(bs)
-    equal = int((toks == ref).all(1).sum()) if ref is not None else -1
-    results["rows"].append({"bs": bs, "variant": name, "step_ms": ms, "rows_equal": equal})
-    print(f"bs={bs:>3} {name:<12} step {ms:8.3f} ms  tokens: {equal}/{bs} rows equal hf-eager's", flush=True)
+def record(results, name, bs, run: Run):
+    if name == "hf-eager":
+        results["reference"][bs] = run
+    ref = results["reference"].get(bs)
+    equal, ties = judge(run.toks, ref)
+    results["rows"].append({"bs": bs, "variant": name, "step_ms": run.step_ms, "rows_equal": equal,
+                            "near_ties": ties})
+    print(f"bs={bs:>3} {name:<12} step {run.step_ms:8.3f} ms  tokens: {equal}/{bs} rows equal hf-eager's, "
+          f"{ties} more first differ at a near tie", flush=True)
+
+
+def judge(toks, ref: Run | None) -> tuple[int, int]:
+    """(rows equal to hf-eager's, rows whose first difference is at a near tie of hf-eager's top 2)."""
+    if ref is None:
+        return -1, 0
+    same = toks == ref.toks                                                          # [bs, STEPS]
+    equal = int(same.all(1).sum())
+    if ref.margins is None:
+        return equal, 0
+    first = (~same).int().argmax(1)                                                  # first differing step
+    gap, tol = (m.gather(1, first[:, None])[:, 0] for m in ref.margins)
+    return equal, int(((~same.all(1)) & (gap <= tol)).sum())
 
 
 def void(results, name) -> bool:
@@ -245,10 +287,12 @@ def table(results, names, sizes, info) -> list[str]:
         r = by.get((bs, v))
         if r is None:
             return "-"
-        return f"{r['step_ms']:.3f}{' VOID' if void(results, v) else ''} ({r['rows_equal']}/{bs})"
+        ties = f" +{r['near_ties']} ties" if r.get("near_ties") else ""
+        return f"{r['step_ms']:.3f}{' VOID' if void(results, v) else ''} ({r['rows_equal']}/{bs}{ties})"
     lines = [f"# bench_hf — {info['date']}, {info['gpu']}, torch {info['torch']}, transformers {info['transformers']}",
              f"command: `{info['command']}`; {info['model']}; prompts of {CTX} tokens; (rows whose "
-             f"{STEPS} greedy tokens equal hf-eager's); VOID: torch skipped the peer's cudagraphs", "",
+             f"{STEPS} greedy tokens equal hf-eager's, + those first differing at a near tie of its "
+             f"top 2: within 4 ulps); VOID: torch skipped the peer's cudagraphs", "",
              "| bs | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     lines += [f"| {bs} | " + " | ".join(cell(bs, v) for v in names) + " |" for bs in sizes]
     lines += ["", "warm-up:", ""]
@@ -296,7 +340,7 @@ def main() -> None:
             "transformers": transformers.__version__, "stem": f"bench_hf_{args.model}", "command": " ".join(["python"] + sys.argv),
             "model": f"{args.model}{' (tiny)' if args.tiny else ''}, {model.num_parameters() / 1e9:.2f}B params, "
                      f"{next(model.parameters()).dtype}"}
-    results = {"rows": [], "warmup": {}, "tokens": {}}
+    results = {"rows": [], "warmup": {}, "reference": {}}
     backend = "cuda" if device.type == "cuda" else "reference"
     for name in names:
         run_variant(name, model, prompts, Clock(device), results, backend)
