@@ -83,9 +83,10 @@ class DecodeBody:
         return {"next_token": logits[:, -1].argmax(-1)}                                # [bs]
 
 
-def triton_decode_kernel(backend: str, device: torch.device):
-    """padgraph's Triton paged decode attention where it runs (a CUDA device), else None."""
-    if device.type != "cuda" or backend == "reference":
+def triton_decode_kernel(backend: str, device: torch.device, dtype: torch.dtype):
+    """padgraph's Triton paged decode attention where it runs (a CUDA device) at the model's
+    precision (fp16 / bf16: its fp32 dots would run in TF32), else None (torch's SDPA)."""
+    if device.type != "cuda" or backend == "reference" or dtype not in (torch.float16, torch.bfloat16):
         return None
     from padgraph.backends.triton.attention import decode_attention
     return decode_attention
@@ -112,7 +113,7 @@ class Decoder:
         self.cache = PagedCache(cache_shape(model), max_batch, max_len, device)
         ladder = pg.Buckets(buckets) if buckets is not None else pg.Buckets.default(max_batch)
         self.program = decode_program(ladder)
-        self.body = DecodeBody(model, triton_decode_kernel(backend, device))
+        self.body = DecodeBody(model, triton_decode_kernel(backend, device, self.cache.shape.dtype))
         self.rows = torch.arange(1, max_batch + 1, device=device)                     # [max_batch] request rows
         self.experts = graph_safe_experts(device)
         with self.serving(), torch.no_grad():
