@@ -85,3 +85,16 @@ def test_triton_decode_kernel_path(name):
     with torch.no_grad():
         ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6)
     assert dec.generate(ids, attention_mask=mask, max_new_tokens=6).tolist() == ref.tolist()
+
+
+def test_compiled_body_one_graph():
+    """torch_compile: HF's forward and padgraph's attention trace as one graph (fullgraph) that
+    serves the ladder, to HF's tokens."""
+    model = build("gemma3")
+    dec = pghf.Decoder(model, max_batch=5, max_len=MAX_LEN, backend="reference", torch_compile={"fullgraph": True})
+    for n in (3, 5):
+        ids, mask = prompts(n, seed=n)
+        with torch.no_grad():
+            ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6)
+        assert dec.generate(ids, attention_mask=mask, max_new_tokens=6).tolist() == ref.tolist()
+    assert dec.runner.stats.compiles >= 1 and dec.runner.stats.recompiles <= 1, dec.runner.stats
