@@ -24,7 +24,7 @@ compile the first time they change). Compile time drops by about the number of r
 Instances that differ in an int attribute dynamo specialises on each compile their own graph
 (the graphs are identical, so all but the first hit inductor's FX graph cache): a client whose
 layers index shared state by such an int (HF's `layer_idx` into its Cache) hands each layer its
-own slice of the state instead (`examples/hf_llama.py`, `LayerCache`).
+own slice of the state instead.
 """
 from __future__ import annotations
 

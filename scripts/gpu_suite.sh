@@ -15,7 +15,8 @@
 #   bench-mla        the MLA kernels against SDPA (bench/bench_mla.py)
 #   bench-eagle      EAGLE against greedy at several batch sizes (bench/bench_eagle.py;
 #                    EAGLE_MODEL=deepseek for the MTP head)
-#   hf, hf-compile, bench-hf   the Hugging Face example and its benchmark
+#   hf, hf-compile   the Hugging Face client (examples/hf_generate.py), eager and compiled bodies
+#   bench-hf, bench-hf-qwen3   padgraph.hf against HF's own paths (bench/bench_hf.py)
 # Results and logs go under $OUT (default results/local).
 # PACK=name: write them under a scratch directory instead and leave one $OUT/name.tgz at the end
 # (for a caller that fetches only a few files from $OUT; $OUT itself is never written otherwise).
@@ -33,7 +34,7 @@ export OUT
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(tests spec eagle eagle-deepseek bench-host bench-runner bench-attention bench-mla bench-eagle hf hf-compile bench-hf)
+[ ${#stages[@]} -gt 0 ] || stages=(tests spec eagle eagle-deepseek bench-host bench-runner bench-attention bench-mla bench-eagle hf hf-compile bench-hf bench-hf-qwen3)
 LIMIT=${STAGE_TIMEOUT:-900}   # seconds per stage
 want() { local s; for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
@@ -65,8 +66,9 @@ want bench-runner && run bench_runner python3 -m bench.bench_runner
 want bench-attention && run bench_attention python3 -m bench.bench_attention
 want bench-mla && run bench_mla python3 -m bench.bench_mla
 want bench-eagle && run bench_eagle python3 -m bench.bench_eagle
-want hf && run hf_llama python3 examples/hf_llama.py
-want hf-compile && run hf_llama_compile python3 examples/hf_llama.py --torch-compile
-want bench-hf && run bench_hf python3 examples/bench_hf.py
+want hf && run hf_generate python3 examples/hf_generate.py
+want hf-compile && run hf_generate_compile python3 examples/hf_generate.py --torch-compile
+want bench-hf && run bench_hf python3 bench/bench_hf.py --model llama1b
+want bench-hf-qwen3 && run bench_hf_qwen3 python3 bench/bench_hf.py --model qwen3
 echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/pytest_cuda*.log "$OUT"/spec_cuda.log 2>/dev/null | tail -6
 exit $rc

@@ -1,185 +1,102 @@
-"""The HF client (examples/hf_llama.py) at its edges, on the CPU (fp32, reference backend):
-greedy tokens equal HF's own generate (StaticCache and DynamicCache) for batches off the ladder,
-prompts of mixed lengths, budgets of one and a batch past the largest bucket, eager and compiled;
-repeated serves equal fresh runners; requests that do not fit the cache or the vocabulary are
-refused before anything is written; a call never writes the caller's cache counters (an input
-taken from one is not changed); rejected calls change nothing; a re-allocated cache is a
-StateStorageError."""
-import os
-import sys
+"""padgraph.hf's refusals and edges: models it cannot serve raise at `Decoder(...)` naming the
+layer; a bad request raises before anything runs; the user's model is left as it was; HF's
+end-of-sequence stopping is honoured."""
+from __future__ import annotations
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-
-import hf_llama as H  # noqa: E402
+transformers = pytest.importorskip("transformers")
 
 import padgraph as pg  # noqa: E402
+import padgraph.hf as pghf  # noqa: E402
+from test_hf_models import build, prompts  # noqa: E402
+
+SSM = {   # class name -> config name, tiny config kwargs
+    "MambaForCausalLM": ("MambaConfig", dict(vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=2)),
+    "Mamba2ForCausalLM": ("Mamba2Config", dict(vocab_size=64, hidden_size=16, state_size=4, num_heads=4,
+                                               head_dim=8, n_groups=1, num_hidden_layers=2)),
+    "BambaForCausalLM": ("BambaConfig", dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=4,
+                                             mamba_d_head=16, mamba_n_groups=1, mamba_d_state=4,
+                                             attn_layer_indices=[1])),
+    "JambaForCausalLM": ("JambaConfig", dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2,
+                                             attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                                             num_experts=2, mamba_d_state=4, use_mamba_kernels=False)),
+}
 
 
-@pytest.fixture(scope="session")
-def model():
-    return H.build_model(H.tiny_config(), torch.device("cpu"), torch.float32)
+@pytest.mark.parametrize("cls_name", list(SSM))
+def test_ssm_model_raises_at_decoder(cls_name):
+    cfg_name, kwargs = SSM[cls_name]
+    if not hasattr(transformers, cls_name):
+        pytest.skip(f"{cls_name} is not in transformers {transformers.__version__}")
+    torch.manual_seed(0)
+    model = getattr(transformers, cls_name)(getattr(transformers, cfg_name)(**kwargs)).eval()
+    with pytest.raises(pghf.UnsupportedModelError, match="Mixer") as err:
+        pghf.Decoder(model, max_batch=2, max_len=16, backend="reference")
+    assert isinstance(err.value, pg.ContractError) and cls_name in str(err.value)
 
 
-def fresh(model, rows=4, cache_len=24, ladder=(1, 2, 4), **opts):
-    cache, seen = H.new_cache(model, rows, cache_len)
-    runner, _, _ = H.build_runner(model, cache, seen, list(ladder), "reference", **opts)
-    return runner, cache, seen
+def test_model_left_as_it_was():
+    model = build("llama")
+    before = model.config._attn_implementation
+    ids, mask = prompts(2, seed=7)
+    dec = pghf.Decoder(model, max_batch=2, max_len=32, backend="reference")
+    dec.generate(ids, attention_mask=mask, max_new_tokens=4)
+    assert model.config._attn_implementation == before
+    with torch.no_grad():   # HF's own path still works and agrees
+        ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
+    assert dec.generate(ids, attention_mask=mask, max_new_tokens=4).tolist() == ref.tolist()
 
 
-def snapshot(cache, seen):
-    return [t.clone() for t in H.flatten_cache(cache)[0]] + [seen.clone()]
+@pytest.mark.parametrize("bad, match", [
+    (dict(n=3), "number of prompts"),
+    (dict(max_new_tokens=40), "max_len"),
+    (dict(right_padded=True), "left-padded"),
+])
+def test_bad_request_raises_before_running(bad, match):
+    model = build("llama")
+    dec = pghf.Decoder(model, max_batch=2, max_len=32, backend="reference")
+    ids, mask = prompts(bad.get("n", 2), seed=3)
+    if bad.get("right_padded"):
+        ids, mask = ids.flip(1), mask.flip(1)
+        mask[:, 0] = 1
+    with pytest.raises(pg.ContractValueError, match=match):
+        dec.generate(ids, attention_mask=mask, max_new_tokens=bad.get("max_new_tokens", 4))
 
 
-def changed(snap, cache, seen):
-    now = H.flatten_cache(cache)[0] + [seen]
-    labels = [f"cache[{i}]" for i in range(len(now) - 1)] + ["seen"]
-    return [l for l, a, b in zip(labels, snap, now) if not torch.equal(a, b)]
-
-
-def _prefilled(model):
-    runner, cache, seen = fresh(model)
-    prompts, _ = H.make_requests(3, model.config.vocab_size, 8, 4, seed=3)
-    first, width = H.prefill(model, cache, seen, prompts)
-    pos = torch.tensor([len(p) for p in prompts])
-    return runner, cache, seen, first, width, pos
-
-
-def test_serve_too_long_prompt_raises_before_touching_the_cache(model):
-    runner, cache, seen = fresh(model, cache_len=12)
-    H.serve(model, runner, cache, seen, [[5, 6, 7], [8, 9]], [3, 3])
-    snap = snapshot(cache, seen)
-    with pytest.raises(Exception) as e:
-        H.serve(model, runner, cache, seen, [[5] * 14, [6] * 3], [2, 2])       # 14 > max_cache_len 12
-    assert changed(snap, cache, seen) == [], \
-        f"state changed={changed(snap, cache, seen)} by a rejected serve ({e.value!r}), but should be []"
-    assert isinstance(e.value, ValueError) and "12" in str(e.value), \
-        f"error={e.value!r}, but should be a ValueError naming the cache length 12"
-
-
-def test_serve_more_requests_than_cache_rows_raises_before_touching_the_cache(model):
-    runner, cache, seen = fresh(model, rows=4)
-    H.serve(model, runner, cache, seen, [[5, 6, 7], [8, 9]], [3, 3])
-    snap = snapshot(cache, seen)
-    with pytest.raises(Exception) as e:
-        H.serve(model, runner, cache, seen, [[5, 6, 7]] * 5, [2] * 5)          # 5 requests, 4 rows
-    assert changed(snap, cache, seen) == [], \
-        f"state changed={changed(snap, cache, seen)} by a rejected serve ({e.value!r}), but should be []"
-    assert isinstance(e.value, ValueError) and "4" in str(e.value), \
-        f"error={e.value!r}, but should be a ValueError naming the 4 cache rows"
-
-
-def test_serve_budget_past_the_cache_raises_before_touching_the_cache(model):
-    """prompt 10 + 6 new tokens needs 15 columns; the cache has 12: refused up front, naming the
-    cache, not midway through decode with a shape error about an input the caller never passed."""
-    runner, cache, seen = fresh(model, cache_len=12)
-    snap = snapshot(cache, seen)
-    with pytest.raises(Exception) as e:
-        H.serve(model, runner, cache, seen, [[5] * 10, [6] * 3], [6, 2])
-    assert "write_pos" not in str(e.value), f"error={e.value!r}, but should say the cache (12 columns) is too short"
-    assert changed(snap, cache, seen) == [], \
-        f"state changed={changed(snap, cache, seen)} by a rejected serve, but should be []"
-
-
-def test_an_input_taken_from_the_caches_counter_is_not_written(model):
-    """SPEC 5.1: a call never writes the caller's input tensors. The cache's write counters live in
-    flatten_cache's context, not among the leaves; the runner's cache has counters of its own, so
-    write_pos taken from the caller's cache's counter is left as it was."""
-    runner, cache, seen, first, width, pos = _prefilled(model)
-    wp = cache.layers[0].cumulative_length.view(1)            # = width: "write where the cache is"
-    assert wp.item() == width
-    try:
-        runner(input_ids=first, position_ids=pos, write_pos=wp)
-    except pg.ContractValueError:
-        return                                                 # rejected as aliasing state: fine
-    assert wp.item() == width, f"write_pos={wp.item()} after the call, but should be {width} (the caller's input)"
-
-
-def dyn_generate(model, prompts, max_new):
-    width = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), width, dtype=torch.int64); mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+def test_eos_stops_like_hf():
+    model = build("qwen2")
+    ids, mask = prompts(3, seed=5)
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max(max_new))
-    return [row[width:width + k] for row, k in zip(out.tolist(), max_new)]
-
-
-@pytest.mark.parametrize("n,ladder,rows", [(3, (1, 2, 4), 4), (5, (1, 2, 4, 8), 8), (7, (2, 8), 8),
-                                           (6, (1, 2, 4), 6)])   # last: past the largest bucket
-def test_greedy_matches_hf_static_and_dynamic_generate(model, n, ladder, rows):
-    prompts, budgets = H.make_requests(n, 512, 10, 6, seed=n)
-    runner, cache, seen = fresh(model, rows=rows, cache_len=max(map(len, prompts)) + max(budgets), ladder=ladder)
-    ours = H.serve(model, runner, cache, seen, prompts, budgets)
+        free = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8)
+    model.generation_config.eos_token_id = int(free[0, -5])     # a token row 0 emits mid-way
     with torch.no_grad():
-        assert ours == H.hf_generate(model, prompts, budgets)
-    assert ours == dyn_generate(model, prompts, budgets)
+        ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8)
+    dec = pghf.Decoder(model, max_batch=3, max_len=32, backend="reference")
+    assert dec.generate(ids, attention_mask=mask, max_new_tokens=8).tolist() == ref.tolist()
 
 
-@pytest.mark.parametrize("budgets", [[1, 1, 1, 1], [1, 5, 1, 3], [4, 1, 1, 1]])
-def test_budgets_of_one(model, budgets):
-    prompts, _ = H.make_requests(4, 512, 9, 2, seed=7)
-    runner, cache, seen = fresh(model, cache_len=20)
-    with torch.no_grad():
-        assert H.serve(model, runner, cache, seen, prompts, budgets) == H.hf_generate(model, prompts, budgets)
+def test_attention_outside_a_decoder_call_raises():
+    model = build("llama")
+    pghf.Decoder(model, max_batch=1, max_len=16, backend="reference")
+    model.config._attn_implementation = "padgraph"
+    with pytest.raises(pghf.NotBoundError, match="padgraph_batch"):
+        model(torch.ones(1, 3, dtype=torch.int64))
 
 
-def test_repeated_serves_on_one_runner_equal_fresh_runners(model):
-    runner, cache, seen = fresh(model, rows=6, cache_len=24)
-    for seed, n in [(1, 3), (2, 4), (3, 1), (4, 6), (1, 3)]:
-        p, m = H.make_requests(n, 512, 8, 6, seed=seed)
-        r2, c2, s2 = fresh(model, rows=6, cache_len=24)
-        assert H.serve(model, runner, cache, seen, p, m) == H.serve(model, r2, c2, s2, p, m)
-
-
-def test_rejected_calls_change_nothing_and_outputs_are_owned(model):
-    runner, cache, seen = fresh(model)
-    prompts, _ = H.make_requests(3, 512, 8, 4, seed=3)
-    first, width = H.prefill(model, cache, seen, prompts)
-    pos = torch.tensor([len(p) for p in prompts])
-    snap = snapshot(cache, seen)
-    with pytest.raises(pg.ContractTypeError, match="input_ids"):
-        runner(input_ids=first.int(), position_ids=pos, write_pos=torch.tensor([width]))
-    with pytest.raises(pg.ContractValueError, match="position_ids"):
-        runner(input_ids=first, position_ids=pos[:2], write_pos=torch.tensor([width]))
-    assert changed(snap, cache, seen) == []
-    ids, p0, wp = first.clone(), pos.clone(), torch.tensor([width])
-    out1 = runner(input_ids=ids, position_ids=pos, write_pos=wp).next_token
-    keep = out1.clone()
-    assert torch.equal(ids, first) and torch.equal(pos, p0) and wp.item() == width
-    runner(input_ids=out1, position_ids=pos + 1, write_pos=torch.tensor([width + 1]))
-    assert torch.equal(out1, keep)          # copy_outputs=True: the next call leaves it alone
-    assert all(t.shape[0] == 4 for t in H.flatten_cache(cache)[0])
-
-
-def test_reallocated_cache_is_a_state_storage_error(model):
-    runner, cache, seen = fresh(model)
-    cache.layers[1].keys = cache.layers[1].keys.clone()
-    with pytest.raises(pg.StateStorageError, match=r"cache.*\[2\]"):
-        runner(input_ids=torch.tensor([1]), position_ids=torch.tensor([1]), write_pos=torch.tensor([1]))
-
-
-@pytest.mark.parametrize("prompt,exc,msg", [([1.5, 2.7], TypeError, "integers"),
-                                            ([True, False], TypeError, "integers"),
-                                            (["a"], TypeError, "integer token ids"),
-                                            ([[1, 2]], ValueError, "1-d")],
-                         ids=["float", "bool", "str", "2-d"])
-def test_serve_refuses_ids_that_are_not_integers_before_any_write(model, prompt, exc, msg):
-    runner, cache, seen = fresh(model)
-    before = snapshot(cache, seen)
-    with pytest.raises(exc, match=msg):
-        H.serve(model, runner, cache, seen, [prompt], [2])
-    assert changed(before, cache, seen) == []
-
-
-def test_serve_refuses_a_cache_the_runner_is_not_bound_to(model):
-    runner, cache, seen = fresh(model)
-    other, other_seen = H.new_cache(model, 4, 24)
-    before = snapshot(other, other_seen)
-    with pytest.raises(ValueError, match="the runner was built with"):
-        H.serve(model, runner, other, other_seen, [[5, 6, 7]], [4])
-    assert changed(before, other, other_seen) == []
-    assert H.serve(model, runner, cache, seen, [[5, 6, 7]], [4])[0] == \
-        H.serve(model, *fresh(model), [[5, 6, 7]], [4])[0]
+def test_check_catches_padded_lanes_on_a_real_row():
+    """The hazard the sink pads prevent: padded lanes pointed at request row 1 write its slots;
+    `pg.check` on the same body reports state writes outside raw targets and sinks."""
+    dec = pghf.Decoder(build("llama"), max_batch=5, max_len=16, backend="reference")
+    good = dec.program
+    bs = good.inputs["positions"].shape[0]
+    inputs = dict(good.inputs, req_pool_indices=pg.Input((bs,), torch.int64, pad=1))
+    bad = pg.Program("hf_decode_bad_pad", inputs=inputs, outputs=dict(good.outputs), state=dict(good.state),
+                     buckets=good.buckets)
+    state = {"kv": [t.clone() for t in dec.cache.kv], "req_to_token": dec.cache.req_to_token}
+    with dec.serving(), torch.no_grad():
+        result = pg.check(bad, dec.body, state=state, sample=dec.sample, trials=4)
+    assert {f.kind for f in result.findings} == {"state-write"}, result

@@ -1,0 +1,351 @@
+"""Benchmark: a Hugging Face causal LM (random weights, bf16) decoding greedily through
+padgraph.hf against HF's own ways, in one process on the same weights.
+
+  hf-eager      model.forward + StaticCache at the raw batch size (eager, HF's SDPA attention)
+  hf-auto       HF's shipped auto-compile path: generate(cache_implementation="static"), which
+                compiles the forward by itself (its step time: the difference of two generate
+                lengths over the difference of their tokens)
+  hf-compiled   torch.compile(model.forward, mode="reduce-overhead", fullgraph=True, dynamic=False)
+                + StaticCache, every cache tensor marked a static address (keys, values and the
+                write counters), so inductor's cudagraphs are not skipped for "mutated inputs"
+  padgraph      padgraph.hf.Decoder, HF's eager forward inside padgraph's CUDA graphs
+  pg+compile    the same with torch_compile=True: one compilation for the whole ladder
+
+For hf-auto and hf-compiled every "skipping cudagraphs" reason torch logs is printed and the
+count of torch's `counters["inductor"]["cudagraph_skips"]` kept: a peer whose graphs were skipped
+is VOID in the table (its time is a host-bound path, not a compiled graph).
+
+Per batch size (1, 4, 16, 64; prompts of CTX random tokens): ms per decode step (median over
+ITERS steps, CUDA events; each step writes the next position), and the first STEPS greedy tokens
+against hf-eager's (rows equal; bf16 near-ties of a random model may differ). Warm-up: padgraph's
+`Decoder(...)` for the whole ladder against the calls that compiled and recorded HF's graphs.
+Writes bench_hf_<model>.md and .json to $OUT (or results/local).
+
+    python bench/bench_hf.py --model llama1b|qwen3 [--sizes 1,4,16,64] [--variants ...]
+    python bench/bench_hf.py --tiny --device cpu          # smoke: tiny fp32, CUDA-only peers skipped
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import StaticCache
+
+import padgraph.hf as pghf
+
+SIZES = [1, 4, 16, 64]
+VARIANTS = ["hf-eager", "hf-auto", "hf-compiled", "padgraph", "pg+compile"]
+CUDA_ONLY = {"hf-auto", "hf-compiled"}
+CTX, STEPS, ITERS, HEADROOM = 256, 16, 50, 128      # STEPS + ITERS + warm steps fit in HEADROOM
+
+
+def model_config(name: str, tiny: bool):
+    """Llama-3.2-1B's shape, or Qwen3-1.7B's with 16 layers (~1.2B); tiny: 2 layers, hidden 64."""
+    common = dict(bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    if tiny:
+        size = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
+    elif name == "llama1b":
+        size = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=8192,
+                    tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    else:
+        size = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=16,
+                    num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
+                    tie_word_embeddings=True)
+    cls = transformers.LlamaConfig if name == "llama1b" else transformers.Qwen3Config
+    return cls(**size, **common)
+
+
+def build_model(name: str, tiny: bool, device, dtype):
+    cfg = model_config(name, tiny)
+    cls = transformers.LlamaForCausalLM if name == "llama1b" else transformers.Qwen3ForCausalLM
+    torch.manual_seed(0)
+    with torch.device(device):
+        return cls._from_config(cfg, dtype=dtype, attn_implementation="sdpa").eval()
+
+
+# ---- measuring ----------------------------------------------------------------------------------
+class Clock:
+    """CUDA events on a GPU, perf_counter on a CPU (smoke runs)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def seconds(self, fn):
+        self.sync()
+        t0 = time.perf_counter()
+        out = fn()
+        self.sync()
+        return out, time.perf_counter() - t0
+
+    def median_ms(self, step, iters: int) -> float:
+        """step(i) for i in 0..iters-1 (each its own position); median ms of one step."""
+        times = []
+        for i in range(iters):
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                step(i)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                step(i)
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+
+class Skips:
+    """torch's cudagraph skips while the block runs: the counter's delta and the logged reasons."""
+
+    LOGGER = "torch._inductor.cudagraph_utils.__cudagraphs"
+
+    def __enter__(self):
+        from torch._dynamo.utils import counters
+        self.reasons, self.counters = [], counters
+        keep = self.reasons
+
+        class Keep(logging.Handler):
+            def emit(self, record):
+                if "skipping cudagraphs" in record.getMessage():
+                    keep.append(record.getMessage())
+        self.handler, self.start = Keep(), counters["inductor"]["cudagraph_skips"]
+        logging.getLogger(self.LOGGER).addHandler(self.handler)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger(self.LOGGER).removeHandler(self.handler)
+        self.count = self.counters["inductor"]["cudagraph_skips"] - self.start
+
+
+@dataclass
+class Run:
+    """One peer at one batch size."""
+
+    toks: torch.Tensor              # [bs, STEPS] greedy tokens
+    step_ms: float
+    warm_s: float                   # seconds of the calls that compiled / recorded graphs
+    skips: "Skips | None" = None
+    margins: tuple | None = None    # hf-eager: (top-2 gap, tie tolerance), each [bs, STEPS]
+
+
+# ---- the peers ----------------------------------------------------------------------------------
+def run_hf_static(model, ids, clock: Clock, compiled: bool):
+    """hf-eager / hf-compiled: prefill eagerly into a StaticCache, then one forward per step."""
+    forward = model.forward
+    if compiled:
+        forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    bs = ids.shape[0]
+    cache = StaticCache(config=model.config, max_cache_len=CTX + HEADROOM)
+    margins = []                                      # hf-eager: (top-2 gap, tie tolerance) per step
+    with torch.no_grad():
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    tok = logits.argmax(-1)
+    margins.append(tie_margin(logits))
+    mark_static(cache)                                # after the prefill: its layers are allocated now
+    pos = torch.arange(CTX, CTX + HEADROOM, device=ids.device)[:, None].expand(-1, bs).contiguous()  # [HEADROOM, bs]
+
+    def step(tok, i):
+        with torch.no_grad():
+            logits = forward(input_ids=tok[:, None], position_ids=pos[i][:, None], past_key_values=cache,
+                             use_cache=True).logits[:, -1]
+        if not compiled:
+            margins.append(tie_margin(logits))
+        return logits.argmax(-1).clone()              # cudagraph outputs are reused by the next replay
+
+    with Skips() as skips:
+        toks, warm = greedy(step, tok, clock)
+    ms = clock.median_ms(lambda i: step(toks[:, -1], STEPS + i), ITERS)
+    gap_tol = None if compiled else tuple(torch.stack(m[:STEPS], 1) for m in zip(*margins))   # [bs, STEPS] each
+    return Run(toks, ms, warm, skips, gap_tol)
+
+
+def tie_margin(logits):
+    """(top-2 gap [bs], tolerance [bs]): a near tie when the gap is within 4 ulps of the top logit in
+    the logits' dtype (two kernels that round differently may each move a logit by 2 ulps)."""
+    top2 = logits.float().topk(2, dim=-1).values                                   # [bs, 2]
+    ulp = torch.finfo(logits.dtype).eps * torch.exp2(torch.floor(torch.log2(top2[:, 0].abs().clamp(min=1e-6))))
+    return top2[:, 0] - top2[:, 1], 4 * ulp
+
+
+def mark_static(cache) -> None:
+    """Every tensor of every cache layer a static address: keys, values, write counters."""
+    for layer in cache.layers:
+        for t in vars(layer).values():
+            if isinstance(t, torch.Tensor):
+                torch._dynamo.mark_static_address(t)
+
+
+def greedy(step, tok, clock: Clock):
+    """STEPS greedy tokens from the prefill's token; seconds the first 3 steps took (warm-up)."""
+    toks = [tok]
+    clock.sync()
+    t0, warm = time.perf_counter(), 0.0
+    for i in range(STEPS - 1):
+        toks.append(step(toks[-1], i))
+        if i == 2:
+            clock.sync()
+            warm = time.perf_counter() - t0
+    return torch.stack(toks, 1), warm
+
+
+def run_hf_auto(model, ids, clock: Clock):
+    """HF's generate with a static cache, which compiles the forward itself."""
+    def gen(n):
+        with torch.no_grad():
+            return model.generate(ids, do_sample=False, max_new_tokens=n, cache_implementation="static")
+    with Skips() as skips:
+        out, warm = clock.seconds(lambda: gen(STEPS))
+    _, short = clock.seconds(lambda: gen(STEPS))
+    _, long = clock.seconds(lambda: gen(STEPS + ITERS))
+    return Run(out[:, CTX:], (long - short) * 1e3 / ITERS, warm, skips)
+
+
+def run_padgraph(dec, ids, clock: Clock):
+    """padgraph.hf.Decoder: its eager prefill, then one decode call per step."""
+    tok, lens = dec.prefill(ids, torch.ones_like(ids))
+    pos = lens[None, :] + torch.arange(HEADROOM, device=ids.device)[:, None]          # [HEADROOM, bs], made once
+    toks, _ = greedy(lambda t, i: dec.step(t, pos[i]), tok, clock)
+    return Run(toks, clock.median_ms(lambda i: dec.step(toks[:, -1], pos[STEPS + i]), ITERS), 0.0)
+
+
+# ---- the run ------------------------------------------------------------------------------------
+def run_variant(name, model, prompts, clock, results, backend):
+    dec = None
+    if name in ("padgraph", "pg+compile"):
+        dec, secs = clock.seconds(lambda: pghf.Decoder(model, max_batch=max(prompts), max_len=CTX + HEADROOM,
+                                                       backend=backend, torch_compile=name == "pg+compile"))
+        results["warmup"][name] = {"seconds": secs, "ladder": list(dec.program.buckets),
+                                   "compiles": dec.runner.stats.compiles}
+        print(f"{name}: Decoder(...) {secs:.1f} s for the ladder {list(dec.program.buckets)}", flush=True)
+    warm_total, skip_total, reasons = 0.0, 0, []
+    for bs, ids in prompts.items():
+        if dec is not None:
+            run = run_padgraph(dec, ids, clock)
+        elif name == "hf-auto":
+            run = run_hf_auto(model, ids, clock)
+        else:
+            run = run_hf_static(model, ids, clock, compiled=name == "hf-compiled")
+        warm_total += run.warm_s
+        if run.skips is not None:
+            skip_total += run.skips.count
+            reasons += [r for r in run.skips.reasons if r not in reasons]
+        record(results, name, bs, run)
+    if dec is None and name != "hf-eager":
+        results["warmup"][name] = {"seconds": warm_total, "cudagraph_skips": skip_total, "skip_reasons": reasons}
+        print(f"{name}: warm-up {warm_total:.1f} s; cudagraph skips {skip_total}: {reasons or 'none logged'}",
+              flush=True)
+
+
+def record(results, name, bs, run: Run):
+    if name == "hf-eager":
+        results["reference"][bs] = run
+    ref = results["reference"].get(bs)
+    equal, ties = judge(run.toks, ref)
+    results["rows"].append({"bs": bs, "variant": name, "step_ms": run.step_ms, "rows_equal": equal,
+                            "near_ties": ties})
+    print(f"bs={bs:>3} {name:<12} step {run.step_ms:8.3f} ms  tokens: {equal}/{bs} rows equal hf-eager's, "
+          f"{ties} more first differ at a near tie", flush=True)
+
+
+def judge(toks, ref: Run | None) -> tuple[int, int]:
+    """(rows equal to hf-eager's, rows whose first difference is at a near tie of hf-eager's top 2)."""
+    if ref is None:
+        return -1, 0
+    same = toks == ref.toks                                                          # [bs, STEPS]
+    equal = int(same.all(1).sum())
+    if ref.margins is None:
+        return equal, 0
+    first = (~same).int().argmax(1)                                                  # first differing step
+    gap, tol = (m.gather(1, first[:, None])[:, 0] for m in ref.margins)
+    return equal, int(((~same.all(1)) & (gap <= tol)).sum())
+
+
+def void(results, name) -> bool:
+    return results["warmup"].get(name, {}).get("cudagraph_skips", 0) > 0
+
+
+def table(results, names, sizes, info) -> list[str]:
+    by = {(r["bs"], r["variant"]): r for r in results["rows"]}
+    def cell(bs, v):
+        r = by.get((bs, v))
+        if r is None:
+            return "-"
+        ties = f" +{r['near_ties']} ties" if r.get("near_ties") else ""
+        return f"{r['step_ms']:.3f}{' VOID' if void(results, v) else ''} ({r['rows_equal']}/{bs}{ties})"
+    lines = [f"# bench_hf — {info['date']}, {info['gpu']}, torch {info['torch']}, transformers {info['transformers']}",
+             f"command: `{info['command']}`; {info['model']}; prompts of {CTX} tokens; (rows whose "
+             f"{STEPS} greedy tokens equal hf-eager's, + those first differing at a near tie of its "
+             f"top 2: within 4 ulps); VOID: torch skipped the peer's cudagraphs", "",
+             "| bs | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    lines += [f"| {bs} | " + " | ".join(cell(bs, v) for v in names) + " |" for bs in sizes]
+    lines += ["", "warm-up:", ""]
+    for v, w in results["warmup"].items():
+        extra = (f"; cudagraph skips {w['cudagraph_skips']}: {w['skip_reasons'] or 'none logged'}"
+                 if "cudagraph_skips" in w else f"; ladder {w['ladder']}, torch.compile graphs {w['compiles']}")
+        lines.append(f"- {v}: {w['seconds']:.1f} s{extra}")
+    return lines
+
+
+def report(results, names, sizes, info) -> None:
+    out = Path(os.environ.get("OUT") or Path(__file__).resolve().parents[1] / "results" / "local")
+    out.mkdir(parents=True, exist_ok=True)
+    lines = table(results, names, sizes, info)
+    (out / f"{info['stem']}.md").write_text("\n".join(lines) + "\n")
+    data = {"env": info, "ctx": CTX, "steps": STEPS, "iters": ITERS, "warmup": results["warmup"],
+            "rows": results["rows"]}
+    (out / f"{info['stem']}.json").write_text(json.dumps(data, indent=1, default=str))
+    print("\n".join(lines), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama1b", choices=["llama1b", "qwen3"])
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--tiny", action="store_true", help="tiny fp32 model (smoke run)")
+    args = ap.parse_args()
+    global CTX
+    CTX = 16 if args.tiny else CTX
+    device = torch.device(args.device)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    names = [v for v in VARIANTS if v in args.variants.split(",")]     # hf-eager first: the token reference
+    if device.type != "cuda":
+        names = [v for v in names if v not in CUDA_ONLY]
+    else:
+        torch._logging.set_logs(cudagraphs=True)       # torch prints every "skipping cudagraphs due to ..."
+        torch._dynamo.config.recompile_limit = 64      # hf-auto, hf-compiled: a graph per size, never eager fallback
+    model = build_model(args.model, args.tiny, device, torch.float32 if args.tiny else torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    prompts = {n: torch.randint(1, model.config.vocab_size, (n, CTX), generator=gen).to(device) for n in sizes}
+    info = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "none (cpu)",
+            "transformers": transformers.__version__, "stem": f"bench_hf_{args.model}", "command": " ".join(["python"] + sys.argv),
+            "model": f"{args.model}{' (tiny)' if args.tiny else ''}, {model.num_parameters() / 1e9:.2f}B params, "
+                     f"{next(model.parameters()).dtype}"}
+    results = {"rows": [], "warmup": {}, "reference": {}}
+    backend = "cuda" if device.type == "cuda" else "reference"
+    for name in names:
+        run_variant(name, model, prompts, Clock(device), results, backend)
+        report(results, names, sizes, info)              # after every variant: a timeout keeps the rest
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""The attention function padgraph.hf registers with Hugging Face's `AttentionInterface`.
+
+HF's attention modules compute q, k, v (RoPE applied) and hand them to the registered function
+with the layer's own `scaling`, `sliding_window` and `softcap`; the model runs with
+`use_cache=False`, so HF keeps no cache of its own. padgraph's per-call metadata rides in the
+model's `**kwargs` as `padgraph_batch`, a `Prefill` or a `Decode`, built by the body from
+padgraph's padded view. The function stores k and v into the paged cache at the batch's slots and
+attends over it; the layer's cache is `module.layer_idx`'s.
+
+Padded lanes (request row 0, position 0, seq_len 1) write only the sink slot 0 and read only it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import NotBoundError
+
+NAME = "padgraph"
+
+
+@dataclass(frozen=True)
+class Layer:
+    """What one attention layer asks for: the softmax scale, window and logit soft-cap."""
+
+    scaling: float
+    sliding_window: int | None
+    softcap: float | None
+
+
+@dataclass
+class Prefill:
+    """Left-padded prompts, run eagerly: every token's K/V is stored, attention is over the prompt."""
+
+    kv: list                    # [k0, v0, k1, v1, ...], each [slots, kv_heads, head_dim]
+    slots: torch.Tensor         # [n, P] int64: the slot each token writes (left pads: sink 0)
+    positions: torch.Tensor     # [n, P] int64: the token's position in its request
+    valid: torch.Tensor         # [n, P] bool: False on left pads
+
+    def attend(self, idx: int, q, k, v, layer: Layer):
+        """q [n, h, P, d], k / v [n, kv_heads, P, d] -> [n, P, h, d]."""
+        store(self.kv[2 * idx], self.kv[2 * idx + 1], self.slots.reshape(-1), k, v)
+        n, P = self.valid.shape
+        causal = torch.ones(P, P, dtype=torch.bool, device=q.device).tril()            # [P, P]
+        visible = causal & self.valid[:, None, :]                                      # [n, P, P]
+        visible = visible & in_window(self.positions[:, :, None], self.positions[:, None, :], layer)
+        own = torch.eye(P, dtype=torch.bool, device=q.device)                          # a left pad sees itself
+        return attend(q, k, v, visible | own, layer)                                   # (no all-masked row: no NaN)
+
+
+@dataclass
+class Decode:
+    """One new token per request over the paged cache (the decode program's padded view)."""
+
+    kv: list                    # [k0, v0, k1, v1, ...], each [slots, kv_heads, head_dim]
+    req_to_token: torch.Tensor  # [rows, max_len] int32
+    rows: torch.Tensor          # [bs] int64: the request's row (padded lanes: 0)
+    positions: torch.Tensor     # [bs] int64: the new token's position (padded lanes: 0)
+    kernel: object = None       # Triton paged decode attention, or None for the torch path
+
+    def __post_init__(self):    # once per forward, for every layer
+        self.out_cache_loc = self.req_to_token[self.rows, self.positions].long()        # [bs]: padded -> slot 0
+        self.seq_lens = (self.positions + 1).to(torch.int32)                           # [bs]: padded -> 1
+
+    def attend(self, idx: int, q, k, v, layer: Layer):
+        """q [bs, h, 1, d], k / v [bs, kv_heads, 1, d] -> [bs, 1, h, d]."""
+        k_cache, v_cache = self.kv[2 * idx], self.kv[2 * idx + 1]
+        store(k_cache, v_cache, self.out_cache_loc, k, v)
+        if self.kernel is not None and kernel_serves(layer, self.req_to_token.shape[1]):
+            o = self.kernel(q[:, :, 0], k_cache, v_cache, self.req_to_token, self.rows, self.seq_lens,
+                            sm_scale=layer.scaling)                                    # [bs, h, d]
+            return o[:, None]
+        return self.gathered(q, k_cache, v_cache, self.seq_lens, layer)
+
+    def gathered(self, q, k_cache, v_cache, seq_lens, layer: Layer):
+        """The torch path: each lane's row of the cache, masked to its length and window."""
+        slots = self.req_to_token[self.rows].long()                                    # [bs, L]
+        keys = k_cache[slots].transpose(1, 2)                                          # [bs, kv_heads, L, d]
+        values = v_cache[slots].transpose(1, 2)
+        cols = torch.arange(slots.shape[1], device=q.device)                           # [L]
+        visible = cols[None, :] < seq_lens[:, None]                                    # [bs, L]
+        visible = visible & in_window(self.positions[:, None], cols[None, :], layer)
+        return attend(q, keys, values, visible[:, None, :], layer)
+
+
+def kernel_serves(layer: Layer, max_len: int) -> bool:
+    """The Triton decode kernel attends to every key below seq_len, unscaled logits: no soft-cap,
+    and a window only where it covers the whole row."""
+    return layer.softcap is None and (layer.sliding_window is None or layer.sliding_window >= max_len)
+
+
+def in_window(q_pos, k_pos, layer: Layer):
+    """HF's sliding rule: a key is visible while q_pos - k_pos < window (True without a window)."""
+    if layer.sliding_window is None:
+        return torch.ones((), dtype=torch.bool, device=q_pos.device)
+    return (q_pos - k_pos) < layer.sliding_window
+
+
+def store(k_cache, v_cache, loc, k, v) -> None:
+    """k / v [b, kv_heads, t, d] into slots loc [b * t] (request-major) of the layer's cache."""
+    k_cache.index_copy_(0, loc, k.transpose(1, 2).reshape(-1, *k_cache.shape[1:]).to(k_cache.dtype))
+    v_cache.index_copy_(0, loc, v.transpose(1, 2).reshape(-1, *v_cache.shape[1:]).to(v_cache.dtype))
+
+
+def attend(q, k, v, visible, layer: Layer):
+    """Softmax attention, GQA by head repeat: torch's SDPA, or in fp32 with the logit soft-cap as
+    HF's eager path applies it (SDPA has no soft-cap).
+
+    q [b, h, nq, d], k / v [b, kv_heads, nk, d], visible [b, nq, nk] bool -> [b, nq, h, d].
+    Every query must see at least one key (a prefill's left pads see themselves).
+    """
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)      # [b, h, nk, d]
+    mask = visible[:, None]                                                            # [b, 1, nq, nk]
+    if layer.softcap is None:
+        o = torch.nn.functional.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+                                                             scale=layer.scaling)     # [b, h, nq, d]
+        return o.transpose(1, 2)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * layer.scaling     # [b, h, nq, nk]
+    scores = torch.tanh(scores / layer.softcap) * layer.softcap
+    p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.matmul(p, v.float()).transpose(1, 2).to(q.dtype)                      # [b, nq, h, d]
+
+
+def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+              softcap=None, padgraph_batch=None, **kwargs):
+    """The function registered as attn_implementation "padgraph": (attn_output [b, q, h, d], None)."""
+    if padgraph_batch is None:
+        raise NotBoundError(f"attention implementation {NAME!r} ran outside a padgraph.hf Decoder call "
+                            f"(layer {type(module).__name__} {getattr(module, 'layer_idx', '?')}): "
+                            f"padgraph_batch must be passed, got none")
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    layer = Layer(scaling, sliding_window, softcap)
+    return padgraph_batch.attend(module.layer_idx, query, key, value, layer), None
+
+
+def register() -> None:
+    """Register `attention` under NAME with HF's AttentionInterface (idempotent)."""
+    from transformers import AttentionInterface
+    AttentionInterface.register(NAME, attention)

@@ -1,0 +1,210 @@
+"""`Decoder`: an unmodified Hugging Face causal LM decoding greedily through padgraph.
+
+    prefill   eager, once per `generate`: the left-padded prompts through the model, the
+              registered attention function storing every real token's K/V at its slot
+    decode    the padgraph program `hf_decode`: one token per request and call, bucketed by
+              requests; the body is the model's own forward with `use_cache=False`
+
+The body derives every piece of attention metadata (slot written, keys read) from the padded
+view: a padded lane (input 0, position 0, request row 0) writes the sink slot 0 and reads it only.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+import padgraph as pg
+
+from . import attention
+from .attention import Decode, Prefill
+from .cache import SINK, PagedCache
+from .support import cache_shape, check_supported, device_of
+
+PROGRAM = "hf_decode"
+
+
+def decode_program(buckets: pg.Buckets) -> pg.Program:
+    """One new token per request: its id, its position, its request row in the slot table."""
+    bs = pg.Axis("bs")
+    return pg.Program(
+        PROGRAM,
+        inputs={
+            "input_ids": pg.Input((bs,), torch.int64, pad=0),
+            "positions": pg.Input((bs,), torch.int64, pad=0),            # padded lanes: position 0 ...
+            "req_pool_indices": pg.Input((bs,), torch.int64, pad=SINK),  # ... of sink row 0 -> slot 0
+        },
+        outputs={"next_token": pg.Output((bs,), torch.int64)},
+        state={"kv": pg.State(sink=SINK), "req_to_token": pg.State(sink=SINK)},
+        buckets=buckets,
+    )
+
+
+@contextlib.contextmanager
+def serving(model, experts: str | None = None):
+    """The model's attention implementation set to padgraph's (and, given `experts`, an eager
+    MoE experts implementation replaced by it) for the duration, restored after, also on error:
+    the model stays the user's, and HF's own calls run as before."""
+    cfg = model.config
+    before = cfg._attn_implementation, getattr(cfg, "_experts_implementation", None)
+    cfg._attn_implementation = attention.NAME
+    if experts is not None and before[1] == "eager":
+        cfg._experts_implementation = experts
+    try:
+        yield
+    finally:
+        cfg._attn_implementation = before[0]
+        if experts is not None and before[1] == "eager":
+            cfg._experts_implementation = before[1]
+
+
+def graph_safe_experts(device: torch.device) -> str | None:
+    """On a GPU, HF's eager MoE experts pick the experts hit with `nonzero()` (a host sync that
+    graph capture refuses): use transformers' grouped_mm experts there, where it is registered."""
+    if device.type != "cuda":
+        return None
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:
+        return None
+    return "grouped_mm" if "grouped_mm" in ALL_EXPERTS_FUNCTIONS else None
+
+
+class DecodeBody:
+    """The decode program's body: the model's forward over the padded view, greedy next token."""
+
+    def __init__(self, model, kernel=None):
+        self.model, self.kernel = model, kernel
+
+    def __call__(self, x):
+        batch = Decode(x.kv, x.req_to_token, x.req_pool_indices, x.positions, self.kernel)
+        logits = self.model(input_ids=x.input_ids[:, None], position_ids=x.positions[:, None],
+                            use_cache=False, padgraph_batch=batch).logits             # [bs, 1, vocab]
+        return {"next_token": logits[:, -1].argmax(-1)}                                # [bs]
+
+
+def triton_decode_kernel(backend: str, device: torch.device, dtype: torch.dtype):
+    """padgraph's Triton paged decode attention where it runs (a CUDA device) at the model's
+    precision (fp16 / bf16: its fp32 dots would run in TF32), else None (torch's SDPA)."""
+    if device.type != "cuda" or backend == "reference" or dtype not in (torch.float16, torch.bfloat16):
+        return None
+    from padgraph.backends.triton.attention import decode_attention
+    return decode_attention
+
+
+class Decoder:
+    """Greedy decoding of a Hugging Face `PreTrainedModel` through padgraph's paged cache and
+    decode program, with no change to the model and no HF cache.
+
+    max_batch: requests per `generate`; max_len: prompt (padding included) plus new tokens.
+    backend: "cuda" (CUDA graphs) or "reference" (eager, any device); torch_compile: as
+    `pg.compile`'s; buckets: the decode ladder (default `pg.Buckets.default(max_batch)`);
+    options: passed to `pg.compile` (e.g. the cuda backend's `warmup`, `restore_state`).
+    Raises `UnsupportedModelError` for a model with a mixer that is not attention (Mamba, ...).
+    `generate` is `prefill` (eager) then `step` (one decode-program call) per new token.
+    """
+
+    def __init__(self, model, *, max_batch: int, max_len: int, backend: str = "cuda", torch_compile=False,
+                 buckets=None, **options):
+        check_supported(model)
+        attention.register()
+        self.model, self.max_batch, self.max_len = model, max_batch, max_len
+        device = device_of(model)
+        self.cache = PagedCache(cache_shape(model), max_batch, max_len, device)
+        ladder = pg.Buckets(buckets) if buckets is not None else pg.Buckets.default(max_batch)
+        self.program = decode_program(ladder)
+        self.body = DecodeBody(model, triton_decode_kernel(backend, device, self.cache.shape.dtype))
+        self.rows = torch.arange(1, max_batch + 1, device=device)                     # [max_batch] request rows
+        self.experts = graph_safe_experts(device)
+        with self.serving(), torch.no_grad():
+            self.runner = pg.compile(self.program, self.body, backend=backend, state=self.state(),
+                                     copy_outputs=True, torch_compile=None if torch_compile is False else torch_compile,
+                                     **options)
+
+    def serving(self):
+        return serving(self.model, self.experts)
+
+    def state(self) -> dict:
+        return {"kv": self.cache.kv, "req_to_token": self.cache.req_to_token}
+
+    # ---- the two phases ---------------------------------------------------------------------------
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded prompts [n, P] into request rows 1..n: (first new tokens [n], prompt lengths [n])."""
+        valid = attention_mask.bool()                                                  # [n, P]
+        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)                         # HF's rule for left pads
+        rows = self.rows[:input_ids.shape[0], None]                                    # [n, 1]
+        slots = torch.where(valid, self.cache.req_to_token[rows, positions].long(), SINK)   # [n, P]
+        batch = Prefill(self.cache.kv, slots, positions, valid)
+        with self.serving(), torch.no_grad():
+            logits = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=1,
+                                padgraph_batch=batch).logits                           # [n, 1, vocab]
+        return logits[:, -1].argmax(-1), valid.sum(-1)
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One decode call: tokens [n] at positions [n] of requests 1..n -> next tokens [n]."""
+        with self.serving(), torch.no_grad():
+            return self.runner(input_ids=tokens, positions=positions,
+                               req_pool_indices=self.rows[:tokens.shape[0]]).next_token
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 max_new_tokens: int = 16) -> torch.Tensor:
+        """Greedy tokens as `model.generate(input_ids, attention_mask=..., do_sample=False,
+        max_new_tokens=...)` returns them: [n, P + new], prompts left-padded."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        input_ids, attention_mask = input_ids.to(self.rows.device), attention_mask.to(self.rows.device)
+        check_request(self, input_ids, attention_mask, max_new_tokens)
+        token, lens = self.prefill(input_ids, attention_mask)
+        new = [token]
+        for i in range(max_new_tokens - 1):
+            new.append(self.step(new[-1], lens + i))
+        return torch.cat([input_ids, finish_at_eos(self.model, torch.stack(new, 1))], 1)
+
+    def check(self, trials: int = 4, seed: int = 0) -> pg.CheckResult:
+        """`pg.check` of the decode body over random valid calls, on copies of the cache."""
+        state = {"kv": [t.clone() for t in self.cache.kv], "req_to_token": self.cache.req_to_token.clone()}
+        with self.serving(), torch.no_grad():
+            return pg.check(self.program, self.body, state=state, sample=self.sample, trials=trials, seed=seed)
+
+    def sample(self, gen: torch.Generator) -> dict:
+        """Raw decode inputs of a random valid call: distinct request rows, positions in range."""
+        n = int(torch.randint(1, self.max_batch + 1, (), generator=gen))
+        vocab = self.model.config.get_text_config().vocab_size
+        device = self.rows.device
+        return {"input_ids": torch.randint(0, vocab, (n,), generator=gen).to(device),
+                "positions": torch.randint(0, self.max_len, (n,), generator=gen).to(device),
+                "req_pool_indices": (torch.randperm(self.max_batch, generator=gen)[:n] + 1).to(device)}
+
+
+def check_request(dec: Decoder, input_ids, attention_mask, max_new_tokens: int) -> None:
+    """ContractValueError naming what a generate call breaks, before anything is written."""
+    def fail(what, expected, got):
+        raise pg.ContractValueError(f"padgraph.hf.Decoder.generate: {what} must be {expected}, got {got}")
+    if input_ids.dim() != 2 or input_ids.dtype != torch.int64:
+        fail("input_ids", "[n, prompt_len] int64", f"{tuple(input_ids.shape)} {input_ids.dtype}")
+    n, P = input_ids.shape
+    if attention_mask.shape != input_ids.shape:
+        fail("attention_mask", f"input_ids' shape {(n, P)}", tuple(attention_mask.shape))
+    if not 1 <= n <= dec.max_batch:
+        fail("the number of prompts", f"in 1..max_batch={dec.max_batch}", n)
+    if max_new_tokens < 1 or P + max_new_tokens > dec.max_len:
+        fail("prompt_len + max_new_tokens", f"<= max_len={dec.max_len} (max_new_tokens >= 1)",
+             f"{P} + {max_new_tokens}")
+    valid = attention_mask.bool()
+    if not bool((valid[:, 1:] >= valid[:, :-1]).all()) or not bool(valid[:, -1].all()):
+        fail("attention_mask", "left-padded (0s, then 1s to the last column, in every row)", attention_mask.tolist())
+
+
+def finish_at_eos(model, new: torch.Tensor) -> torch.Tensor:
+    """HF's stopping: after a row's end-of-sequence token, pad tokens; output ends at the step by
+    which every row has finished. new [n, T] -> [n, T'] (T' <= T)."""
+    cfg = model.generation_config
+    eos = cfg.eos_token_id
+    if eos is None:
+        return new
+    eos = torch.as_tensor([eos] if isinstance(eos, int) else list(eos), device=new.device)
+    is_eos = torch.isin(new, eos)                                                      # [n, T]
+    ended = is_eos.long().cumsum(1)                                                    # [n, T]
+    new = torch.where(ended - is_eos.long() > 0, cfg.pad_token_id if cfg.pad_token_id is not None else eos[0], new)
+    done = (ended > 0).all(0).nonzero()                                                # steps where all rows ended
+    return new if done.numel() == 0 else new[:, :int(done[0]) + 1]
