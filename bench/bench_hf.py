@@ -321,9 +321,11 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true", help="tiny fp32 model (smoke run)")
+    ap.add_argument("--iters", type=int, default=50, help="timed decode steps per peer and size")
     args = ap.parse_args()
-    global CTX
+    global CTX, ITERS
     CTX = 16 if args.tiny else CTX
+    ITERS = args.iters
     device = torch.device(args.device)
     sizes = [int(s) for s in args.sizes.split(",")]
     names = [v for v in VARIANTS if v in args.variants.split(",")]     # hf-eager first: the token reference

@@ -53,11 +53,10 @@ from typing import Callable, Mapping
 import torch
 
 from .eager import exact_run as _exact_run, make_view
-from .errors import ContractError, ContractValueError, mismatch
+from .errors import ContractError
 from .plan import Plan
 from .program import Program, padded_dims
 from .reference import ReferenceRunner
-from .view import PaddedView
 
 POISON = 7.3125          # exact in bf16/fp16/fp32; a value a body is unlikely to write by chance
 MAX_GROUPS = 12          # groups shown by str(CheckResult); every finding stays in .findings

@@ -9,7 +9,7 @@ from typing import Mapping
 
 import torch
 
-from .axes import Affine, as_affine
+from .axes import as_affine
 from .errors import BucketOverflowError, ContractTypeError, ContractValueError, mismatch, where
 from .lifetimes import Lent, LentInput
 from .pack import PackTable, pack_table

@@ -126,22 +126,22 @@ def options(pytestconfig) -> dict:
 
 def pytest_sessionfinish(session):
     """Under pytest-xdist, a worker hands its generated counts to the controller."""
-    from . import generated
+    from . import cases
     if hasattr(session.config, "workeroutput"):
-        session.config.workeroutput["padgraph_generated"] = dict(generated.COUNTS)
+        session.config.workeroutput["padgraph_generated"] = dict(cases.COUNTS)
 
 
 def pytest_testnodedown(node, error):
     """The controller adds up the workers' counts (pytest-xdist)."""
-    from . import generated
+    from . import cases
     for k, v in getattr(node, "workeroutput", {}).get("padgraph_generated", {}).items():
-        generated.COUNTS[k] += v
+        cases.COUNTS[k] += v
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """One line for the generated cases: programs, calls, rejected calls, failing shards."""
-    from . import generated
-    c = generated.COUNTS
+    from . import cases
+    c = cases.COUNTS
     if not c["programs"]:
         return
     failed = sum(1 for r in terminalreporter.stats.get("failed", []) if "test_generated" in r.nodeid)

@@ -13,7 +13,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, note, seed, settings, strategies as st
 
 import padgraph as pg
-from padgraph.spec import generated as G
+from padgraph.spec import cases as C
+from padgraph.spec import strategies as SG
 
 SHARDS = 16
 
@@ -32,10 +33,10 @@ def test_generated(shard, backend, device, options, pytestconfig):
     @settings(max_examples=n, deadline=None, database=None, suppress_health_check=list(HealthCheck), phases=phases)
     @given(st.data())
     def run(data):
-        recipe = data.draw(G.recipes(), label="recipe")
-        calls = data.draw(G.call_lists(recipe), label="calls")
-        note("reproduction:\n" + G.repro(recipe, calls, backend, device, options))
-        G.run_case(recipe, calls, backend=backend, device=device, counts=G.COUNTS, **options)
+        recipe = data.draw(SG.recipes(), label="recipe")
+        calls = data.draw(SG.call_lists(recipe), label="calls")
+        note("reproduction:\n" + C.repro(recipe, calls, backend, device, options))
+        C.run_case(recipe, calls, backend=backend, device=device, counts=C.COUNTS, **options)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", pg.OverflowWarning)     # once per generated runner past its ladder

@@ -12,6 +12,7 @@ import torch
 
 import padgraph as pg
 from padgraph.spec import generated as G
+from padgraph.spec.cases import run_case
 from padgraph.spec import support as S
 
 bs = pg.Axis("bs")
@@ -41,7 +42,7 @@ def test_r11_device_extent_on_2d_layouts_reads_the_right_rows(shape, options, ba
                               ("d", (("t2", 1, 0),), torch.int8, ("fill", 0))),
                       echo=(("a", "clone", -7),))
     calls = [G.Call(ext=(("bs", 3), ("t1", 5), ("t2", 4)), dev=(("t1", 2), ("t2", 1)), seed=s) for s in range(3)]
-    G.run_case(recipe, calls, backend=backend, device=device, **options)
+    run_case(recipe, calls, backend=backend, device=device, **options)
 
 
 @pytest.mark.parametrize("dtype,pad", [(torch.float32, -3.4028235e38), (torch.float16, 65519.0),
@@ -52,7 +53,7 @@ def test_r1_pads_at_a_dtype_limit_are_written_as_the_dtype_holds_them(dtype, pad
     raised torch's 'value cannot be converted ... without overflow'."""
     recipe = G.Recipe(ladder=(4,), inputs=(("m", (("bs", 1, 0), 3), dtype, ("fill", pad)),),
                       echo=(("m", "clone", pad),), digest=("m",))
-    G.run_case(recipe, [G.Call(ext=(("bs", 1),)), G.Call(ext=(("bs", 3),), seed=1)],
+    run_case(recipe, [G.Call(ext=(("bs", 1),)), G.Call(ext=(("bs", 3),), seed=1)],
                backend=backend, device=device, **options)
 
 
@@ -62,7 +63,7 @@ def test_r1_edge_pads_of_every_dtype(dtype, options, backend, device):
     recipe = G.Recipe(axes=(("t1", 1, 1, False),), ladder=(2, 5),
                       inputs=(("e", (3, ("t1", 1, 0)), dtype, ("edge", 0)), ("c", (("bs", 1, 0),), torch.int8, ("fill", 0))),
                       echo=(("e", "clone", 0),))
-    G.run_case(recipe, [G.Call(ext=(("bs", 2), ("t1", 2)), seed=4), G.Call(ext=(("bs", 1), ("t1", 0)))],
+    run_case(recipe, [G.Call(ext=(("bs", 2), ("t1", 2)), seed=4), G.Call(ext=(("bs", 1), ("t1", 0)))],
                backend=backend, device=device, **options)
 
 
@@ -73,7 +74,7 @@ def test_r7_state_classes_registered_without_key_functions(form, options, backen
     recipe = G.Recipe(ladder=(2, 4), inputs=(("h", (("bs", 1, 0),), torch.int32, ("fill", 0)),
                                              ("slot", (("bs", 1, 0),), torch.int64, ("fill", 0))),
                       state="sink", state_form=form)
-    G.run_case(recipe, [G.Call(ext=(("bs", 3),), seed=2)], backend=backend, device=device, **options)
+    run_case(recipe, [G.Call(ext=(("bs", 3),), seed=2)], backend=backend, device=device, **options)
 
 
 def _threads_program():

@@ -1,5 +1,4 @@
 """Rule 3: the bucket is the smallest ladder entry that holds every axis (SPEC.md §3)."""
-import logging
 import random
 
 import warnings

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, seed, settings, strategies as st
 import padgraph as pg
 from padgraph.backends.triton import pack as TP
 from padgraph.spec import generated as G
+from padgraph.spec import strategies as SG
 from padgraph.spec import oracle as O
 
 pytestmark = pytest.mark.skipif(not TP.triton_available(), reason="triton not importable")
@@ -20,8 +21,8 @@ pytestmark = pytest.mark.skipif(not TP.triton_available(), reason="triton not im
 
 @st.composite
 def packed_calls(draw):
-    recipe = draw(G.recipes())
-    call = draw(G.call_lists(recipe))[0]
+    recipe = draw(SG.recipes())
+    call = draw(SG.call_lists(recipe))[0]
     return recipe, call, draw(st.sampled_from(recipe.ladder))
 
 
