@@ -158,7 +158,7 @@ class Runner:
         outs = self._run_device(bucket, raw, ext, dev) if dev else self._run(bucket, raw, ext)
         after = self.state.snapshot()
         self.stats.shadow_calls += 1
-        found = verify(self, self._shadow.spec, bucket, raw, ext, dev, outs, before, after)
+        found = verify(self, self._shadow.spec, (bucket, raw, ext, dev), outs, before, after)
         if found is not None:
             report(self, self._shadow.spec, bucket, ext, found)
         return outs

@@ -74,10 +74,11 @@ class Sampler:
         return k < self.spec.first or self.n % self.spec.every == 0
 
 
-def verify(runner, spec: Shadow, bucket: int, raw, ext, dev, replay_outs: Mapping, before: list,
-           after: list) -> str | None:
-    """What differs between the replay (outputs `replay_outs`, state `after`) and the eager runs
-    from state `before`; None when nothing does. Leaves the state as `after`."""
+def verify(runner, spec: Shadow, call: tuple, replay_outs: Mapping, before: list, after: list) -> str | None:
+    """What differs between the replay of `call` = (bucket, raw, extents, device extents) (outputs
+    `replay_outs`, state `after`) and the eager runs from state `before`; None when nothing does.
+    Leaves the state as `after`."""
+    bucket, raw, ext, dev = call
     run_ext, run_raw = runner._cut(raw, ext, dev) if dev else (ext, raw)
     state = runner.state
     try:

@@ -18,10 +18,8 @@ from __future__ import annotations
 import bisect
 import copy
 import dataclasses
-import math
-from dataclasses import dataclass
 from itertools import accumulate
-from operator import attrgetter, is_
+from operator import attrgetter
 from typing import Mapping
 
 import torch
@@ -29,12 +27,12 @@ import torch.utils._pytree as pytree
 
 from .errors import ContractTypeError, ContractValueError, StateStorageError, mismatch, where
 from .program import Program
+from .state_memory import _runs, _Span, _tensors_share, byte_span
+from .state_tree import _element, _is_pytree_leaf, _structure_change, _walk
 
 _T = torch.Tensor
 _dtype = attrgetter("dtype")
 _version = attrgetter("_version")
-_is_pytree_leaf = getattr(pytree, "tree_is_leaf", None) or pytree._is_leaf   # public from torch 2.5
-_MISSING = object()   # a dataclass field that is gone
 _UNSET = object()     # not computed yet
 
 
@@ -43,242 +41,6 @@ def _versions(tensors: list[torch.Tensor]) -> list[int] | None:
         return list(map(_version, tensors))
     except RuntimeError:                        # an inference tensor: no version counter
         return None
-
-
-# ---- containers a state value may be made of --------------------------------------------------
-class _Node:
-    """A container inside a bound value: its path, and the (suffix, child) entries it was bound with."""
-
-    watch = True   # mutable: check() compares it on every call
-
-    def __init__(self, name: str, path: str, obj):
-        self.name, self.path, self.obj = name, path, obj
-        self.bound = self.entries()
-        self.kids = tuple(c for _, c in self.bound)
-
-    def entries(self) -> list[tuple[str, object]]:
-        raise NotImplementedError
-
-    def same(self) -> bool:
-        """Still holds exactly the bound children (fast: identity, no re-flattening)."""
-        now = self.entries()
-        return len(now) == len(self.bound) and all(a == b and c is d for (a, c), (b, d) in zip(now, self.bound))
-
-
-class _List(_Node):
-    def entries(self):
-        return [(f"[{i}]", c) for i, c in enumerate(self.obj)]
-
-    def same(self):
-        obj = self.obj
-        return len(obj) == len(self.kids) and all(map(is_, obj, self.kids))
-
-
-class _Tuple(_List):
-    watch = False  # immutable: its children cannot change (child containers are watched themselves)
-
-
-class _Dict(_Node):
-    def __init__(self, name, path, obj):
-        super().__init__(name, path, obj)
-        self.keys = list(obj)
-
-    def entries(self):
-        return [(f"[{k!r}]", c) for k, c in self.obj.items()]
-
-    def same(self):
-        obj = self.obj
-        return len(obj) == len(self.kids) and all(map(is_, obj.values(), self.kids)) and list(obj) == self.keys
-
-
-class _Fields(_Node):
-    """A dataclass instance not registered with torch's pytree: its fields are its children."""
-
-    def __init__(self, name, path, obj):
-        self.fields = [f.name for f in dataclasses.fields(obj)]
-        super().__init__(name, path, obj)
-
-    def entries(self):
-        return [(f".{f}", getattr(self.obj, f, _MISSING)) for f in self.fields]
-
-    def same(self):
-        obj = self.obj
-        return all(getattr(obj, f, _MISSING) is k for f, k in zip(self.fields, self.kids))
-
-
-class _Tree(_Node):
-    """A node registered with torch.utils._pytree (namedtuple, deque, a user's class): one level."""
-
-    def __init__(self, name, path, obj):
-        self.watch = not isinstance(obj, tuple)   # namedtuple, structseq: immutable
-        super().__init__(name, path, obj)
-
-    def entries(self):
-        obj = self.obj
-        is_leaf = lambda c: c is not obj        # noqa: E731 - one level: every child is a leaf
-        try:
-            flat, _ = pytree.tree_flatten_with_path(obj, is_leaf=is_leaf)
-        except ValueError:      # registered without flatten_with_keys_fn: label children by position
-            kids, _ = pytree.tree_flatten(obj, is_leaf=is_leaf)
-            return [(f"[{i}]", c) for i, c in enumerate(kids)]
-        return [(pytree.keystr(kp), c) for kp, c in flat]
-
-
-class _Custom(_Node):
-    """An object with a user's flatten/unflatten pair (pg.State(flatten=, unflatten=))."""
-
-    def __init__(self, name, path, obj, flatten):
-        self.flatten = flatten
-        super().__init__(name, path, obj)
-
-    def entries(self):
-        leaves, _ = self.flatten(self.obj)
-        return [(f"[{i}]", c) for i, c in enumerate(leaves)]
-
-
-def _container(name: str, path: str, value) -> _Node | None:
-    if isinstance(value, list):
-        return _List(name, path, value)
-    if type(value) is tuple:
-        return _Tuple(name, path, value)
-    if isinstance(value, dict):
-        return _Dict(name, path, value)
-    if not _is_pytree_leaf(value):
-        return _Tree(name, path, value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return _Fields(name, path, value)
-    return None
-
-
-def _walk(program: str, name: str, path: str, value, leaves: list, nodes: list, ancestors: set,
-          flatten=None) -> None:
-    """Leaves (name, label, tensor) and watched containers of one state value, depth first."""
-    if flatten is not None:
-        node = _Custom(name, path, value, flatten)
-        nodes.append(node)
-        for suffix, child in node.bound:
-            if not isinstance(child, torch.Tensor):
-                raise ContractTypeError(mismatch(program, name, f"every leaf flatten() gives (here {path}{suffix})",
-                                                 "a torch.Tensor", type(child).__name__, kind="state"))
-            leaves.append((name, path + suffix, child))
-        return
-    if isinstance(value, torch.Tensor):
-        if value.layout != torch.strided:
-            raise ContractTypeError(mismatch(program, name, f"tensor {path}", "strided (dense)", str(value.layout), kind="state"))
-        leaves.append((name, path, value))
-        return
-    node = _container(name, path, value)
-    if node is None:
-        got = f"{type(value).__name__} {value!r}"[:80]
-        raise ContractTypeError(mismatch(program, name, f"every leaf (here {path})",
-                                         "a torch.Tensor: state is a tensor or a pytree of tensors", got, kind="state"))
-    if id(value) in ancestors:
-        raise ContractTypeError(mismatch(program, name, f"{path}", "a tree (no container inside itself)",
-                                         f"a {type(value).__name__} that contains itself", kind="state"))
-    if node.watch:
-        nodes.append(node)
-    ancestors.add(id(value))
-    for suffix, child in node.bound:
-        _walk(program, name, path + suffix, child, leaves, nodes, ancestors)
-    ancestors.discard(id(value))
-
-
-def _element(name: str, label: str) -> str:
-    return "" if label == name else f", element {label}"
-
-
-def _structure_change(node: _Node) -> str:
-    """What changed in a container since bind: removed, added and replaced children, by path."""
-    try:
-        now = dict(node.entries())
-    except Exception as e:  # a container the caller broke (a field deleted, ...)
-        return f"{node.path} can no longer be read ({type(e).__name__}: {e})"
-    bound = dict(node.bound)
-    parts = [f"{node.path}{s} was removed" for s in bound if s not in now]
-    parts += [f"{node.path}{s} was added" for s in now if s not in bound]
-    parts += [f"{node.path}{s} was replaced by another object" for s in bound if s in now and now[s] is not bound[s]]
-    return "; ".join(parts) or f"{node.path} changed"
-
-
-# ---- memory a tensor touches --------------------------------------------------------------------
-_MAX_RUNS = 1 << 22   # runs listed at once per tensor by the exact overlap test; past it, halves
-
-
-def byte_span(t: torch.Tensor) -> tuple[int, int] | None:
-    """[first byte, last byte + 1) of t's elements, from sizes and strides; None when t is empty."""
-    if t.numel() == 0:
-        return None
-    lo = t.data_ptr()
-    if t.is_contiguous():
-        return lo, lo + t.numel() * t.element_size()
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return lo, lo + (last + 1) * t.element_size()
-
-
-def _runs(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-    """t's bytes as sorted run starts (int64, CPU) of `length` bytes each; None when too many runs.
-
-    Dims by increasing stride: one whose stride equals the run so far lengthens the dense run; the
-    rest are enumerated. Broadcast (stride 0) and size-1 dims touch no further byte: dropped.
-    """
-    dims = sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1 and s != 0)
-    run = 1
-    while dims and dims[0][0] == run:
-        run *= dims.pop(0)[1]
-    if math.prod(n for _, n in dims) > _MAX_RUNS:
-        return None
-    cpu = torch.device("cpu")                                # metadata only: never the default device
-    starts = torch.zeros(1, dtype=torch.int64, device=cpu)   # [n_runs] element offsets
-    for s, n in dims:
-        starts = (starts[:, None] + torch.arange(n, dtype=torch.int64, device=cpu) * s).flatten()
-    size = t.element_size()
-    return torch.sort(starts).values * size + t.data_ptr(), run * size
-
-
-def _tensors_share(a: torch.Tensor, b: torch.Tensor, ra=None, rb=None) -> bool:
-    """Whether tensors a and b share a byte, exactly. ra / rb: their `_runs` if already listed.
-
-    Byte spans first; then the runs. A tensor with more than _MAX_RUNS runs is split in two
-    along its largest dim and each half compared (only halves whose spans meet go further), so
-    memory stays bounded and no overlap is ever assumed."""
-    sa, sb = byte_span(a), byte_span(b)
-    if sa is None or sb is None or sa[1] <= sb[0] or sb[1] <= sa[0]:
-        return False
-    ra = _runs(a) if ra is None else ra
-    if ra is None:
-        return any(_tensors_share(h, b, rb=rb) for h in _halves(a))
-    rb = _runs(b) if rb is None else rb
-    if rb is None:
-        return any(_tensors_share(a, h, ra=ra) for h in _halves(b))
-    return _share_a_byte(ra, rb)
-
-
-def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """t split in two along its largest dim that touches new bytes (size > 1, stride != 0)."""
-    d = max((i for i in range(t.dim()) if t.shape[i] > 1 and t.stride(i) != 0),
-            key=lambda i: t.shape[i])
-    n = t.shape[d]
-    return t.narrow(d, 0, n // 2), t.narrow(d, n // 2, n - n // 2)
-
-
-def _share_a_byte(a: tuple[torch.Tensor, int] | None, b: tuple[torch.Tensor, int] | None) -> bool:
-    """Whether a run of a and a run of b share a byte (runs from `_runs`; None: assume they do)."""
-    if a is None or b is None:
-        return True
-    (sa, la), (sb, lb) = a, b
-    # for each run [x, x+la) of a: the first run [y, y+lb) of b ending after x; it overlaps iff y < x+la
-    i = torch.searchsorted(sb, sa - lb, right=True)
-    y = sb[i.clamp(max=len(sb) - 1)]
-    return bool(((i < len(sb)) & (y < sa + la)).any())
-
-
-@dataclass(frozen=True)
-class _Span:
-    lo: int
-    hi: int
-    label: str
-    device: torch.device
-    tensor: torch.Tensor
 
 
 # ---- the bound state ------------------------------------------------------------------------------

@@ -285,7 +285,7 @@ def test_overlaps_compares_devices():
 
 def test_overlaps_stays_exact_past_the_listing_limit(monkeypatch):
     """Past _MAX_RUNS runs a tensor is halved until its runs can be listed: still exact."""
-    import padgraph.state as state_mod
+    import padgraph.state_memory as state_mod      # where the overlap test lives
     big = torch.zeros(8, 16)
     for limit in (1 << 22, 4, 1):
         monkeypatch.setattr(state_mod, "_MAX_RUNS", limit)
