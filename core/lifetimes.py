@@ -55,6 +55,12 @@ class Lent(torch.Tensor):
     def __repr__(self, **kwargs) -> str:          # as a plain tensor prints (raises when stale)
         return unlend(self).__repr__(**kwargs)
 
+    def __deepcopy__(self, memo):                 # a copy is the caller's own: a plain tensor
+        return unlend(self).clone()
+
+    def __reduce_ex__(self, protocol):            # pickled as the plain tensor it is now
+        return unlend(self).clone().__reduce_ex__(protocol)
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         err = _stale(args, kwargs)

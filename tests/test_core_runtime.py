@@ -152,3 +152,16 @@ def test_a_call_rejected_by_the_state_guard_pins_no_device():
     with pytest.raises(pg.StateStorageError):
         runner(v=torch.arange(2))
     assert runner.device is None
+
+
+def test_copies_of_lent_outputs_are_the_callers():
+    """deepcopy / pickle of an output (or of all outputs) is a plain copy: the next call leaves it."""
+    import copy
+    import pickle
+    r = pg.compile(_prog(), lambda x: {"y": x.a + x.b})
+    out = r(a=torch.ones(2, dtype=torch.int64), b=torch.ones(2, dtype=torch.int64))
+    kept = [copy.deepcopy(out.y), pickle.loads(pickle.dumps(out.y)), copy.deepcopy(out)["y"], out.y.clone()]
+    r(a=torch.zeros(3, dtype=torch.int64), b=torch.zeros(3, dtype=torch.int64))
+    assert all((k + 0).tolist() == [2, 2] for k in kept)
+    with pytest.raises(pg.StaleOutputError):
+        copy.deepcopy(out.y)
