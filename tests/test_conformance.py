@@ -62,3 +62,11 @@ def test_suite_catches_a_stale_tail_backend(tmp_path):
     rc, out = _run(["-m", "padgraph.spec", "--backend", backend, "-q", "--xfails", str(xfails),
                     "-k", "stale or r5_2 or hook_raises"], tmp_path, extra_path=fixtures)
     assert rc == 0 and "xfailed" in out, f"an xfail list should turn those failures into xfails (exit {rc}):\n{_tail(out)}"
+
+
+def test_reference_passes_a_fixed_seed_budget_of_generated_programs(tmp_path):
+    """The generated cases at CI's budget: 2,000 programs with their call sequences, seed 7."""
+    rc, out = _run(["-m", "padgraph.spec", "--backend", "reference", "-q", "-k", "generated",
+                    "--generated", "2000", "--seed", "7"], tmp_path)
+    assert rc == 0, f"generated cases on 'reference' failed (exit {rc}):\n{_tail(out)}"
+    assert "programs=2000" in out and "failing_shards=0" in out, _tail(out)
