@@ -101,6 +101,7 @@ class Recipe:
     ladder: tuple = (1, 2, 4)
     inputs: tuple = ()              # (name, dims, dtype, pad); dim: int or (axis, scale, offset); pad: ("fill"|"edge", v)
     echo: tuple = ()                # (input, "clone"|"alias", output pad)
+    cplx: tuple = ()                # (float input, complex dtype, output pad): complex(v, -v)
     digest: tuple = ()              # inputs whose rows are summed as int64 bit patterns
     ext_out: bool = False
     outer: tuple = ()               # (axis, pad): int64 (bs, axis) output
@@ -161,6 +162,8 @@ def build_program(recipe: Recipe) -> pg.Program:
     shapes = {n: spec.shape for n, spec in inputs.items()}
     dtypes = {n: spec.dtype for n, spec in inputs.items()}
     outputs = {f"e_{n}": pg.Output(shapes[n], dtypes[n], pad=pad) for n, _, pad in recipe.echo}
+    for n, dtype, pad in recipe.cplx:
+        outputs[f"z_{n}"] = pg.Output(shapes[n], dtype, pad=pad)
     for n in recipe.digest:
         outputs[f"d_{n}"] = pg.Output(shapes[n][:1], torch.int64)
     if recipe.ext_out:
@@ -236,6 +239,10 @@ def make_body(recipe: Recipe):
         outs = {}
         for n, mode, _ in recipe.echo:
             outs[f"e_{n}"] = x[n] if mode == "alias" else x[n].clone()
+        for n, dtype, _ in recipe.cplx:
+            real = torch.float64 if dtype == torch.complex128 else torch.float32
+            v = x[n].to(real)
+            outs[f"z_{n}"] = torch.complex(v, -v)
         for n in recipe.digest:
             outs[f"d_{n}"] = digest(x[n])
         if recipe.ext_out:

@@ -105,6 +105,9 @@ def recipes(draw) -> Recipe:
                   draw(st.sampled_from(pad_values(dt))))
                  for n, _, dt, _ in inputs if draw(st.booleans()))
     digest = tuple(n for n, dims, _, _ in inputs if dims and draw(st.booleans()))
+    cplx = tuple((n, ct, draw(st.sampled_from([0.0, -2.25, float("nan"), float("inf")])))
+                 for n, _, dt, _ in inputs if dt.is_floating_point and draw(st.integers(0, 2)) == 2
+                 for ct in [draw(st.sampled_from([torch.complex64, torch.complex128]))])
     dev_axes = [a[0] for a in axes]
     outer = (draw(st.sampled_from(dev_axes)), draw(st.sampled_from([0, -1, 99]))) \
         if dev_axes and draw(st.booleans()) else ()
@@ -112,7 +115,7 @@ def recipes(draw) -> Recipe:
     ladder = draw(ladders())
     if max(_numel(dims, axes, ladder[-1] + 2) for _, dims, _, _ in inputs) > MAX_ELEMENTS:
         ladder = tuple(b for b in ladder if b <= 8) or (1, 2)      # nd inputs grow as bucket^3
-    return Recipe(axes=axes, ladder=ladder, inputs=tuple(inputs), echo=echo, digest=digest,
+    return Recipe(axes=axes, ladder=ladder, inputs=tuple(inputs), echo=echo, cplx=cplx, digest=digest,
                   ext_out=draw(st.booleans()), outer=outer, state=state,
                   state_form=draw(st.sampled_from(STATE_FORMS)), state_dtype=state_dtype, sinks=sinks,
                   grad_state=state == "rows" and state_dtype.is_floating_point and draw(st.booleans()),
