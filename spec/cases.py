@@ -49,7 +49,10 @@ def run_case(recipe: Recipe, calls, *, backend: str = "reference", device="cpu",
         if expected is None:        # past the ladder with overflow="error"
             _rejected(runner, raw, case, pg.BucketOverflowError, extents=dev or None)
             continue
+        snapshot = {n: t.detach().clone() for n, t in raw.items()}
         out = runner.call(raw, extents=dev or None)
+        if call.seed % 2 == 0:      # rule 5: the call wrote none of the caller's tensors
+            same_inputs(raw, snapshot, case)
         scribble_after(raw, dev)    # the caller reuses its tensors at once (stream-ordered)
         same_outputs(out, expected, case)
         same_state(recipe, state, mirror, case)
@@ -94,6 +97,13 @@ def _rejected(runner, raw, case, cls=pg.ContractError, extents=None) -> None:
     except Exception as e:  # noqa: BLE001 - the point: any other error is a finding
         raise AssertionError(f"error={type(e).__name__}: {e}, but should be {cls.__name__} [{case}]") from e
     raise AssertionError(f"call returned, but should raise {cls.__name__} [{case}]")
+
+
+def same_inputs(raw: dict, snapshot: dict, case: str) -> None:
+    for name, t in raw.items():
+        if not torch.equal(O.bits(t), O.bits(snapshot[name])):
+            raise AssertionError(f"input {name!r} changed by the call, but should be the caller's, untouched "
+                                 f"(rule 5) [{case}]")
 
 
 def scribble_after(raw: dict, dev: dict) -> None:
