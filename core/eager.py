@@ -9,7 +9,7 @@ from typing import Mapping
 
 import torch
 
-from .pack import padded
+from .pack import bit_view, padded
 from .pads import stored
 from .program import padded_dims
 from .errors import ContractValueError, mismatch
@@ -96,7 +96,7 @@ def _keep_below(t: torch.Tensor, d: int, limit: torch.Tensor, pad) -> torch.Tens
     """t with lanes >= limit along dim d set to pad, as a where over bit patterns (torch.where has
     no kernel for every dtype: uint16, float8, complex)."""
     fill = torch.full((), pad, dtype=t.dtype, device=t.device).expand(t.shape)
-    bits, fill_bits = _bit_view(t), _bit_view(fill)
+    bits, fill_bits = bit_view(t), bit_view(fill)
     shape = [1] * bits.dim()
     shape[d] = t.shape[d]
     lane = torch.arange(t.shape[d], device=t.device).view(shape)
@@ -106,18 +106,6 @@ def _keep_below(t: torch.Tensor, d: int, limit: torch.Tensor, pad) -> torch.Tens
     return kept.view(t.dtype)
 
 
-_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 def _real(dtype: torch.dtype) -> torch.dtype:
     return {torch.complex32: torch.float16, torch.complex64: torch.float32}.get(dtype, torch.float64)
 
-
-def _bit_view(t: torch.Tensor) -> torch.Tensor:
-    """Same-size signed integers over t's bytes (complex: its real and imaginary parts, a trailing
-    dim of 2); bool as it is."""
-    if t.dtype == torch.bool:
-        return t
-    if t.dtype.is_complex:
-        t = torch.view_as_real(t.contiguous() if t.stride() and 0 in t.stride() else t)
-    return t.view(_INT_OF_SIZE[t.element_size()])

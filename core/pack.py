@@ -155,16 +155,22 @@ def apply(entry: PackEntry, dst: torch.Tensor, src: torch.Tensor, extents: Mappi
         return
     r = _edge_index(entry.rows.total, r_raw, entry.rows.unit, dst.device)
     c = _edge_index(entry.cols.total, c_raw, entry.cols.unit, dst.device)
-    d2, s2 = _bit_view(d2), _bit_view(s2)      # index_select has no uint16 / uint32 / float8 kernel
+    d2, s2 = bit_view(d2), bit_view(s2)        # index_select has no uint16 / uint32 / float8 kernel
     d2.copy_(s2.index_select(0, r).index_select(1, c))
 
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _bit_view(t: torch.Tensor) -> torch.Tensor:
-    """t's elements as same-size signed integers: copies by bit pattern work for every dtype."""
-    return t if t.dtype == torch.bool else t.view(_INT_OF_SIZE[t.element_size()])
+def bit_view(t: torch.Tensor) -> torch.Tensor:
+    """t's elements as same-size signed integers, so copies, wheres and compares work by bit
+    pattern for every dtype (complex: its real and imaginary parts, a trailing dim of 2; bool as
+    it is)."""
+    if t.dtype == torch.bool:
+        return t
+    if t.dtype.is_complex:
+        t = torch.view_as_real(t.contiguous() if t.stride() and 0 in t.stride() else t)
+    return t.view(_INT_OF_SIZE[t.element_size()])
 
 
 def _edge_index(total: int, raw: int, unit: int, device) -> torch.Tensor:

@@ -26,6 +26,7 @@ from typing import Mapping
 import torch
 
 from .eager import exact_run, mask_outputs, run_padded
+from .pack import bit_view
 from .errors import ContractTypeError, ContractValueError, ShadowMismatch, where
 
 log = logging.getLogger("padgraph")
@@ -155,19 +156,8 @@ def _state(runner, spec, got: list, want: list, writes, got_name: str, want_name
 
 
 def _changed(now: torch.Tensor, before: torch.Tensor) -> set:
-    diff = _bits(now) != _bits(before)
+    diff = bit_view(now) != bit_view(before)
     return set(diff.reshape(diff.shape[0], -1).any(1).nonzero().flatten().tolist())
-
-
-_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    if t.dtype == torch.bool:
-        return t
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    return t.contiguous().view(_INT[t.element_size()])
 
 
 def _first_difference(a: torch.Tensor, b: torch.Tensor, spec: Shadow) -> tuple | None:
@@ -180,7 +170,7 @@ def _first_difference(a: torch.Tensor, b: torch.Tensor, spec: Shadow) -> tuple |
         a64, b64 = a.double(), b.double()
         bad = ~((a64 - b64).abs() <= atol + rtol * b64.abs()) & ~(a64.isnan() & b64.isnan()) & (a64 != b64)
     else:
-        bad = _bits(a) != _bits(b)
+        bad = bit_view(a) != bit_view(b)
     if not bool(bad.any()):
         return None
     return tuple(bad.nonzero()[0].tolist())
