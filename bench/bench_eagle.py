@@ -47,8 +47,8 @@ PREFILL = os.environ.get("EAGLE_PREFILL", "runner")
 # the EAGLE worker's draft-head prefill (Engine(draft_prefill=)): "runner" (default: the
 # draft-prefill program, graphs on the prefill ladder) or "eager" (plain torch calls). A comma
 # list ("runner,eager") measures the others too, in the same process on the same batches, as
-# extra EAGLE workers (each row's "variants"; the tables stay the first one's). H200, 2026-12-02
-# (eleventh session): runner 2.59x / 2.45x / 2.28x at bs 1 / 4 / 16 against eager's 2.56x /
+# extra EAGLE workers (each row's "variants"; the tables stay the first one's). H200, 2026-12-02:
+# runner 2.59x / 2.45x / 2.28x at bs 1 / 4 / 16 against eager's 2.56x /
 # 2.42x / 2.29x, same process.
 DRAFT_PREFILLS = os.environ.get("EAGLE_DRAFT_PREFILL", "runner").split(",")
 DRAFT_PREFILL = DRAFT_PREFILLS[0]

@@ -14,8 +14,8 @@ All variants run side by side in one process on the same body, weights and KV ca
 Per raw batch size: step time (CUDA events, median), host time per call (median), a
 correctness check of next tokens against eager, and the floor: (weight bytes a step reads + KV
 bytes read) / measured device-to-device copy bandwidth. A step reads every weight but the
-embedding table, of which it reads one row per request (`step_weight_bytes`; before 2026-12-02's
-eleventh session the floor counted the whole table, 0.53 GB of the 1B model's 3.00: 126 us more
+embedding table, of which it reads one row per request (`step_weight_bytes`; measured before 2026-12-02,
+the floor counted the whole table, 0.53 GB of the 1B model's 3.00: 126 us more
 floor at bs 1). For the ladder: capture seconds and pool bytes.
 Writes bench_runner.{md,json,png} under $OUT (or results/local).
 

@@ -10,7 +10,7 @@ from typing import Mapping
 import torch
 
 from .pack import bit_view, padded
-from .pads import stored
+from .pads import real_dtype, stored
 from .program import padded_dims
 from .errors import ContractValueError, mismatch
 from .view import PaddedView
@@ -102,10 +102,5 @@ def _keep_below(t: torch.Tensor, d: int, limit: torch.Tensor, pad) -> torch.Tens
     lane = torch.arange(t.shape[d], device=t.device).view(shape)
     kept = torch.where(lane < limit, bits, fill_bits)
     if t.dtype.is_complex:
-        return torch.view_as_complex(kept.view(_real(t.dtype)))
+        return torch.view_as_complex(kept.view(real_dtype(t.dtype)))
     return kept.view(t.dtype)
-
-
-def _real(dtype: torch.dtype) -> torch.dtype:
-    return {torch.complex32: torch.float16, torch.complex64: torch.float32}.get(dtype, torch.float64)
-

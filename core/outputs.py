@@ -50,11 +50,6 @@ class LentOutputs(Outputs):
             dict.__setitem__(self, name, t)
         return t
 
-    def __getattr__(self, name: str):
-        if name in self:
-            return self[name]
-        return Outputs.__getattr__(self, name)
-
     def __iter__(self):                           # dict(out), {**out}: through keys() and __getitem__
         return iter(list(dict.keys(self)))
 
@@ -70,10 +65,6 @@ class LentOutputs(Outputs):
     def __repr__(self) -> str:
         return "{" + ", ".join(f"{n!r}: {self[n]!r}" for n in dict.keys(self)) + "}"
 
-    def __eq__(self, other):
-        return dict(self.items()) == other
-
-    __hash__ = None
 
 
 @dataclass

@@ -81,9 +81,13 @@ def stored(value, dtype: torch.dtype):
     v = as_number(value)
     if isinstance(v, bool) or not (dtype.is_floating_point or dtype.is_complex):
         return v
-    real = {torch.complex32: torch.float16, torch.complex64: torch.float32,
+    return torch.tensor(float(v), dtype=torch.float64).to(real_dtype(dtype)).item()
+
+
+def real_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The float dtype of a complex dtype's parts (a real dtype as itself)."""
+    return {torch.complex32: torch.float16, torch.complex64: torch.float32,
             torch.complex128: torch.float64}.get(dtype, dtype)
-    return torch.tensor(float(v), dtype=torch.float64).to(real).item()
 
 
 def pad_problem(pad, dtype: torch.dtype) -> tuple[type, str, str] | None:
@@ -106,8 +110,7 @@ def _holds(v, dtype: torch.dtype) -> str | None:
     if dtype == torch.bool:
         return None if v in (0, 1) else "0, 1, False or True (a bool dtype)"
     if dtype.is_complex:        # outputs only (Program rejects complex inputs): a real pad
-        real = {torch.complex32: torch.float16, torch.complex64: torch.float32}.get(dtype, torch.float64)
-        return None if _fits_float(v, real) else f"a real value {dtype} holds"
+        return None if _fits_float(v, real_dtype(dtype)) else f"a real value {dtype} holds"
     if dtype.is_floating_point:
         if _fits_float(v, dtype):
             return None

@@ -69,7 +69,6 @@ class Runner:
             raise ContractTypeError(mismatch(program.name, None, "shadow", "a pg.Shadow(...) or None", repr(shadow)))
         self._shadow = Sampler(shadow) if shadow is not None else None
         self._lease = Lease(program.name, 0)     # the last call's claim on its outputs
-        self._n_calls = 0
         self._lock = threading.Lock()
         self._owner = None         # the thread inside call(), to tell re-entry from another thread
         self._warned_overflow = False
@@ -149,7 +148,7 @@ class Runner:
         self._next_lease()
         self.stats.record(bucket, ext[self.plan.bucket_axis])
         if self.cache_output_views and not self.copy_outputs:
-            return LentOutputs(self._finish_cached(outs, ext, bucket), self._lease)
+            return self._lend(self._finish_cached(outs, ext, bucket))
         return self._finish(outs, ext)
 
     def _shadowed(self, bucket: int, raw, ext, dev):
@@ -262,8 +261,7 @@ class Runner:
     def _next_lease(self) -> None:
         """End the last call's lease on its outputs (rule 6.2) and open this call's."""
         self._lease.alive = False
-        self._n_calls += 1
-        self._lease = Lease(self.program.name, self._n_calls)
+        self._lease = Lease(self.program.name, self._lease.call + 1)
 
     def _lend(self, res: Outputs) -> Outputs:
         """The outputs lent under this call's lease (a read after the next call raises)."""

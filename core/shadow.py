@@ -26,15 +26,11 @@ from typing import Mapping
 import torch
 
 from .eager import exact_run, mask_outputs, run_padded
+from .observe import _State, tolerance
 from .pack import bit_view
 from .errors import ContractTypeError, ContractValueError, ShadowMismatch, where
 
 log = logging.getLogger("padgraph")
-
-# (rtol, atol) by dtype when a Shadow gives none: a few units in the last place
-_TOLERANCE = {torch.float16: (2e-3, 1e-5), torch.bfloat16: (1.6e-2, 1e-5), torch.float32: (1.3e-6, 1e-5),
-              torch.float64: (1e-7, 1e-7), torch.float8_e4m3fn: (0.125, 1e-3), torch.float8_e5m2: (0.25, 1e-3)}
-
 
 @dataclass(frozen=True)
 class Shadow:
@@ -109,19 +105,9 @@ def _against_exact(runner, spec, eager, eager_state, before, raw, ext, bucket) -
     exact_state = state.snapshot()
     found = _outputs(runner, spec, eager, exact, ext, "the padded run", "the exact run (no padded lane)")
     if found is None:
-        own = _own_rows(runner, ext, bucket)
+        own = _State.of(runner.state).allowed(ext, bucket, runner.plan.bucket_axis)   # sinks, own rows
         found = _state(runner, spec, eager_state, exact_state, (before, own), "the padded run", "the exact run")
     return found
-
-
-def _own_rows(runner, ext, bucket) -> list[set]:
-    """Rows padded lanes may write, per state leaf: sinks, and [n, bucket) of batch-ordered state."""
-    n = ext[runner.plan.bucket_axis]
-    out = []
-    for label, _ in runner.state.named():
-        spec = runner.program.state[label.split("[")[0].split(".")[0]]
-        out.append(set(spec.sink_rows) | (set(range(n, bucket)) if spec.rows is not None else set()))
-    return out
 
 
 def _outputs(runner, spec, got: Mapping, want: Mapping, ext, got_name: str, want_name: str) -> str | None:
@@ -164,7 +150,7 @@ def _first_difference(a: torch.Tensor, b: torch.Tensor, spec: Shadow) -> tuple |
     if a.shape != b.shape:
         return ()
     if a.is_floating_point():
-        rtol, atol = _TOLERANCE.get(a.dtype, (0.0, 0.0))
+        rtol, atol = tolerance(a.dtype)        # pg.check's, by dtype
         rtol = rtol if spec.rtol is None else spec.rtol
         atol = atol if spec.atol is None else spec.atol
         a64, b64 = a.double(), b.double()

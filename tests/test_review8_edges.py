@@ -1,4 +1,4 @@
-"""Edges found by the eighth session's outside review (reference backend and its compile path):
+"""Edges found by an outside review (reference backend and its compile path):
 
 - a call whose body returns a bad output raises before writing any output, so an earlier call's
   outputs keep their values (6.4 / 10.6);
