@@ -42,32 +42,36 @@ def decode_program(buckets: pg.Buckets) -> pg.Program:
 
 @contextlib.contextmanager
 def serving(model, experts: str | None = None):
-    """The model's attention implementation set to padgraph's (and, given `experts`, an eager
-    MoE experts implementation replaced by it) for the duration, restored after, also on error:
+    """The model's attention implementation set to padgraph's (and, given `experts`, its MoE
+    experts implementation set to `experts`) for the duration, restored after, also on error:
     the model stays the user's, and HF's own calls run as before."""
     cfg = model.config
     before = cfg._attn_implementation, getattr(cfg, "_experts_implementation", None)
+    swap = experts is not None and before[1] is not None and before[1] != experts
     cfg._attn_implementation = attention.NAME
-    if experts is not None and before[1] == "eager":
+    if swap:
         cfg._experts_implementation = experts
     try:
         yield
     finally:
         cfg._attn_implementation = before[0]
-        if experts is not None and before[1] == "eager":
+        if swap:
             cfg._experts_implementation = before[1]
 
 
 def graph_safe_experts(device: torch.device) -> str | None:
-    """On a GPU, HF's eager MoE experts pick the experts hit with `nonzero()` (a host sync that
-    graph capture refuses): use transformers' grouped_mm experts there, where it is registered."""
+    """The MoE experts implementation a CUDA graph can hold, on a GPU. HF's "eager" experts
+    pick the experts hit with `nonzero()`, and "grouped_mm" reads its per-expert offsets on the
+    host (`offs.tolist()` in transformers' fallback, and inside `torch._grouped_mm` for fp32):
+    host syncs that capture refuses. "batched_mm" gathers each (token, expert) pair's weights and
+    runs one batched matmul: fixed shapes, no sync, the same arithmetic per pair."""
     if device.type != "cuda":
         return None
     try:
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
     except ImportError:
         return None
-    return "grouped_mm" if "grouped_mm" in ALL_EXPERTS_FUNCTIONS else None
+    return "batched_mm" if "batched_mm" in ALL_EXPERTS_FUNCTIONS else None
 
 
 class DecodeBody:

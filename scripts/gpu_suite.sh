@@ -2,7 +2,7 @@
 # The GPU suite and the benchmarks in ONE call (the device tool runs this on the H200):
 #   bash scripts/gpu_suite.sh [STAGE ...]      with no stage: all of them
 # stages:
-#   tests            the cuda tests (pytest -m cuda)
+#   tests            the cuda tests (pytest -m cuda), TEST_PROCS pytest-xdist workers on the one GPU (default 4)
 #   spec             the cuda conformance suite (python -m padgraph.spec --backend cuda)
 #   generated        the generated conformance cases on each cuda variant: the three pack strategies
 #                    (GEN_N programs each, default 5000) and torch_compile (GEN_COMPILE_N, default 300),
@@ -49,7 +49,8 @@ rc=0
 run() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS
   timeout "$LIMIT" "$@" 2>&1 | tee "$OUT/$name.log"; local r=${PIPESTATUS[0]}
   echo "=== $name: exit $r in $((SECONDS - t0)) s"; [ "$r" = 0 ] || rc=1; }
-want tests && run pytest_cuda python3 -m pytest -m cuda tests -q -p no:cacheprovider --timeout=300 -o addopts=""
+want tests && run pytest_cuda python3 -m pytest -m cuda tests -q -p no:cacheprovider --timeout=300 -o addopts="" \
+  -n "${TEST_PROCS:-4}" --dist loadfile --durations=15
 want spec && run spec_cuda python3 -m padgraph.spec --backend cuda -q
 if want generated; then
   for v in ${GEN_VARIANTS:-in-graph eager torch compile}; do

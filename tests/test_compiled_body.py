@@ -286,6 +286,8 @@ def test_regional_compile_on_cuda_captures_every_bucket():
 def test_reduce_overhead_over_the_triton_kernels_keeps_its_cudagraphs():
     """The attention kernels are opaque custom ops under compile: no mutated graph input."""
     import logging
+
+    from padgraph.llm.batch import Batch
     target, kv, prog, body, state = _tiny_decode(2)
     target.cuda()
     kv.k, kv.v = [t.cuda() for t in kv.k], [t.cuda() for t in kv.v]

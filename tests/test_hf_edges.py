@@ -100,3 +100,27 @@ def test_check_catches_padded_lanes_on_a_real_row():
     with dec.serving(), torch.no_grad():
         result = pg.check(bad, dec.body, state=state, sample=dec.sample, trials=4)
     assert {f.kind for f in result.findings} == {"state-write"}, result
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_moe_experts_run_graph_safe_while_serving_and_are_restored(name, monkeypatch):
+    """On a GPU the Decoder swaps HF's MoE experts (eager / grouped_mm: host syncs) for
+    batched_mm while it serves; the tokens stay HF's and the user's setting comes back."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    if "batched_mm" not in ALL_EXPERTS_FUNCTIONS:
+        pytest.skip("this transformers has no batched_mm experts")
+    from padgraph.hf import decoder
+    monkeypatch.setattr(decoder, "graph_safe_experts", lambda device: "batched_mm")
+    model = build(name)
+    before = model.config._experts_implementation
+    seen = []
+    forward = ALL_EXPERTS_FUNCTIONS["batched_mm"]
+    monkeypatch.setitem(ALL_EXPERTS_FUNCTIONS._global_mapping, "batched_mm",
+                        lambda *a, **k: seen.append(1) or forward(*a, **k))
+    dec = pghf.Decoder(model, max_batch=3, max_len=40, backend="reference")
+    ids, mask = prompts(3, seed=4)
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6)
+    assert dec.generate(ids, attention_mask=mask, max_new_tokens=6).tolist() == ref.tolist()
+    assert seen, "the served forward did not run batched_mm"
+    assert model.config._experts_implementation == before

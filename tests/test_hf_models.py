@@ -24,13 +24,19 @@ def configs() -> dict:
     """name -> (model class, config); sliding windows (4) shorter than the prompts plus new tokens."""
     t = transformers
     gemma = dict(COMMON, head_dim=8, query_pre_attn_scalar=8, sliding_window=4, final_logit_softcapping=30.0)
+    # Gemma2's reference is HF's eager attention, which applies the layer's attn_logit_softcapping:
+    # transformers 5.17 marks Gemma2 `_supports_sdpa = True` and builds it with SDPA by default,
+    # whose `sdpa_attention_forward` has no `softcap` parameter (it lands in **kwargs, unused), so
+    # the soft-cap is silently dropped from HF's generate and forward alike; 5.25 sets
+    # `_supports_sdpa = False` ("sdpa does not support softcapping") and defaults to eager.
     return {
         "llama": (t.LlamaForCausalLM, t.LlamaConfig(**COMMON)),
         "qwen2": (t.Qwen2ForCausalLM, t.Qwen2Config(**COMMON)),
         "qwen3": (t.Qwen3ForCausalLM, t.Qwen3Config(**COMMON, head_dim=8)),
         "mistral": (t.MistralForCausalLM, t.MistralConfig(**COMMON, sliding_window=4)),
         "gemma2": (t.Gemma2ForCausalLM, t.Gemma2Config(**gemma, attn_logit_softcapping=2.0, initializer_range=0.3,
-                                                       layer_types=["sliding_attention", "full_attention"])),
+                                                       layer_types=["sliding_attention", "full_attention"],
+                                                       attn_implementation="eager")),
         "gemma3": (t.Gemma3ForCausalLM, t.Gemma3TextConfig(**gemma, sliding_window_pattern=2,
                                                            layer_types=["sliding_attention", "full_attention"])),
         "mixtral": (t.MixtralForCausalLM, t.MixtralConfig(**COMMON, **MOE)),
