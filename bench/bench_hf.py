@@ -296,6 +296,7 @@ def table(results, names, sizes, info) -> list[str]:
              f"top 2: within 4 ulps); VOID: torch skipped the peer's cudagraphs", "",
              "| bs | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     lines += [f"| {bs} | " + " | ".join(cell(bs, v) for v in names) + " |" for bs in sizes]
+    lines += [f"- {v} FAILED: {why}" for v, why in results["failed"].items()]
     lines += ["", "warm-up:", ""]
     for v, w in results["warmup"].items():
         extra = (f"; cudagraph skips {w['cudagraph_skips']}: {w['skip_reasons'] or 'none logged'}"
@@ -310,7 +311,7 @@ def report(results, names, sizes, info) -> None:
     lines = table(results, names, sizes, info)
     (out / f"{info['stem']}.md").write_text("\n".join(lines) + "\n")
     data = {"env": info, "ctx": CTX, "steps": STEPS, "iters": ITERS, "warmup": results["warmup"],
-            "rows": results["rows"]}
+            "rows": results["rows"], "failed": results["failed"]}
     (out / f"{info['stem']}.json").write_text(json.dumps(data, indent=1, default=str))
     print("\n".join(lines), flush=True)
 
@@ -343,10 +344,15 @@ def main() -> None:
             "transformers": transformers.__version__, "stem": f"bench_hf_{args.model}", "command": " ".join(["python"] + sys.argv),
             "model": f"{args.model}{' (tiny)' if args.tiny else ''}, {model.num_parameters() / 1e9:.2f}B params, "
                      f"{next(model.parameters()).dtype}"}
-    results = {"rows": [], "warmup": {}, "reference": {}}
+    results = {"rows": [], "warmup": {}, "reference": {}, "failed": {}}
     backend = "cuda" if device.type == "cuda" else "reference"
     for name in sorted(names, key=RUN_ORDER.index):  # padgraph's compiled path and its best peer first
-        run_variant(name, model, prompts, Clock(device), results, backend)
+        torch._dynamo.reset()       # each compiled path starts from no dynamo / cudagraph-tree state
+        try:
+            run_variant(name, model, prompts, Clock(device), results, backend)
+        except Exception as e:      # a peer that crashes is reported as such; the others still run
+            results["failed"][name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            print(f"{name}: FAILED: {results['failed'][name]}", flush=True)
         report(results, names, sizes, info)              # after every variant: a timeout keeps the rest
 
 
