@@ -2,7 +2,7 @@
 padgraph.hf against HF's own ways, in one process on the same weights.
 
   hf-eager      model.forward + StaticCache at the raw batch size (eager, HF's SDPA attention)
-  hf-auto       HF's shipped auto-compile path: generate(cache_implementation="static"), which
+  hf-auto       HF's shipped auto-compile path: generate(past_key_values=StaticCache(...)), which
                 compiles the forward by itself (its step time: the difference of two generate
                 lengths over the difference of their tokens)
   hf-compiled   torch.compile(model.forward, mode="reduce-overhead", fullgraph=True, dynamic=False)
@@ -39,12 +39,16 @@ from pathlib import Path
 
 import torch
 import transformers
+import transformers.generation.utils
 from transformers import StaticCache
 
 import padgraph.hf as pghf
 
 SIZES = [1, 4, 16, 64]
 VARIANTS = ["hf-eager", "hf-auto", "hf-compiled", "padgraph", "pg+compile"]
+# generate's cache keyword: `past_key_values` through transformers 5.17, `cache` after (the old name warns)
+CACHE_KWARG = "cache" if "cache" in getattr(transformers.generation.utils, "ALL_CACHE_NAMES", ()) \
+    else "past_key_values"
 RUN_ORDER = ["hf-eager", "pg+compile", "hf-compiled", "hf-auto", "padgraph"]   # hf-eager: the token reference
 CUDA_ONLY = {"hf-auto", "hf-compiled"}
 CTX, STEPS, ITERS, HEADROOM = 256, 16, 50, 128      # STEPS + ITERS + warm steps fit in HEADROOM
@@ -207,10 +211,14 @@ def greedy(step, tok, clock: Clock):
 
 
 def run_hf_auto(model, ids, clock: Clock):
-    """HF's generate with a static cache, which compiles the forward itself."""
+    """HF's generate with a static cache, which compiles the forward itself. Every call gets a
+    fresh StaticCache of one length (CTX + HEADROOM): with `cache_implementation="static"` the
+    cache is sized by each call's `max_new_tokens`, so the two timed lengths recompiled the
+    forward (their step time then held compile time) and cudagraph trees failed on the change."""
     def gen(n):
+        cache = StaticCache(config=model.config, max_cache_len=CTX + HEADROOM)
         with torch.no_grad():
-            return model.generate(ids, do_sample=False, max_new_tokens=n, cache_implementation="static")
+            return model.generate(ids, do_sample=False, max_new_tokens=n, **{CACHE_KWARG: cache})
     with Skips() as skips:
         out, warm = clock.seconds(lambda: gen(STEPS))
     _, short = clock.seconds(lambda: gen(STEPS))
