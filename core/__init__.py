@@ -12,6 +12,7 @@ from . import distributed  # noqa: F401  pg.distributed: tensor-parallel helpers
 from .errors import (BucketOverflowError, CaptureError, ContractAttributeError, ContractError, ContractKeyError,
                      ContractRuntimeError, ContractTypeError, ContractValueError, OverflowWarning, ShadowMismatch,
                      StaleOutputError, StateStorageError)
+from .options import Options
 from .pads import Edge, Fill
 from .plan import Plan
 from .program import Input, Output, Program, State
@@ -25,6 +26,6 @@ __version__ = "0.1.0"
 __all__ = [
     "Affine", "Axis", "Buckets", "capturing", "check", "CheckResult", "Finding",
     "BucketOverflowError", "CaptureError", "ContractAttributeError", "ContractError", "ContractKeyError", "ContractRuntimeError", "ContractTypeError",
-    "ContractValueError", "OverflowWarning", "Shadow", "ShadowMismatch", "StaleOutputError", "StateStorageError", "Edge", "Fill", "Plan", "Input", "Output", "Program",
+    "ContractValueError", "OverflowWarning", "Shadow", "ShadowMismatch", "StaleOutputError", "StateStorageError", "Edge", "Fill", "Options", "Plan", "Input", "Output", "Program",
     "State", "backend_names", "compile", "register_backend", "Outputs", "Runner", "Stats", "PaddedView",
 ]

@@ -132,19 +132,24 @@ class _Ctx:
         self.result.findings.append(Finding(kind, buffer, detail, dict(ext), size, trial, tuple(rows)))
 
 
+SIZES_PER_TRIAL = 3     # padded sizes each trial's raw inputs run at (the fitting bucket and larger)
+
+
 def check(program: Program, body: Callable, *, state: Mapping | None = None, prepare: Callable | None = None,
-          sample: Callable | None = None, trials: int = 16, seed: int = 0, sizes_per_trial: int = 3,
-          rtol: float | None = None, atol: float | None = None) -> CheckResult:
+          sample: Callable | None = None, trials: int = 16, seed: int = 0,
+          tolerance: tuple[float, float] | None = None) -> CheckResult:
     """Run `body` on the reference backend over random raw inputs; report contract findings.
 
     sample: fn(gen: torch.Generator) -> raw inputs dict (bodies that index with their inputs need
     one that draws valid indices); default draws extents and small values at random.
-    rtol / atol: the tolerance of raw lanes across sizes; default by dtype (`tolerance`): a GEMM
-    whose row count changes may round differently in the last bits.
+    trials: raw draws, each run at up to SIZES_PER_TRIAL padded sizes; seed: the draws' generator.
+    tolerance: (rtol, atol) of raw lanes across sizes; default by dtype (`observe.tolerance`): a
+    GEMM whose row count changes may round differently in the last bits.
     State is restored after every run; see the module docstring for how writes are detected.
     """
     runner = ReferenceRunner(program, body, state=state, prepare=prepare)
     gen = torch.Generator().manual_seed(seed)
+    rtol, atol = tolerance if tolerance is not None else (None, None)
     ctx = _Ctx(runner, _State.of(runner.state), CheckResult(program.name, trials), rtol, atol)
     device = runner.state.device()
     for trial in range(trials):
@@ -158,7 +163,7 @@ def check(program: Program, body: Callable, *, state: Mapping | None = None, pre
             prev = sample(gen) if sample is not None else default_sample(program, gen, device)
         try:
             with _after(ctx, runner, prev, trial):
-                _trial(ctx, raw, ext, gen, sizes_per_trial, trial)
+                _trial(ctx, raw, ext, gen, SIZES_PER_TRIAL, trial)
         except _BodyRaised as e:
             if sample is not None:
                 _add_note(e.error, f"pg.check({program.name!r}): trial {trial}, raw extents {ext}, size {e.size}")
@@ -290,14 +295,14 @@ def _trial(ctx: _Ctx, raw: dict, ext: dict, gen, n_sizes: int, trial: int) -> No
         exact_rows = bs if base.what == "the exact run" else runner.plan.fit(ext)
         _outside_view(ctx, base.written, exact_rows, ext, exact_rows, trial, base.what)
         again = again_run()
-        _compare(ctx, "nondeterminism", base, _Seen(again, ctx.state.snapshot(), []), ext, bs, trial, 0.0, 0.0)
+        _compare(ctx, "nondeterminism", base, _Seen(again, ctx.state.snapshot(), []), (ext, bs, trial), (0.0, 0.0))
         sizes = _sizes(runner.plan, runner.plan.fit(ext), gen, n_sizes)
         for size in sizes:
             if size in runner.plan.buckets:
                 _all_pad_writes(ctx, raw, ext, size, trial, base.written)
             seen = _observe(ctx, snap, _guarded(size, lambda: runner.run_at(size, **raw)))
             stray = _state_writes(ctx, base.written, seen.written, ext, size, trial)
-            _compare(ctx, "pad-leakage", base, seen, ext, size, trial, ctx.rtol, ctx.atol, stray)
+            _compare(ctx, "pad-leakage", base, seen, (ext, size, trial), (ctx.rtol, ctx.atol), stray)
             if size == sizes[-1] and size != bs:
                 _next_call(ctx, base, seen, again_run, ext, size, trial, stray)
     finally:
@@ -340,10 +345,11 @@ def _run_from(ctx: _Ctx, start: list, run: Callable) -> _Seen:
         ctx.state.restore(snap)
 
 
-def _compare(ctx: _Ctx, kind: str, base: _Seen, seen: _Seen, ext, size, trial, rtol, atol,
-             stray: list | None = None) -> None:
+def _compare(ctx: _Ctx, kind: str, base: _Seen, seen: _Seen, at: tuple, tol: tuple, stray: list | None = None) -> None:
     """Outputs and state contents against the baseline; sinks and rows already reported as
-    state-writes (`stray`) are left out of the state comparison."""
+    state-writes (`stray`) are left out of the state comparison. at: (raw extents, size, trial);
+    tol: (rtol, atol), None for the dtype's default."""
+    (ext, size, trial), (rtol, atol) = at, tol
     what = base.what if kind == "pad-leakage" else "the same run repeated"
     stray = stray or [set() for _ in ctx.state.tensors]
     for name in base.outs:

@@ -18,6 +18,7 @@ import torch
 from .eager import device_axis_dims, mask_outputs, run_padded
 from .errors import ContractRuntimeError, ContractTypeError, ContractValueError, OverflowWarning, mismatch, where
 from .lifetimes import Lease, LentInput, unlend
+from .options import Options
 from .outputs import _PROGRAM, LentOutputs, Outputs, Stats
 from .shadow import Sampler, Shadow, report, verify
 from .plan import Plan
@@ -30,6 +31,7 @@ class Runner:
     """A compiled program. Call it with raw-sized tensors; get outputs sliced to raw extents."""
 
     backend = "abstract"
+    Options = Options            # a backend with its own options names its subclass here
     allow_host_inputs = False
     cache_output_views = False   # True where a bucket's outputs are the same tensors on every call
 
@@ -43,28 +45,27 @@ class Runner:
         """Why this backend cannot run on this machine, or None when it can."""
         return None
 
-    def __init__(self, program: Program, body: Callable, *, state: Mapping | None = None,
-                 prepare: Callable | None = None, overflow: str = "eager", copy_outputs: bool = False,
-                 device: torch.device | str | None = None, torch_compile: bool | Mapping | None = None,
-                 shadow: Shadow | None = None):
-        if overflow not in ("eager", "error"):
-            raise ContractValueError(mismatch(program.name, None, "overflow", "'eager' or 'error'", repr(overflow)))
+    def __init__(self, program: Program, body: Callable, *, state: Mapping | None = None, **options):
+        """`options`: this backend's `Options` (`pg.compile`'s keywords), checked by name."""
+        opts = self.Options.parse(program.name, self.backend, options)
         if not callable(body):
             raise ContractTypeError(mismatch(program.name, None, "body", "a callable", type(body).__name__))
+        self.options = opts
         self.program = program
         self.plan = Plan(program)
         self.body = body
         self._eager_body = body     # overflow runs it as given, compiled or not (3.2)
-        self.prepare = prepare
-        self.overflow = overflow
-        self.copy_outputs = bool(copy_outputs)
+        self.prepare = opts.prepare
+        self.overflow = opts.overflow
+        self.copy_outputs = opts.copy_outputs
         self.state = BoundState(program, state)
-        self.device = _device(program, device) if device is not None else self.state.device()
+        self.device = _device(program, opts.device) if opts.device is not None else self.state.device()
         self.stats = Stats()
-        self._compiled = torch_compile is not None and torch_compile is not False   # {}: defaults
+        self._compiled = opts.torch_compile is not None
         if self._compiled:
             from .compiled import CompiledBody   # local: plain runners never import dynamo
-            self.body = CompiledBody(program, body, torch_compile, self.stats, self.state)
+            self.body = CompiledBody(program, body, opts.torch_compile, self.stats, self.state)
+        shadow = opts.shadow
         if shadow is not None and not isinstance(shadow, Shadow):
             raise ContractTypeError(mismatch(program.name, None, "shadow", "a pg.Shadow(...) or None", repr(shadow)))
         self._shadow = Sampler(shadow) if shadow is not None else None

@@ -123,15 +123,17 @@ def attend(q, k, v, visible, layer: Layer):
     return torch.matmul(p, v.float()).transpose(1, 2).to(q.dtype)                      # [b, nq, h, d]
 
 
-def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
-              softcap=None, padgraph_batch=None, **kwargs):
-    """The function registered as attn_implementation "padgraph": (attn_output [b, q, h, d], None)."""
+def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The function registered as attn_implementation "padgraph": (attn_output [b, q, h, d], None).
+    HF's layers pass `sliding_window` and `softcap` where they have them; padgraph's Decoder
+    passes `padgraph_batch` (where this call's K/V go and what its queries read)."""
+    padgraph_batch = kwargs.get("padgraph_batch")
     if padgraph_batch is None:
         raise NotBoundError(f"attention implementation {NAME!r} ran outside a padgraph.hf Decoder call "
                             f"(layer {type(module).__name__} {getattr(module, 'layer_idx', '?')}): "
                             f"padgraph_batch must be passed, got none")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    layer = Layer(scaling, sliding_window, softcap)
+    layer = Layer(scaling, kwargs.get("sliding_window"), kwargs.get("softcap"))
     return padgraph_batch.attend(module.layer_idx, query, key, value, layer), None
 
 

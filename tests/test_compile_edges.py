@@ -152,3 +152,19 @@ def test_a_call_that_raises_changes_no_stats():
     torch._dynamo.reset()
     assert torch.equal(r(h=torch.ones(3, 4)).y, torch.full((3, 4), 2.0))
     assert r.stats.compiles >= 2 and r.stats.compile_seconds > 0, r.stats.table()
+
+
+def test_an_option_the_backend_lacks_is_a_contract_error_naming_its_options():
+    """pg.compile's options are checked by name per backend: a misspelt one (or one of another
+    backend's, like cuda's `warmup` on reference) fails before anything is built."""
+    n = pg.Axis("bs")
+    prog = pg.Program("opts", inputs={"a": pg.Input((n,), torch.float32, pad=0.0)},
+                      outputs={"y": pg.Output((n,), torch.float32)}, buckets=pg.Buckets([2]))
+    for bad in ({"copy_output": True}, {"warmup": 3}):
+        with pytest.raises(pg.ContractTypeError, match="has no option") as err:
+            pg.compile(prog, lambda x: {"y": x.a}, backend="reference", **bad)
+        assert repr(next(iter(bad))) in str(err.value) and "copy_outputs" in str(err.value)
+    with pytest.raises(pg.ContractValueError, match="overflow"):
+        pg.compile(prog, lambda x: {"y": x.a}, backend="reference", overflow="ignore")
+    runner = pg.compile(prog, lambda x: {"y": x.a}, backend="reference", torch_compile=False, copy_outputs=1)
+    assert runner.options == pg.Options(copy_outputs=True) and not runner._compiled

@@ -155,8 +155,8 @@ def sample_for(name, w):
 def test_check_runner_programs(worker, name):
     with torch.no_grad():
         res = pg.check(worker.programs[name], worker.bodies[name], state=worker.state(name),
-                       sample=sample_for(name, worker), trials=4, sizes_per_trial=2,
-                       rtol=1e-5, atol=1e-5)
+                       sample=sample_for(name, worker), trials=3,
+                       tolerance=(1e-5, 1e-5))
     assert res.ok, str(res)
 
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 
 from padgraph.eager import mask_outputs
 from padgraph.errors import ContractRuntimeError, ContractValueError, where
+from padgraph.options import Options
 from padgraph.runtime import Runner
 from padgraph.view import PaddedView
 
@@ -55,19 +56,37 @@ def _strategy(program: str, pack: str, prepare) -> str:
     return pack
 
 
+@dataclass(frozen=True)
+class CudaOptions(Options):
+    """The cuda backend's options, beyond every backend's (`Options`).
+
+    pool: a graph pool handle, or another CudaGraphRunner to share its pool (opt-in: the
+        runners' graphs must then never replay concurrently, and outputs of one may be
+        overwritten by the other's replays).
+    warmup: eager runs per bucket before capture (default 2).
+    progress: a capture progress bar (None: when stderr is a tty).
+    restore_state: True (default): bound state is copied before warm-up and capture and restored
+        after, so compile leaves it as it found it; False for state too large to copy twice.
+    copy: "cudart" (the per-call copy through the CUDA runtime by ctypes, ~1 µs; falls back to
+        "torch" where the runtime cannot be found) or "torch" (through Tensor.copy_).
+    pack: "auto" ("in-graph" without a prepare hook, "eager" with one, "torch" without Triton)
+        or one of those three by name: every strategy keeps the same contract (staging.Pack).
+    """
+
+    pool: Any = None
+    warmup: int = 2
+    progress: bool | None = None
+    restore_state: bool = True
+    copy: str = "cudart"
+    pack: str = "auto"
+
+
 class CudaGraphRunner(Runner):
-    """pg.compile(..., backend="cuda"). Options: device, pool (a graph pool handle, or another
-    CudaGraphRunner to share its pool — opt-in: the runners' graphs must then never replay
-    concurrently, and outputs of one may be overwritten by the other's replays), warmup (eager
-    runs per bucket before capture, default 2), progress (None = a bar when stderr is a tty),
-    restore_state (default True: bound state is copied before warm-up and capture and restored
-    after, so compile leaves it as it found it; False for state too large to copy twice),
-    copy ("cudart": the per-call copy through the CUDA runtime by ctypes, ~1 µs; "torch":
-    through Tensor.copy_; "cudart" falls back to "torch" where the runtime cannot be found),
-    pack ("auto": "in-graph" without a prepare hook, "eager" with one, "torch" without Triton;
-    or one of those three by name: every strategy keeps the same contract, see staging.Pack)."""
+    """pg.compile(..., backend="cuda"): one CUDA graph per bucket, replayed on every call.
+    Its options are `CudaOptions`."""
 
     backend = "cuda"
+    Options = CudaOptions
     allow_host_inputs = True
     cache_output_views = True
 
@@ -82,25 +101,22 @@ class CudaGraphRunner(Runner):
                     f"(torch {torch.__version__}: torch.cuda.is_available() is False); use backend='reference' here")
         return None
 
-    def __init__(self, program, body, *, state=None, prepare=None, overflow="eager", copy_outputs=False,
-                 device=None, pool=None, warmup: int = 2, progress: bool | None = None, restore_state: bool = True,
-                 copy: str = "cudart", torch_compile=None, pack: str = "auto", shadow=None):
+    def __init__(self, program, body, *, state=None, **options):
         reason = self.unavailable()
         if reason is not None:
             raise ContractRuntimeError(f"{where(program.name)}: {reason}")
-        super().__init__(program, body, state=state, prepare=prepare, overflow=overflow,
-                         copy_outputs=copy_outputs, device=device, torch_compile=torch_compile, shadow=shadow)
+        super().__init__(program, body, state=state, **options)
+        opts = self.options
         self.device = self._cuda_device(self.device)
         self._check_state_device()
         self.static = StaticInputs(self.plan, self.device)
-        strategy = _strategy(program.name, pack, prepare)
+        strategy = _strategy(program.name, opts.pack, opts.prepare)
         with torch.cuda.device(self.device):
-            self.pack = Pack(self.plan, self.static, self.device, strategy, copy)
-            self._hook = prepare if prepare is not None else _no_hook
-            if isinstance(pool, CudaGraphRunner):
-                pool = pool.pool
+            self.pack = Pack(self.plan, self.static, self.device, strategy, opts.copy)
+            self._hook = opts.prepare if opts.prepare is not None else _no_hook
+            pool = opts.pool.pool if isinstance(opts.pool, CudaGraphRunner) else opts.pool
             self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-            self._graphs = self._capture(warmup, progress, restore_state)
+            self._graphs = self._capture(opts.warmup, opts.progress, opts.restore_state)
         if not self.pack.native_device_extents:   # nd inputs along a device axis, or no Triton
             self._run_device = functools.partial(Runner._run_device, self)
 
