@@ -104,22 +104,34 @@ class Decoder:
     backend: "cuda" (CUDA graphs) or "reference" (eager, any device); torch_compile: as
     `pg.compile`'s; buckets: the decode ladder (default `pg.Buckets.default(max_batch)`);
     options: passed to `pg.compile` (e.g. the cuda backend's `warmup`, `restore_state`).
-    Raises `UnsupportedModelError` for a model with a mixer that is not attention (Mamba, ...).
-    `generate` is `prefill` (eager) then `step` (one decode-program call) per new token.
+    draft: `Eagle(...)` decodes speculatively with an EAGLE head (distilled here unless given)
+    through padgraph.llm's prefill / draft / verify / draft-extend programs; the tokens stay the
+    model's greedy ones. Without it, `generate` is `prefill` (eager) then `step` (one
+    decode-program call) per new token.
+    Raises `UnsupportedModelError` for a model with a mixer that is not attention (Mamba, ...),
+    and with `draft` for attention the paged kernels do not compute (soft-cap, short windows).
     """
 
     def __init__(self, model, *, max_batch: int, max_len: int, backend: str = "cuda", torch_compile=False,
-                 buckets=None, **options):
+                 buckets=None, draft=None, **options):
         check_supported(model)
         attention.register()
         self.model, self.max_batch, self.max_len = model, max_batch, max_len
         device = device_of(model)
+        self.rows = torch.arange(1, max_batch + 1, device=device)                     # [max_batch] request rows
+        self.experts = graph_safe_experts(device)
+        self.speculative, self.last_stats = None, None
+        if draft is not None:
+            from .speculative import Speculative
+            engine = {"torch_compile": bool(torch_compile), "compile_options": options,
+                      "buckets": pg.Buckets(buckets) if buckets is not None else None}
+            self.speculative = Speculative(model, draft, max_batch=max_batch, max_len=max_len,
+                                           backend=backend, engine_options=engine)
+            return
         self.cache = PagedCache(cache_shape(model), max_batch, max_len, device)
         ladder = pg.Buckets(buckets) if buckets is not None else pg.Buckets.default(max_batch)
         self.program = decode_program(ladder)
         self.body = DecodeBody(model, triton_decode_kernel(backend, device, self.cache.shape.dtype))
-        self.rows = torch.arange(1, max_batch + 1, device=device)                     # [max_batch] request rows
-        self.experts = graph_safe_experts(device)
         with self.serving(), torch.no_grad():
             self.runner = pg.compile(self.program, self.body, backend=backend, state=self.state(),
                                      copy_outputs=True, torch_compile=None if torch_compile is False else torch_compile,
@@ -128,12 +140,19 @@ class Decoder:
     def serving(self):
         return serving(self.model, self.experts)
 
+    def _greedy_only(self, what: str) -> None:
+        if self.speculative is not None:
+            raise pg.ContractRuntimeError(
+                f"padgraph.hf.Decoder.{what}: this Decoder decodes with a draft head (draft=...), through "
+                f"padgraph.llm's engine (decoder.speculative.engine); {what} belongs to the greedy decode program")
+
     def state(self) -> dict:
         return {"kv": self.cache.kv, "req_to_token": self.cache.req_to_token}
 
     # ---- the two phases ---------------------------------------------------------------------------
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded prompts [n, P] into request rows 1..n: (first new tokens [n], prompt lengths [n])."""
+        self._greedy_only("prefill")
         valid = attention_mask.bool()                                                  # [n, P]
         positions = (valid.long().cumsum(-1) - 1).clamp(min=0)                         # HF's rule for left pads
         rows = self.rows[:input_ids.shape[0], None]                                    # [n, 1]
@@ -146,6 +165,7 @@ class Decoder:
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One decode call: tokens [n] at positions [n] of requests 1..n -> next tokens [n]."""
+        self._greedy_only("step")
         with self.serving(), torch.no_grad():
             return self.runner(input_ids=tokens, positions=positions,
                                req_pool_indices=self.rows[:tokens.shape[0]]).next_token
@@ -158,6 +178,10 @@ class Decoder:
             attention_mask = torch.ones_like(input_ids)
         input_ids, attention_mask = input_ids.to(self.rows.device), attention_mask.to(self.rows.device)
         check_request(self, input_ids, attention_mask, max_new_tokens)
+        if self.speculative is not None:
+            with torch.no_grad():
+                new, self.last_stats = self.speculative.generate(input_ids, attention_mask, max_new_tokens)
+            return torch.cat([input_ids, finish_at_eos(self.model, new)], 1)
         token, lens = self.prefill(input_ids, attention_mask)
         new = [token]
         for i in range(max_new_tokens - 1):
@@ -166,6 +190,7 @@ class Decoder:
 
     def check(self, trials: int = 4, seed: int = 0) -> pg.CheckResult:
         """`pg.check` of the decode body over random valid calls, on copies of the cache."""
+        self._greedy_only("check")
         state = {"kv": [t.clone() for t in self.cache.kv], "req_to_token": self.cache.req_to_token.clone()}
         with self.serving(), torch.no_grad():
             return pg.check(self.program, self.body, state=state, sample=self.sample, trials=trials, seed=seed)

@@ -1,0 +1,149 @@
+"""`Target`: an unmodified Hugging Face causal LM as a `padgraph.llm` target model.
+
+padgraph.llm's worker runs EAGLE's programs (prefill, verify, draft, draft-extend) over any model
+with the `TargetModel` protocol's paged forwards. `Target` gives an HF model those forwards: each
+runs HF's decoder stack with `use_cache=False` and the padgraph attention function registered,
+handing it a `Paged` batch that stores every layer's k / v in padgraph.llm's KV cache at the
+batch's slots and attends with padgraph's paged kernels: decode, a packed extend (`qo_indptr`),
+or a draft tree (`tree_mask`). The final-normed hidden state is what the draft head reads.
+
+The paged kernels attend to every key below a request's length with the layer's own scale: a
+layer with a logit soft-cap, or a sliding window shorter than the context, is refused
+(`UnsupportedModelError`) rather than served with other tokens than HF's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import Tensor, nn
+
+from padgraph.llm.batch import Batch
+from padgraph.llm.models.llama import LlamaConfig, PagedForwards, Rotary
+
+from . import attention
+from .attention import Layer
+from .decoder import graph_safe_experts, serving
+from .errors import UnsupportedModelError
+from .support import cache_shape, check_supported
+
+
+@dataclass(frozen=True)
+class Paged:
+    """One forward's attention over padgraph.llm's KV cache (`kv.k[i]`, `kv.v[i]`)."""
+
+    batch: Batch
+    kind: str                   # "decode" | "extend" | "tree"
+    max_context: int
+
+    def attend(self, idx: int, q, k, v, layer: Layer):
+        """q [1, h, n, d], k / v [1, kv_heads, n, d] (n packed tokens) -> [1, n, h, d]."""
+        refuse_unless_plain(layer, self.max_context, f"layer {idx}")
+        from padgraph.backends.triton import attention as kernels
+        from padgraph.backends.triton.store import store_kv
+        b = self.batch
+        k_cache, v_cache = b.kv.k[idx], b.kv.v[idx]
+        q, k, v = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))           # [n, heads, d]
+        store_kv(k_cache, v_cache, b.out_cache_loc, k.to(k_cache.dtype), v.to(v_cache.dtype))
+        common = dict(req_to_token=b.req_to_token, req_pool_indices=b.req_pool_indices, seq_lens=b.seq_lens,
+                      sm_scale=layer.scaling, impl=b.impl)
+        if self.kind == "decode":
+            fn = partial(kernels.decode_attention, **common)
+        elif self.kind == "extend":
+            fn = partial(kernels.extend_attention, qo_indptr=b.qo_indptr, **common)
+        else:
+            fn = partial(kernels.tree_verify_attention, tree_mask=b.tree_mask, **common)
+        return fn(q.to(k_cache.dtype), k_cache, v_cache).to(q.dtype)[None]             # [1, n, h, d]
+
+
+def refuse_unless_plain(layer: Layer, max_context: int, where: str) -> None:
+    """UnsupportedModelError for attention the paged kernels do not compute as HF does."""
+    if layer.softcap is not None:
+        raise UnsupportedModelError(f"padgraph.hf.Target: {where} soft-caps its attention logits "
+                                    f"({layer.softcap}); padgraph.llm's paged kernels do not")
+    if layer.sliding_window is not None and layer.sliding_window < max_context:
+        raise UnsupportedModelError(f"padgraph.hf.Target: {where} attends within a sliding window of "
+                                    f"{layer.sliding_window} tokens, shorter than max_context {max_context}")
+
+
+def short_window(cfg, max_context: int) -> int | None:
+    """The config's sliding window where some layer uses it and it is shorter than the context
+    (a window as long as the context is full attention), else None."""
+    window = getattr(cfg, "sliding_window", None)
+    if not window or window >= max_context:
+        return None
+    types = getattr(cfg, "layer_types", None)
+    used = "sliding_attention" in types if types else getattr(cfg, "use_sliding_window", True)
+    return window if used else None
+
+
+def text_config(model):
+    return model.config.get_text_config()
+
+
+def llm_config(model, max_position: int) -> LlamaConfig:
+    """The widths padgraph.llm's programs, cache and an EAGLE head of this model need."""
+    cfg, shape = text_config(model), cache_shape(model)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    return LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, n_layers=shape.n_layers,
+                       n_heads=cfg.num_attention_heads, n_kv_heads=shape.n_kv_heads, head_dim=shape.head_dim,
+                       ffn_size=getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size,
+                       rope_theta=float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))),
+                       rms_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)), max_position=max_position)
+
+
+class Target(PagedForwards, nn.Module):
+    """An HF causal LM with padgraph.llm's paged forwards (`TargetModel`): `Decoder(...,
+    draft=Eagle())` serves it with EAGLE. `max_context` bounds a request's prompt + output.
+    `cfg` holds the widths; `rope` is a rotary embedding for a draft head's own layer."""
+
+    def __init__(self, model, max_context: int):
+        super().__init__()
+        check_supported(model)
+        cfg = text_config(model)
+        if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "attn_logit_softcapping", None):
+            raise UnsupportedModelError(f"padgraph.hf.Target({type(model).__name__}): soft-capped logits; "
+                                        f"padgraph.llm's paged kernels and greedy verification do not cap")
+        window = short_window(cfg, max_context)
+        if window is not None:
+            raise UnsupportedModelError(f"padgraph.hf.Target({type(model).__name__}): layers attend within a "
+                                        f"sliding window of {window} tokens, shorter than the context "
+                                        f"{max_context}; padgraph.llm's paged kernels attend to the whole context")
+        attention.register()
+        self.hf = model
+        self.max_context = max_context
+        self.cfg = llm_config(model, max_context)
+        self.layers = model.model.layers
+        self.lm_head = model.get_output_embeddings()
+        self.embed = model.get_input_embeddings()
+        self.norm = model.model.norm            # the final norm: an EAGLE head's passthrough start copies it
+        self.rope = Rotary(self.cfg.head_dim, max_context, self.cfg.rope_theta).to(self.lm_head.weight.device)
+
+    def _decode_batch(self, b: Batch) -> Paged:
+        return Paged(b, "decode", self.max_context)
+
+    def _extend_batch(self, b: Batch) -> Paged:
+        return Paged(b, "extend", self.max_context)
+
+    def _tree_batch(self, b: Batch) -> Paged:
+        return Paged(b, "tree", self.max_context)
+
+    def _run(self, input_ids: Tensor, positions: Tensor, paged: Paged, kv) -> Tensor:
+        """Packed tokens [n] at positions [n] -> final-normed hidden [n, H]."""
+        with serving(self.hf, graph_safe_experts(input_ids.device)):
+            out = self.hf.model(input_ids=input_ids[None], position_ids=positions[None].long(), use_cache=False,
+                                padgraph_batch=paged)
+        return out.last_hidden_state[0]
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(hidden).float()
+
+    def greedy_ids(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(hidden).argmax(-1)
+
+    @torch.no_grad()
+    def forward_dense(self, input_ids: Tensor, last_only: bool = False):
+        """[B, T] -> (logits, hidden [B, T, H]) through HF's own attention (distillation's corpus)."""
+        hidden = self.hf.model(input_ids=input_ids, use_cache=False).last_hidden_state
+        return self.logits(hidden[:, -1] if last_only else hidden), hidden

@@ -1,0 +1,85 @@
+"""EAGLE on a Hugging Face target: `padgraph.hf.Decoder(model, ..., draft=Eagle(...))` distils an
+EAGLE head from the model and decodes through padgraph.llm's prefill / draft / verify /
+draft-extend programs. Its tokens equal HF's greedy `generate`; attention the paged kernels do
+not compute (soft-caps, windows shorter than the context) is refused at `Decoder(...)`; the
+target's bodies pass `pg.check`."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import padgraph as pg  # noqa: E402
+import padgraph.hf as pghf  # noqa: E402
+from padgraph.llm import SpecConfig  # noqa: E402
+from test_hf_models import MAX_LEN, NEW, build, configs, prompts  # noqa: E402
+from test_runners import SPEC, sample_for  # noqa: E402
+
+REFUSED = {"mistral": "sliding window", "gemma2": "soft-capped", "gemma3": "soft-capped"}
+DISTIL = dict(n_seq=16, prompt_len=8, gen_len=16, steps=30, lr=3e-3)
+
+
+def eagle_decoder(model, max_batch=5, max_len=MAX_LEN, spec=None):
+    draft = pghf.Eagle(distill=DISTIL) if spec is None else pghf.Eagle(spec=spec, distill=DISTIL)
+    return pghf.Decoder(model, max_batch=max_batch, max_len=max_len, backend="reference", draft=draft)
+
+
+@pytest.mark.parametrize("name", [n for n in configs() if n not in REFUSED])
+def test_eagle_tokens_equal_hf_generate(name):
+    model = build(name)
+    dec = eagle_decoder(model)
+    rounds = tokens = 0
+    for n in (1, 3, 5):
+        ids, mask = prompts(n, seed=n)
+        with torch.no_grad():
+            ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
+        assert dec.generate(ids, attention_mask=mask, max_new_tokens=NEW).tolist() == ref.tolist(), \
+            f"{name} bs {n}: EAGLE's tokens differ from HF's generate"
+        rounds += dec.last_stats.request_rounds
+        tokens += dec.last_stats.accepted
+    assert tokens > rounds, f"{name}: no draft token was ever accepted ({tokens} tokens in {rounds} request-rounds)"
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_attention_the_paged_kernels_do_not_compute_is_refused_at_decoder(name):
+    with pytest.raises(pghf.UnsupportedModelError, match=REFUSED[name]):
+        eagle_decoder(build(name))
+
+
+def test_a_window_as_long_as_the_context_is_served():
+    """Mistral's window of 4 is refused above; a window covering the context is full attention."""
+    model = build("mistral")
+    model.config.sliding_window = 4 * MAX_LEN
+    dec = eagle_decoder(model)
+    ids, mask = prompts(3, seed=7)
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
+    assert dec.generate(ids, attention_mask=mask, max_new_tokens=NEW).tolist() == ref.tolist()
+
+
+def test_greedy_program_methods_say_the_decoder_is_speculative():
+    dec = eagle_decoder(build("llama"))
+    ids, mask = prompts(2, seed=1)
+    with pytest.raises(pg.ContractRuntimeError, match="draft head"):
+        dec.prefill(ids, mask)
+    with pytest.raises(pg.ContractRuntimeError, match="draft head"):
+        dec.check()
+
+
+@pytest.mark.parametrize("name", ["decode", "verify", "draft", "draft_extend"])
+def test_hf_target_bodies_pass_check(name):
+    """The engine's bodies over an HF target: no pad leakage, no state write outside the sinks."""
+    dec = eagle_decoder(build("qwen3"), max_batch=8, max_len=40, spec=SPEC)
+    w = dec.speculative.engine
+    rt = w.kv.req_to_token
+    rt[1:] = torch.randperm(w.slots.n - 1)[: 8 * rt.shape[1]].int().view(8, -1) + 1
+    with torch.no_grad():
+        res = pg.check(w.programs[name], w.bodies[name], state=w.state(name), sample=sample_for(name, w),
+                       trials=2, tolerance=(1e-5, 1e-5))
+    assert res.ok, str(res)
+
+
+def test_spec_config_is_used():
+    dec = eagle_decoder(build("llama"), spec=SpecConfig(steps=2, topk=2, num_draft_tokens=3))
+    assert dec.speculative.engine.spec.num_draft_tokens == 3
