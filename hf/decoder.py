@@ -11,6 +11,7 @@ view: a padded lane (input 0, position 0, request row 0) writes the sink slot 0 
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 
@@ -87,6 +88,15 @@ class DecodeBody:
         return {"next_token": logits[:, -1].argmax(-1)}                                # [bs]
 
 
+def compile_spec(torch_compile):
+    """The Decoder's `torch_compile` as pg.compile's: False / None: none; True: one size-oblivious
+    trace for the whole ladder (bucket 1 included: HF's decoder forwards do not branch on a batch of
+    one; CPU, 8 architectures: one graph each where dynamic shapes compile two); a dict as given."""
+    if torch_compile is None or torch_compile is False:
+        return None
+    return {"size_oblivious": True} if torch_compile is True else torch_compile
+
+
 def triton_decode_kernel(backend: str, device: torch.device, dtype: torch.dtype):
     """padgraph's Triton paged decode attention where it runs (a CUDA device) at the model's
     precision (fp16 / bf16: its fp32 dots would run in TF32), else None (torch's SDPA)."""
@@ -133,9 +143,17 @@ class Decoder:
         self.program = decode_program(ladder)
         self.body = DecodeBody(model, triton_decode_kernel(backend, device, self.cache.shape.dtype))
         with self.serving(), torch.no_grad():
-            self.runner = pg.compile(self.program, self.body, backend=backend, state=self.state(),
-                                     copy_outputs=True, torch_compile=None if torch_compile is False else torch_compile,
-                                     **options)
+            try:
+                self.runner = pg.compile(self.program, self.body, backend=backend, state=self.state(),
+                                         copy_outputs=True, torch_compile=compile_spec(torch_compile), **options)
+            except pg.CaptureError as e:
+                if torch_compile is not True:
+                    raise
+                warnings.warn(f"padgraph.hf.Decoder: size-oblivious compilation of {type(model).__name__}'s "
+                              f"forward failed ({e}); compiling with torch's dynamic shapes (bucket 1 compiles "
+                              f"a graph of its own)", RuntimeWarning, stacklevel=2)
+                self.runner = pg.compile(self.program, self.body, backend=backend, state=self.state(),
+                                         copy_outputs=True, torch_compile={}, **options)
 
     def serving(self):
         return serving(self.model, self.experts)

@@ -124,3 +124,16 @@ def test_moe_experts_run_graph_safe_while_serving_and_are_restored(name, monkeyp
     assert dec.generate(ids, attention_mask=mask, max_new_tokens=6).tolist() == ref.tolist()
     assert seen, "the served forward did not run batched_mm"
     assert model.config._experts_implementation == before
+
+
+def test_torch_compile_true_traces_the_ladder_once():
+    """torch_compile=True: one size-oblivious graph serves every bucket, bucket 1 included."""
+    from test_hf_models import MAX_LEN, NEW
+    model = build("qwen3")
+    dec = pghf.Decoder(model, max_batch=5, max_len=MAX_LEN, backend="reference", torch_compile=True)
+    for n in (1, 4, 2):
+        ids, mask = prompts(n, seed=n)
+        with torch.no_grad():
+            ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
+        assert dec.generate(ids, attention_mask=mask, max_new_tokens=NEW).tolist() == ref.tolist()
+    assert dec.runner.stats.compiles == 1, dec.runner.stats
