@@ -38,6 +38,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import NamedTuple
 
 if "--smoke" in sys.argv:  # before triton is imported: kernels run interpreted on CPU tensors
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -205,8 +206,17 @@ def best_sdpa_backend(case: PagedCase, ref):
     return min(timed, key=timed.get) if timed else None
 
 
-def time_case(bs, ctx, layout, copy_bw, l2_bytes, gen, device, kind="decode",
-              in_graph=0) -> dict:
+class CaseSpec(NamedTuple):
+    """What `time_case` measures: kind ("decode", "verify" or "extend") at bs requests of
+    context ctx, the cache slots in layout order ("random" or "contiguous")."""
+    bs: int
+    ctx: int
+    layout: str
+    kind: str = "decode"
+
+
+def time_case(spec: CaseSpec, copy_bw, l2_bytes, gen, device, in_graph=0) -> dict:
+    bs, ctx, layout, kind = spec
     first = PagedCase(bs, ctx, layout, gen, device, kind)
     set_bytes = first.bytes_moved()
     n_sets = min(MAX_SETS, math.ceil(3 * l2_bytes / set_bytes)) if set_bytes < 3 * l2_bytes else 1
@@ -326,7 +336,7 @@ def main():
     def decode_rows():
         rows = []
         for layout, bs, ctx in itertools.product(layouts, batches, contexts):
-            rows.append(time_case(bs, ctx, layout, copy_bw, l2_bytes, gen, device,
+            rows.append(time_case(CaseSpec(bs, ctx, layout), copy_bw, l2_bytes, gen, device,
                                   in_graph=args.in_graph))
             r = rows[-1]
             print(f"decode {layout:10s} bs={bs:4d} ctx={ctx:6d} splits={r['num_splits']:3d} "
@@ -340,7 +350,8 @@ def main():
         sb, sc = (SMOKE["spec_batches"], SMOKE["spec_contexts"]) if args.smoke else \
             (SPEC_BATCHES, SPEC_CONTEXTS)
         for kind, bs, ctx in itertools.product(("verify", "extend"), sb, sc):
-            rows.append(time_case(bs, ctx, "random", copy_bw, l2_bytes, gen, device, kind))
+            rows.append(time_case(CaseSpec(bs, ctx, "random", kind), copy_bw, l2_bytes, gen,
+                                  device))
             r = rows[-1]
             print(f"{kind} bs={bs} ctx={ctx}: ours {r['ours_us']:.1f} µs sdpa "
                   f"{r.get('sdpa_us', float('nan')):.1f} µs ok={r['ok']}", flush=True)

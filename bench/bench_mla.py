@@ -27,6 +27,7 @@ import json
 import os
 import sys
 import traceback
+from typing import NamedTuple
 
 if "--smoke" in sys.argv:  # before triton is imported: kernels run interpreted on CPU tensors
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -62,11 +63,22 @@ SMOKE = dict(kv_lora_rank=96, rope=32, batches=(2,), contexts=(40,), spec_contex
              sweep=((2, 40),), tiles=((32, 2, 4),))
 
 
+class LatentSpec(NamedTuple):
+    """One MLA case: kind (decode / verify / extend) at bs requests of context ctx, n_heads query
+    heads, latent rows of r (c_kv) + rope columns."""
+    bs: int
+    ctx: int
+    n_heads: int
+    kind: str = "decode"
+    r: int = KV_LORA_RANK
+    rope: int = ROPE
+
+
 class LatentCase:
     """A paged latent cache, its dense copy for SDPA, and kind = decode / verify / extend."""
 
-    def __init__(self, bs, ctx, n_heads, gen, device, kind="decode", r=KV_LORA_RANK, rope=ROPE,
-                 impl="auto"):
+    def __init__(self, spec: LatentSpec, gen, device, impl="auto"):
+        bs, ctx, n_heads, kind, r, rope = spec
         self.bs, self.ctx, self.n_heads, self.kind, self.device = bs, ctx, n_heads, kind, device
         self.impl = impl  # "triton" for --smoke: on CPU "auto" would run the torch path
         self.r, self.width = r, r + rope
@@ -143,9 +155,9 @@ def best_sdpa(case, ref):
     return (case.sdpa(backend), backend.name) if backend is not None else (None, None)
 
 
-def time_case(bs, ctx, n_heads, copy_bw, gen, device, kind, widths, impl,
-              keys_major=False) -> dict:
-    case = LatentCase(bs, ctx, n_heads, gen, device, kind, *widths, impl=impl)
+def time_case(spec: LatentSpec, copy_bw, gen, device, impl, keys_major=False) -> dict:
+    bs, ctx, n_heads, kind = spec.bs, spec.ctx, spec.n_heads, spec.kind
+    case = LatentCase(spec, gen, device, impl=impl)
     out = case.ours()()
     pick = sorted({0, bs - 1})
     rows = [r * case.n_q + i for r in pick for i in range(case.n_q)]
@@ -183,7 +195,7 @@ def time_case(bs, ctx, n_heads, copy_bw, gen, device, kind, widths, impl,
 def sweep_case(bs, ctx, n_heads, gen, device, tiles, widths, aheads=(1,)) -> dict:
     """Decode over tiles x split counts (policy / 2, policy, policy x 2, and x 4, x 8 for
     contexts <= 1024) x fold (x how many tiles ahead the slot indices load: `aheads`), graph µs."""
-    case = LatentCase(bs, ctx, n_heads, gen, device, "decode", *widths)
+    case = LatentCase(LatentSpec(bs, ctx, n_heads, "decode", *widths), gen, device)
     ref = case.ours()()
     policy = plan_mla(bs, n_heads, case.width, bs, ctx, case.r, DECODE, 1, device)["num_splits"]
     results = []
@@ -309,8 +321,8 @@ def main():
         rows = []
         for kind, ctxs in kinds_ctx:
             for bs, ctx in itertools.product(batches, ctxs):
-                rows.append(time_case(bs, ctx, heads, copy_bw, gen, device, kind, widths,
-                                      impl, args.keys_major))
+                rows.append(time_case(LatentSpec(bs, ctx, heads, kind, *widths), copy_bw, gen,
+                                      device, impl, args.keys_major))
                 print({k: v for k, v in rows[-1].items()}, flush=True)
         return rows
 

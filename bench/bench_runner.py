@@ -29,6 +29,8 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -243,7 +245,7 @@ def main() -> None:
         if args.size_oblivious:
             pg_compile["size_oblivious"] = True
         variants, setup = build_variants(names, step, program, device, pg_compile)
-        rows = run_all(variants, setup, batches, sizes, args.iters, cfg, step_bytes, bw,
+        rows = run_all(variants, setup, batches, sizes, args.iters, StepFloor(cfg, step_bytes, bw),
                        lambda rows, done: report(rows, setup, names, done, bw, weight_bytes, cfg, args))
         if args.profile:
             profile_steps(variants[args.profile], args.profile, batches, sizes, args.iters, rows)
@@ -278,15 +280,28 @@ def step_weight_bytes(model, n: int) -> int:
     return total - table.numel() * table.element_size() + n * table.stride(0) * table.element_size()
 
 
-def run_all(variants, setup, batches, sizes, iters, cfg, weight_bytes, bw, after_size):
-    """Every variant at every size; the results are written after each size (a timeout keeps them).
-    weight_bytes(n): the weight bytes a step of n requests reads (the floor's)."""
+@dataclass(frozen=True)
+class StepFloor:
+    """A decode step's floor: the weight bytes it reads + the KV bytes it reads, over the copy
+    bandwidth bw (bytes/s). weight_bytes(n): the weight bytes a step of n requests reads."""
+    cfg: LlamaConfig
+    weight_bytes: Callable[[int], int]
+    bw: float
+
+    def us(self, n: int, raw: dict) -> float:
+        """The floor in µs of a step of the n requests of batch raw."""
+        cfg = self.cfg
+        kv_bytes = int(raw["seq_lens"].sum()) * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 2
+        return (self.weight_bytes(n) + kv_bytes) / self.bw * 1e6
+
+
+def run_all(variants, setup, batches, sizes, iters, floor: StepFloor, after_size):
+    """Every variant at every size; the results are written after each size (a timeout keeps them)."""
     rows = []
     for i, n in enumerate(sizes):
         raw = batches[n]
         ref = next_tokens(next(iter(variants.values()))(**raw)).clone()   # the first variant (eager)
-        kv_bytes = int(raw["seq_lens"].sum()) * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 2
-        floor_us = (weight_bytes(n) + kv_bytes) / bw * 1e6
+        floor_us = floor.us(n, raw)
         for name, fn in variants.items():
             if name == "compile-ro":
                 got = warm_compile_ro(fn, raw, setup["compile-ro"], n)

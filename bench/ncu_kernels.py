@@ -20,7 +20,7 @@ import torch
 
 
 from bench.bench_attention import PagedCase, best_sdpa_backend, rel_err  # noqa: E402
-from bench.bench_mla import LatentCase, best_sdpa  # noqa: E402
+from bench.bench_mla import LatentCase, LatentSpec, best_sdpa  # noqa: E402
 
 
 def knob_dict(text: str) -> dict:
@@ -46,7 +46,7 @@ def main():
     gen = torch.Generator(device=device).manual_seed(0)
     knobs = knob_dict(args.knobs)
     if args.what.startswith("mla"):
-        case = LatentCase(args.bs, args.ctx, 16, gen, device)
+        case = LatentCase(LatentSpec(args.bs, args.ctx, 16), gen, device)
         ref = case.ours(impl="torch")()
         if args.what == "mla":
             fn = case.ours(**knobs)

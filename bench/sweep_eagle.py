@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -35,6 +36,18 @@ from padgraph.llm import Engine, RunStats, SpecConfig
 # (H200, 2026-12-02), so the depth of the tree is what caps accept now.
 TREES = [(3, 4, 8), (4, 4, 8), (5, 4, 8), (5, 4, 10), (6, 4, 12), (4, 2, 6), (6, 2, 8)]
 REPEATS = 3
+
+
+@dataclass(frozen=True)
+class SweepContext:
+    """What every write of one sweep shares: the folder, the target model, the head's distillation
+    info, the batch sizes, the new tokens a request and whether it ran on the GPU."""
+    out_dir: str
+    model: str
+    dinfo: dict
+    sizes: tuple
+    new: int
+    gpu: bool
 
 
 def phases(stats: list[RunStats]) -> dict[str, float]:
@@ -99,6 +112,7 @@ def main(argv=None):
                 kw["draft_prefill"] = "runner"
         return Engine(target, head, spec, **kw)
 
+    sweep = SweepContext(os.environ.get("OUT", "."), model, dinfo, sizes, new, gpu)
     greedy_w = worker(SpecConfig(*deepest), greedy=True)
     greedy = {bs: row(greedy_w, "greedy", batches[bs], new) for bs in sizes}
     del greedy_w
@@ -126,22 +140,23 @@ def main(argv=None):
                                                         round(r["round_in_greedy_steps"], 2))
                                              for bs, r in entry["rows"].items()}}, flush=True)
         del w
-        write(os.environ.get("OUT", "."), model, args, dinfo, sizes, new,   # after every tree
-              {bs: g for bs, (_, g) in greedy.items()}, results, time.perf_counter() - t_start,
-              gpu)
+        write(sweep, {bs: g for bs, (_, g) in greedy.items()}, results,   # after every tree
+              time.perf_counter() - t_start)
 
 
-def write(out_dir, model, args, dinfo, sizes, new, greedy, results, seconds, gpu):
+def write(sweep: SweepContext, greedy, results, seconds):
     import triton
-    name = "sweep_eagle" + ("" if model == "llama" else f"_{model}") + ("" if gpu else "_cpu")
+    name = ("sweep_eagle" + ("" if sweep.model == "llama" else f"_{sweep.model}")
+            + ("" if sweep.gpu else "_cpu"))
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": torch.cuda.get_device_name() if gpu else "cpu (reference backend, tiny)",
+            "device": (torch.cuda.get_device_name() if sweep.gpu
+                       else "cpu (reference backend, tiny)"),
             "torch": torch.__version__, "triton": triton.__version__,
-            "command": " ".join([sys.executable] + sys.argv), "model": model,
-            "new_tokens": new, "repeats": REPEATS, "sizes": list(sizes), "distill": dinfo,
-            "wall_s": seconds}
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"{name}.json")
+            "command": " ".join([sys.executable] + sys.argv), "model": sweep.model,
+            "new_tokens": sweep.new, "repeats": REPEATS, "sizes": list(sweep.sizes),
+            "distill": sweep.dinfo, "wall_s": seconds}
+    os.makedirs(sweep.out_dir, exist_ok=True)
+    path = os.path.join(sweep.out_dir, f"{name}.json")
     with open(path, "w") as f:
         json.dump({"meta": meta, "greedy": greedy, "trees": results}, f, indent=2)
     render(path)
