@@ -53,7 +53,7 @@ import torch
 
 from .eager import exact_run as _exact_run, make_view
 from .findings import MAX_GROUPS, CheckResult, Finding, _rows  # noqa: F401 (MAX_GROUPS: public)
-from .observe import POISON, _changed_rows, _same, _State, default_sample, poison_like, tolerance  # noqa: F401 (public re-exports)
+from .observe import POISON, _changed_rows, _drop_rows, _same, _State, default_sample, poison_like, tolerance  # noqa: F401 (public re-exports)
 from .errors import ContractError
 from .plan import Plan
 from .program import Program, padded_dims
@@ -367,15 +367,6 @@ def _compare(ctx: _Ctx, kind: str, base: _Seen, seen: _Seen, at: tuple, tol: tup
         if not ok:
             k = "state-leakage" if kind == "pad-leakage" else kind
             ctx.add(k, f"state {label!r}", f"contents differ from {what}: {how}", ext, size, trial)
-
-
-def _drop_rows(t: torch.Tensor, rows: set[int]) -> torch.Tensor:
-    """`t` without the given rows of dim 0 (sinks: padded lanes may legitimately write those)."""
-    if not rows or t.dim() == 0:
-        return t
-    keep = torch.ones(t.shape[0], dtype=torch.bool, device=t.device)
-    keep[sorted(rows)] = False
-    return t[keep]
 
 
 def _outside_view(ctx: _Ctx, written: list, rows: int, ext, size, trial, run: str) -> None:

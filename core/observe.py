@@ -152,3 +152,12 @@ def _same(a: torch.Tensor, b: torch.Tensor, rtol: float | None, atol: float | No
         return ok, f"max |diff| {diff:.3g}"
     ok = torch.equal(a, b)
     return ok, f"{int((a != b).sum())} of {a.numel()} elements differ"
+
+
+def _drop_rows(t: torch.Tensor, rows: set[int]) -> torch.Tensor:
+    """`t` without the given rows of dim 0 (sinks: padded lanes may legitimately write those)."""
+    if not rows or t.dim() == 0:
+        return t
+    keep = torch.ones(t.shape[0], dtype=torch.bool, device=t.device)
+    keep[sorted(rows)] = False
+    return t[keep]
