@@ -17,6 +17,7 @@
 #                    EAGLE_MODEL=deepseek for the MTP head)
 #   hf, hf-compile   the Hugging Face client (examples/hf_generate.py), eager and compiled bodies
 #   bench-hf, bench-hf-qwen3   padgraph.hf against HF's own paths (bench/bench_hf.py)
+#   bench-hf-eagle   EAGLE on the HF Llama-1B shape against padgraph.hf's greedy (bench/bench_hf_eagle.py)
 # Results and logs go under $OUT (default results/local).
 # PACK=name: write them under a scratch directory instead and leave one $OUT/name.tgz at the end
 # (for a caller that fetches only a few files from $OUT; $OUT itself is never written otherwise).
@@ -34,7 +35,7 @@ export OUT
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(tests spec eagle eagle-deepseek bench-host bench-runner bench-attention bench-mla bench-eagle hf hf-compile bench-hf bench-hf-qwen3)
+[ ${#stages[@]} -gt 0 ] || stages=(tests spec eagle eagle-deepseek bench-host bench-runner bench-attention bench-mla bench-eagle hf hf-compile bench-hf bench-hf-qwen3 bench-hf-eagle)
 LIMIT=${STAGE_TIMEOUT:-900}   # seconds per stage
 want() { local s; for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
@@ -71,5 +72,6 @@ want hf && run hf_generate python3 examples/hf_generate.py
 want hf-compile && run hf_generate_compile python3 examples/hf_generate.py --torch-compile
 want bench-hf && run bench_hf python3 bench/bench_hf.py --model llama1b
 want bench-hf-qwen3 && run bench_hf_qwen3 python3 bench/bench_hf.py --model qwen3
+want bench-hf-eagle && run bench_hf_eagle python3 bench/bench_hf_eagle.py --model llama1b
 echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/pytest_cuda*.log "$OUT"/spec_cuda.log 2>/dev/null | tail -6
 exit $rc
