@@ -9,7 +9,8 @@ padgraph.hf against HF's own ways, in one process on the same weights.
                 + StaticCache, every cache tensor marked a static address (keys, values and the
                 write counters), so inductor's cudagraphs are not skipped for "mutated inputs"
   padgraph      padgraph.hf.Decoder, HF's eager forward inside padgraph's CUDA graphs
-  pg+compile    the same with torch_compile=True: one compilation for the whole ladder
+  pg+compile    the same with torch_compile=True: one size-oblivious compilation for the whole ladder
+  pg+compile-dyn  torch_compile={} (torch's dynamic shapes: bucket 1 compiles a graph of its own)
 
 For hf-auto and hf-compiled every "skipping cudagraphs" reason torch logs is printed and the
 count of torch's `counters["inductor"]["cudagraph_skips"]` kept: a peer whose graphs were skipped
@@ -45,11 +46,12 @@ from transformers import StaticCache
 import padgraph.hf as pghf
 
 SIZES = [1, 4, 16, 64]
-VARIANTS = ["hf-eager", "hf-auto", "hf-compiled", "padgraph", "pg+compile"]
+VARIANTS = ["hf-eager", "hf-auto", "hf-compiled", "padgraph", "pg+compile", "pg+compile-dyn"]
+PG_COMPILE = {"padgraph": False, "pg+compile": True, "pg+compile-dyn": {}}     # Decoder's torch_compile
 # generate's cache keyword: `past_key_values` through transformers 5.17, `cache` after (the old name warns)
 CACHE_KWARG = "cache" if "cache" in getattr(transformers.generation.utils, "ALL_CACHE_NAMES", ()) \
     else "past_key_values"
-RUN_ORDER = ["hf-eager", "pg+compile", "hf-compiled", "hf-auto", "padgraph"]   # hf-eager: the token reference
+RUN_ORDER = ["hf-eager", "pg+compile", "hf-compiled", "hf-auto", "padgraph", "pg+compile-dyn"]   # hf-eager: the token reference
 CUDA_ONLY = {"hf-auto", "hf-compiled"}
 CTX, STEPS, ITERS, HEADROOM = 256, 16, 50, 128      # STEPS + ITERS + warm steps fit in HEADROOM
 
@@ -237,9 +239,9 @@ def run_padgraph(dec, ids, clock: Clock):
 # ---- the run ------------------------------------------------------------------------------------
 def run_variant(name, model, prompts, clock, results, backend):
     dec = None
-    if name in ("padgraph", "pg+compile"):
+    if name in PG_COMPILE:
         dec, secs = clock.seconds(lambda: pghf.Decoder(model, max_batch=max(prompts), max_len=CTX + HEADROOM,
-                                                       backend=backend, torch_compile=name == "pg+compile"))
+                                                       backend=backend, torch_compile=PG_COMPILE[name]))
         results["warmup"][name] = {"seconds": secs, "ladder": list(dec.program.buckets),
                                    "compiles": dec.runner.stats.compiles}
         print(f"{name}: Decoder(...) {secs:.1f} s for the ladder {list(dec.program.buckets)}", flush=True)
