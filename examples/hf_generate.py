@@ -4,7 +4,11 @@ checked against the model's own `generate`.
 No weights are downloaded: the model is a random init from a config. On a CPU a tiny fp32 model
 runs on the reference backend; on a GPU a Llama-3.2-1B-shaped bf16 model on CUDA graphs.
 
-    python examples/hf_generate.py [--model llama|qwen3|gemma3|mistral] [--torch-compile]
+    python examples/hf_generate.py [--model llama|qwen3|gemma3|mistral] [--torch-compile] [--eagle]
+
+--eagle decodes speculatively: an EAGLE head is distilled from the model at `Decoder(...)` and
+padgraph.llm's draft / verify programs run over the model's layers; the tokens stay its greedy ones.
+(Gemma3's soft-caps and the short windows of this example's Mistral are refused with --eagle.)
 """
 from __future__ import annotations
 
@@ -47,6 +51,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama", choices=list(MODELS))
     ap.add_argument("--torch-compile", action="store_true")
+    ap.add_argument("--eagle", action="store_true", help="EAGLE speculative decoding")
     ap.add_argument("--new", type=int, default=16)
     args = ap.parse_args()
     gpu = torch.cuda.is_available()
@@ -55,16 +60,21 @@ def main() -> None:
 
     # serving the model: these lines are all the glue there is
     t0 = time.perf_counter()
+    draft = None
+    if args.eagle:   # a few hundred training steps on the model's greedy outputs (CPU: a short run)
+        draft = padgraph.hf.Eagle(distill={} if gpu else dict(n_seq=16, prompt_len=8, gen_len=16, steps=30))
     dec = padgraph.hf.Decoder(model, max_batch=8, max_len=128, backend="cuda" if gpu else "reference",
-                              torch_compile=args.torch_compile)
+                              torch_compile=args.torch_compile, draft=draft)
     ready = time.perf_counter() - t0
     out = dec.generate(ids, attention_mask=mask, max_new_tokens=args.new)
 
     with torch.no_grad():
         ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=args.new)
     same = int((out == ref).all(1).sum())
-    print(f"{args.model} on {'cuda' if gpu else 'cpu'}: Decoder ready in {ready:.1f} s (ladder "
-          f"{list(dec.program.buckets)}); {ids.shape[0]} prompts of lengths {mask.sum(1).tolist()}")
+    how = (f"EAGLE, {dec.last_stats.accepted / dec.last_stats.request_rounds:.2f} tokens per request-round"
+           if args.eagle else f"ladder {list(dec.program.buckets)}")
+    print(f"{args.model} on {'cuda' if gpu else 'cpu'}: Decoder ready in {ready:.1f} s ({how}); "
+          f"{ids.shape[0]} prompts of lengths {mask.sum(1).tolist()}")
     print(out[:, ids.shape[1]:].tolist())
     print(f"rows equal to model.generate: {same}/{ids.shape[0]}" + (" (bf16 near-ties may differ)" if gpu else ""))
 

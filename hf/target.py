@@ -67,15 +67,28 @@ def refuse_unless_plain(layer: Layer, max_context: int, where: str) -> None:
                                     f"{layer.sliding_window} tokens, shorter than max_context {max_context}")
 
 
-def short_window(cfg, max_context: int) -> int | None:
-    """The config's sliding window where some layer uses it and it is shorter than the context
-    (a window as long as the context is full attention), else None."""
-    window = getattr(cfg, "sliding_window", None)
-    if not window or window >= max_context:
-        return None
-    types = getattr(cfg, "layer_types", None)
-    used = "sliding_attention" in types if types else getattr(cfg, "use_sliding_window", True)
-    return window if used else None
+@dataclass
+class Probe:
+    """What each attention layer hands the registered function (its scale, window and soft-cap),
+    recorded on one token; the layers' outputs are their queries (the values do not matter)."""
+
+    layers: dict
+
+    def attend(self, idx: int, q, k, v, layer: Layer):
+        self.layers[idx] = layer
+        return q.transpose(1, 2)                                                       # [b, n, h, d]
+
+
+def attention_specs(model) -> dict[int, Layer]:
+    """layer index -> `Layer` as the model's attention modules pass them at run time (a config
+    field such as `sliding_window` is used by some architectures and ignored by others)."""
+    probe = Probe({})
+    device = next(model.parameters()).device
+    with serving(model), torch.no_grad():
+        model.model(input_ids=torch.zeros(1, 1, dtype=torch.int64, device=device),
+                    position_ids=torch.zeros(1, 1, dtype=torch.int64, device=device), use_cache=False,
+                    padgraph_batch=probe)
+    return probe.layers
 
 
 def text_config(model):
@@ -102,15 +115,12 @@ class Target(PagedForwards, nn.Module):
         super().__init__()
         check_supported(model)
         cfg = text_config(model)
-        if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "attn_logit_softcapping", None):
+        if getattr(cfg, "final_logit_softcapping", None):
             raise UnsupportedModelError(f"padgraph.hf.Target({type(model).__name__}): soft-capped logits; "
-                                        f"padgraph.llm's paged kernels and greedy verification do not cap")
-        window = short_window(cfg, max_context)
-        if window is not None:
-            raise UnsupportedModelError(f"padgraph.hf.Target({type(model).__name__}): layers attend within a "
-                                        f"sliding window of {window} tokens, shorter than the context "
-                                        f"{max_context}; padgraph.llm's paged kernels attend to the whole context")
+                                        f"greedy verification over padgraph.llm's logits does not cap")
         attention.register()
+        for idx, layer in sorted(attention_specs(model).items()):
+            refuse_unless_plain(layer, max_context, f"{type(model).__name__} layer {idx}")
         self.hf = model
         self.max_context = max_context
         self.cfg = llm_config(model, max_context)

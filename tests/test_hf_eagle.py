@@ -83,3 +83,15 @@ def test_hf_target_bodies_pass_check(name):
 def test_spec_config_is_used():
     dec = eagle_decoder(build("llama"), spec=SpecConfig(steps=2, topk=2, num_draft_tokens=3))
     assert dec.speculative.engine.spec.num_draft_tokens == 3
+
+
+def test_a_config_window_the_architecture_ignores_is_not_refused():
+    """Llama's config accepts `sliding_window` but its layers never pass it: the Target reads what
+    the layers hand the attention function at run time, not the config field."""
+    model = build("llama")
+    model.config.sliding_window = 4
+    dec = eagle_decoder(model)
+    ids, mask = prompts(2, seed=9)
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
+    assert dec.generate(ids, attention_mask=mask, max_new_tokens=NEW).tolist() == ref.tolist()
