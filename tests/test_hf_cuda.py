@@ -1,5 +1,5 @@
 """padgraph.hf on CUDA graphs (GPU only): each architecture's tiny fp32 model decodes through
-`Decoder(backend="cuda")` to HF generate's tokens, eager body and compiled."""
+`Decoder(backend="cuda")` to HF generate's tokens, eager body and compiled, greedy and EAGLE."""
 from __future__ import annotations
 
 import pytest
@@ -26,3 +26,22 @@ def test_cuda_tokens_equal_hf_generate(name, torch_compile):
             ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
         ours = dec.generate(ids, attention_mask=mask, max_new_tokens=NEW)
         assert ours.tolist() == ref.tolist(), f"{name} bs {n}: tokens differ from HF's generate"
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mixtral"])
+@pytest.mark.parametrize("torch_compile", [False, True], ids=["eager", "compiled"])
+def test_cuda_eagle_tokens_equal_hf_generate(name, torch_compile):
+    """EAGLE on an HF target through padgraph.llm's programs on CUDA graphs (regional compile of
+    HF's decoder layers with torch_compile): HF generate's tokens, drafts accepted."""
+    model = build(name).cuda()
+    dec = pghf.Decoder(model, max_batch=5, max_len=MAX_LEN, backend="cuda", torch_compile=torch_compile,
+                       draft=pghf.Eagle(distill=dict(n_seq=16, prompt_len=8, gen_len=16, steps=30, lr=3e-3)))
+    rounds = tokens = 0
+    for n in (1, 3, 5):
+        ids, mask = (t.cuda() for t in prompts(n, seed=n))
+        with torch.no_grad():
+            ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
+        ours = dec.generate(ids, attention_mask=mask, max_new_tokens=NEW)
+        assert ours.tolist() == ref.tolist(), f"{name} bs {n}: EAGLE's tokens differ from HF's generate"
+        rounds, tokens = rounds + dec.last_stats.request_rounds, tokens + dec.last_stats.accepted
+    assert tokens > rounds, f"{name}: no draft token accepted"
