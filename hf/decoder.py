@@ -206,9 +206,13 @@ class Decoder:
             new.append(self.step(new[-1], lens + i))
         return torch.cat([input_ids, finish_at_eos(self.model, torch.stack(new, 1))], 1)
 
-    def check(self, trials: int = 4, seed: int = 0) -> pg.CheckResult:
-        """`pg.check` of the decode body over random valid calls, on copies of the cache."""
-        self._greedy_only("check")
+    def check(self, trials: int = 4, seed: int = 0):
+        """`pg.check` of the decode body over random valid calls, on copies of the cache: a
+        `pg.CheckResult`. With a draft head: of each of the engine's runner programs (verify,
+        draft, draft-extend, ...), a dict of program name -> `pg.CheckResult`."""
+        if self.speculative is not None:
+            from padgraph.llm import checks
+            return checks.check(self.speculative.engine, trials=trials, seed=seed)
         state = {"kv": [t.clone() for t in self.cache.kv], "req_to_token": self.cache.req_to_token.clone()}
         with self.serving(), torch.no_grad():
             return pg.check(self.program, self.body, state=state, sample=self.sample, trials=trials, seed=seed)

@@ -12,7 +12,7 @@ from padgraph.llm.programs import (decode_program, draft_extend_program, draft_p
 
 from padgraph.llm.models.eagle_head import EagleHead
 from padgraph.llm.models.llama import LlamaConfig, LlamaModel
-from padgraph.llm import Engine, SpecConfig
+from padgraph.llm import Engine, SpecConfig, checks
 from padgraph.llm.programs import prefill_buckets
 
 
@@ -97,57 +97,9 @@ def worker():
     return w
 
 
-def _requests(gen, max_bs=6):
-    bs = int(torch.randint(1, max_bs + 1, (), generator=gen))
-    rows = (torch.randperm(8, generator=gen)[:bs] + 1).int()
-    return bs, rows
-
-
 def sample_for(name, w):
-    rt, V, H = w.kv.req_to_token, w.target.cfg.vocab_size, w.target.cfg.hidden_size
-    k, S, topk = SPEC.num_draft_tokens, SPEC.steps, SPEC.topk
-
-    def sample(gen):
-        bs, rows = _requests(gen)
-        L = torch.randint(S + 2, 30, (bs,), generator=gen).int()     # >= any accept length
-        ids = lambda n: torch.randint(0, V, (n,), generator=gen)  # noqa: E731
-        slots = lambda pos: rt[rows.long()[:, None], pos].long().reshape(-1)  # noqa: E731
-        if name == "decode":
-            return dict(input_ids=ids(bs), positions=(L - 1).long(), seq_lens=L,
-                        req_pool_indices=rows, out_cache_loc=slots((L - 1).long()[:, None]))
-        if name == "verify":
-            mask = torch.tril(torch.ones(k, k, dtype=torch.bool)).repeat(bs, 1, 1)
-            mask[:, 2, 1] = False                            # node 2 is a sibling of node 1
-            pos = L.long()[:, None] + torch.arange(k)
-            return dict(input_ids=ids(bs * k), positions=pos.reshape(-1), out_cache_loc=slots(pos),
-                        seq_lens=L, req_pool_indices=rows, tree_mask=mask)
-        if name == "draft":
-            p = torch.rand(bs, topk, generator=gen).sort(1, descending=True).values
-            pos = L.long()[:, None] + torch.arange(S * topk)
-            return dict(topk_p=p, topk_index=torch.randint(0, V, (bs, topk), generator=gen),
-                        hidden_states=torch.randn(bs, H, generator=gen), positions=L.long(),
-                        seq_lens=L, req_pool_indices=rows, out_cache_loc=slots(pos),
-                        verified_id=ids(bs))
-        if name in ("prefill", "draft_prefill"):   # whole prompts from position 0, packed
-            qo = torch.cat([torch.zeros(1, dtype=torch.int32), L.cumsum(0).int()])
-            pos = torch.cat([torch.arange(int(n)) for n in L])
-            row_of = rows.long().repeat_interleave(L.long())
-            x = dict(input_ids=ids(int(qo[-1])), positions=pos,
-                     out_cache_loc=rt[row_of, pos].long(), seq_lens=L,
-                     req_pool_indices=rows, qo_indptr=qo)
-            if name == "draft_prefill":      # + the target's hidden per token, first tokens
-                x.update(hidden_states=torch.randn(int(qo[-1]), H, generator=gen),
-                         verified_id=ids(bs))
-            return x
-        acc = torch.randint(1, S + 2, (bs,), generator=gen).int()
-        qo = torch.cat([torch.zeros(1, dtype=torch.int32), acc.cumsum(0).int()])
-        n = int(qo[-1])
-        pos = torch.cat([torch.arange(int(l) - int(a), int(l)) for l, a in zip(L, acc)])
-        row_of = rows.long().repeat_interleave(acc.long())
-        return dict(input_ids=ids(n), positions=pos, out_cache_loc=rt[row_of, pos].long(),
-                    hidden_states=torch.randn(n, H, generator=gen), seq_lens=L,
-                    req_pool_indices=rows, accept_lens=acc, qo_indptr=qo)
-    return sample
+    """Valid raw calls of runner `name` (padgraph.llm.checks: the library's samplers)."""
+    return checks.sampler(w, name)
 
 
 @pytest.mark.parametrize("name", ["decode", "verify", "draft", "draft_extend", "prefill",
