@@ -8,6 +8,7 @@ padgraph runner. Greedy verification keeps the tokens the model's own greedy dec
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -36,6 +37,20 @@ class Eagle:
     log: Any = None
 
 
+@contextlib.contextmanager
+def frozen(model):
+    """The model's parameters without requires_grad for the duration (the head trains through the
+    model's embedding and lm_head, which must neither change nor collect gradients), restored after."""
+    before = [(p, p.requires_grad) for p in model.parameters()]
+    for p, _ in before:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p, flag in before:
+            p.requires_grad_(flag)
+
+
 def context_for(max_len: int, spec: SpecConfig) -> int:
     """Positions a request may touch: prompt + output, one round's tree, and the extra round an
     overlapped loop runs past a request's end (`Worker`'s reservation)."""
@@ -54,7 +69,7 @@ class Speculative:
         self.distilled = None
         if head is None:
             head = EagleHead(self.target).to(self.target.lm_head.weight.device)
-            with torch.random.fork_rng(devices=[]):
+            with torch.random.fork_rng(devices=[]), frozen(model):
                 torch.manual_seed(0)
                 self.distilled = distill(self.target, head, log=eagle.log or (lambda *a: None),
                                          **{"n_check": 0, **eagle.distill})

@@ -92,3 +92,16 @@ def test_a_config_window_the_architecture_ignores_is_not_refused():
     model = build("llama")
     model.config.sliding_window = 4
     assert eagle_decoder(model).generate(ids, attention_mask=mask, max_new_tokens=NEW).tolist() == ref.tolist()
+
+
+def test_distillation_leaves_the_users_model_as_it_was():
+    """The head trains through the model's embedding and lm_head: no gradient lands on the model,
+    no weight changes, and requires_grad is as the user set it."""
+    model = build("llama")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    eagle_decoder(model)
+    for n, p in model.named_parameters():
+        assert p.grad is None, n
+        assert p.requires_grad == flags[n], n
+        assert torch.equal(p, before[n]), n
