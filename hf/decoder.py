@@ -89,9 +89,10 @@ class DecodeBody:
 
 
 def compile_spec(torch_compile):
-    """The Decoder's `torch_compile` as pg.compile's: False / None: none; True: one size-oblivious
-    trace for the whole ladder (bucket 1 included: HF's decoder forwards do not branch on a batch of
-    one; CPU, 8 architectures: one graph each where dynamic shapes compile two); a dict as given."""
+    """The Decoder's `torch_compile` as pg.compile's: False / None: none; True: a size-oblivious
+    trace for the whole ladder (with transformers 5.25, one graph for each of 8 architectures on
+    the CPU, bucket 1 included, where dynamic shapes compile two; 5.17's rotary still guards on a
+    batch of one, so bucket 1 compiles its own there); a dict as given."""
     if torch_compile is None or torch_compile is False:
         return None
     return {"size_oblivious": True} if torch_compile is True else torch_compile
