@@ -23,7 +23,10 @@ class Options:
     copy_outputs: False: outputs are views valid until the runner's next call; True: copies.
     device: where the runner's buffers live (default: the bound state's device, else the
         backend's default).
-    torch_compile: True or torch.compile options: one compilation of the body for the ladder.
+    torch_compile: True or torch.compile options ({"mode": "max-autotune-no-cudagraphs",
+        "fullgraph": True, "regions": [...], "size_oblivious": True, ...}): one compilation of the
+        body for the whole ladder, inductor's CUDA graphs off (graph backends capture its
+        kernels); see padgraph/compiled.py.
     shadow: a `pg.Shadow(...)` re-checking sampled calls against the eager padded path.
     """
 

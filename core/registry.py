@@ -45,17 +45,10 @@ def compile(program: Program, body: Callable, backend: str = "reference", *, sta
     """Lower a program and its body onto a backend; returns a callable Runner.
 
     state: the bound state (tensors, or containers of them) the body reads and writes.
-    options, on every backend (`pg.Options`):
-      prepare: fn(x) run eagerly before each call on the same padded view (host-side metadata).
-      overflow: "eager" (run past the ladder eagerly, counted and warned once) or "error".
-      copy_outputs: False: outputs are views valid until the runner's next call; True: copies.
-      torch_compile: True or torch.compile options ({"mode": "max-autotune-no-cudagraphs",
-          "fullgraph": True, "options": {...}}): one compilation of the body for the whole ladder,
-          inductor's CUDA graphs off (graph backends capture its kernels); see padgraph/compiled.py.
-      shadow: pg.Shadow(every=N, first=K) re-checks sampled calls against the eager padded path.
-      device: where the runner's buffers live.
-    and the backend's own (cuda: `CudaOptions`: pool, warmup, progress, restore_state, copy,
-    pack). An option the backend does not have is a ContractTypeError naming the ones it has.
+    options: every backend's `pg.Options` (prepare, overflow, copy_outputs, torch_compile, shadow,
+    device; documented there) and the backend's own (cuda: `CudaOptions`: pool, warmup, progress,
+    restore_state, copy, pack). An option the backend does not have is a ContractTypeError
+    naming the ones it has.
     """
     if not isinstance(program, Program):
         raise ContractValueError(f"compile: program must be a pg.Program, got {type(program).__name__}")

@@ -55,9 +55,8 @@ class Runner:
         self.plan = Plan(program)
         self.body = body
         self._eager_body = body     # overflow runs it as given, compiled or not (3.2)
-        self.prepare = opts.prepare
-        self.overflow = opts.overflow
-        self.copy_outputs = opts.copy_outputs
+        # read on every call (and public): attributes of the runner, not lookups through options
+        self.prepare, self.overflow, self.copy_outputs = opts.prepare, opts.overflow, opts.copy_outputs
         self.state = BoundState(program, state)
         self.device = _device(program, opts.device) if opts.device is not None else self.state.device()
         self.stats = Stats()

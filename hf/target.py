@@ -14,16 +14,16 @@ layer with a logit soft-cap, or a sliding window shorter than the context, is re
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 from torch import Tensor, nn
 
 from padgraph.llm.batch import Batch
-from padgraph.llm.models.llama import LlamaConfig, PagedForwards, Rotary
+from padgraph.llm.models.llama import (AttnPlan, LlamaConfig, PagedForwards, Rotary, store_kv, decode_batch,
+                                       extend_batch, tree_batch)
 
 from . import attention
-from .attention import Layer
+from .attention import Layer, kernel_serves
 from .decoder import graph_safe_experts, serving
 from .errors import UnsupportedModelError
 from .support import cache_shape, check_supported
@@ -31,40 +31,31 @@ from .support import cache_shape, check_supported
 
 @dataclass(frozen=True)
 class Paged:
-    """One forward's attention over padgraph.llm's KV cache (`kv.k[i]`, `kv.v[i]`)."""
+    """One forward's attention over padgraph.llm's KV cache (`kv.k[i]`, `kv.v[i]`): the plan
+    padgraph.llm's own models use (`decode_batch`, `extend_batch`, `tree_batch`), at each
+    layer's scale."""
 
-    batch: Batch
-    kind: str                   # "decode" | "extend" | "tree"
-    max_context: int
+    plan: AttnPlan
+    kv: object
 
     def attend(self, idx: int, q, k, v, layer: Layer):
         """q [1, h, n, d], k / v [1, kv_heads, n, d] (n packed tokens) -> [1, n, h, d]."""
-        refuse_unless_plain(layer, self.max_context, f"layer {idx}")
-        from padgraph.backends.triton import attention as kernels
-        from padgraph.backends.triton.store import store_kv
-        b = self.batch
-        k_cache, v_cache = b.kv.k[idx], b.kv.v[idx]
-        q, k, v = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))           # [n, heads, d]
-        store_kv(k_cache, v_cache, b.out_cache_loc, k.to(k_cache.dtype), v.to(v_cache.dtype))
-        common = dict(req_to_token=b.req_to_token, req_pool_indices=b.req_pool_indices, seq_lens=b.seq_lens,
-                      sm_scale=layer.scaling, impl=b.impl)
-        if self.kind == "decode":
-            fn = partial(kernels.decode_attention, **common)
-        elif self.kind == "extend":
-            fn = partial(kernels.extend_attention, qo_indptr=b.qo_indptr, **common)
-        else:
-            fn = partial(kernels.tree_verify_attention, tree_mask=b.tree_mask, **common)
-        return fn(q.to(k_cache.dtype), k_cache, v_cache).to(q.dtype)[None]             # [1, n, h, d]
+        k_cache, v_cache = self.kv.k[idx], self.kv.v[idx]
+        dtype = q.dtype
+        q, k, v = (t[0].transpose(0, 1).to(k_cache.dtype) for t in (q, k, v))      # [n, heads, d]
+        store_kv(k_cache, v_cache, self.plan.out_cache_loc, k, v)
+        o = self.plan.attend(q.contiguous(), k_cache, v_cache, sm_scale=layer.scaling)   # [n, h, d]
+        return o.to(dtype)[None]
 
 
 def refuse_unless_plain(layer: Layer, max_context: int, where: str) -> None:
-    """UnsupportedModelError for attention the paged kernels do not compute as HF does."""
-    if layer.softcap is not None:
-        raise UnsupportedModelError(f"padgraph.hf.Target: {where} soft-caps its attention logits "
-                                    f"({layer.softcap}); padgraph.llm's paged kernels do not")
-    if layer.sliding_window is not None and layer.sliding_window < max_context:
-        raise UnsupportedModelError(f"padgraph.hf.Target: {where} attends within a sliding window of "
-                                    f"{layer.sliding_window} tokens, shorter than max_context {max_context}")
+    """UnsupportedModelError for attention the paged kernels do not compute as HF does: they
+    attend to every key below a request's length, uncapped (`attention.kernel_serves`)."""
+    if not kernel_serves(layer, max_context):
+        raise UnsupportedModelError(
+            f"padgraph.hf.Target: {where} attends with a logit soft-cap ({layer.softcap}) or within a sliding "
+            f"window ({layer.sliding_window}) shorter than max_context {max_context}; padgraph.llm's paged "
+            f"kernels attend to every key below a request's length, uncapped")
 
 
 @dataclass
@@ -122,6 +113,7 @@ class Target(PagedForwards, nn.Module):
         for idx, layer in sorted(attention_specs(model).items()):
             refuse_unless_plain(layer, max_context, f"{type(model).__name__} layer {idx}")
         self.hf = model
+        self.experts = graph_safe_experts(next(model.parameters()).device)
         self.max_context = max_context
         self.cfg = llm_config(model, max_context)
         self.layers = model.model.layers
@@ -131,17 +123,17 @@ class Target(PagedForwards, nn.Module):
         self.rope = Rotary(self.cfg.head_dim, max_context, self.cfg.rope_theta).to(self.lm_head.weight.device)
 
     def _decode_batch(self, b: Batch) -> Paged:
-        return Paged(b, "decode", self.max_context)
+        return Paged(decode_batch(b), b.kv)
 
     def _extend_batch(self, b: Batch) -> Paged:
-        return Paged(b, "extend", self.max_context)
+        return Paged(extend_batch(b), b.kv)
 
     def _tree_batch(self, b: Batch) -> Paged:
-        return Paged(b, "tree", self.max_context)
+        return Paged(tree_batch(b), b.kv)
 
     def _run(self, input_ids: Tensor, positions: Tensor, paged: Paged, kv) -> Tensor:
         """Packed tokens [n] at positions [n] -> final-normed hidden [n, H]."""
-        with serving(self.hf, graph_safe_experts(input_ids.device)):
+        with serving(self.hf, self.experts):
             out = self.hf.model(input_ids=input_ids[None], position_ids=positions[None].long(), use_cache=False,
                                 padgraph_batch=paged)
         return out.last_hidden_state[0]

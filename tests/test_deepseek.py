@@ -13,9 +13,9 @@ import padgraph as pg
 
 from padgraph.llm.models.deepseek import DeepSeekConfig, DeepSeekModel, MoE
 from padgraph.llm.models.mtp_head import MTPHead
-from padgraph.llm import Batch, Engine, SpecConfig
+from padgraph.llm import Batch, Engine, SpecConfig, checks
 from test_eagle_e2e import LENS, assert_distilled_head_accepts, assert_released, one_thread, prompts  # noqa: F401
-from test_runners import SPEC, sample_for
+from test_runners import SPEC
 
 @pytest.fixture(scope="module")
 def target():
@@ -208,9 +208,7 @@ def test_distilled_mtp_head_generalises_beyond_its_corpus(one_thread):
 def worker(target):
     w = Engine(target, MTPHead(target).eval(), SPEC, max_bs=8, max_context=48,
                buckets=pg.Buckets([1, 2, 4, 8]))
-    rt = w.kv.req_to_token                                   # every row but 0 owns 48 slots
-    rt[1:] = torch.randperm(w.slots.n - 1, generator=torch.Generator().manual_seed(0))[
-        : 8 * 48].int().view(8, 48) + 1
+    checks.own_slots(w)                                      # every row but 0 owns 48 slots
     return w
 
 
@@ -219,7 +217,7 @@ def test_check_deepseek_runner_programs(worker, name):
     assert set(worker.state(name)) == {"latent_cache", "req_to_token"}
     with torch.no_grad():
         res = pg.check(worker.programs[name], worker.bodies[name], state=worker.state(name),
-                       sample=sample_for(name, worker), trials=2,
+                       sample=checks.sampler(worker, name), trials=2,
                        tolerance=(1e-5, 1e-5))
     assert res.ok, str(res)
 

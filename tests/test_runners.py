@@ -92,14 +92,10 @@ def worker():
     head = EagleHead(target).eval()
     w = Engine(target, head, SPEC, max_bs=8, max_context=48, buckets=pg.Buckets([1, 2, 4, 8]),
                prefill="runner", draft_prefill="runner")
-    rt = w.kv.req_to_token                                   # every row but 0 owns 48 slots
-    rt[1:] = torch.randperm(w.slots.n - 1)[: 8 * 48].int().view(8, 48) + 1
+    checks.own_slots(w)                                      # every row but 0 owns 48 slots
     return w
 
 
-def sample_for(name, w):
-    """Valid raw calls of runner `name` (padgraph.llm.checks: the library's samplers)."""
-    return checks.sampler(w, name)
 
 
 @pytest.mark.parametrize("name", ["decode", "verify", "draft", "draft_extend", "prefill",
@@ -107,7 +103,7 @@ def sample_for(name, w):
 def test_check_runner_programs(worker, name):
     with torch.no_grad():
         res = pg.check(worker.programs[name], worker.bodies[name], state=worker.state(name),
-                       sample=sample_for(name, worker), trials=3,
+                       sample=checks.sampler(worker, name), trials=3,
                        tolerance=(1e-5, 1e-5))
     assert res.ok, str(res)
 
@@ -117,7 +113,7 @@ def test_draft_emits_verify_inputs(worker):
     slots), so no eager work runs between the two replays; they are `verify_inputs` of the raw
     batch (padded to its bucket inside the runner)."""
     from padgraph.backends.triton import eagle as ops
-    raw = sample_for("draft", worker)(torch.Generator().manual_seed(3))
+    raw = checks.sampler(worker, "draft")(torch.Generator().manual_seed(3))
     raw["verified_id"] = torch.arange(1, raw["seq_lens"].shape[0] + 1)
     with torch.no_grad():
         d = worker.runner("draft")(**raw)

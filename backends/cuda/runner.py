@@ -7,6 +7,7 @@ The pack strategy (in-graph, eager, torch) is chosen once here; see staging.Pack
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
@@ -116,6 +117,7 @@ class CudaGraphRunner(Runner):
             self._hook = opts.prepare if opts.prepare is not None else _no_hook
             pool = opts.pool.pool if isinstance(opts.pool, CudaGraphRunner) else opts.pool
             self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+            self.options = dataclasses.replace(opts, pool=self.pool)   # the handle, not another runner
             self._graphs = self._capture(opts.warmup, opts.progress, opts.restore_state)
         if not self.pack.native_device_extents:   # nd inputs along a device axis, or no Triton
             self._run_device = functools.partial(Runner._run_device, self)

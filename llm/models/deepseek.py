@@ -136,7 +136,7 @@ def mla_decode_batch(cfg, b: Batch) -> AttnPlan:
     fn = partial(_mla().mla_decode_attention, req_to_token=b.req_to_token,
                  req_pool_indices=b.req_pool_indices, seq_lens=b.seq_lens,
                  kv_lora_rank=cfg.kv_lora_rank, sm_scale=cfg.sm_scale, impl=b.impl)
-    return AttnPlan(b.out_cache_loc, lambda q, cache: fn(q, cache))
+    return AttnPlan(b.out_cache_loc, fn)
 
 
 def mla_extend_batch(cfg, b: Batch) -> AttnPlan:
@@ -144,7 +144,7 @@ def mla_extend_batch(cfg, b: Batch) -> AttnPlan:
                  req_pool_indices=b.req_pool_indices, seq_lens=b.seq_lens,
                  qo_indptr=b.qo_indptr, kv_lora_rank=cfg.kv_lora_rank, sm_scale=cfg.sm_scale,
                  impl=b.impl)
-    return AttnPlan(b.out_cache_loc, lambda q, cache: fn(q, cache))
+    return AttnPlan(b.out_cache_loc, fn)
 
 
 def mla_tree_batch(cfg, b: Batch) -> AttnPlan:
@@ -152,7 +152,7 @@ def mla_tree_batch(cfg, b: Batch) -> AttnPlan:
                  req_pool_indices=b.req_pool_indices, seq_lens=b.seq_lens,
                  tree_mask=b.tree_mask, kv_lora_rank=cfg.kv_lora_rank, sm_scale=cfg.sm_scale,
                  impl=b.impl)
-    return AttnPlan(b.out_cache_loc, lambda q, cache: fn(q, cache))
+    return AttnPlan(b.out_cache_loc, fn)
 
 
 # ------------------------------------------------------------------------------------- MLA

@@ -64,13 +64,14 @@ class LlamaConfig:
 
 # ---------------------------------------------------------------------------- attention metadata
 
-AttendFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q [n,Hq,D], k_cache, v_cache) -> [n,Hq,D]
+AttendFn = Callable[..., Tensor]  # (q [n,Hq,D], k_cache, v_cache, sm_scale=None) -> [n,Hq,D]
 
 
 @dataclass(frozen=True)
 class AttnPlan:
     """What every layer needs for one call, derived from the `Batch` once per forward: where new
-    K/V go and how queries attend (the attention kernel with the batch's metadata bound)."""
+    K/V go and how queries attend (the attention kernel with the batch's metadata bound; a
+    caller may pass the layer's `sm_scale`, default head_dim ** -0.5)."""
     out_cache_loc: Tensor  # [n_tok] int64 slot per new token (0 = sink for padded lanes)
     attend: AttendFn
 
@@ -84,7 +85,7 @@ def decode_batch(b: Batch) -> AttnPlan:
     """One new token per request at position seq_lens - 1."""
     fn = partial(_attn().decode_attention, req_to_token=b.req_to_token,
                  req_pool_indices=b.req_pool_indices, seq_lens=b.seq_lens, impl=b.impl)
-    return AttnPlan(b.out_cache_loc, lambda q, k, v: fn(q, k, v))
+    return AttnPlan(b.out_cache_loc, fn)
 
 
 def extend_batch(b: Batch) -> AttnPlan:
@@ -92,7 +93,7 @@ def extend_batch(b: Batch) -> AttnPlan:
     fn = partial(_attn().extend_attention, req_to_token=b.req_to_token,
                  req_pool_indices=b.req_pool_indices, seq_lens=b.seq_lens,
                  qo_indptr=b.qo_indptr, impl=b.impl)
-    return AttnPlan(b.out_cache_loc, lambda q, k, v: fn(q, k, v))
+    return AttnPlan(b.out_cache_loc, fn)
 
 
 def tree_batch(b: Batch) -> AttnPlan:
@@ -100,12 +101,14 @@ def tree_batch(b: Batch) -> AttnPlan:
     fn = partial(_attn().tree_verify_attention, req_to_token=b.req_to_token,
                  req_pool_indices=b.req_pool_indices, seq_lens=b.seq_lens,
                  tree_mask=b.tree_mask, impl=b.impl)
-    return AttnPlan(b.out_cache_loc, lambda q, k, v: fn(q, k, v))
+    return AttnPlan(b.out_cache_loc, fn)
 
 
-def _store_kv(k_cache, v_cache, loc, k, v):
-    from padgraph.backends.triton.store import store_kv
-    store_kv(k_cache, v_cache, loc, k, v)
+def store_kv(k_cache, v_cache, loc, k, v):
+    """k / v [n_tok, kv_heads, D] into the layer's cache at slots `loc` (the Triton store,
+    imported on first use)."""
+    from padgraph.backends.triton import store
+    store.store_kv(k_cache, v_cache, loc, k, v)
 
 
 # ---------------------------------------------------------------------------------------- layers
@@ -158,7 +161,7 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, rope, batch: AttnPlan, k_cache, v_cache):
         q, k, v = self.qkv(x, positions, rope)
-        _store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
+        store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
         o = batch.attend(q, k_cache, v_cache)                         # [n, Hq, D]
         return self.o_proj(o.reshape(o.shape[0], -1))
 
