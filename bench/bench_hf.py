@@ -242,9 +242,11 @@ def run_variant(name, model, prompts, clock, results, backend):
     if name in PG_COMPILE:
         dec, secs = clock.seconds(lambda: pghf.Decoder(model, max_batch=max(prompts), max_len=CTX + HEADROOM,
                                                        backend=backend, torch_compile=PG_COMPILE[name]))
+        st = dec.runner.stats
         results["warmup"][name] = {"seconds": secs, "ladder": list(dec.program.buckets),
-                                   "compiles": dec.runner.stats.compiles}
-        print(f"{name}: Decoder(...) {secs:.1f} s for the ladder {list(dec.program.buckets)}", flush=True)
+                                   "compiles": st.compiles, "compile_seconds": st.compile_seconds}
+        print(f"{name}: Decoder(...) {secs:.1f} s for the ladder {list(dec.program.buckets)} "
+              f"({st.compiles} compiles, {st.compile_seconds:.1f} s of it compiling)", flush=True)
     warm_total, skip_total, reasons = 0.0, 0, []
     for bs, ids in prompts.items():
         if dec is not None:
