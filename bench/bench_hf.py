@@ -11,6 +11,8 @@ padgraph.hf against HF's own ways, in one process on the same weights.
   padgraph      padgraph.hf.Decoder, HF's eager forward inside padgraph's CUDA graphs
   pg+compile    the same with torch_compile=True: one size-oblivious compilation for the whole ladder
   pg+compile-dyn  torch_compile={} (torch's dynamic shapes: bucket 1 compiles a graph of its own)
+  pg+layers     torch_compile="layers": the decoder layers compiled as regions (one graph they all
+                share), with the final norm and the rotary embedding; the rest eager in the graph
 
 For hf-auto and hf-compiled every "skipping cudagraphs" reason torch logs is printed and the
 count of torch's `counters["inductor"]["cudagraph_skips"]` kept: a peer whose graphs were skipped
@@ -46,12 +48,12 @@ from transformers import StaticCache
 import padgraph.hf as pghf
 
 SIZES = [1, 4, 16, 64]
-VARIANTS = ["hf-eager", "hf-auto", "hf-compiled", "padgraph", "pg+compile", "pg+compile-dyn"]
-PG_COMPILE = {"padgraph": False, "pg+compile": True, "pg+compile-dyn": {}}     # Decoder's torch_compile
+VARIANTS = ["hf-eager", "hf-auto", "hf-compiled", "padgraph", "pg+compile", "pg+compile-dyn", "pg+layers"]
+PG_COMPILE = {"padgraph": False, "pg+compile": True, "pg+compile-dyn": {}, "pg+layers": "layers"}  # torch_compile
 # generate's cache keyword: `past_key_values` through transformers 5.17, `cache` after (the old name warns)
 CACHE_KWARG = "cache" if "cache" in getattr(transformers.generation.utils, "ALL_CACHE_NAMES", ()) \
     else "past_key_values"
-RUN_ORDER = ["hf-eager", "pg+compile", "hf-compiled", "hf-auto", "padgraph", "pg+compile-dyn"]   # hf-eager: the token reference
+RUN_ORDER = ["hf-eager", "pg+compile", "pg+layers", "hf-compiled", "hf-auto", "padgraph", "pg+compile-dyn"]   # hf-eager: the token reference
 CUDA_ONLY = {"hf-auto", "hf-compiled"}
 CTX, STEPS, ITERS, HEADROOM = 256, 16, 50, 128      # STEPS + ITERS + warm steps fit in HEADROOM
 

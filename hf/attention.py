@@ -8,9 +8,14 @@ padgraph's padded view. The function stores k and v into the paged cache at the 
 attends over it; the layer's cache is `module.layer_idx`'s.
 
 Padded lanes (request row 0, position 0, seq_len 1) write only the sink slot 0 and read only it.
+
+A decode whose layers are compiled as regions (one graph every layer shares) reads its layer's
+cache from the attention module itself, bound for the call (`bound`), not through `layer_idx`:
+dynamo guards on a Python int it indexes with, and would compile a graph per layer.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +23,7 @@ import torch
 from .errors import NotBoundError
 
 NAME = "padgraph"
+BOUND_KV = "_padgraph_kv"     # an attention module's (k_cache, v_cache) while a regional decode runs
 
 
 @dataclass(frozen=True)
@@ -38,8 +44,9 @@ class Prefill:
     positions: torch.Tensor     # [n, P] int64: the token's position in its request
     valid: torch.Tensor         # [n, P] bool: False on left pads
 
-    def attend(self, idx: int, q, k, v, layer: Layer):
+    def attend(self, module, q, k, v, layer: Layer):
         """q [n, h, P, d], k / v [n, kv_heads, P, d] -> [n, P, h, d]."""
+        idx = module.layer_idx
         store(self.kv[2 * idx], self.kv[2 * idx + 1], self.slots.reshape(-1), k, v)
         n, P = self.valid.shape
         causal = torch.ones(P, P, dtype=torch.bool, device=q.device).tril()            # [P, P]
@@ -58,14 +65,16 @@ class Decode:
     rows: torch.Tensor          # [bs] int64: the request's row (padded lanes: 0)
     positions: torch.Tensor     # [bs] int64: the new token's position (padded lanes: 0)
     kernel: object = None       # Triton paged decode attention, or None for the torch path
+    bound: bool = False         # each attention module holds its (k_cache, v_cache): see `bound`
 
     def __post_init__(self):    # once per forward, for every layer
         self.out_cache_loc = self.req_to_token[self.rows, self.positions].long()        # [bs]: padded -> slot 0
         self.seq_lens = (self.positions + 1).to(torch.int32)                           # [bs]: padded -> 1
 
-    def attend(self, idx: int, q, k, v, layer: Layer):
+    def attend(self, module, q, k, v, layer: Layer):
         """q [bs, h, 1, d], k / v [bs, kv_heads, 1, d] -> [bs, 1, h, d]."""
-        k_cache, v_cache = self.kv[2 * idx], self.kv[2 * idx + 1]
+        k_cache, v_cache = getattr(module, BOUND_KV) if self.bound else (self.kv[2 * module.layer_idx],
+                                                                           self.kv[2 * module.layer_idx + 1])
         store(k_cache, v_cache, self.out_cache_loc, k, v)
         if self.kernel is not None and kernel_serves(layer, self.req_to_token.shape[1]):
             o = self.kernel(q[:, :, 0], k_cache, v_cache, self.req_to_token, self.rows, self.seq_lens,
@@ -134,7 +143,27 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
                             f"padgraph_batch must be passed, got none")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     layer = Layer(scaling, kwargs.get("sliding_window"), kwargs.get("softcap"))
-    return padgraph_batch.attend(module.layer_idx, query, key, value, layer), None
+    return padgraph_batch.attend(module, query, key, value, layer), None
+
+
+@contextlib.contextmanager
+def bound(modules, kv: list, batch: Decode):
+    """For a decode whose layers are compiled regions: every attention module holds its layer's
+    (k_cache, v_cache) of `kv` for the call, and the batch's per-lane tensors are marked dynamic
+    (a region sees them through the `padgraph_batch` object, where padgraph's marking of the
+    region's arguments does not reach). `modules` None: nothing to bind."""
+    if modules is None:
+        yield
+        return
+    for t in (batch.rows, batch.positions, batch.out_cache_loc, batch.seq_lens):
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    for m in modules:
+        setattr(m, BOUND_KV, (kv[2 * m.layer_idx], kv[2 * m.layer_idx + 1]))
+    try:
+        yield
+    finally:
+        for m in modules:
+            delattr(m, BOUND_KV)
 
 
 def register() -> None:

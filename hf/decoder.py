@@ -78,24 +78,53 @@ def graph_safe_experts(device: torch.device) -> str | None:
 class DecodeBody:
     """The decode program's body: the model's forward over the padded view, greedy next token."""
 
-    def __init__(self, model, kernel=None):
+    def __init__(self, model, kernel=None, regional: bool = False):
+        """regional: the model's layers are compiled regions; each attention module then holds
+        its layer's cache for the call (`attention.bound`), so one graph serves every layer."""
         self.model, self.kernel = model, kernel
+        self.modules = [m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "layer_idx")] \
+            if regional else None
 
     def __call__(self, x):
-        batch = Decode(x.kv, x.req_to_token, x.req_pool_indices, x.positions, self.kernel)
-        logits = self.model(input_ids=x.input_ids[:, None], position_ids=x.positions[:, None],
-                            use_cache=False, padgraph_batch=batch).logits             # [bs, 1, vocab]
+        batch = Decode(x.kv, x.req_to_token, x.req_pool_indices, x.positions, self.kernel,
+                       bound=self.modules is not None)
+        with attention.bound(self.modules, x.kv, batch):
+            logits = self.model(input_ids=x.input_ids[:, None], position_ids=x.positions[:, None],
+                                use_cache=False, padgraph_batch=batch).logits         # [bs, 1, vocab]
         return {"next_token": logits[:, -1].argmax(-1)}                                # [bs]
 
 
-def compile_spec(torch_compile):
-    """The Decoder's `torch_compile` as pg.compile's: False / None: none; True: a size-oblivious
-    trace for the whole ladder (with transformers 5.25, one graph for each of 8 architectures on
-    the CPU, bucket 1 included, where dynamic shapes compile two; 5.17's rotary still guards on a
-    batch of one, so bucket 1 compiles its own there); a dict as given."""
+def compile_spec(torch_compile, model):
+    """The Decoder's `torch_compile` as pg.compile's: False / None: none; True: the whole forward,
+    one size-oblivious trace for the whole ladder (with transformers 5.25, one graph for each of 8
+    architectures on the CPU, bucket 1 included, where dynamic shapes compile two; 5.17's rotary
+    still guards on a batch of one, so bucket 1 compiles its own there); "layers": regionally,
+    size-obliviously, the decoder layers (one graph all of them share) and the decoder's other
+    per-step modules (its final norm, its rotary embedding), the rest of the forward eager in the
+    captured graph; a dict as given."""
     if torch_compile is None or torch_compile is False:
         return None
-    return {"size_oblivious": True} if torch_compile is True else torch_compile
+    if torch_compile is True:
+        return {"size_oblivious": True}
+    if torch_compile == "layers":
+        return {"regions": layer_regions(model), "size_oblivious": True}
+    if isinstance(torch_compile, str):
+        raise pg.ContractValueError(f"padgraph.hf.Decoder: torch_compile must be False, True, \"layers\" or a "
+                                    f"pg.compile torch_compile dict, got {torch_compile!r}")
+    return torch_compile
+
+
+def layer_regions(model) -> list:
+    """The decoder's layers (its ModuleList) and its other children but the embedding: the modules
+    a regional compile of an HF decoder covers."""
+    decoder = model.get_decoder()
+    layers = [c for c in decoder.children() if isinstance(c, torch.nn.ModuleList)]
+    if len(layers) != 1:
+        raise pg.ContractValueError(f"padgraph.hf.Decoder: torch_compile=\"layers\" needs one ModuleList of "
+                                    f"layers in {type(decoder).__name__}, found {len(layers)}")
+    rest = [c for c in decoder.children() if not isinstance(c, (torch.nn.ModuleList, torch.nn.Embedding,
+                                                                 torch.nn.Dropout))]
+    return [*layers[0], *rest]
 
 
 def triton_decode_kernel(backend: str, device: torch.device, dtype: torch.dtype):
@@ -142,19 +171,22 @@ class Decoder:
         self.cache = PagedCache(cache_shape(model), max_batch, max_len, device)
         ladder = pg.Buckets(buckets) if buckets is not None else pg.Buckets.default(max_batch)
         self.program = decode_program(ladder)
-        self.body = DecodeBody(model, triton_decode_kernel(backend, device, self.cache.shape.dtype))
+        spec = compile_spec(torch_compile, model)
+        self.body = DecodeBody(model, triton_decode_kernel(backend, device, self.cache.shape.dtype),
+                               regional=bool(spec and spec.get("regions")))
         with self.serving(), torch.no_grad():
             try:
                 self.runner = pg.compile(self.program, self.body, backend=backend, state=self.state(),
-                                         copy_outputs=True, torch_compile=compile_spec(torch_compile), **options)
+                                         copy_outputs=True, torch_compile=spec, **options)
             except pg.CaptureError as e:
-                if torch_compile is not True:
+                if torch_compile not in (True, "layers"):
                     raise
                 warnings.warn(f"padgraph.hf.Decoder: size-oblivious compilation of {type(model).__name__}'s "
                               f"forward failed ({e}); compiling with torch's dynamic shapes (bucket 1 compiles "
                               f"a graph of its own)", RuntimeWarning, stacklevel=2)
                 self.runner = pg.compile(self.program, self.body, backend=backend, state=self.state(),
-                                         copy_outputs=True, torch_compile={}, **options)
+                                         copy_outputs=True, torch_compile={**spec, "size_oblivious": False},
+                                         **options)
 
     def serving(self):
         return serving(self.model, self.experts)

@@ -38,9 +38,9 @@ class Paged:
     plan: AttnPlan
     kv: object
 
-    def attend(self, idx: int, q, k, v, layer: Layer):
+    def attend(self, module, q, k, v, layer: Layer):
         """q [1, h, n, d], k / v [1, kv_heads, n, d] (n packed tokens) -> [1, n, h, d]."""
-        k_cache, v_cache = self.kv.k[idx], self.kv.v[idx]
+        k_cache, v_cache = self.kv.k[module.layer_idx], self.kv.v[module.layer_idx]
         dtype = q.dtype
         q, k, v = (t[0].transpose(0, 1).to(k_cache.dtype) for t in (q, k, v))      # [n, heads, d]
         store_kv(k_cache, v_cache, self.plan.out_cache_loc, k, v)
@@ -65,8 +65,8 @@ class Probe:
 
     layers: dict
 
-    def attend(self, idx: int, q, k, v, layer: Layer):
-        self.layers[idx] = layer
+    def attend(self, module, q, k, v, layer: Layer):
+        self.layers[module.layer_idx] = layer
         return q.transpose(1, 2)                                                       # [b, n, h, d]
 
 

@@ -142,3 +142,39 @@ def test_torch_compile_true_traces_the_ladder_once():
     from packaging.version import Version
     most = 1 if Version(transformers.__version__) >= Version("5.25") else 2
     assert dec.runner.stats.compiles <= most, dec.runner.stats
+
+
+def _layers_decoder(name: str, n_layers: int):
+    from test_hf_models import MAX_LEN, configs
+    cls, cfg = configs()[name]
+    d = {**cfg.to_dict(), "num_hidden_layers": n_layers}
+    if d.get("layer_types"):                                            # one type per layer
+        d["layer_types"] = [d["layer_types"][i % len(d["layer_types"])] for i in range(n_layers)]
+    cfg = type(cfg).from_dict(d)
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    return model, pghf.Decoder(model, max_batch=5, max_len=MAX_LEN, backend="reference", torch_compile="layers")
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_torch_compile_layers_shares_one_graph_among_the_layers(name):
+    """torch_compile="layers": HF's tokens, and as many graphs for 4 layers as for 2 (the attention
+    function reads its cache from the module, bound per call, not through layer_idx, which dynamo
+    would specialise a graph on); nothing stays bound on the model after a call."""
+    from test_hf_models import NEW
+    compiles = []
+    for n_layers in (2, 4):
+        model, dec = _layers_decoder(name, n_layers)
+        for n in (3, 1):
+            ids, mask = prompts(n, seed=n)
+            with torch.no_grad():
+                ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
+            assert dec.generate(ids, attention_mask=mask, max_new_tokens=NEW).tolist() == ref.tolist()
+        compiles.append(dec.runner.stats.compiles)
+        assert not [m for m in model.modules() if hasattr(m, pghf.attention.BOUND_KV)]
+    assert compiles[0] == compiles[1], f"graphs for 2 and 4 layers: {compiles}"
+
+
+def test_torch_compile_rejects_an_unknown_mode():
+    with pytest.raises(pg.ContractValueError, match="torch_compile"):
+        pghf.Decoder(build("llama"), max_batch=2, max_len=16, backend="reference", torch_compile="everything")
