@@ -9,10 +9,10 @@ padgraph.hf against HF's own ways, in one process on the same weights.
                 + StaticCache, every cache tensor marked a static address (keys, values and the
                 write counters), so inductor's cudagraphs are not skipped for "mutated inputs"
   padgraph      padgraph.hf.Decoder, HF's eager forward inside padgraph's CUDA graphs
-  pg+compile    the same with torch_compile=True: one size-oblivious compilation for the whole ladder
-  pg+compile-dyn  torch_compile={} (torch's dynamic shapes: bucket 1 compiles a graph of its own)
-  pg+layers     torch_compile="layers": the decoder layers compiled as regions (one graph they all
-                share), with the final norm and the rotary embedding; the rest eager in the graph
+  pg+compile    the same with torch_compile=True: the decoder layers compiled as regions (one
+                graph they all share), with the final norm and the rotary embedding, size-obliviously
+  pg+whole      torch_compile="whole": the whole forward, one size-oblivious trace for the ladder
+  pg+compile-dyn  torch_compile={} (the whole forward, torch's dynamic shapes)
 
 For hf-auto and hf-compiled every "skipping cudagraphs" reason torch logs is printed and the
 count of torch's `counters["inductor"]["cudagraph_skips"]` kept: a peer whose graphs were skipped
@@ -48,12 +48,12 @@ from transformers import StaticCache
 import padgraph.hf as pghf
 
 SIZES = [1, 4, 16, 64]
-VARIANTS = ["hf-eager", "hf-auto", "hf-compiled", "padgraph", "pg+compile", "pg+compile-dyn", "pg+layers"]
-PG_COMPILE = {"padgraph": False, "pg+compile": True, "pg+compile-dyn": {}, "pg+layers": "layers"}  # torch_compile
+VARIANTS = ["hf-eager", "hf-auto", "hf-compiled", "padgraph", "pg+compile", "pg+whole", "pg+compile-dyn"]
+PG_COMPILE = {"padgraph": False, "pg+compile": True, "pg+whole": "whole", "pg+compile-dyn": {}}  # torch_compile
 # generate's cache keyword: `past_key_values` through transformers 5.17, `cache` after (the old name warns)
 CACHE_KWARG = "cache" if "cache" in getattr(transformers.generation.utils, "ALL_CACHE_NAMES", ()) \
     else "past_key_values"
-RUN_ORDER = ["hf-eager", "pg+compile", "pg+layers", "hf-compiled", "hf-auto", "padgraph", "pg+compile-dyn"]   # hf-eager: the token reference
+RUN_ORDER = ["hf-eager", "pg+compile", "pg+whole", "hf-compiled", "hf-auto", "padgraph", "pg+compile-dyn"]   # hf-eager: the token reference
 CUDA_ONLY = {"hf-auto", "hf-compiled"}
 CTX, STEPS, ITERS, HEADROOM = 256, 16, 50, 128      # STEPS + ITERS + warm steps fit in HEADROOM
 
@@ -218,7 +218,12 @@ def run_hf_auto(model, ids, clock: Clock):
     """HF's generate with a static cache, which compiles the forward itself. Every call gets a
     fresh StaticCache of one length (CTX + HEADROOM): with `cache_implementation="static"` the
     cache is sized by each call's `max_new_tokens`, so the two timed lengths recompiled the
-    forward (their step time then held compile time) and cudagraph trees failed on the change."""
+    forward (their step time then held compile time) and cudagraph trees failed on the change.
+    Each batch size starts from `torch._dynamo.reset()`, as a process serving one size would: on
+    the H200 (torch 2.11, transformers 5.17) generate ran bs 1, then failed inside torch's
+    cudagraph trees at bs 4 ("length mismatch between inputs, recorded_data_ptr, and
+    placeholders") with the first size's graphs still held."""
+    torch._dynamo.reset()
     def gen(n):
         cache = StaticCache(config=model.config, max_cache_len=CTX + HEADROOM)
         with torch.no_grad():

@@ -95,22 +95,27 @@ class DecodeBody:
 
 
 def compile_spec(torch_compile, model):
-    """The Decoder's `torch_compile` as pg.compile's: False / None: none; True: the whole forward,
-    one size-oblivious trace for the whole ladder (with transformers 5.25, one graph for each of 8
-    architectures on the CPU, bucket 1 included, where dynamic shapes compile two; 5.17's rotary
-    still guards on a batch of one, so bucket 1 compiles its own there); "layers": regionally,
-    size-obliviously, the decoder layers (one graph all of them share) and the decoder's other
-    per-step modules (its final norm, its rotary embedding), the rest of the forward eager in the
-    captured graph; a dict as given."""
+    """The Decoder's `torch_compile` as pg.compile's.
+
+    False / None: no compilation (HF's eager forward inside padgraph's graphs).
+    True or "layers": regional, size-oblivious: the decoder layers compiled as regions that share
+        one graph (per distinct layer kind: Gemma's sliding and full layers are two), with the
+        decoder's other per-step modules (final norm, rotary embedding); the embedding, lm_head
+        and argmax run eagerly inside the captured graph. On the H200 this warmed a Llama-1B
+        ladder of 12 buckets in 5.5 s against 45.4 s for "whole", at the same step time within
+        -1 % / +6 % (results/bench_hf.md).
+    "whole": the whole forward traced once, size-obliviously, for the ladder (bucket 1 compiles
+        a graph of its own where an op guards on a batch of one: transformers 5.17's rotary).
+    A dict: pg.compile's `torch_compile` as given."""
     if torch_compile is None or torch_compile is False:
         return None
-    if torch_compile is True:
-        return {"size_oblivious": True}
-    if torch_compile == "layers":
+    if torch_compile is True or torch_compile == "layers":
         return {"regions": layer_regions(model), "size_oblivious": True}
+    if torch_compile == "whole":
+        return {"size_oblivious": True}
     if isinstance(torch_compile, str):
-        raise pg.ContractValueError(f"padgraph.hf.Decoder: torch_compile must be False, True, \"layers\" or a "
-                                    f"pg.compile torch_compile dict, got {torch_compile!r}")
+        raise pg.ContractValueError(f"padgraph.hf.Decoder: torch_compile must be False, True, \"layers\", "
+                                    f"\"whole\" or a pg.compile torch_compile dict, got {torch_compile!r}")
     return torch_compile
 
 
@@ -141,8 +146,9 @@ class Decoder:
     decode program, with no change to the model and no HF cache.
 
     max_batch: requests per `generate`; max_len: prompt (padding included) plus new tokens.
-    backend: "cuda" (CUDA graphs) or "reference" (eager, any device); torch_compile: as
-    `pg.compile`'s; buckets: the decode ladder (default `pg.Buckets.default(max_batch)`);
+    backend: "cuda" (CUDA graphs) or "reference" (eager, any device); torch_compile: False, True
+    (the decoder layers compiled as regions sharing one graph), "whole" (the whole forward) or a
+    `pg.compile` torch_compile dict (`compile_spec`); buckets: the decode ladder (default `pg.Buckets.default(max_batch)`);
     options: passed to `pg.compile` (e.g. the cuda backend's `warmup`, `restore_state`).
     draft: `Eagle(...)` decodes speculatively with an EAGLE head (distilled here unless given)
     through padgraph.llm's prefill / draft / verify / draft-extend programs; the tokens stay the
@@ -179,7 +185,7 @@ class Decoder:
                 self.runner = pg.compile(self.program, self.body, backend=backend, state=self.state(),
                                          copy_outputs=True, torch_compile=spec, **options)
             except pg.CaptureError as e:
-                if torch_compile not in (True, "layers"):
+                if not (torch_compile is True or torch_compile in ("layers", "whole")):
                     raise
                 warnings.warn(f"padgraph.hf.Decoder: size-oblivious compilation of {type(model).__name__}'s "
                               f"forward failed ({e}); compiling with torch's dynamic shapes (bucket 1 compiles "

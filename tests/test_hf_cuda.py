@@ -14,7 +14,7 @@ pytestmark = pytest.mark.cuda
 
 
 @pytest.mark.parametrize("name", list(configs()))
-@pytest.mark.parametrize("torch_compile", [False, True, "layers"], ids=["eager", "compiled", "layers"])
+@pytest.mark.parametrize("torch_compile", [False, True, "whole"], ids=["eager", "compiled", "whole"])
 def test_cuda_tokens_equal_hf_generate(name, torch_compile):
     if torch_compile and name not in ("llama", "gemma2", "mixtral"):
         pytest.skip("compiled: one full-attention, one sliding + soft-cap, one MoE model")

@@ -126,12 +126,12 @@ def test_moe_experts_run_graph_safe_while_serving_and_are_restored(name, monkeyp
     assert model.config._experts_implementation == before
 
 
-def test_torch_compile_true_traces_the_ladder_once():
-    """torch_compile=True: one size-oblivious trace for the ladder (bucket 1 included where the
-    model's ops do not specialise on a batch of one)."""
+def test_torch_compile_whole_traces_the_ladder_once():
+    """torch_compile="whole": one size-oblivious trace of the forward for the ladder (bucket 1
+    included where the model's ops do not specialise on a batch of one)."""
     from test_hf_models import MAX_LEN, NEW
     model = build("qwen3")
-    dec = pghf.Decoder(model, max_batch=5, max_len=MAX_LEN, backend="reference", torch_compile=True)
+    dec = pghf.Decoder(model, max_batch=5, max_len=MAX_LEN, backend="reference", torch_compile="whole")
     for n in (1, 4, 2):
         ids, mask = prompts(n, seed=n)
         with torch.no_grad():
@@ -153,12 +153,12 @@ def _layers_decoder(name: str, n_layers: int):
     cfg = type(cfg).from_dict(d)
     torch.manual_seed(0)
     model = cls(cfg).eval()
-    return model, pghf.Decoder(model, max_batch=5, max_len=MAX_LEN, backend="reference", torch_compile="layers")
+    return model, pghf.Decoder(model, max_batch=5, max_len=MAX_LEN, backend="reference", torch_compile=True)
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3"])
 def test_torch_compile_layers_shares_one_graph_among_the_layers(name):
-    """torch_compile="layers": HF's tokens, and as many graphs for 4 layers as for 2 (the attention
+    """torch_compile=True (regional, "layers"): HF's tokens, and as many graphs for 4 layers as for 2 (the attention
     function reads its cache from the module, bound per call, not through layer_idx, which dynamo
     would specialise a graph on); nothing stays bound on the model after a call."""
     from test_hf_models import NEW
