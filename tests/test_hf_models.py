@@ -104,3 +104,17 @@ def test_compiled_body_one_graph():
             ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6)
         assert dec.generate(ids, attention_mask=mask, max_new_tokens=6).tolist() == ref.tolist()
     assert dec.runner.stats.compiles >= 1 and dec.runner.stats.recompiles <= 1, dec.runner.stats
+
+
+@pytest.mark.parametrize("name", list(configs()))
+def test_default_compiled_decoder_gives_hf_tokens(name):
+    """torch_compile=True (the decoder layers compiled as regions, the rest eager) on every
+    architecture: HF generate's tokens at bs 3 and 1."""
+    model = build(name)
+    dec = pghf.Decoder(model, max_batch=5, max_len=MAX_LEN, backend="reference", torch_compile=True)
+    for n in (3, 1):
+        ids, mask = prompts(n, seed=n + 20)
+        with torch.no_grad():
+            ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
+        assert dec.generate(ids, attention_mask=mask, max_new_tokens=NEW).tolist() == ref.tolist(), name
+    assert dec.runner.stats.compiles >= 1, dec.runner.stats
