@@ -98,7 +98,8 @@ def compile_spec(torch_compile, model):
     """The Decoder's `torch_compile` as pg.compile's.
 
     False / None: no compilation (HF's eager forward inside padgraph's graphs).
-    True or "layers": regional, size-oblivious: the decoder layers compiled as regions that share
+    True or "layers": regional, size-oblivious (True falls back to "whole", with a warning, for a
+        decoder without exactly one ModuleList of layers): the decoder layers compiled as regions that share
         one graph (per distinct layer kind: Gemma's sliding and full layers are two), with the
         decoder's other per-step modules (final norm, rotary embedding); the embedding, lm_head
         and argmax run eagerly inside the captured graph. On the H200 this warmed a Llama-1B
@@ -110,7 +111,14 @@ def compile_spec(torch_compile, model):
     if torch_compile is None or torch_compile is False:
         return None
     if torch_compile is True or torch_compile == "layers":
-        return {"regions": layer_regions(model), "size_oblivious": True}
+        try:
+            return {"regions": layer_regions(model), "size_oblivious": True}
+        except pg.ContractValueError as e:
+            if torch_compile == "layers":
+                raise
+            warnings.warn(f"padgraph.hf.Decoder: {e}; torch_compile=True compiles the whole forward instead",
+                          RuntimeWarning, stacklevel=3)
+            return {"size_oblivious": True}
     if torch_compile == "whole":
         return {"size_oblivious": True}
     if isinstance(torch_compile, str):

@@ -178,3 +178,19 @@ def test_torch_compile_layers_shares_one_graph_among_the_layers(name):
 def test_torch_compile_rejects_an_unknown_mode():
     with pytest.raises(pg.ContractValueError, match="torch_compile"):
         pghf.Decoder(build("llama"), max_batch=2, max_len=16, backend="reference", torch_compile="everything")
+
+
+def test_torch_compile_true_without_one_layer_list_compiles_the_whole_forward():
+    """A decoder whose layers are not one ModuleList: True warns and traces the whole forward
+    (still HF's tokens); "layers" refuses."""
+    from test_hf_models import MAX_LEN, NEW
+    model = build("llama")
+    model.model.extra = torch.nn.ModuleList([torch.nn.Identity()])        # a second ModuleList
+    with pytest.raises(pg.ContractValueError, match="ModuleList"):
+        pghf.Decoder(model, max_batch=2, max_len=MAX_LEN, backend="reference", torch_compile="layers")
+    with pytest.warns(RuntimeWarning, match="whole forward"):
+        dec = pghf.Decoder(model, max_batch=2, max_len=MAX_LEN, backend="reference", torch_compile=True)
+    ids, mask = prompts(2, seed=3)
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
+    assert dec.generate(ids, attention_mask=mask, max_new_tokens=NEW).tolist() == ref.tolist()
