@@ -29,6 +29,7 @@ own slice of the state instead.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import time
@@ -291,14 +292,27 @@ class _RegionCall:
         self.fn, self.module, self.sizes, self.fullgraph = fn, module, sizes, fullgraph
 
     def __call__(self, *args, **kwargs):
-        for t in torch.utils._pytree.tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] in self.sizes:
+        for t in _tensors_in((args, kwargs)):
+            if t.dim() and t.shape[0] in self.sizes:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
         try:
             return self.fn(self.module, *args, **kwargs)
         except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.TorchRuntimeError) as e:
             return _traced_failure(e, self.fullgraph,
                                    lambda: type(self.module).forward(self.module, *args, **kwargs))
+
+
+def _tensors_in(tree) -> list[torch.Tensor]:
+    """The tensors of a region call's arguments: pytree leaves, and the tensor attributes of a
+    dataclass leaf (a per-call metadata object such as an attention batch, which dynamo traces
+    into like any argument)."""
+    out = []
+    for leaf in torch.utils._pytree.tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor):
+            out.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            out += [v for v in vars(leaf).values() if isinstance(v, torch.Tensor)]
+    return out
 
 
 def _traced_failure(e: Exception, fullgraph: bool, eager: Callable):

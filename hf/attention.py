@@ -147,16 +147,13 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
 
 
 @contextlib.contextmanager
-def bound(modules, kv: list, batch: Decode):
+def bound(modules, kv: list):
     """For a decode whose layers are compiled regions: every attention module holds its layer's
-    (k_cache, v_cache) of `kv` for the call, and the batch's per-lane tensors are marked dynamic
-    (a region sees them through the `padgraph_batch` object, where padgraph's marking of the
-    region's arguments does not reach). `modules` None: nothing to bind."""
+    (k_cache, v_cache) of `kv` for the call (`batch.bound` tells `attend` to read it there).
+    `modules` None: nothing to bind."""
     if modules is None:
         yield
         return
-    for t in (batch.rows, batch.positions, batch.out_cache_loc, batch.seq_lens):
-        torch._dynamo.maybe_mark_dynamic(t, 0)
     for m in modules:
         setattr(m, BOUND_KV, (kv[2 * m.layer_idx], kv[2 * m.layer_idx + 1]))
     try:

@@ -20,7 +20,7 @@ import padgraph as pg
 from . import attention
 from .attention import Decode, Prefill
 from .cache import SINK, PagedCache
-from .support import cache_shape, check_supported, device_of
+from .support import attention_modules, cache_shape, check_supported, device_of
 
 PROGRAM = "hf_decode"
 
@@ -82,13 +82,12 @@ class DecodeBody:
         """regional: the model's layers are compiled regions; each attention module then holds
         its layer's cache for the call (`attention.bound`), so one graph serves every layer."""
         self.model, self.kernel = model, kernel
-        self.modules = [m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "layer_idx")] \
-            if regional else None
+        self.modules = attention_modules(model) if regional else None
 
     def __call__(self, x):
         batch = Decode(x.kv, x.req_to_token, x.req_pool_indices, x.positions, self.kernel,
                        bound=self.modules is not None)
-        with attention.bound(self.modules, x.kv, batch):
+        with attention.bound(self.modules, x.kv):
             logits = self.model(input_ids=x.input_ids[:, None], position_ids=x.positions[:, None],
                                 use_cache=False, padgraph_batch=batch).logits         # [bs, 1, vocab]
         return {"next_token": logits[:, -1].argmax(-1)}                                # [bs]

@@ -34,9 +34,14 @@ def check_supported(model) -> None:
         raise UnsupportedModelError(f"padgraph.hf.Decoder({name}): no attention module with a layer_idx found")
 
 
+def attention_modules(model) -> list:
+    """Every attention module: those with q_proj and a layer_idx."""
+    return [m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "layer_idx")]
+
+
 def attention_layers(model) -> list[int]:
-    """layer_idx of every attention module (those with q_proj and a layer_idx), sorted."""
-    return sorted({m.layer_idx for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "layer_idx")})
+    """layer_idx of every attention module, sorted."""
+    return sorted({m.layer_idx for m in attention_modules(model)})
 
 
 def cache_shape(model) -> Shape:

@@ -1,4 +1,5 @@
 """`torch_compile=`: one torch.compile of the body for the whole ladder, on every backend."""
+import dataclasses
 import functools
 
 import pytest
@@ -244,6 +245,46 @@ def test_regions_with_a_shared_decorator_compile_on_their_own_code_objects(no_co
     # object; on the shared `wrapped` they would share guards, recompile limit and size history
     assert runner.stats.compiles == 4, runner.stats.table()
     assert not entries(shared), f"{len(entries(shared))} graphs cached on the decorator's shared code object"
+
+
+@dataclasses.dataclass
+class _Meta:
+    """Per-call metadata a region reads through an object, as an attention batch."""
+    scale: torch.Tensor             # [bs]
+
+    def __post_init__(self):
+        self.shift = self.scale * 2  # an attribute that is not a field
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, h, meta=None):
+        return (h @ self.w) * meta.scale[:, None] + meta.shift[:, None]
+
+
+def test_region_marks_the_tensors_of_a_dataclass_argument(no_compile_caches):
+    """A region reading [bs] tensors through a dataclass argument: they are marked dynamic with
+    the region's tensor arguments, so the ladder takes one size-oblivious graph, not one more
+    after dynamo's automatic dynamic shapes notice them change."""
+    torch._dynamo.reset()
+    layer = _Scaled()
+    prog = pg.Program("meta", inputs={"h": pg.Input((bs, 8), torch.float32, pad=0.0),
+                                      "s": pg.Input((bs,), torch.float32, pad=0.0)},
+                      outputs={"y": pg.Output((bs, 8), torch.float32)}, buckets=pg.Buckets([1, 2, 4, 8]))
+
+    def body(x):
+        return {"y": layer(x.h, meta=_Meta(x.s))}
+
+    runner = pg.compile(prog, body, backend="reference",
+                        torch_compile={"regions": [layer], "fullgraph": True, "size_oblivious": True})
+    with torch.no_grad():
+        for n in (8, 3, 1, 5):
+            h, sc = torch.randn(n, 8), torch.randn(n)
+            torch.testing.assert_close(runner(h=h, s=sc).y, (h @ layer.w) * sc[:, None] + 2 * sc[:, None])
+    assert runner.stats.compiles == 1 and runner.stats.recompiles == 0, runner.stats.table()
 
 
 def test_regions_must_be_modules():
