@@ -56,6 +56,7 @@ CACHE_KWARG = "cache" if "cache" in getattr(transformers.generation.utils, "ALL_
 RUN_ORDER = ["hf-eager", "pg+compile", "pg+whole", "hf-compiled", "hf-auto", "padgraph", "pg+compile-dyn"]   # hf-eager: the token reference
 CUDA_ONLY = {"hf-auto", "hf-compiled"}
 CTX, STEPS, ITERS, HEADROOM = 256, 16, 50, 128      # STEPS + ITERS + warm steps fit in HEADROOM
+PROFILE: set[int] = set()                           # --profile: the batch sizes whose step kernels are listed
 
 
 def model_config(name: str, tiny: bool):
@@ -152,6 +153,7 @@ class Run:
     warm_s: float                   # seconds of the calls that compiled / recorded graphs
     skips: "Skips | None" = None
     margins: tuple | None = None    # hf-eager: (top-2 gap, tie tolerance), each [bs, STEPS]
+    timed: object = None            # timed(i): the step that was timed (i < ITERS), for --profile
 
 
 # ---- the peers ----------------------------------------------------------------------------------
@@ -180,9 +182,10 @@ def run_hf_static(model, ids, clock: Clock, compiled: bool):
 
     with Skips() as skips:
         toks, warm = greedy(step, tok, clock)
-    ms = clock.median_ms(lambda i: step(toks[:, -1], STEPS + i), ITERS)
+    timed = lambda i: step(toks[:, -1], STEPS + i)                                  # noqa: E731
+    ms = clock.median_ms(timed, ITERS)
     gap_tol = None if compiled else tuple(torch.stack(m[:STEPS], 1) for m in zip(*margins))   # [bs, STEPS] each
-    return Run(toks, ms, warm, skips, gap_tol)
+    return Run(toks, ms, warm, skips, gap_tol, timed)
 
 
 def tie_margin(logits):
@@ -240,7 +243,32 @@ def run_padgraph(dec, ids, clock: Clock):
     tok, lens = dec.prefill(ids, torch.ones_like(ids))
     pos = lens[None, :] + torch.arange(HEADROOM, device=ids.device)[:, None]          # [HEADROOM, bs], made once
     toks, _ = greedy(lambda t, i: dec.step(t, pos[i]), tok, clock)
-    return Run(toks, clock.median_ms(lambda i: dec.step(toks[:, -1], pos[STEPS + i]), ITERS), 0.0)
+    timed = lambda i: dec.step(toks[:, -1], pos[STEPS + i])                          # noqa: E731
+    return Run(toks, clock.median_ms(timed, ITERS), 0.0, timed=timed)
+
+
+def kernel_profile(timed, steps: int = 20, top: int = 25) -> list[str]:
+    """The GPU kernels of `steps` timed steps (torch.profiler; kernels inside CUDA graphs are
+    reported one by one): per step, each kernel name's launches and microseconds, the busiest first."""
+    from torch.profiler import ProfilerActivity, profile
+    for i in range(3):
+        timed(i)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            timed(i)
+        torch.cuda.synchronize()
+    by: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            n_us = by.setdefault(e.name, [0, 0.0])
+            n_us[0] += 1
+            n_us[1] += e.time_range.elapsed_us()
+    busy = sum(us for _, us in by.values()) / steps
+    lines = [f"  {sum(n for n, _ in by.values()) / steps:.0f} kernels a step, {busy:.1f} us of kernel time a step"]
+    for name, (n, us) in sorted(by.items(), key=lambda kv: -kv[1][1])[:top]:
+        lines.append(f"  {n / steps:6.1f} x {us / n:7.2f} us = {us / steps:8.1f} us  {name[:110]}")
+    return lines
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -267,6 +295,10 @@ def run_variant(name, model, prompts, clock, results, backend):
             skip_total += run.skips.count
             reasons += [r for r in run.skips.reasons if r not in reasons]
         record(results, name, bs, run)
+        if PROFILE and bs in PROFILE and run.timed is not None:
+            lines = kernel_profile(run.timed)
+            results["profiles"][f"{name} bs={bs}"] = lines
+            print(f"profile {name} bs={bs}:", *lines, sep="\n", flush=True)
     if dec is None and name != "hf-eager":
         results["warmup"][name] = {"seconds": warm_total, "cudagraph_skips": skip_total, "skip_reasons": reasons}
         print(f"{name}: warm-up {warm_total:.1f} s; cudagraph skips {skip_total}: {reasons or 'none logged'}",
@@ -330,7 +362,7 @@ def report(results, names, sizes, info) -> None:
     lines = table(results, names, sizes, info)
     (out / f"{info['stem']}.md").write_text("\n".join(lines) + "\n")
     data = {"env": info, "ctx": CTX, "steps": STEPS, "iters": ITERS, "warmup": results["warmup"],
-            "rows": results["rows"], "failed": results["failed"]}
+            "rows": results["rows"], "failed": results["failed"], "profiles": results["profiles"]}
     (out / f"{info['stem']}.json").write_text(json.dumps(data, indent=1, default=str))
     print("\n".join(lines), flush=True)
 
@@ -343,8 +375,11 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true", help="tiny fp32 model (smoke run)")
     ap.add_argument("--iters", type=int, default=50, help="timed decode steps per peer and size")
+    ap.add_argument("--profile", default="", help="batch sizes (e.g. 1,64) whose step kernels are listed "
+                                                  "per variant (GPU)")
     args = ap.parse_args()
-    global CTX, ITERS
+    global CTX, ITERS, PROFILE
+    PROFILE = {int(s) for s in args.profile.split(",") if s} if args.device == "cuda" else set()
     CTX = 16 if args.tiny else CTX
     ITERS = args.iters
     device = torch.device(args.device)
@@ -363,7 +398,7 @@ def main() -> None:
             "transformers": transformers.__version__, "stem": f"bench_hf_{args.model}", "command": " ".join(["python"] + sys.argv),
             "model": f"{args.model}{' (tiny)' if args.tiny else ''}, {model.num_parameters() / 1e9:.2f}B params, "
                      f"{next(model.parameters()).dtype}"}
-    results = {"rows": [], "warmup": {}, "reference": {}, "failed": {}}
+    results = {"rows": [], "warmup": {}, "reference": {}, "failed": {}, "profiles": {}}
     backend = "cuda" if device.type == "cuda" else "reference"
     for name in sorted(names, key=RUN_ORDER.index):  # padgraph's compiled path and its best peer first
         torch._dynamo.reset()       # each compiled path starts from no dynamo / cudagraph-tree state
