@@ -58,14 +58,27 @@ def _options(program: Program, spec) -> dict:
     patches["triton.cudagraphs"] = False
     out = {"fullgraph": opts.pop("fullgraph", False), "dynamic": opts.pop("dynamic", None),
            "size_oblivious": bool(opts.pop("size_oblivious", False)),
-           "patches": patches, "regions": _regions(program, opts.pop("regions", None))}
+           "patches": patches, "regions": _regions(program, opts.pop("regions", None)),
+           "passes": _passes(program, opts.pop("passes", ()))}
     passed = set(inspect.signature(torch.compile).parameters) - {"model", "backend", "mode", "options"}
     unknown = sorted(k for k in opts if k not in passed)
     if unknown:
         raise ContractValueError(mismatch(program.name, None, "torch_compile options",
-                                          f"among {sorted(passed | {'mode', 'options', 'regions', 'size_oblivious'})}",
+                                          f"among {sorted(passed | {'mode', 'options', 'passes', 'regions', 'size_oblivious'})}",
                                           f"unknown {unknown}"))
     return {**out, **opts}
+
+
+def _passes(program: Program, passes) -> tuple:
+    """Graph passes run on each FX graph dynamo traces, in order, before inductor compiles it:
+    `p(gm, example_inputs)` rewrites `gm` in place (e.g. backends.triton.grouped_linear's
+    `group_linears`)."""
+    passes = tuple(passes or ())
+    bad = [p for p in passes if not callable(p)]
+    if bad:
+        raise ContractValueError(mismatch(program.name, None, "torch_compile passes",
+                                          "callables p(gm, example_inputs)", repr(bad)))
+    return passes
 
 
 def _regions(program: Program, regions) -> list | None:
@@ -163,7 +176,7 @@ class CompiledBody:
         bucket_of = _bucket_of(program)
         name = program.name
 
-        regions = opts.pop("regions")
+        regions, passes = opts.pop("regions"), opts.pop("passes")
         self._shapes = _shape_patch(opts.pop("size_oblivious"))
 
         def traced(inputs, state, extents):
@@ -178,6 +191,8 @@ class CompiledBody:
             stats.compiles += 1
             if self._called:
                 stats.recompiles += 1
+            for p in passes:
+                p(gm, example_inputs)
             return compile_fx(gm, example_inputs, config_patches=patches)
 
         self._called = False

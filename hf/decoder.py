@@ -106,20 +106,25 @@ def compile_spec(torch_compile, model):
         -1 % / +6 % (results/bench_hf.md).
     "whole": the whole forward traced once, size-obliviously, for the ladder (bucket 1 compiles
         a graph of its own where an op guards on a batch of one: transformers 5.17's rotary).
+    True, "layers" and "whole" run the `group_linears` graph pass: the linears that read one
+        input (q / k / v, gate / up) run as one kernel launch at decode batch sizes
+        (backends/triton/grouped_linear.py), with the model's weights where they are.
     A dict: pg.compile's `torch_compile` as given."""
     if torch_compile is None or torch_compile is False:
         return None
+    from padgraph.backends.triton.grouped_linear import group_linears
+    whole = {"size_oblivious": True, "passes": [group_linears]}
     if torch_compile is True or torch_compile == "layers":
         try:
-            return {"regions": layer_regions(model), "size_oblivious": True}
+            return {"regions": layer_regions(model), **whole}
         except pg.ContractValueError as e:
             if torch_compile == "layers":
                 raise
             warnings.warn(f"padgraph.hf.Decoder: {e}; torch_compile=True compiles the whole forward instead",
                           RuntimeWarning, stacklevel=3)
-            return {"size_oblivious": True}
+            return whole
     if torch_compile == "whole":
-        return {"size_oblivious": True}
+        return whole
     if isinstance(torch_compile, str):
         raise pg.ContractValueError(f"padgraph.hf.Decoder: torch_compile must be False, True, \"layers\", "
                                     f"\"whole\" or a pg.compile torch_compile dict, got {torch_compile!r}")

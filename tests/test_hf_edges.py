@@ -194,3 +194,20 @@ def test_torch_compile_true_without_one_layer_list_compiles_the_whole_forward():
     with torch.no_grad():
         ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
     assert dec.generate(ids, attention_mask=mask, max_new_tokens=NEW).tolist() == ref.tolist()
+
+
+@pytest.mark.parametrize("name,groups", [("llama", 2), ("qwen2", 2), ("mixtral", 1)])
+def test_torch_compile_groups_the_sibling_projections(name, groups, monkeypatch):
+    """torch_compile=True runs the group_linears pass: each layer graph calls q / k / v (Qwen2:
+    with their biases) and gate / up (not Mixtral's experts) as grouped linears, and the tokens
+    stay HF's."""
+    from padgraph.backends.triton import grouped_linear as gl
+    from test_hf_models import NEW
+    made, real = [], gl.group_linears
+    monkeypatch.setattr(gl, "group_linears", lambda gm, ex: made.append(real(gm, ex)))
+    model, dec = _layers_decoder(name, 2)
+    ids, mask = prompts(3, seed=5)
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
+    assert dec.generate(ids, attention_mask=mask, max_new_tokens=NEW).tolist() == ref.tolist()
+    assert max(made) == groups, made                   # the layer graph (the rotary and final norm: 0)
