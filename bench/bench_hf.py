@@ -309,24 +309,27 @@ def record(results, name, bs, run: Run):
     if name == "hf-eager":
         results["reference"][bs] = run
     ref = results["reference"].get(bs)
-    equal, ties = judge(run.toks, ref)
+    equal, ties, far = judge(run.toks, ref)
     results["rows"].append({"bs": bs, "variant": name, "step_ms": run.step_ms, "rows_equal": equal,
-                            "near_ties": ties})
+                            "near_ties": ties, "far_gaps_ulps": far})
     print(f"bs={bs:>3} {name:<12} step {run.step_ms:8.3f} ms  tokens: {equal}/{bs} rows equal hf-eager's, "
           f"{ties} more first differ at a near tie", flush=True)
 
 
-def judge(toks, ref: Run | None) -> tuple[int, int]:
-    """(rows equal to hf-eager's, rows whose first difference is at a near tie of hf-eager's top 2)."""
+def judge(toks, ref: Run | None) -> tuple[int, int, list]:
+    """(rows equal to hf-eager's, rows whose first difference is at a near tie of hf-eager's top 2,
+    the top-2 gap in ulps at the first difference of each other differing row)."""
     if ref is None:
-        return -1, 0
+        return -1, 0, []
     same = toks == ref.toks                                                          # [bs, STEPS]
     equal = int(same.all(1).sum())
     if ref.margins is None:
-        return equal, 0
+        return equal, 0, []
     first = (~same).int().argmax(1)                                                  # first differing step
     gap, tol = (m.gather(1, first[:, None])[:, 0] for m in ref.margins)
-    return equal, int(((~same.all(1)) & (gap <= tol)).sum())
+    differ = ~same.all(1)
+    far = differ & (gap > tol)
+    return equal, int((differ & (gap <= tol)).sum()), [round(u, 1) for u in (4 * gap / tol)[far].tolist()]
 
 
 def void(results, name) -> bool:
@@ -340,6 +343,7 @@ def table(results, names, sizes, info) -> list[str]:
         if r is None:
             return "-"
         ties = f" +{r['near_ties']} ties" if r.get("near_ties") else ""
+        ties += f"; beyond a tie: {r['far_gaps_ulps']} ulps" if r.get("far_gaps_ulps") else ""
         return f"{r['step_ms']:.3f}{' VOID' if void(results, v) else ''} ({r['rows_equal']}/{bs}{ties})"
     lines = [f"# bench_hf — {info['date']}, {info['gpu']}, torch {info['torch']}, transformers {info['transformers']}",
              f"command: `{info['command']}`; {info['model']}; prompts of {CTX} tokens; (rows whose "
