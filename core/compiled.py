@@ -25,6 +25,10 @@ Instances that differ in an int attribute dynamo specialises on each compile the
 (the graphs are identical, so all but the first hit inductor's FX graph cache): a client whose
 layers index shared state by such an int (HF's `layer_idx` into its Cache) hands each layer its
 own slice of the state instead.
+
+Graph passes (`torch_compile={"passes": [p, ...]}`): each FX graph dynamo traces (the whole body's
+or a region's) goes through `p(gm, example_inputs)` in order before inductor compiles it, e.g.
+`padgraph.backends.triton.grouped_linear.group_linears`. A pass must keep what the graph computes.
 """
 from __future__ import annotations
 

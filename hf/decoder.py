@@ -102,8 +102,8 @@ def compile_spec(torch_compile, model):
         one graph (per distinct layer kind: Gemma's sliding and full layers are two), with the
         decoder's other per-step modules (final norm, rotary embedding); the embedding, lm_head
         and argmax run eagerly inside the captured graph. On the H200 this warmed a Llama-1B
-        ladder of 12 buckets in 5.5 s against 45.4 s for "whole", at the same step time within
-        -1 % / +6 % (results/bench_hf.md).
+        ladder of 12 buckets in 9.8 s against 29.0 s for "whole", at the same step time within
+        3 % (results/bench_hf.md).
     "whole": the whole forward traced once, size-obliviously, for the ladder (bucket 1 compiles
         a graph of its own where an op guards on a batch of one: transformers 5.17's rotary).
     True, "layers" and "whole" run the `group_linears` graph pass: the linears that read one

@@ -16,7 +16,8 @@ adds it into an fp32 workspace with atomics, which a second pass casts to the ou
 splits put more programs on the SMs for the small matrices (2048 output columns at BLOCK_N 16
 are 128 programs, fewer than an H200's 132 SMs can hide latency with).
 
-Not wired into the models. Measured on the H200 (`bench/bench_gemv.py`, 2026-12-03,
+Not wired into the models as such: `grouped_linear.py` takes its tiles for one launch over
+several weights that read one input, which is where the gain is. Measured on the H200 (`bench/bench_gemv.py`, 2026-12-03,
 `results/gemv.md`): against F.linear it is 0.86-0.95x on qkv, 1.00-1.03x on o, gate_up, down
 and the lm_head; the 1B step's GEMMs alone, as one CUDA graph, take 838 us with F.linear and
 813 us with each shape's faster kernel at bs 1 (floor 585 us), a 3% gain not worth a custom op
