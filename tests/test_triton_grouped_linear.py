@@ -96,10 +96,10 @@ class Block(torch.nn.Module):
         return self.down(F.silu(self.gate(a)) * self.up(a))
 
 
-def _program(block):
+def _program(block, d=32):
     bs = pg.Axis("bs")
-    prog = pg.Program("blk", inputs={"h": pg.Input((bs, 32), torch.float32, pad=0.0)},
-                      outputs={"y": pg.Output((bs, 32), torch.float32)}, buckets=pg.Buckets([1, 4]))
+    prog = pg.Program("blk", inputs={"h": pg.Input((bs, d), torch.float32, pad=0.0)},
+                      outputs={"y": pg.Output((bs, d), torch.float32)}, buckets=pg.Buckets([1, 4]))
     return prog, lambda x: {"y": block(x.h)}
 
 
@@ -160,3 +160,92 @@ def test_cuda_grouped_linear_at_the_1b_shapes_and_in_a_cuda_graph(m, bias):
         x.copy_(torch.randn_like(x))
         graph.replay()
         _assert_linear(out, x, ws, bs)
+
+
+# ---- the pass keeps what the graph computes, whatever the graph -----------------------------------
+D = 16
+
+
+class Generated(torch.nn.Module):
+    """A random straight-line program over [bs, D] values: linears (weights [N, D], N in 8 / 16
+    / 24, with or without a bias, some scaled by an earlier value's first row, so computed after
+    the linears before them), in-place writes to earlier values, and sums of two values. Only
+    width-D values feed a linear; the output mixes every value, row by row (padded rows stay
+    apart from real ones)."""
+
+    def __init__(self, ops):
+        super().__init__()
+        self.ops = ops
+        g = torch.Generator().manual_seed(len(ops))
+        self.w = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(op[3], D, generator=g) / 4)
+                                        for op in ops if op[0] == "linear")
+        self.b = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(op[3], generator=g))
+                                        for op in ops if op[0] == "linear")
+
+    def forward(self, h):
+        vals, k = [h.clone()], 0
+        for op in self.ops:
+            wide = [v for v in vals if v.shape[-1] == D]
+            if op[0] == "linear":
+                _, src, scale_by, n, bias = op
+                w = self.w[k] if scale_by is None else self.w[k] * (1 + vals[scale_by % len(vals)][:1].mean())
+                vals.append(F.linear(wide[src % len(wide)], w, self.b[k] if bias else None))
+                k += 1
+            elif op[0] == "write":
+                vals[op[1] % len(vals)].mul_(0.5).add_(0.25)
+            else:
+                a, b = wide[op[1] % len(wide)], wide[op[2] % len(wide)]
+                vals.append(a + b)
+        return torch.stack([v.sum(-1) for v in vals], -1).sum(-1, keepdim=True) + vals[-1].mean(-1, keepdim=True) * h
+
+
+def _ops():
+    from hypothesis import strategies as st
+    idx = st.integers(0, 7)
+    linear = st.tuples(st.just("linear"), idx, st.one_of(st.none(), idx), st.sampled_from([8, 16, 24]),
+                       st.booleans())
+    write = st.tuples(st.just("write"), idx)
+    add = st.tuples(st.just("add"), idx, idx)
+    return st.lists(st.one_of(linear, linear, linear, write, add), min_size=2, max_size=10)
+
+
+def _run_generated(ops, h):
+    block = Generated(ops)
+    prog, _ = _program(block, D)
+    groups = []
+
+    def spy(gm, example_inputs):
+        groups.append(group_linears(gm, example_inputs))
+    runner = pg.compile(prog, lambda x: {"y": block(x.h)}, backend="reference", torch_compile={"passes": [spy]})
+    with torch.no_grad():
+        got = runner(h=h)["y"]
+        want = block(h)
+    return got, want, sum(groups)
+
+
+def test_generated_programs_give_the_eager_results():
+    from hypothesis import HealthCheck, given, settings
+    made = []
+
+    @settings(max_examples=30, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(_ops())
+    def check(ops):
+        torch._dynamo.reset()
+        got, want, groups = _run_generated(ops, torch.randn(3, D, generator=torch.Generator().manual_seed(7)))
+        made.append(groups)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    check()
+    assert sum(made) > 0, "no generated program was grouped: the test would not see a wrong grouping"
+
+
+@pytest.mark.parametrize("ops", [
+    [("linear", 0, None, 16, False), ("write", 0), ("linear", 0, None, 16, False)],     # x written between
+    [("linear", 0, None, 16, False), ("linear", 0, 1, 16, False)],                      # weight from q's output
+], ids=["write-between", "weight-after-first"])
+def test_grouping_that_would_change_a_result_is_split(ops):
+    """Each case gives a wrong result if its two linears are grouped."""
+    torch._dynamo.reset()
+    got, want, groups = _run_generated(ops, torch.randn(3, D))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert groups == 0

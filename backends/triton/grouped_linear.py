@@ -22,7 +22,10 @@ one at 64 holds cuBLAS.
 `group_linears` is a `pg.compile` graph pass (`torch_compile={"passes": [group_linears]}`): in
 the FX graph dynamo traced, every set of `F.linear` calls on one input node, with weights of one
 input width and all or none with a bias, becomes one `grouped_linear` call, inserted before the
-first of them. It does nothing while grad mode is on (the op has no backward).
+first of them. A set is split where that would change a result: a weight computed after the first
+linear, or an in-place write between two of them (dynamo's graph is not functionalised: the input
+or a weight could change in between). It does nothing while grad mode is on (the op has no
+backward).
 """
 from __future__ import annotations
 
@@ -181,6 +184,7 @@ def group_linears(gm: torch.fx.GraphModule, example_inputs) -> int:
         return 0
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
+    writes = [order[n] for n in graph.nodes if _may_write(n)]     # where a tensor may change in place
     siblings: dict = {}
     for node in graph.nodes:
         args = _linear_args(node)
@@ -192,17 +196,54 @@ def group_linears(gm: torch.fx.GraphModule, example_inputs) -> int:
             siblings.setdefault((x, wv.shape[1], b is None), []).append((node, w, b))
     made = 0
     for (x, _, _), group in siblings.items():
-        first = group[0][0]
-        group = [g for g in group if all(order.get(a, -1) < order[first] for a in g[1:] if a is not None)]
-        for i in range(0, len(group), MAX_GROUP):
-            part = group[i:i + MAX_GROUP]
-            if len(part) > 1:
-                _replace(graph, x, part)
-                made += 1
+        for run in _runs(group, order, writes):
+            for i in range(0, len(run), MAX_GROUP):
+                part = run[i:i + MAX_GROUP]
+                if len(part) > 1:
+                    _replace(graph, x, part)
+                    made += 1
     if made:
         graph.lint()
         gm.recompile()
     return made
+
+
+def _may_write(node) -> bool:
+    """Whether a node may change a tensor in place (dynamo's graph is not functionalised): an
+    in-place method or op, an `out=` / `inplace=True` call, item assignment, a module call."""
+    if node.op == "call_module":
+        return True
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.startswith("__")
+    if node.op != "call_function":
+        return False
+    t = node.target
+    if t is operator.setitem or "out" in node.kwargs or node.kwargs.get("inplace") is True:
+        return True
+    schema = getattr(t, "_schema", None)
+    if schema is not None:
+        return schema.is_mutable
+    name = getattr(t, "__name__", "")
+    return name.endswith("_") and not name.startswith("_")
+
+
+def _runs(group, order, writes) -> list[list]:
+    """The group's linears split where grouping would change a result: each run computes at its
+    first linear, so every weight and bias of the run must exist there, and nothing between the
+    run's first and last linear may write a tensor in place (the input or a weight could change
+    between them). A linear whose weight comes later starts a run of its own."""
+    runs: list[list] = []
+    for g in group:
+        pos = order[g[0]]
+        run = runs[-1] if runs else None
+        if run is not None:
+            start = order[run[0][0]]
+            ready = all(order.get(a, -1) < start for a in g[1:] if a is not None)
+            if ready and not any(start < w < pos for w in writes):
+                run.append(g)
+                continue
+        runs.append([g])
+    return runs
 
 
 def _replace(graph, x, part) -> None:
