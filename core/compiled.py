@@ -77,7 +77,7 @@ def _passes(program: Program, passes) -> tuple:
     """Graph passes run on each FX graph dynamo traces, in order, before inductor compiles it:
     `p(gm, example_inputs)` rewrites `gm` in place (e.g. backends.triton.grouped_linear's
     `group_linears`)."""
-    passes = tuple(passes or ())
+    passes = (passes,) if callable(passes) else tuple(passes or ())
     bad = [p for p in passes if not callable(p)]
     if bad:
         raise ContractValueError(mismatch(program.name, None, "torch_compile passes",

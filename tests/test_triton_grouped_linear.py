@@ -135,10 +135,15 @@ def test_the_pass_leaves_a_graph_alone_under_grad():
     assert len(gm.graph.nodes) == before
 
 
-def test_passes_must_be_callables():
+def test_passes_must_be_callables_and_one_may_be_given_alone():
     prog, body = _program(Block())
     with pytest.raises(pg.ContractValueError, match="passes"):
         pg.compile(prog, body, backend="reference", torch_compile={"passes": ["group_linears"]})
+    seen = []
+    runner = pg.compile(prog, body, backend="reference", torch_compile={"passes": lambda gm, ex: seen.append(gm)})
+    with torch.no_grad():
+        runner(h=torch.randn(2, 32))
+    assert seen
 
 
 @pytest.mark.cuda
