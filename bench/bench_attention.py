@@ -1,8 +1,8 @@
 """Benchmark paged attention on the GPU: ours vs SDPA vs the bytes-moved floor, and cold capture.
 
-    python -m bench.bench_attention.py              # everything (< 3 min on an H200)
-    python -m bench.bench_attention.py --no-sweep --no-cold
-    python -m bench.bench_attention.py --smoke      # CPU, tiny sizes, interpreted: a script check
+    python -m bench.bench_attention              # everything (< 3 min on an H200)
+    python -m bench.bench_attention --no-sweep --no-cold
+    python -m bench.bench_attention --smoke      # CPU, tiny sizes, interpreted: a script check
 
 32 q heads, 8 kv heads, head_dim 128, bf16, every request at full length.
 - decode: bs {1, 8, 32, 128} x context {512, 4096, 32768}, random and contiguous slot layouts;

@@ -1,6 +1,6 @@
 """Benchmark: plain greedy (graphs), EAGLE (graphs), EAGLE (eager) on the 1B-shaped target.
 
-One GPU call, distillation included:  python -m bench.bench_eagle.py
+One GPU call, distillation included:  python -m bench.bench_eagle
 Writes $OUT/eagle.md and $OUT/eagle.json (date, GPU, torch/triton versions, command).
 EAGLE_MODEL=deepseek: the DeepSeek-like target (MLA + MoE, "ds-lite") with the MTP-style head,
 written to $OUT/eagle_deepseek.{md,json}.
@@ -47,9 +47,8 @@ PREFILL = os.environ.get("EAGLE_PREFILL", "runner")
 # the EAGLE worker's draft-head prefill (Engine(draft_prefill=)): "runner" (default: the
 # draft-prefill program, graphs on the prefill ladder) or "eager" (plain torch calls). A comma
 # list ("runner,eager") measures the others too, in the same process on the same batches, as
-# extra EAGLE workers (each row's "variants"; the tables stay the first one's). H200, 2026-12-02:
-# runner 2.59x / 2.45x / 2.28x at bs 1 / 4 / 16 against eager's 2.56x /
-# 2.42x / 2.29x, same process.
+# extra EAGLE workers (each row's "variants"; the tables stay the first one's). On a GPU the two
+# gave the same speedup at bs 1 / 4 / 16 within ~1%, in one process.
 DRAFT_PREFILLS = os.environ.get("EAGLE_DRAFT_PREFILL", "runner").split(",")
 DRAFT_PREFILL = DRAFT_PREFILLS[0]
 RESULT = ("eagle" if MODEL == "llama" else f"eagle_{MODEL}") + \

@@ -1,9 +1,9 @@
 """Benchmark: the small-batch linear kernel (`padgraph.backends.triton.gemv`) against F.linear
 (cuBLAS) at the Llama-3.2-1B decode shapes, bs 1 / 4 / 16.
 
-Why: the 1B decode step at bs 1 is 2.16x its weight-bandwidth floor on the H200 (bench_runner,
-2026-12-02), and its small GEMMs (qkv, o, down) read their weights at 1.5-2.9 TB/s against
-4.25 TB/s of copy bandwidth. This measures whether a Triton kernel streams them faster, over a
+Why: the 1B decode step at bs 1 is well above its weight-bandwidth floor (results/bench_runner.md),
+and cuBLAS reads the small GEMMs' weights (qkv, o, down) at a third to 0.6 of copy bandwidth
+(results/gemv.md). This measures whether a Triton kernel streams them faster, over a
 sweep of tiles and split-K counts, before any model takes it.
 
 How: each (shape, bs) is timed as a CUDA graph of CALLS calls, replayed REPEATS times after a
@@ -23,7 +23,7 @@ decode body of one kernel per linear can reach, whatever runs between the linear
 
 Writes gemv.{md,json,png} under $OUT (or results/local).
 
-    python -m bench.bench_gemv.py [--sizes 1,4,16] [--quick] [--no-chain]
+    python -m bench.bench_gemv [--sizes 1,4,16] [--quick] [--no-chain]
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Benchmark absorbed MLA over a paged latent cache: ours vs an SDPA-based absorbed MLA vs a copy.
 
-    python -m bench.bench_mla.py               # DeepSeek-V2-Lite: 16 heads, r 512, rope 64
-    python -m bench.bench_mla.py --heads 128   # DeepSeek-V3-like head count
-    python -m bench.bench_mla.py --smoke       # CPU, tiny sizes, interpreter: checks the script
+    python -m bench.bench_mla               # DeepSeek-V2-Lite: 16 heads, r 512, rope 64
+    python -m bench.bench_mla --heads 128   # DeepSeek-V3-like head count
+    python -m bench.bench_mla --smoke       # CPU, tiny sizes, interpreter: checks the script
 
 bf16, every request at full length, slots shuffled.
 - decode: bs {1, 8, 32} x context {1024, 8192, 32768};
@@ -52,8 +52,9 @@ BATCHES = (1, 8, 32)
 CONTEXTS = (1024, 8192, 32768)
 SPEC_CONTEXTS = (1024, 8192)
 K_DRAFT, DRAFT_EXTEND = 8, 6
-# (16, 256): the DeepSeek main job's decode (bs 16, contexts of ~100-250 in a 256-wide cache),
-# where the kernel took 20 us a call for ~4 MB (H200 profile, 2026-12-02) at the policy's 2 splits
+# (16, 256): `examples/eagle.py --model deepseek`'s decode (bs 16, contexts of ~100-250 in a
+# 256-wide cache), where a profile showed the kernel far from bandwidth (~20 us a call for
+# ~4 MB) at the policy's 2 splits
 SWEEP_CASES = ((1, 8192), (8, 8192), (32, 8192), (16, 256), (8, 32768))
 SWEEP_TILES = ((32, 2, 4), (16, 2, 4), (64, 2, 8), (32, 3, 4), (32, 2, 8))  # BLOCK_N/stages/warps
 KEYS_TILES = ((64, 2, 4, "keys"), (64, 2, 8, "keys"))  # the keys-major kernel (--keys-major)

@@ -8,18 +8,20 @@ All variants run side by side in one process on the same body, weights and KV ca
                    (what HF's StaticCache and gpt-fast's buffers do), so the graphs may mutate them
                    in place; every "skipping cudagraphs" reason torch logs is printed and recorded
   padgraph         pg.compile(backend="cuda") with the eager body
+  padgraph+canary  the same runner with the cache bound as state whose last slot and request row are
+                   canary rows (pg.State(canary=...)): every replay checks them in-graph (its cost)
   padgraph+compile pg.compile(backend="cuda", torch_compile={"regions": model.layers}): the decoder
                    layer compiled once for every layer and the whole ladder, inductor's kernels
                    captured in padgraph's graphs (--pg-compile whole: the whole body compiled)
 Per raw batch size: step time (CUDA events, median), host time per call (median), a
 correctness check of next tokens against eager, and the floor: (weight bytes a step reads + KV
 bytes read) / measured device-to-device copy bandwidth. A step reads every weight but the
-embedding table, of which it reads one row per request (`step_weight_bytes`; measured before 2026-12-02,
-the floor counted the whole table, 0.53 GB of the 1B model's 3.00: 126 us more
+embedding table, of which it reads one row per request (`step_weight_bytes`; results pages whose
+floor counted the whole table, 0.53 GB of the 1B model's 3.00, say so: ~125 us more
 floor at bs 1). For the ladder: capture seconds and pool bytes.
 Writes bench_runner.{md,json,png} under $OUT (or results/local).
 
-    python -m bench.bench_runner.py [--variants a,b] [--sizes 1,3,8] [--tiny]
+    python -m bench.bench_runner [--variants a,b] [--sizes 1,3,8] [--tiny]
 """
 from __future__ import annotations
 
@@ -163,6 +165,15 @@ def next_tokens(out):
     return out["next_token"] if isinstance(out, dict) else out[0]
 
 
+def canary_program(program: pg.Program, kv: KVCache) -> tuple[pg.Program, dict]:
+    """`program` with the cache bound as state, its last slot and request row canary rows (no call
+    of the benchmark uses them), and the state to bind."""
+    state = {"kv": pg.State(sink=0, canary=kv.n_slots - 1), "req_to_token": pg.State(sink=0, canary=kv.n_req_rows - 1)}
+    prog = pg.Program(program.name, inputs=program.inputs, outputs=program.outputs, state=state,
+                      buckets=program.buckets)
+    return prog, {"kv": kv.k + kv.v, "req_to_token": kv.req_to_token}
+
+
 def build_variants(names, step, program, device, pg_compile=True):
     variants, setup = {}, {}
     if "eager" in names:
@@ -176,6 +187,11 @@ def build_variants(names, step, program, device, pg_compile=True):
         r = pg.compile(program, step.body, backend="cuda", progress=False)
         setup["padgraph"] = {"capture_seconds": time.perf_counter() - t0, "pool_bytes": r.pool_bytes()}
         variants["padgraph"] = r
+    if "padgraph+canary" in names:
+        prog, state = canary_program(program, step.kv)
+        r = pg.compile(prog, step.body, backend="cuda", progress=False, state=state, restore_state=False)
+        setup["padgraph+canary"] = {"canary_rows": len(r._canary)}
+        variants["padgraph+canary"] = r
     for every in (1000, 1):          # shadow verification: the unsampled path, and every call sampled
         name = f"padgraph+shadow{every}"
         if name in names:
@@ -227,7 +243,8 @@ def main() -> None:
     torch.manual_seed(0)
     cfg = LlamaConfig.tiny() if args.tiny else LlamaConfig.llama_1b()
     model = LlamaModel(cfg).to(device, torch.bfloat16).eval()
-    kv = KVCache(cfg.n_layers, MAX_BS * MAX_CTX + 1, cfg.n_kv_heads, cfg.head_dim, MAX_CTX, MAX_BS + 1,
+    # slot 0 / row 0 sinks, then the requests' slots and rows, then one spare (padgraph+canary's)
+    kv = KVCache(cfg.n_layers, MAX_BS * MAX_CTX + 2, cfg.n_kv_heads, cfg.head_dim, MAX_CTX, MAX_BS + 2,
                  torch.bfloat16, device)
     for t in kv.k + kv.v:
         t.normal_()                                     # never time on zeros
@@ -247,6 +264,9 @@ def main() -> None:
         variants, setup = build_variants(names, step, program, device, pg_compile)
         rows = run_all(variants, setup, batches, sizes, args.iters, StepFloor(cfg, step_bytes, bw),
                        lambda rows, done: report(rows, setup, names, done, bw, weight_bytes, cfg, args))
+        if "padgraph+canary" in variants:
+            variants["padgraph+canary"].canary_check()      # raises if any replay wrote a canary row
+            print("padgraph+canary: no canary row written")
         if args.profile:
             profile_steps(variants[args.profile], args.profile, batches, sizes, args.iters, rows)
 

@@ -1,7 +1,7 @@
 """Benchmark the draft distribution's top-k: padgraph's kernel vs torch, alone and behind the lm_head.
 
-    python -m bench.bench_topk.py            # H200: Llama-3 vocabulary, a few row counts
-    python -m bench.bench_topk.py --smoke    # CPU, tiny sizes, interpreter: checks the script
+    python -m bench.bench_topk            # H200: Llama-3 vocabulary, a few row counts
+    python -m bench.bench_topk --smoke    # CPU, tiny sizes, interpreter: checks the script
 
 A draft step turns the head's hidden [n, H] into the k best tokens and their probabilities under
 a temperature t: top-k of the logits and logsumexp(t * logits). n = draft rows (requests x topk),

@@ -1,6 +1,6 @@
 """Collect main-job logs (`examples/eagle.py` output) into main_jobs.{md,json,png}.
 
-    python -m bench.main_jobs.py <folder of logs> NAME=LOG [NAME=LOG ...]
+    python -m bench.main_jobs <folder of logs> NAME=LOG [NAME=LOG ...]
 
 Each LOG is one run's stdout; NAME labels it (e.g. llama=eagle_llama.log). Parsed: the final
 line (tokens/s, accept_len, speedup_vs_greedy, greedy_match), the EAGLE and greedy phase lines

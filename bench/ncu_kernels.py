@@ -1,10 +1,10 @@
 """Run one attention case a few times inside an NVTX range named "prof", for Nsight Compute.
 
-    python -m bench.ncu_kernels.py mla 8 8192            # our MLA decode, bs 8, context 8192
-    python -m bench.ncu_kernels.py mla 8 8192 --knobs block_n=64,num_warps=8,num_splits=16
-    python -m bench.ncu_kernels.py mla-sdpa 8 8192       # the SDPA absorbed-MLA peer
-    python -m bench.ncu_kernels.py decode 8 4096         # paged GQA decode (bench_attention's case)
-    python -m bench.ncu_kernels.py decode-sdpa 8 4096    # SDPA (cuDNN / flash) on the dense copy
+    python -m bench.ncu_kernels mla 8 8192            # our MLA decode, bs 8, context 8192
+    python -m bench.ncu_kernels mla 8 8192 --knobs block_n=64,num_warps=8,num_splits=16
+    python -m bench.ncu_kernels mla-sdpa 8 8192       # the SDPA absorbed-MLA peer
+    python -m bench.ncu_kernels decode 8 4096         # paged GQA decode (bench_attention's case)
+    python -m bench.ncu_kernels decode-sdpa 8 4096    # SDPA (cuDNN / flash) on the dense copy
 
 Under ncu: `ncu --nvtx --nvtx-include "prof/" --launch-skip 2 --launch-count 2 ... python
 -m bench.ncu_kernels ...`. The case's inputs are

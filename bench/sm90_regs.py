@@ -7,8 +7,8 @@ stores (spills), overall and inside loops. A proxy for what a GPU run would show
 which tiles are worth a GPU sweep (`bench/bench_mla.py`); compare within one Triton version
 (the device has 3.6: `pip install triton==3.6.0` in a separate venv).
 
-    python -m bench.sm90_regs.py '[{"BLOCK_N": 32, "warps": 4, "MERGE_UNROLL": 1}, ...]'
-    python -m bench.sm90_regs.py '[{"kernel": "keys", "BLOCK_N": 64, "warps": 4}]'
+    python -m bench.sm90_regs '[{"BLOCK_N": 32, "warps": 4, "MERGE_UNROLL": 1}, ...]'
+    python -m bench.sm90_regs '[{"kernel": "keys", "BLOCK_N": 64, "warps": 4}]'
 
 kernel: "rows" (`_mla_kernel`, the default) or "keys" (`_mla_keys_major_kernel`); HGMMA counts
 the Hopper warp-group MMA instructions, HMMA the register ones.

@@ -1,9 +1,9 @@
 """The draft tree's shape against its cost: EAGLE (graphs) over several (steps, topk, k) on one
 target and one distilled head, against greedy (graphs) on the same requests, in one process.
 
-    python -m bench.sweep_eagle.py                       # GPU: the 1B-shaped target
-    EAGLE_MODEL=deepseek python -m bench.sweep_eagle.py  # the DeepSeek-like target
-    python -m bench.sweep_eagle.py --device cpu          # reference backend, tiny sizes: runs the
+    python -m bench.sweep_eagle                       # GPU: the 1B-shaped target
+    EAGLE_MODEL=deepseek python -m bench.sweep_eagle  # the DeepSeek-like target
+    python -m bench.sweep_eagle --device cpu          # reference backend, tiny sizes: runs the
                                                          # loop, says nothing about speed
 
 Each tree is a fresh Engine (its own graphs) on the ladder [1, 16] only, so a tree costs one
@@ -31,9 +31,9 @@ from bench.bench_eagle import match_line, measure, prompts_for
 from padgraph.llm.presets import DRAFT_COMPILE, DRAFT_LM_HEAD, MODELS, setup
 from padgraph.llm import Engine, RunStats, SpecConfig
 
-# (steps, topk, k): the main job's tree first, then deeper ones. (3, 4, 8) won the sweep of
-# 2026-12-01 when the head accepted ~3.0 of at most 4; with early stopping it accepts 3.82
-# (H200, 2026-12-02), so the depth of the tree is what caps accept now.
+# (steps, topk, k): `examples/eagle.py`'s tree first, then deeper ones. (3, 4, 8) won a sweep
+# while the head accepted ~3.0 of at most 4; with early stopping it accepts ~3.8
+# (results/eagle.md), so the depth of the tree is what caps accept now.
 TREES = [(3, 4, 8), (4, 4, 8), (5, 4, 8), (5, 4, 10), (6, 4, 12), (4, 2, 6), (6, 2, 8)]
 REPEATS = 3
 

@@ -3,7 +3,7 @@ decode step runs (store_kv, decode attention: split pass + folded merge), timed 
 the GPU synchronized, then the same calls again. Run it with an empty TRITON_CACHE_DIR to
 measure compilation, with the cache of a run before to measure loading:
 
-    TRITON_CACHE_DIR=$(mktemp -d) python -m bench.triton_compile_times.py   # twice
+    TRITON_CACHE_DIR=$(mktemp -d) python -m bench.triton_compile_times   # twice
 
 Prints one JSON line: seconds per first call and per second call. --profile N: also the N
 functions of most cumulative time over the first calls (cProfile), to see what the first

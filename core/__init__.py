@@ -9,7 +9,7 @@ from .buckets import Buckets
 from .capture import capturing
 from .check import CheckResult, Finding, check
 from . import distributed  # noqa: F401  pg.distributed: tensor-parallel helpers
-from .errors import (BucketOverflowError, CaptureError, ContractAttributeError, ContractError, ContractKeyError,
+from .errors import (BucketOverflowError, CanaryError, CaptureError, ContractAttributeError, ContractError, ContractKeyError,
                      ContractRuntimeError, ContractTypeError, ContractValueError, OverflowWarning, ShadowMismatch,
                      StaleOutputError, StateStorageError)
 from .options import Options
@@ -25,7 +25,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Affine", "Axis", "Buckets", "capturing", "check", "CheckResult", "Finding",
-    "BucketOverflowError", "CaptureError", "ContractAttributeError", "ContractError", "ContractKeyError", "ContractRuntimeError", "ContractTypeError",
+    "BucketOverflowError", "CanaryError", "CaptureError", "ContractAttributeError", "ContractError", "ContractKeyError", "ContractRuntimeError", "ContractTypeError",
     "ContractValueError", "OverflowWarning", "Shadow", "ShadowMismatch", "StaleOutputError", "StateStorageError", "Edge", "Fill", "Options", "Plan", "Input", "Output", "Program",
     "State", "backend_names", "compile", "register_backend", "Outputs", "Runner", "Stats", "PaddedView",
 ]

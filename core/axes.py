@@ -2,7 +2,10 @@
 
 `bs = Axis("bs")` is the bucketed axis: its capacity for bucket b is b. `Axis("tokens",
 capacity=bs * 4)` is padded too, with its own raw extent, and capacity 4*b for bucket b. A shape
-dimension is an int, an Axis, or an affine expression of one axis (`bs + 1`, `bs * k`).
+dimension is an int, an Axis, or an affine expression of one axis (`bs + 1`, `bs - 1`, `bs * k`,
+`(bs + 1) * k`): an int added or subtracted, an int >= 1 multiplied. Any other arithmetic on an
+axis (`bs / 2`, `bs * bs`, `5 - bs`, `-bs`, `bs < 3`) is a ContractTypeError naming the axis,
+the operation and these forms.
 """
 from __future__ import annotations
 
@@ -23,18 +26,21 @@ class Affine:
     def __post_init__(self):
         if not isinstance(self.axis, Axis):
             raise ContractTypeError(f"axis expression: axis must be a pg.Axis, got {self.axis!r} ({type(self.axis).__name__})")
-        _int(self.scale, self.axis.name, "scale")
-        _int(self.offset, self.axis.name, "offset")
+        _field(self.scale, self.axis.name, "scale")
+        _field(self.offset, self.axis.name, "offset")
         if self.scale < 1:
             raise ContractValueError(f"axis expression on {self.axis.name!r}: scale must be an int >= 1, got {self.scale!r}")
 
     def __add__(self, c: int) -> "Affine":
-        return Affine(self.axis, self.scale, self.offset + _int(c, repr(self), "offset"))
+        return Affine(self.axis, self.scale, self.offset + _int(c, self, "+"))
 
     __radd__ = __add__
 
+    def __sub__(self, c: int) -> "Affine":
+        return Affine(self.axis, self.scale, self.offset - _int(c, self, "-"))
+
     def __mul__(self, k: int) -> "Affine":
-        k = _int(k, repr(self), "scale")
+        k = _int(k, self, "*")
         return Affine(self.axis, self.scale * k, self.offset * k)
 
     __rmul__ = __mul__
@@ -53,10 +59,47 @@ class Affine:
         return s if self.offset == 0 else f"{s}{self.offset:+d}"
 
 
-def _int(v, expr: str, what: str) -> int:
+ALLOWED = "an int added or subtracted (bs + 1, bs - 1) or an int >= 1 multiplied (bs * 4, (bs + 1) * 2)"
+
+
+def _int(v, e: "Affine", op: str) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
-        raise ContractTypeError(f"axis expression on {expr!r}: {what} must be an int, got {v!r} ({type(v).__name__})")
+        role = "scale" if op == "*" else "offset"
+        raise ContractTypeError(f"axis expression {e!r} {op} {v!r} on axis {e.axis.name!r}: the {role} must be an "
+                                f"int, got {v!r} ({type(v).__name__}); an axis takes {ALLOWED}")
     return v
+
+
+def _field(v, axis: str, what: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ContractTypeError(f"axis expression on {axis!r}: {what} must be an int, got {v!r} ({type(v).__name__})")
+    return v
+
+
+# (operator, dunder, operand first): arithmetic and order that no affine form has
+_REFUSED = [("-", "__rsub__", True), ("-", "__neg__", None), ("abs", "__abs__", None),
+            ("/", "__truediv__", False), ("/", "__rtruediv__", True), ("//", "__floordiv__", False),
+            ("//", "__rfloordiv__", True), ("%", "__mod__", False), ("%", "__rmod__", True),
+            ("**", "__pow__", False), ("**", "__rpow__", True), ("@", "__matmul__", False),
+            ("@", "__rmatmul__", True), ("<", "__lt__", False), ("<=", "__le__", False),
+            (">", "__gt__", False), (">=", "__ge__", False)]
+
+
+def _refuse(op: str, reflected: bool | None):
+    """A dunder raising a ContractTypeError that names the expression, the axis and ALLOWED."""
+    def refuse(self, *other):
+        expr = (f"{op}({self!r})" if reflected is None else
+                f"{other[0]!r} {op} {self!r}" if reflected else f"{self!r} {op} {other[0]!r}")
+        axis = self.name if isinstance(self, Axis) else self.axis.name
+        raise ContractTypeError(f"axis expression {expr}: {op!r} is not an operation on axis {axis!r}; "
+                                f"an axis takes {ALLOWED}")
+    return refuse
+
+
+def _refusing(cls: type) -> type:
+    for op, dunder, reflected in _REFUSED:
+        setattr(cls, dunder, _refuse(op, reflected))
+    return cls
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,6 +111,9 @@ class Axis:
     device_extent: bool = False   # its raw extent may come from a device scalar (runner.call(..., extents=))
 
     def __post_init__(self):
+        if not isinstance(self.device_extent, bool):
+            raise ContractTypeError(f"Axis {self.name!r}: device_extent must be a bool (True or False), got "
+                                    f"{self.device_extent!r} ({type(self.device_extent).__name__})")
         if self.device_extent and self.capacity is None:
             raise ContractValueError(
                 f"Axis {self.name!r}: device_extent=True needs a capacity (the bucket is chosen on the host "
@@ -101,6 +147,9 @@ class Axis:
 
     __radd__ = __add__
 
+    def __sub__(self, c):
+        return Affine(self) - c
+
     def __mul__(self, k):
         return Affine(self) * k
 
@@ -108,6 +157,10 @@ class Axis:
 
     def __repr__(self) -> str:
         return self.name if self.capacity is None else f"{self.name}(cap={self.capacity!r})"
+
+
+_refusing(Affine)
+_refusing(Axis)
 
 
 Dim = Union[int, Axis, Affine]

@@ -38,10 +38,17 @@ them changes what a lane writes but not where. Integer and bool state (page tabl
 equal-value write is seen only by 1. Outputs of poisoned runs are ignored; if a body raises on
 poisoned state, that trial keeps view 1 only and the result says so.
 
+Without `sample=` the inputs come from the declaration (`check_inputs.declared_sample`): an
+integer input whose pad is a sink row of a state is an index into that state, so its raw lanes
+draw distinct rows that are no sink; other inputs are small random values. Every finding says
+where: the first differing lane of an output (`Finding.lane`), the rows of a state
+(`Finding.rows`), with both values.
+
 Errors: a ContractError (wrong output shapes, bad inputs) always propagates. Any other exception
 from the body under the *default* sampler is a `body-error` finding that points to `sample=`: the
-default sampler draws integers in 0..3, which are often not valid indices for a real body. Under a
-caller's sampler the exception propagates, with a note naming the trial's extents and size.
+default sampler draws other integers in 0..3, which are often not valid lengths or offsets for a
+real body. Under a caller's sampler the exception propagates, with a note naming the trial's
+extents and size.
 """
 from __future__ import annotations
 
@@ -53,8 +60,9 @@ import torch
 
 from .eager import exact_run as _exact_run, make_view
 from .findings import MAX_GROUPS, CheckResult, Finding, _rows  # noqa: F401 (MAX_GROUPS: public)
-from .observe import POISON, _changed_rows, _drop_rows, _same, _State, default_sample, poison_like, tolerance  # noqa: F401 (public re-exports)
-from .errors import ContractError
+from .observe import POISON, _changed_rows, _drop_rows, _same, _State, _wide, default_sample, poison_like, tolerance  # noqa: F401 (public re-exports)
+from .check_inputs import declared_sample
+from .errors import ContractError, ContractTypeError, ContractValueError, mismatch
 from .plan import Plan
 from .program import Program, padded_dims
 from .reference import ReferenceRunner
@@ -128,8 +136,25 @@ class _Ctx:
             self.noted.add(key)
             self.result.notes.append(text)
 
-    def add(self, kind, buffer, detail, ext, size, trial, rows=()) -> None:
-        self.result.findings.append(Finding(kind, buffer, detail, dict(ext), size, trial, tuple(rows)))
+    def add(self, kind, buffer, detail, ext, size, trial, rows=(), lane=()) -> None:
+        self.result.findings.append(Finding(kind, buffer, detail, dict(ext), size, trial, tuple(rows), tuple(lane)))
+
+    def differ(self, kind, buffer, what, ref, got, at, tol, rows=False) -> None:
+        """A finding for `got` differing from `ref` (outputs, or state with rows=True): the first
+        differing lane (for state: its row) and both values. at: (raw extents, size, trial)."""
+        (ext, size, trial), (rtol, atol) = at, tol
+        ok, how = _same(ref, got, rtol, atol)
+        if ok:
+            return
+        lane = _first_lane(ref, got, rtol, atol)
+        if lane is None:
+            where_ = ""
+        elif rows:
+            where_ = f" at row {lane[0]} (element {list(lane)}: {_at(got, lane)} here, {_at(ref, lane)} in the baseline)"
+        else:
+            where_ = f" at lane {list(lane)} ({_at(got, lane)} here, {_at(ref, lane)} in the baseline)"
+        self.add(kind, buffer, f"{what}{where_}: {how}", ext, size, trial,
+                 rows=(lane[0],) if rows and lane else (), lane=lane or ())
 
 
 SIZES_PER_TRIAL = 3     # padded sizes each trial's raw inputs run at (the fitting bucket and larger)
@@ -140,27 +165,29 @@ def check(program: Program, body: Callable, *, state: Mapping | None = None, pre
           tolerance: tuple[float, float] | None = None) -> CheckResult:
     """Run `body` on the reference backend over random raw inputs; report contract findings.
 
-    sample: fn(gen: torch.Generator) -> raw inputs dict (bodies that index with their inputs need
-    one that draws valid indices); default draws extents and small values at random.
+    sample: fn(gen: torch.Generator) -> raw inputs dict. Default: from the declaration: extents
+    at random within the ladder, an integer input whose pad is a sink row of a state drawn as
+    distinct non-sink rows of it, other values small and random (a body whose other integer
+    inputs are indices or offsets needs its own sampler; the result's notes say which).
     trials: raw draws, each run at up to SIZES_PER_TRIAL padded sizes; seed: the draws' generator.
     tolerance: (rtol, atol) of raw lanes across sizes; default by dtype (`observe.tolerance`): a
     GEMM whose row count changes may round differently in the last bits.
     State is restored after every run; see the module docstring for how writes are detected.
     """
-    runner = ReferenceRunner(program, body, state=state, prepare=prepare)
+    _check_args(program, sample, trials, seed, tolerance)
+    # canary=False: the caller's canary rows stay as they are; a write there is a finding anyway
+    runner = ReferenceRunner(program, body, state=state, prepare=prepare, canary=False)
     gen = torch.Generator().manual_seed(seed)
     rtol, atol = tolerance if tolerance is not None else (None, None)
     ctx = _Ctx(runner, _State.of(runner.state), CheckResult(program.name, trials), rtol, atol)
-    device = runner.state.device()
+    draw = sample if sample is not None else declared_sample(program, runner.state, runner.state.device())
     for trial in range(trials):
-        raw = sample(gen) if sample is not None else default_sample(program, gen, device)
+        raw = draw(gen)
         ext = runner.plan.extents(raw, runner.device)
         # odd trials start from the state a previous call leaves (another draw, run at the
         # largest bucket), as a runner's calls follow each other: padded lanes that reuse what an
         # earlier call left (a stale slot table) then write rows no raw lane of this call targets
-        prev = None
-        if trial % 2 == 1:
-            prev = sample(gen) if sample is not None else default_sample(program, gen, device)
+        prev = draw(gen) if trial % 2 == 1 else None
         try:
             with _after(ctx, runner, prev, trial):
                 _trial(ctx, raw, ext, gen, SIZES_PER_TRIAL, trial)
@@ -171,10 +198,40 @@ def check(program: Program, body: Callable, *, state: Mapping | None = None, pre
             ctx.add("body-error", "body", f"raised {e} on inputs of the default sampler, which draws "
                     f"integers in 0..3 (often not valid indices, lengths or offsets): pass "
                     f"sample=fn(gen) -> raw inputs that this body accepts", ext, e.size, trial)
-    if sample is None and ctx.result.findings and _int_inputs(program):
-        ctx.note("sampler", f"the default sampler drew the integer inputs {_int_inputs(program)} in 0..3; if they "
-                 f"are indices, findings may come from invalid draws: pass sample= to check real inputs")
+    if sample is None:
+        _sampler_notes(ctx, program, draw.index_inputs)
     return ctx.result
+
+
+def _sampler_notes(ctx: _Ctx, program: Program, indices: dict) -> None:
+    """Say what the default sampler drew as indices, and which integer inputs it could not place."""
+    if indices:
+        ctx.note("indices", "the default sampler drew " + ", ".join(
+            f"{n!r} as distinct rows in [0, {rows}) but {sorted(sinks)}"
+            for n, (rows, sinks) in indices.items()) + " (their pad is a sink row of the state they index: sinks and canary rows left out)")
+    others = [n for n in _int_inputs(program) if n not in indices]
+    if ctx.result.findings and others:
+        ctx.note("sampler", f"the default sampler drew the integer inputs {others} in 0..3; if they "
+                 f"are indices, findings may come from invalid draws: pass sample= to check real inputs")
+
+
+def _check_args(program, sample, trials, seed, tolerance) -> None:
+    """pg.check's own arguments (body, state and prepare are checked as pg.compile checks them)."""
+    if not isinstance(program, Program):
+        raise ContractValueError(f"pg.check: program must be a pg.Program, got {program!r} ({type(program).__name__})")
+    if sample is not None and not callable(sample):
+        raise ContractTypeError(mismatch(program.name, None, "pg.check sample", "a callable fn(gen) -> raw inputs, or None",
+                                         f"{sample!r} ({type(sample).__name__})"))
+    for name, v, low in (("trials", trials, 1), ("seed", seed, 0)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ContractTypeError(mismatch(program.name, None, f"pg.check {name}", "an int", f"{v!r} ({type(v).__name__})"))
+        if v < low:
+            raise ContractValueError(mismatch(program.name, None, f"pg.check {name}", f"an int >= {low}", repr(v)))
+    ok = tolerance is None or (isinstance(tolerance, (tuple, list)) and len(tolerance) == 2 and all(
+        t is None or (isinstance(t, (int, float)) and not isinstance(t, bool) and t >= 0) for t in tolerance))
+    if not ok:
+        raise ContractValueError(mismatch(program.name, None, "pg.check tolerance", "None or (rtol, atol), each a "
+                                          "number >= 0 or None (the dtype's default)", repr(tolerance)))
 
 
 @contextlib.contextmanager
@@ -316,23 +373,20 @@ def _next_call(ctx: _Ctx, base: _Seen, seen: _Seen, run: Callable, ext, size, tr
     matched the baseline (both calls of one chain start from the state that call left)."""
     after_padded = _run_from(ctx, seen.state, run)
     after_exact = _run_from(ctx, base.state, run)
+    at, tol = (ext, size, trial), (ctx.rtol, ctx.atol)
     for name in after_exact.outs:
-        ok, how = _same(after_exact.outs[name], after_padded.outs[name], ctx.rtol, ctx.atol)
-        if not ok:
-            ctx.add("pad-leakage", f"output {name!r}",
-                    f"raw lanes of the next call (the same raw inputs) differ after a call at size "
-                    f"{size} from after {base.what}: they read what padded lanes left (a sink): {how}",
-                    ext, size, trial)
+        ctx.differ("pad-leakage", f"output {name!r}",
+                   f"raw lanes of the next call (the same raw inputs) differ after a call at size {size} from "
+                   f"after {base.what}: they read what padded lanes left (a sink)",
+                   after_exact.outs[name], after_padded.outs[name], at, tol)
     allowed = ctx.state.allowed(ext, size, ctx.runner.plan.bucket_axis)
     for label, sinks, ref, t, skip in zip(ctx.state.labels, allowed, after_exact.state,
                                           after_padded.state, stray):
         drop = sinks | skip
-        ok, how = _same(_drop_rows(ref, drop), _drop_rows(t, drop), ctx.rtol, ctx.atol)
-        if not ok:
-            ctx.add("state-leakage", f"state {label!r}",
-                    f"contents after the next call (the same raw inputs) differ after a call at size "
-                    f"{size} from after {base.what}: raw lanes copied what padded lanes left: {how}",
-                    ext, size, trial)
+        ctx.differ("state-leakage", f"state {label!r}",
+                   f"contents after the next call (the same raw inputs) differ after a call at size {size} "
+                   f"from after {base.what}: raw lanes copied what padded lanes left",
+                   _kept(ref, drop), _kept(t, drop), at, tol, rows=True)
 
 
 def _run_from(ctx: _Ctx, start: list, run: Callable) -> _Seen:
@@ -349,13 +403,11 @@ def _compare(ctx: _Ctx, kind: str, base: _Seen, seen: _Seen, at: tuple, tol: tup
     """Outputs and state contents against the baseline; sinks and rows already reported as
     state-writes (`stray`) are left out of the state comparison. at: (raw extents, size, trial);
     tol: (rtol, atol), None for the dtype's default."""
-    (ext, size, trial), (rtol, atol) = at, tol
+    ext, size, _ = at
     what = base.what if kind == "pad-leakage" else "the same run repeated"
     stray = stray or [set() for _ in ctx.state.tensors]
     for name in base.outs:
-        ok, how = _same(base.outs[name], seen.outs[name], rtol, atol)
-        if not ok:
-            ctx.add(kind, f"output {name!r}", f"raw lanes differ from {what}: {how}", ext, size, trial)
+        ctx.differ(kind, f"output {name!r}", f"raw lanes differ from {what}", base.outs[name], seen.outs[name], at, tol)
     allowed = ctx.state.allowed(ext, size, ctx.runner.plan.bucket_axis)
     wrote = base.written or [set() for _ in ctx.state.tensors]
     for label, sinks, ref, t, skip, own in zip(ctx.state.labels, allowed, base.state, seen.state,
@@ -363,10 +415,39 @@ def _compare(ctx: _Ctx, kind: str, base: _Seen, seen: _Seen, at: tuple, tol: tup
         # a sink row a raw lane wrote in the baseline must keep that write (a padded lane's
         # write there would replace a raw request's data)
         drop = (sinks - own) | skip
-        ok, how = _same(_drop_rows(ref, drop), _drop_rows(t, drop), rtol, atol)
-        if not ok:
-            k = "state-leakage" if kind == "pad-leakage" else kind
-            ctx.add(k, f"state {label!r}", f"contents differ from {what}: {how}", ext, size, trial)
+        k = "state-leakage" if kind == "pad-leakage" else kind
+        ctx.differ(k, f"state {label!r}", f"contents differ from {what}", _kept(ref, drop), _kept(t, drop),
+                   at, tol, rows=True)
+
+
+def _kept(t: torch.Tensor, drop: set[int]) -> torch.Tensor:
+    """`t` with the rows in `drop` set equal in both runs compared (0), so that the row numbers a
+    finding names stay the state's own (`_drop_rows` would renumber them)."""
+    if not drop or t.dim() == 0:
+        return t
+    out = _wide(t).clone()          # fp8 as float32: CPU torch writes few ops of it
+    out[sorted(r for r in drop if r < t.shape[0])] = 0
+    return out
+
+
+def _first_lane(ref: torch.Tensor, got: torch.Tensor, rtol, atol) -> tuple | None:
+    """The index of the first element where `got` differs from `ref` beyond the tolerance
+    `_same` applies (NaN equal to NaN), or None (shapes differ)."""
+    if ref.shape != got.shape:
+        return None
+    d_rtol, d_atol = tolerance(ref.dtype)
+    rtol, atol = (d_rtol if rtol is None else rtol), (d_atol if atol is None else atol)
+    a, b = _wide(ref), _wide(got)
+    if a.dtype.is_floating_point or a.dtype.is_complex:
+        bad = ~torch.isclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
+    else:
+        bad = a != b
+    hits = bad.reshape(bad.shape or (1,)).nonzero()
+    return tuple(hits[0].tolist()) if len(hits) and a.dim() else (() if len(hits) else None)
+
+
+def _at(t: torch.Tensor, lane: tuple):
+    return t[lane].item() if t.dim() else t.item()
 
 
 def _outside_view(ctx: _Ctx, written: list, rows: int, ext, size, trial, run: str) -> None:

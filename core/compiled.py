@@ -49,8 +49,20 @@ from .view import PaddedView, read_only
 _MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune")
 
 
+# torch_compile keys whose value must be a bool (None: torch's default), checked before dynamo sees them
+_FLAGS = ("fullgraph", "dynamic", "size_oblivious")
+
+
 def _options(program: Program, spec) -> dict:
     opts = {} if spec is True else dict(spec)
+    for key in _FLAGS:
+        v = opts.get(key)
+        if v is not None and not isinstance(v, bool):
+            raise ContractValueError(mismatch(program.name, None, f"torch_compile {key!r}", "True, False or None",
+                                              f"{v!r} ({type(v).__name__})"))
+    if not isinstance(opts.get("options") or {}, dict):
+        raise ContractValueError(mismatch(program.name, None, "torch_compile 'options'",
+                                          "a dict of inductor config patches", repr(opts["options"])))
     mode = opts.pop("mode", None) or "default"
     if mode not in _MODES:
         why = " (padgraph captures the CUDA graphs itself; inductor's own would nest inside them)" \
@@ -77,6 +89,9 @@ def _passes(program: Program, passes) -> tuple:
     """Graph passes run on each FX graph dynamo traces, in order, before inductor compiles it:
     `p(gm, example_inputs)` rewrites `gm` in place (e.g. backends.triton.grouped_linear's
     `group_linears`)."""
+    if not (callable(passes) or passes is None or isinstance(passes, Iterable)):
+        raise ContractValueError(mismatch(program.name, None, "torch_compile passes",
+                                          "a callable p(gm, example_inputs) or a list of them", repr(passes)))
     passes = (passes,) if callable(passes) else tuple(passes or ())
     bad = [p for p in passes if not callable(p)]
     if bad:

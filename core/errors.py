@@ -54,6 +54,10 @@ class ShadowMismatch(ContractRuntimeError):
     """A shadow-verified call's replay differs from the eager padded path (pg.Shadow)."""
 
 
+class CanaryError(ContractRuntimeError):
+    """A canary row of bound state (pg.State(canary=...)) was written: no lane of any call may write it."""
+
+
 class OverflowWarning(UserWarning):
     """A call past the ladder ran eagerly (overflow="eager"): once per runner, counted in stats."""
 

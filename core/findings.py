@@ -16,7 +16,8 @@ class Finding:
     extents: dict
     size: int        # the size of the bucketed axis the finding was seen at (raw extent: exact run)
     trial: int | None = None
-    rows: tuple = ()  # state-write: the offending rows of dim 0
+    rows: tuple = ()  # state findings: the offending rows of dim 0
+    lane: tuple = ()  # pad-leakage / state-leakage / nondeterminism: the first differing element's index
 
     def __str__(self):
         return f"[{self.kind}] {self.buffer}: {self.detail} (raw extents {self.extents}, size {self.size})"

@@ -34,7 +34,7 @@ class Outputs(dict):
 
 
 class LentOutputs(Outputs):
-    """Outputs on loan until the runner's next call (rule 6.2): each is made a `Lent` view under
+    """Outputs on loan until the runner's next call (rule 6.2): each is made a `Lent` alias under
     the call's lease when first read, so outputs never read cost nothing. Every way to read one
     (`out.y`, `out["y"]`, values(), items(), get(), `{**out}`, dict(out)) goes through __getitem__."""
 

@@ -4,6 +4,8 @@ Everything here is host-side and device-free: a Plan can be built and inspected 
 """
 from __future__ import annotations
 
+import dataclasses
+import operator
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -26,6 +28,9 @@ class _InputCheck:
     rank: int
     fixed: tuple          # (dim, size) of int dimensions
     moving: tuple         # (dim, axis name, scale, offset) of padded dimensions
+    # declared like an earlier input (same rank, fixed, moving): that input's number among the
+    # inputs declared like no earlier one; this input's shape must equal that input's
+    alike: int | None = None
 
 
 def _min_bucket_table(caps: list[int]) -> list[int]:
@@ -46,8 +51,10 @@ class Plan:
         self.buckets = tuple(program.buckets)
         self.axes = program.axes
         self.bucket_axis = self.axes[0].name
-        self._checks = tuple(_input_check(n, s) for n, s in program.inputs.items())
+        self._checks = _link_same_shapes([_input_check(n, s) for n, s in program.inputs.items()])
         self._names = frozenset(program.inputs)
+        self._tensors_of = values_at([c.name for c in self._checks])     # raw -> its tensors, in check order
+        self._fast = tuple((c.dtype, c.alike, c.rank, c.fixed, c.moving) for c in self._checks)
         # axis name -> [raw extent -> bucket index]; O(1) lookup on the call path.
         self._tables = {a.name: _min_bucket_table([a.cap(b) for b in self.buckets]) for a in self.axes}
         self._affine = {a.name: a.capacity for a in self.axes}
@@ -83,6 +90,40 @@ class Plan:
         """Check raw inputs against the declaration and infer one raw extent per axis."""
         if raw.keys() != self._names:
             self._bad_names(raw)
+        ext = self._extents_fast(self._tensors_of(raw), device)
+        return ext if ext is not None else self._extents_each(raw, device, allow_host)
+
+    def _extents_fast(self, tensors: tuple, device) -> dict[str, int] | None:
+        """The extents where every input is a plain tensor of its dtype on `device` with a shape
+        the declaration accepts; None for anything else (`_extents_each` then raises, or accepts
+        a host input or another call's output). An input declared like an earlier one only has
+        its shape compared with that one's: both accept the same shapes and give the same extents."""
+        ext: dict[str, int] = {}
+        shapes = []               # of the inputs declared like no earlier one, in order
+        for (dtype, alike, rank, fixed, moving), t in zip(self._fast, tensors):
+            if type(t) is not torch.Tensor or t.dtype is not dtype or (device is not None and t.device != device):
+                return None
+            shp = t.shape
+            if alike is not None:
+                if shp != shapes[alike]:
+                    return None
+                continue
+            shapes.append(shp)
+            if len(shp) != rank:
+                return None
+            for d, size in fixed:
+                if shp[d] != size:
+                    return None
+            for d, axis, scale, offset in moving:
+                m = shp[d] - offset
+                n = m // scale
+                if n < 0 or n * scale != m or ext.setdefault(axis, n) != n:
+                    return None
+        return ext if ext.get(self.bucket_axis, 0) >= 1 else None
+
+    def _extents_each(self, raw: Mapping[str, object], device, allow_host: bool) -> dict[str, int]:
+        """Every input checked on its own: the extents, or the error rule 2 names for the first
+        input that breaks the declaration."""
         ext: dict[str, int] = {}
         for c in self._checks:
             t = raw[c.name]
@@ -184,6 +225,26 @@ class Plan:
 def _dim(d, extent_of) -> int:
     af = as_affine(d)
     return d if af is None else af.at(extent_of(af.axis.name))
+
+
+def _link_same_shapes(checks: list[_InputCheck]) -> tuple[_InputCheck, ...]:
+    """Each check with `alike` set where an earlier input is declared alike (see _InputCheck)."""
+    firsts: dict[tuple, int] = {}         # (rank, fixed, moving) -> number of its first input
+    out = []
+    for c in checks:
+        key = (c.rank, c.fixed, c.moving)
+        out.append(dataclasses.replace(c, alike=firsts.get(key)))
+        firsts.setdefault(key, len(firsts))
+    return tuple(out)
+
+
+def values_at(names: list[str]):
+    """mapping -> the tuple of its values at `names`, in one C call where it can (the call path
+    reads a call's inputs and extents by it; itemgetter of one name is not a tuple)."""
+    if len(names) == 1:
+        name = names[0]
+        return lambda m: (m[name],)
+    return operator.itemgetter(*names) if names else (lambda m: ())
 
 
 def _input_check(name: str, spec) -> _InputCheck:

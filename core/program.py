@@ -77,16 +77,21 @@ class State:
     `flatten` / `unflatten`: for an object torch's pytree does not know (e.g. a library's cache
     class): flatten(obj) -> (list of tensors, context); unflatten(tensors, context) -> an object
     of the same kind over those tensors.
+    `canary`: row(s) of dim 0 that no lane of any call may write (a reserved slot): the runner
+    fills them with a sentinel and checks them after every run of the body (padgraph/canary.py).
     """
 
     sink: int | tuple[int, ...] | None = None
     rows: object = None
     flatten: object = None
     unflatten: object = None
+    canary: int | tuple[int, ...] | None = None
 
     def __post_init__(self):
         if isinstance(self.sink, list):
             object.__setattr__(self, "sink", tuple(self.sink))
+        if isinstance(self.canary, list):
+            object.__setattr__(self, "canary", tuple(self.canary))
 
     @property
     def sink_rows(self) -> tuple[int, ...]:
@@ -94,6 +99,13 @@ class State:
             return ()
         rows = tuple(self.sink) if isinstance(self.sink, tuple) else (self.sink,)
         return tuple(as_number(r) for r in rows)     # np.int64(0) as 0; others as given
+
+    @property
+    def canary_rows(self) -> tuple[int, ...]:
+        if self.canary is None:
+            return ()
+        rows = tuple(self.canary) if isinstance(self.canary, tuple) else (self.canary,)
+        return tuple(as_number(r) for r in rows)
 
 
 def _freeze(d: Mapping | None) -> Mapping:
@@ -111,8 +123,16 @@ class Program:
     buckets: Buckets | None = None
 
     def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            cls = ContractValueError if isinstance(self.name, str) else ContractTypeError
+            raise cls(f"Program name must be a non-empty str, got {self.name!r} ({type(self.name).__name__})")
         for attr in ("inputs", "outputs", "state"):
-            object.__setattr__(self, attr, _freeze(getattr(self, attr)))
+            table = getattr(self, attr)
+            if table is not None and not isinstance(table, Mapping):
+                raise ContractTypeError(mismatch(self.name, None, attr, "a mapping name -> pg."
+                                                 + {"inputs": "Input", "outputs": "Output", "state": "State"}[attr]
+                                                 + "(...) (a dict)", f"{table!r} ({type(table).__name__})"))
+            object.__setattr__(self, attr, _freeze(table))
         object.__setattr__(self, "buckets", _ladder(self.name, self.buckets))
         _validate(self)
 
@@ -169,8 +189,6 @@ _DICT_METHODS = frozenset(n for n in dir(dict) if not n.startswith("_"))
 
 
 def _validate(p: Program) -> None:
-    if not isinstance(p.name, str) or not p.name:
-        raise ContractValueError(f"Program name must be a non-empty string, got {p.name!r}")
     if not p.inputs:
         raise ContractValueError(f"program {p.name!r}: declares no inputs; a static program needs at least one")
     _validate_names(p)
@@ -237,6 +255,20 @@ def _validate_input(p: Program, n: str, s: Input) -> None:
         raise cls(mismatch(p.name, n, f"pad {s.pad!r}", expected, got))
 
 
+def _validate_canary(p: Program, n: str, s) -> None:
+    """Canary rows: ints >= 0, none a sink row, none in a batch-ordered state (its rows are the lanes')."""
+    for row in s.canary_rows:
+        if isinstance(row, bool) or not isinstance(row, int):
+            raise ContractTypeError(mismatch(p.name, n, "canary", "an int or a tuple of ints (rows of dim 0)",
+                                             f"{s.canary!r} ({type(row).__name__} {row!r})", kind="state"))
+        if row < 0 or row in s.sink_rows:
+            raise ContractValueError(mismatch(p.name, n, "canary rows", ">= 0 and none of the sink rows "
+                                              f"{list(s.sink_rows)} (padded lanes write sinks)", repr(s.canary), kind="state"))
+    if s.canary_rows and s.rows is not None:
+        raise ContractValueError(mismatch(p.name, n, "canary with rows=", "None (every row of a batch-ordered state "
+                                          "belongs to a lane)", repr(s.canary), kind="state"))
+
+
 def _validate_state(p: Program, n: str, s) -> None:
     if not isinstance(s, State):
         raise ContractTypeError(f"program {p.name!r}, state {n!r}: must be pg.State(...), got {type(s).__name__}")
@@ -246,6 +278,7 @@ def _validate_state(p: Program, n: str, s) -> None:
                                              f"{s.sink!r} ({type(row).__name__} {row!r})", kind="state"))
         if row < 0:
             raise ContractValueError(mismatch(p.name, n, "sink rows", ">= 0 (rows of dim 0)", repr(s.sink), kind="state"))
+    _validate_canary(p, n, s)
     if s.rows is not None:
         if not isinstance(s.rows, Axis) or not s.rows.bucketed:
             raise ContractValueError(mismatch(p.name, n, "rows", "the bucketed axis (an Axis without capacity)",
@@ -279,6 +312,9 @@ def _validate_axes(p: Program) -> None:
         if a.cap(p.buckets[0]) < 1:
             raise ContractValueError(
                 f"program {p.name!r}, axis {a.name!r}: capacity must be >= 1 at every bucket, got {a.cap(p.buckets[0])} at bucket {p.buckets[0]}")
+    for kind, table in (("input", p.inputs), ("output", p.outputs)):
+        for n, s in table.items():
+            _validate_sizes(p, n, s, kind)
     known = {id(a) for a in axes}
     for n, s in p.outputs.items():
         for _, af in padded_dims(s.shape):
@@ -286,3 +322,14 @@ def _validate_axes(p: Program) -> None:
                 raise ContractValueError(
                     f"program {p.name!r}, output {n!r}: axis {af.axis.name!r} is used by no input, so its raw "
                     f"extent cannot be known; axes of the inputs are {names}")
+
+
+def _validate_sizes(p: Program, n: str, s, kind: str) -> None:
+    """A padded dimension with a negative offset (`bs - 1`) must not be negative at the smallest
+    bucket, where each axis has its smallest capacity."""
+    for d, af in padded_dims(s.shape):
+        size = af.at(af.axis.cap(p.buckets[0]))
+        if size < 0:
+            raise ContractValueError(mismatch(p.name, n, f"dimension {d} ({af!r})",
+                                              ">= 0 at every bucket (the axis at its smallest capacity)",
+                                              f"{size} at bucket {p.buckets[0]}", kind=kind))

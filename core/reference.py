@@ -45,6 +45,7 @@ class ReferenceRunner(Runner):
             self._arena = {n: torch.empty(math.prod(self.plan.largest_shape(n)), dtype=s.dtype, device=outs[n].device)
                            for n, s in self.program.outputs.items()}
         views = {}
+        self._end_lease()       # the copies below rewrite the outputs lent so far
         for name, flat in self._arena.items():
             shape = self.plan.shape(name, bucket)
             v = flat[: math.prod(shape)].view(shape)

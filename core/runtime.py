@@ -16,11 +16,12 @@ from typing import Callable, Mapping
 import torch
 
 from .eager import device_axis_dims, mask_outputs, run_padded
+from .canary import Canary, parse_mode
 from .errors import ContractRuntimeError, ContractTypeError, ContractValueError, OverflowWarning, mismatch, where
 from .lifetimes import Lease, LentInput, unlend
 from .options import Options
 from .outputs import _PROGRAM, LentOutputs, Outputs, Stats
-from .shadow import Sampler, Shadow, report, verify
+from .shadow import Sampler, Shadow, shadowed
 from .plan import Plan
 from .program import Program, padded_dims
 from .state import BoundState
@@ -68,6 +69,7 @@ class Runner:
         if shadow is not None and not isinstance(shadow, Shadow):
             raise ContractTypeError(mismatch(program.name, None, "shadow", "a pg.Shadow(...) or None", repr(shadow)))
         self._shadow = Sampler(shadow) if shadow is not None else None
+        self._canary = self._arm_canary(opts.canary)
         self._lease = Lease(program.name, 0)     # the last call's claim on its outputs
         self._lock = threading.Lock()
         self._owner = None         # the thread inside call(), to tell re-entry from another thread
@@ -79,6 +81,30 @@ class Runner:
         self._views: dict[tuple, Outputs] = {}  # (bucket, *extents) -> sliced views (never handed out)
         self._device_dims = device_axis_dims(program.outputs)     # buffers along device-extent axes
         self._in_device_dims = device_axis_dims(program.inputs)
+
+    def _arm_canary(self, option):
+        """The canary of the bound state's canary rows (padgraph/canary.py), or None; the body
+        (and its eager form) runs the check after every run, captured graphs included."""
+        mode = parse_mode(self.program.name, option)
+        if mode is None or not any(s.canary_rows for s in self.program.state.values()):
+            return None
+        canary = Canary(self.program, self.state, mode, self.state.device(), self._canary_checker())
+        if not len(canary):
+            return None
+        self.body, self._eager_body = canary.wrap(self.body), canary.wrap(self._eager_body)
+        return canary
+
+    def _canary_checker(self):
+        """A backend's one-launch canary check (`checker(regions, flag) -> check()`), or None for torch ops."""
+        return None
+
+    def canary_check(self) -> None:
+        """Wait for the device's queued work, then report a canary row written by any call so far."""
+        if self._canary is not None:
+            dev = self.state.device()
+            if dev is not None and dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            self._canary.poll(self._lease.call + 1)
 
     def __call__(self, **raw: torch.Tensor) -> Outputs:
         return self.call(raw)
@@ -124,6 +150,8 @@ class Runner:
         if type(raw) is not dict and not isinstance(raw, Mapping):    # dict: the common case, no ABC check
             raise ContractTypeError(mismatch(self.program.name, None, "the raw inputs",
                                              "a mapping input name -> tensor", type(raw).__name__))
+        if self._canary is not None:
+            self._canary.poll(self._lease.call + 1)    # a write flagged by an earlier call: no sync
         device = self.device
         if device is None or (device.index is None and device.type != "cpu"):
             device = self._resolve_device(raw, device)
@@ -153,14 +181,7 @@ class Runner:
 
     def _shadowed(self, bucket: int, raw, ext, dev):
         """A sampled call: run it, then verify it against the eager runs (see padgraph/shadow.py)."""
-        before = self.state.snapshot()
-        outs = self._run_device(bucket, raw, ext, dev) if dev else self._run(bucket, raw, ext)
-        after = self.state.snapshot()
-        self.stats.shadow_calls += 1
-        found = verify(self, self._shadow.spec, (bucket, raw, ext, dev), outs, before, after)
-        if found is not None:
-            report(self, self._shadow.spec, bucket, ext, found)
-        return outs
+        return shadowed(self, self._shadow.spec, bucket, raw, ext, dev)
 
     def _resolve_device(self, raw, device):
         """No device yet: the first input's. A bare "cuda": the index of the first such input."""
@@ -171,6 +192,8 @@ class Runner:
 
     # ---- backend hook ------------------------------------------------------------------
     def _run(self, bucket: int, raw: Mapping[str, torch.Tensor], ext: Mapping[str, int]) -> Mapping[str, torch.Tensor]:
+        """The padded outputs at `bucket`. Before writing memory an earlier call's outputs may
+        alias, call `self._end_lease()` (the lease of outputs already lent ends there)."""
         raise NotImplementedError(f"backend {self.backend!r} must implement _run")
 
     def _run_eager(self, size: int, raw, ext) -> Mapping[str, torch.Tensor]:
@@ -258,8 +281,14 @@ class Runner:
             res[name] = t.clone() if self.copy_outputs else t
         return self._lend(res) if lend_ and not self.copy_outputs else res
 
+    def _end_lease(self) -> None:
+        """End the last call's lease on its outputs (rule 6.2). A backend calls it right before it
+        writes the output memory (after everything that may reject the call), so a read on another
+        thread that overlaps the write finds the lease ended when it checks again after its read."""
+        self._lease.alive = False
+
     def _next_lease(self) -> None:
-        """End the last call's lease on its outputs (rule 6.2) and open this call's."""
+        """End the last call's lease (if the backend has not yet) and open this call's."""
         self._lease.alive = False
         self._lease = Lease(self.program.name, self._lease.call + 1)
 

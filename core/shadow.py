@@ -13,9 +13,18 @@ twice more on the same device from a copy of the bound state as the call found i
      from a raw buffer, a padded lane writing a non-sink row, a body reading lanes past an extent:
      each makes the padded run differ from the exact one.
 
-The state is then put back as the replay left it. A mismatch raises `pg.ShadowMismatch` (or is
-logged, or handed to a callable) naming the program, the bucket, the raw extents, the buffer, the
-first differing lane or row, and both values. Calls that are not sampled pay one integer test.
+Both compare only what the contract makes deterministic: outputs on raw lanes, and every state
+row except sink rows (rule 7.4) and the padded rows [n, bucket) of batch-ordered state (7.7),
+where padded lanes may write anything (noise, or the racy result of a scatter of many padded
+lanes onto one sink). Every other row and lane is compared strictly.
+
+The eager runs read copies of the inputs taken before the call ran: an earlier output of this
+runner fed back as an input (a decode loop) lives in memory the run overwrites. A verification
+that raises still ends the previous call's lease (its outputs' memory holds this call's values
+now), and the state is put back as the replay left it. A mismatch raises `pg.ShadowMismatch` (or
+is logged, or handed to a callable) naming the program, the bucket, the raw extents, the buffer,
+the first differing lane (output) or row (state), and both values. Calls that are not sampled
+pay one integer test; a sampled one also copies its inputs once.
 """
 from __future__ import annotations
 
@@ -31,6 +40,8 @@ from .pack import bit_view
 from .errors import ContractTypeError, ContractValueError, ShadowMismatch, where
 
 log = logging.getLogger("padgraph")
+_SHAPE = ("shape",)      # the lane _first_difference gives two tensors of different shapes
+
 
 @dataclass(frozen=True)
 class Shadow:
@@ -56,6 +67,12 @@ class Shadow:
                 raise ContractValueError(f"pg.Shadow: {name} must be an int >= {1 if name == 'every' else 0}, got {v!r}")
         if self.on_mismatch not in ("raise", "log") and not callable(self.on_mismatch):
             raise ContractTypeError(f"pg.Shadow: on_mismatch must be 'raise', 'log' or a callable, got {self.on_mismatch!r}")
+        if not isinstance(self.exact, bool):
+            raise ContractTypeError(f"pg.Shadow: exact must be a bool, got {self.exact!r} ({type(self.exact).__name__})")
+        for name in ("rtol", "atol"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0):
+                raise ContractValueError(f"pg.Shadow: {name} must be a number >= 0 or None, got {v!r}")
 
 
 class Sampler:
@@ -71,6 +88,23 @@ class Sampler:
         return k < self.spec.first or self.n % self.spec.every == 0
 
 
+def shadowed(runner, spec: Shadow, bucket: int, raw: Mapping, ext, dev) -> Mapping[str, torch.Tensor]:
+    """A sampled call: the backend's run, then `verify`; the run's padded outputs."""
+    mine = {n: t.clone() for n, t in raw.items()}   # as the call found them: the run may overwrite
+    before = runner.state.snapshot()                 # an input that is an earlier output's memory
+    outs = runner._run_device(bucket, raw, ext, dev) if dev else runner._run(bucket, raw, ext)
+    try:
+        after = runner.state.snapshot()
+        runner.stats.shadow_calls += 1
+        found = verify(runner, spec, (bucket, mine, ext, dev), outs, before, after)
+        if found is not None:
+            report(runner, spec, bucket, ext, found)
+    except BaseException:
+        runner._next_lease()     # the run rewrote the previous call's outputs: they read as stale
+        raise
+    return outs
+
+
 def verify(runner, spec: Shadow, call: tuple, replay_outs: Mapping, before: list, after: list) -> str | None:
     """What differs between the replay of `call` = (bucket, raw, extents, device extents) (outputs
     `replay_outs`, state `after`) and the eager runs from state `before`; None when nothing does.
@@ -78,6 +112,7 @@ def verify(runner, spec: Shadow, call: tuple, replay_outs: Mapping, before: list
     bucket, raw, ext, dev = call
     run_ext, run_raw = runner._cut(raw, ext, dev) if dev else (ext, raw)
     state = runner.state
+    free = _State.of(state).allowed(run_ext, bucket, runner.plan.bucket_axis)   # sinks, padded lanes' rows
     try:
         state.restore(before)
         eager = run_padded(runner, bucket, run_raw, run_ext, runner.device, body=runner._eager_body)
@@ -85,15 +120,15 @@ def verify(runner, spec: Shadow, call: tuple, replay_outs: Mapping, before: list
             eager = mask_outputs(runner.program, eager, runner._device_dims, run_ext.__getitem__)
         eager_state = state.snapshot()
         found = _outputs(runner, spec, replay_outs, eager, ext, "the replay", "the eager padded path")
-        found = found or _state(runner, spec, after, eager_state, None, "the replay", "the eager padded path")
+        found = found or _state(runner, spec, (after, eager_state), free, None, "the replay", "the eager padded path")
         if found is None and spec.exact:
-            found = _against_exact(runner, spec, eager, eager_state, before, run_raw, run_ext, bucket)
+            found = _against_exact(runner, spec, (eager, eager_state), before, free, run_raw, run_ext)
     finally:
         state.restore(after)
     return found
 
 
-def _against_exact(runner, spec, eager, eager_state, before, raw, ext, bucket) -> str | None:
+def _against_exact(runner, spec, padded: tuple, before: list, free: list, raw, ext) -> str | None:
     state = runner.state
     state.restore(before)
     try:
@@ -102,12 +137,10 @@ def _against_exact(runner, spec, eager, eager_state, before, raw, ext, bucket) -
         runner.stats.shadow_exact_skipped += 1
         log.debug("padgraph shadow: exact run of %r skipped (%s: %s)", runner.program.name, type(e).__name__, e)
         return None
-    exact_state = state.snapshot()
+    eager, eager_state = padded
     found = _outputs(runner, spec, eager, exact, ext, "the padded run", "the exact run (no padded lane)")
-    if found is None:
-        own = _State.of(runner.state).allowed(ext, bucket, runner.plan.bucket_axis)   # sinks, own rows
-        found = _state(runner, spec, eager_state, exact_state, (before, own), "the padded run", "the exact run")
-    return found
+    return found or _state(runner, spec, (eager_state, state.snapshot()), free, before, "the padded run",
+                           "the exact run")
 
 
 def _outputs(runner, spec, got: Mapping, want: Mapping, ext, got_name: str, want_name: str) -> str | None:
@@ -123,21 +156,23 @@ def _outputs(runner, spec, got: Mapping, want: Mapping, ext, got_name: str, want
     return None
 
 
-def _state(runner, spec, got: list, want: list, writes, got_name: str, want_name: str) -> str | None:
-    """State leaves compared row by row. writes=(before, allowed rows): rows `got` changed from
-    `before` that `want` did not are padded lanes' writes; outside the allowed rows, a finding."""
-    for (label, _), g, w, i in zip(runner.state.named(), got, want, range(len(got))):
-        if writes is not None and g.dim() > 0:
-            before, allowed = writes[0][i], writes[1][i]
-            extra = _changed(g, before) - _changed(w, before) - allowed
+def _state(runner, spec, runs: tuple, free: list, before, got_name: str, want_name: str) -> str | None:
+    """State leaves of two runs (got, want) compared row by row, outside the rows padded lanes
+    may write (`free`: sinks, padded rows of batch-ordered state). With `before`: rows `got`
+    changed that `want` did not are padded lanes' writes; outside `free`, a finding."""
+    for i, (label, _) in enumerate(runner.state.named()):
+        g, w = runs[0][i], runs[1][i]
+        if before is not None and g.dim() > 0:
+            extra = _changed(g, before[i]) - _changed(w, before[i]) - free[i]
             if extra:
                 row = min(extra)
                 return (f"state {label!r}, row {row}: {got_name} wrote it and {want_name} did not, and it is "
                         f"not a sink (a padded lane writes a non-sink row): {_at(g, (row,))} instead of "
-                        f"{_at(before, (row,))}")
-        lane = _first_difference(g, w, spec)
+                        f"{_at(before[i], (row,))}")
+        lane = _first_difference(g, w, spec, free[i])
         if lane is not None:
-            return f"state {label!r}, lane {lane}: {got_name} left {_at(g, lane)}, {want_name} leaves {_at(w, lane)}"
+            return (f"state {label!r}, {_row(lane, g)}: {got_name} left {_at(g, lane)}, {want_name} leaves "
+                    f"{_at(w, lane)}")
     return None
 
 
@@ -146,9 +181,11 @@ def _changed(now: torch.Tensor, before: torch.Tensor) -> set:
     return set(diff.reshape(diff.shape[0], -1).any(1).nonzero().flatten().tolist())
 
 
-def _first_difference(a: torch.Tensor, b: torch.Tensor, spec: Shadow) -> tuple | None:
+def _first_difference(a: torch.Tensor, b: torch.Tensor, spec: Shadow, skip_rows: set = frozenset()) -> tuple | None:
+    """The first lane where a and b differ beyond tolerance, rows of dim 0 in `skip_rows` aside;
+    _SHAPE when their shapes differ; None when they agree."""
     if a.shape != b.shape:
-        return ()
+        return _SHAPE
     if a.is_floating_point():
         rtol, atol = tolerance(a.dtype)        # pg.check's, by dtype
         rtol = rtol if spec.rtol is None else spec.rtol
@@ -157,13 +194,24 @@ def _first_difference(a: torch.Tensor, b: torch.Tensor, spec: Shadow) -> tuple |
         bad = ~((a64 - b64).abs() <= atol + rtol * b64.abs()) & ~(a64.isnan() & b64.isnan()) & (a64 != b64)
     else:
         bad = bit_view(a) != bit_view(b)
+    if skip_rows and bad.dim() > 0:
+        bad[torch.tensor(sorted(skip_rows), device=bad.device)] = False
     if not bool(bad.any()):
         return None
     return tuple(bad.nonzero()[0].tolist())
 
 
+def _row(lane: tuple, t: torch.Tensor) -> str:
+    """A state lane as its row of dim 0 (and where in the row)."""
+    if lane is _SHAPE:
+        return "shape"
+    if t.dim() <= 1:
+        return "its value" if t.dim() == 0 else f"row {lane[0]}"
+    return f"row {lane[0]}, column {lane[1]}" if t.dim() == 2 else f"row {lane[0]}, element {lane[1:]} of it"
+
+
 def _at(t: torch.Tensor, lane: tuple):
-    if lane == ():
+    if lane is _SHAPE:
         return f"shape {tuple(t.shape)}"
     v = t[lane]
     return v.tolist() if v.numel() <= 8 else f"a row of {v.numel()} values starting {v.flatten()[:4].tolist()}"

@@ -28,7 +28,7 @@ import torch.utils._pytree as pytree
 from .errors import ContractTypeError, ContractValueError, StateStorageError, mismatch, where
 from .program import Program
 from .state_memory import _runs, _Span, _tensors_share, byte_span
-from .state_tree import _element, _is_pytree_leaf, _structure_change, _walk
+from .state_tree import _element, _is_pytree_leaf, _structure_change, _walk, check_round_trip
 
 _T = torch.Tensor
 _dtype = attrgetter("dtype")
@@ -71,6 +71,7 @@ class BoundState:
         self.specs.update((label, program.state[name]) for name, label, _ in leaves)
         _check_sinks(program, leaves)
         _check_rows(program, leaves)
+        _check_round_trips(program, state)
         self._rows = {n for n, spec in program.state.items() if spec.rows is not None}
         self._at: dict[int, tuple] = {}   # size -> (values as the body sees them, their cut leaves)
         self._names = [name for name, _, _ in leaves]
@@ -272,6 +273,15 @@ def _check_rows(program: Program, leaves) -> None:
             raise ContractValueError(mismatch(
                 program.name, name, f"dim 0 of {label} (batch-ordered: one row per lane of the largest bucket)",
                 f">= {largest}", "0-d" if t.dim() == 0 else f"{t.shape[0]} (shape {tuple(t.shape)})", kind="state"))
+
+
+def _check_round_trips(program: Program, state: Mapping[str, object]) -> None:
+    """Every flatten/unflatten pair is inverse, tried as the body will see it: batch-ordered state
+    at the smallest bucket's rows (a cut that differs from the bound leaves), the rest as bound."""
+    for name, value in state.items():
+        spec = program.state[name]
+        if spec.flatten is not None:
+            check_round_trip(program.name, name, value, spec, program.buckets[0] if spec.rows is not None else None)
 
 
 def _check_sinks(program: Program, leaves) -> None:

@@ -9,7 +9,7 @@ from operator import is_
 import torch
 import torch.utils._pytree as pytree
 
-from .errors import ContractTypeError, mismatch
+from .errors import ContractTypeError, ContractValueError, mismatch
 
 _is_pytree_leaf = getattr(pytree, "tree_is_leaf", None) or pytree._is_leaf   # public from torch 2.5
 _MISSING = object()   # a dataclass field that is gone
@@ -168,3 +168,55 @@ def _structure_change(node: _Node) -> str:
     parts += [f"{node.path}{s} was added" for s in now if s not in bound]
     parts += [f"{node.path}{s} was replaced by another object" for s in bound if s in now and now[s] is not bound[s]]
     return "; ".join(parts) or f"{node.path} changed"
+
+
+# ---- a user's flatten / unflatten pair ----------------------------------------------------------
+def check_round_trip(program: str, name: str, value, spec, rows: int | None) -> None:
+    """pg.State(flatten=, unflatten=) must be inverse: flatten(unflatten(ts, context)) gives back
+    ts, the very tensors unflatten was given, in the same order. A pair that is not sends the
+    body's writes to another leaf (swapped, duplicated) or to none (dropped). `rows`: for
+    batch-ordered state, unflatten is given row prefixes of that many rows, as the body sees them."""
+    leaves, ctx = spec.flatten(value)
+    with torch.no_grad():
+        given = [t.narrow(0, 0, rows) if rows is not None else t for t in leaves]
+    try:
+        again, _ = spec.flatten(spec.unflatten(list(given), ctx))
+    except Exception as e:  # noqa: BLE001 - the user's pair: reported as a declaration error
+        raise ContractValueError(mismatch(program, name, "flatten(unflatten(leaves, context))",
+                                          "runnable on the bound leaves", f"{type(e).__name__}: {e}", kind="state")) from e
+    got = _round_trip_error(name, list(given), list(again))
+    if got is not None:
+        raise ContractValueError(mismatch(
+            program, name, "flatten / unflatten (flatten(unflatten(leaves, context)) giving back the very "
+            "tensors unflatten was given, in order)", "inverse", got, kind="state"))
+
+
+def _round_trip_error(name: str, given: list, again: list) -> str | None:
+    """What the round trip did to the leaves, by label; None when it gave them back."""
+    for i, u in enumerate(again):
+        if i >= len(given):
+            return f"{len(again)} leaves where flatten gave {len(given)}: {name}[{i}] is added"
+        if _same_view(u, given[i]):
+            continue
+        if not isinstance(u, torch.Tensor):
+            return f"at {name}[{i}] {type(u).__name__} where unflatten was given a tensor"
+        j = next((j for j, t in enumerate(given) if _same_view(u, t)), None)
+        if j is None:
+            return (f"at {name}[{i}] a tensor unflatten was not given: unflatten must build the object over "
+                    f"the tensors it is given, or the body's writes to {name}[{i}] miss the bound tensor")
+        return (f"at {name}[{i}] the tensor given as {name}[{j}]: the body's writes to {name}[{i}] would land "
+                f"in {name}[{j}]")
+    if len(again) < len(given):
+        return f"{len(again)} leaves where flatten gave {len(given)}: {name}[{len(again)}] is dropped"
+    return None
+
+
+def _same_view(a, b: torch.Tensor) -> bool:
+    """a is b, or a tensor over the same memory seen the same way (so writes through it reach b).
+    Meta tensors have no memory to compare: only identity."""
+    if a is b:
+        return True
+    if not isinstance(a, torch.Tensor) or a.device.type == "meta":
+        return False
+    return (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            and a.data_ptr() == b.data_ptr())

@@ -12,6 +12,13 @@ What it does, in order:
    tokens, the target verifies the tree in one call) and plain greedy decoding.
 3. Checks the oracle: EAGLE's output equals greedy's token for token (`greedy_match=N/N`).
 
+--temperature T (default 0: greedy) samples instead, both runs with the same per-request seeds,
+and prints the target's mean next-token entropy at T over the tokens it generated (a random
+target's distribution is nearly flat, no real model's is: a low T sharpens it, and the speedup
+depends on it). With the default acceptance rule (--spec-sampling draws) EAGLE emits plain
+sampling's tokens, and the line checks them (`sampled_match=N/N`); "rejection" emits the same
+distribution through other random draws, so no token is compared.
+
 Why the CPU speedup says little, and is often below 1: on the CPU (what CI runs: a tiny
 target, fp32, the "reference" backend that runs each program eagerly) a forward's cost grows
 with its tokens and with its many small PyTorch ops, so verifying 6 tree tokens costs several
@@ -34,6 +41,7 @@ import torch
 
 import padgraph as pg
 from padgraph.llm import Engine, SpecConfig
+from padgraph.llm.sampling import SamplingParams, sampling_probs
 from padgraph.llm.oracle import TIE_TOL, compare, first_divergences, oracle_line  # noqa: F401
 from padgraph.llm.presets import (DRAFT_COMPILE, DRAFT_LM_HEAD, GPU_TREE, MODELS, WORKLOADS,
                                   setup, workload)
@@ -102,6 +110,12 @@ def parse_args():
                          "calls (CPU default)")
     ap.add_argument("--draft-prefill", default=None, choices=["eager", "runner"],
                     help="the draft head's prefill, the same two ways")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample at this temperature (default 0: greedy, the oracle line "
+                         "compares tokens); prints the target's mean next-token entropy at it")
+    ap.add_argument("--spec-sampling", default="draws", choices=["draws", "rejection"],
+                    help="EAGLE's acceptance rule when sampling (both exact; draws, the "
+                         "default: plain sampling's tokens, checked by the last line)")
     ap.add_argument("--no-overlap", action="store_true",
                     help="read each round back before queuing the next (default: overlap)")
     ap.add_argument("--distill-steps", type=int, default=None,
@@ -116,6 +130,8 @@ def parse_args():
     for name in ("n_requests", "distill_steps", "distill_seqs", "distill_depth"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
+    if not args.temperature >= 0:
+        ap.error(f"--temperature must be >= 0; got {args.temperature}")
     return args
 
 
@@ -154,30 +170,59 @@ def build_engine(args, gpu: bool):
                     max_context=batch.max_context, buckets=pg.Buckets.default(16),
                     overlap=not args.no_overlap, torch_compile=False if args.no_compile else None,
                     draft_compile=args.draft_compile or DRAFT_COMPILE[args.model],
-                    prefill=args.prefill or graphs, draft_prefill=args.draft_prefill or graphs)
+                    prefill=args.prefill or graphs, draft_prefill=args.draft_prefill or graphs,
+                    spec_sampling=args.spec_sampling)
     return engine, prompts, news, lm_head
+
+
+@torch.no_grad()
+def mean_entropy(target, reqs, params: SamplingParams) -> float:
+    """The target's mean next-token entropy (nats) of the distribution sampled at `params`, over
+    the positions that produced each request's output (dense forwards of prompt + output)."""
+    total, n = 0.0, 0
+    for r in reqs:
+        seq = torch.tensor([r.prompt + r.output[:-1]], device=target.lm_head.weight.device)
+        logits, _ = target.forward_dense(seq)
+        logits = logits[0, len(r.prompt) - 1:].float()                  # [len(output), V]
+        m = logits.shape[0]
+        lane = lambda v, dt=torch.float32: torch.full((m,), v, dtype=dt, device=logits.device)  # noqa: E731
+        p = sampling_probs(logits, lane(params.temperature), lane(params.top_k, torch.int32),
+                           lane(params.top_p), lane(params.min_p)).double()
+        total += float(-(p * p.clamp_min(1e-300).log()).sum())
+        n += m
+    return total / max(n, 1)
 
 
 def main():
     args = parse_args()
     gpu = torch.cuda.is_available()
     w, prompts, news, lm_head = build_engine(args, gpu)
-    spec = w.spec
+    spec, params = w.spec, SamplingParams(temperature=args.temperature)   # seeds: the engine's
     with torch.no_grad():
         # compile (GPU: capture) and JIT outside the timed runs: the full batch and bs=1
         for gen in (w.generate_spec, w.generate_greedy):
-            gen(prompts, [4] * len(prompts))
-            gen(prompts[:1], [4])
-        spec_reqs, ss = w.generate_spec(prompts, news)
-        greedy, gs = w.generate_greedy(prompts, news)
+            gen(prompts, [4] * len(prompts), sampling=params)
+            gen(prompts[:1], [4], sampling=params)
+        spec_reqs, ss = w.generate_spec(prompts, news, sampling=params)
+        greedy, gs = w.generate_greedy(prompts, news, sampling=params)
     tol = TIE_TOL if gpu else 0.0
     match, ties, real = compare(greedy, spec_reqs, tie_tol=tol)
+    plain = "greedy" if params.greedy else "plain sampling"
     print(f"EAGLE  steps={spec.steps} topk={spec.topk} k={spec.num_draft_tokens} "
           f"draft lm_head {lm_head}: {ss.tokens} tokens in {ss.seconds:.2f}s, "
           f"{ss.rounds} rounds launched")
-    print(f"greedy: {gs.tokens} tokens in {gs.seconds:.2f}s, {gs.rounds} steps launched")
-    print(oracle_line(match, ties, real) + f"; tie tolerance {tol}")
-    if ties or real:
+    print(f"{plain}: {gs.tokens} tokens in {gs.seconds:.2f}s, {gs.rounds} steps launched")
+    entropy = None if params.greedy else mean_entropy(w.target, greedy, params)
+    if entropy is not None:
+        print(f"sampling at temperature {params.temperature} ({args.spec_sampling}): the target's "
+              f"mean next-token entropy there {entropy:.2f} nats")
+    checked = params.greedy or args.spec_sampling == "draws"
+    line = oracle_line(match, ties, real)
+    print((line if params.greedy else line.replace("greedy_match", "sampled_match"))
+          + f"; tie tolerance {tol}" if checked else
+          "token match not checked: rejection sampling draws other numbers than plain sampling "
+          "(the same distribution)")
+    if checked and (ties or real):
         print(f"first divergences at near-ties of the target's top-2 logits (rid, index, gap): "
               f"{ties}")
         print(f"other first divergences (rid, index, gap): {real}")
@@ -185,15 +230,21 @@ def main():
         print(CPU_TIMING_NOTE)
     print(HOST_NOTE.format(unit="round"))
     print(phase_line("EAGLE ", "round", ss, SPEC_PHASES))
-    print(phase_line("greedy", "step", gs, GREEDY_PHASES))
+    print(phase_line("greedy" if params.greedy else "plain ", "step", gs, GREEDY_PHASES))
     print(cost_line(ss, gs))
     if args.profile and gpu:
         with torch.no_grad():
             profile_kernels(w.generate_spec, prompts, news)
             profile_kernels(w.generate_greedy, prompts, news)
-    print(f"tokens/s={ss.tokens_per_s:.1f} accept_len={ss.accept_len:.2f} "
-          f"speedup_vs_greedy={ss.tokens_per_s / gs.tokens_per_s:.2f} "
-          f"greedy_match={match + len(ties)}/{len(greedy)}")
+    speedup = ss.tokens_per_s / gs.tokens_per_s
+    if params.greedy:
+        print(f"tokens/s={ss.tokens_per_s:.1f} accept_len={ss.accept_len:.2f} "
+              f"speedup_vs_greedy={speedup:.2f} greedy_match={match + len(ties)}/{len(greedy)}")
+    else:
+        tail = f" sampled_match={match + len(ties)}/{len(greedy)}" if checked else ""
+        print(f"tokens/s={ss.tokens_per_s:.1f} accept_len={ss.accept_len:.2f} "
+              f"speedup_vs_sampling={speedup:.2f} temperature={params.temperature} "
+              f"entropy={entropy:.2f}{tail}")
 
 
 if __name__ == "__main__":

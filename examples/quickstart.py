@@ -13,6 +13,7 @@ import torch
 import padgraph as pg
 
 N_SLOTS, HIDDEN = 32, 8
+SENTINEL = -1.0        # every cache slot starts here, so a write to any slot shows
 
 bs = pg.Axis("bs")                                  # requests: the bucketed axis
 tok = pg.Axis("tokens", capacity=bs * 2)            # up to 2 new tokens per request
@@ -39,6 +40,21 @@ def body(x):
     return {"scores": scores, "new_tokens": new_tokens}
 
 
+def cache_report(cache: torch.Tensor, written: dict[int, int]) -> str:
+    """What the calls left in the cache, checked: each slot a real token was given holds that
+    token's id, every other non-sink slot still holds SENTINEL, and sink slot 0 holds the
+    input_ids pad (0), written by the padded lanes. Exits with the slots that break it."""
+    cache = cache.cpu()
+    wrong = [s for s, tok in written.items() if cache[s].item() != tok]
+    stray = [s for s in range(1, N_SLOTS) if s not in written and cache[s].item() != SENTINEL]
+    if wrong or stray or cache[0].item() != 0.0:
+        raise SystemExit(f"padded lanes wrote outside the sink: slots {stray} changed, slots {wrong} "
+                         f"lost their token's id, sink slot 0 holds {cache[0].item()}")
+    return (f"cache, every slot {SENTINEL} before the calls: the {len(written)} slots real tokens were "
+            f"given hold their ids,\n  the other {N_SLOTS - 1 - len(written)} slots still hold {SENTINEL}, "
+            f"and sink slot 0 holds {cache[0].item()} (the input_ids pad): padded lanes wrote only there")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--backend", default="reference", choices=["reference", "cuda"])
@@ -48,8 +64,8 @@ def main() -> None:
                  "reference backend runs anywhere")
     device = "cuda" if args.backend == "cuda" else "cpu"
     print(program, "\n")
-    cache = torch.zeros(N_SLOTS, device=device)
-    seen = []
+    cache = torch.full((N_SLOTS,), SENTINEL, device=device)
+    seen, written = [], {}                                  # written: slot -> the last id stored there
     runner = pg.compile(program, body, backend=args.backend, state={"cache": cache},
                         prepare=lambda x: seen.append((x.bucket, x.seq_lens.tolist())))
     gen = torch.Generator().manual_seed(0)
@@ -63,6 +79,7 @@ def main() -> None:
             "qo_indptr": torch.cat([torch.zeros(1, dtype=torch.long), per_req.cumsum(0)]).int(),
             "hidden": torch.randn(n_req, HIDDEN, generator=gen),
         }
+        written.update(zip(raw["out_cache_loc"].tolist(), raw["input_ids"].tolist()))
         raw = {k: v.to(device) for k, v in raw.items()}
         out = runner(**raw)
         bucket, padded_lens = seen[-1]
@@ -70,7 +87,7 @@ def main() -> None:
               f"the body saw seq_lens={padded_lens} (pad 1)")
         print(f"      outputs sliced to raw: new_tokens={out.new_tokens.tolist()} "
               f"scores={[round(s, 3) for s in out.scores.tolist()]}")
-    print(f"\nsink slot 0 of the cache holds {cache[0].item()} (padded lanes' writes land only there)")
+    print("\n" + cache_report(cache, written))
     print(runner.stats.table())
 
     def sample(g):
@@ -83,7 +100,7 @@ def main() -> None:
                 "qo_indptr": torch.cat([torch.zeros(1, dtype=torch.long), per_req.cumsum(0)]).int(),
                 "hidden": torch.randn(n_req, HIDDEN, generator=g)}
 
-    print(pg.check(program, body, state={"cache": torch.zeros(N_SLOTS)}, sample=sample, trials=8))
+    print(pg.check(program, body, state={"cache": torch.full((N_SLOTS,), SENTINEL)}, sample=sample, trials=8))
 
 
 if __name__ == "__main__":

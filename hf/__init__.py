@@ -2,16 +2,31 @@
 
     import padgraph.hf
     dec = padgraph.hf.Decoder(model, max_batch=16, max_len=512)      # backend="cuda" by default
-    out = dec.generate(input_ids, attention_mask, max_new_tokens=32)  # as model.generate(do_sample=False)
+    out = dec.generate(input_ids, attention_mask, max_new_tokens=32)  # as model.generate(...)
+    out = dec.generate(input_ids, attention_mask, max_new_tokens=32, do_sample=True, temperature=0.7,
+                       top_p=0.9, seed=0)                                # HF's sampling distribution
     eagle = padgraph.hf.Decoder(model, max_batch=16, max_len=512, draft=padgraph.hf.Eagle())  # EAGLE
 
 The Decoder registers an attention function with transformers' `AttentionInterface` (as vLLM's
 and SGLang's transformers backends do), runs the model with `use_cache=False`, and owns the paged
 KV cache and the decode program; transformers is an optional extra (`pip install padgraph[hf]`).
+
+`generate` takes HF's generation keywords and `GenerationConfig` (the model's own generation
+config is the default, as in HF): greedy or sampled (temperature, top-k, top-p, min-p in HF's
+order, inside the decode program's graph), end tokens finishing rows. A processor padgraph does
+not apply (beams, repetition penalty, ...) is refused, never approximated.
+
+A model is served with `model.generate`'s greedy tokens or refused at `Decoder(...)`, never served with
+others: the Decoder surveys the model's attention calls (their key and value widths, sink logits,
+several calls a layer), refuses a token mixer that keeps state without calling attention, and
+probes a small left-padded batch through its own path against the model's own forward, naming
+the first layer that differs (docs/hf_models.md lists what each architecture gets). Arguments
+are checked: `ArgumentError` / `ArgumentTypeError` name the argument, the value and what is allowed.
 """
 from .decoder import Decoder, decode_program
-from .errors import NotBoundError, UnsupportedModelError
+from .errors import ArgumentError, ArgumentTypeError, NotBoundError, UnsupportedModelError
 from .speculative import Eagle
 from .target import Target
 
-__all__ = ["Decoder", "Eagle", "Target", "decode_program", "NotBoundError", "UnsupportedModelError"]
+__all__ = ["Decoder", "Eagle", "Target", "decode_program", "ArgumentError", "ArgumentTypeError", "NotBoundError",
+           "UnsupportedModelError"]

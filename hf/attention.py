@@ -1,11 +1,14 @@
 """The attention function padgraph.hf registers with Hugging Face's `AttentionInterface`.
 
 HF's attention modules compute q, k, v (RoPE applied) and hand them to the registered function
-with the layer's own `scaling`, `sliding_window` and `softcap`; the model runs with
+with the layer's own `scaling`, `sliding_window`, `softcap` and learned sink logits (`s_aux`,
+gpt-oss); the model runs with
 `use_cache=False`, so HF keeps no cache of its own. padgraph's per-call metadata rides in the
 model's `**kwargs` as `padgraph_batch`, a `Prefill` or a `Decode`, built by the body from
 padgraph's padded view. The function stores k and v into the paged cache at the batch's slots and
-attends over it; the layer's cache is `module.layer_idx`'s.
+attends over it. Each attention *call* of a forward owns a cache site (`cache.Shape`): a layer
+that calls attention twice (DiffLlama) has two, found by counting the calls of a `layer_idx`
+within one forward (`Sites`); a site's keys and values have their own widths (MLA: k 192, v 128).
 
 Padded lanes (request row 0, position 0, seq_len 1) write only the sink slot 0 and read only it.
 
@@ -16,7 +19,7 @@ dynamo guards on a Python int it indexes with, and would compile a graph per lay
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,59 +31,100 @@ BOUND_KV = "_padgraph_kv"     # an attention module's (k_cache, v_cache) while a
 
 @dataclass(frozen=True)
 class Layer:
-    """What one attention layer asks for: the softmax scale, window and logit soft-cap."""
+    """What one attention call asks for: the softmax scale, window, logit soft-cap and the
+    per-head sink logits (`s_aux` [h]: a key every query sees, with no value), or None."""
 
     scaling: float
     sliding_window: int | None
     softcap: float | None
+    sinks: torch.Tensor | None = field(default=None, compare=False)
+
+
+class Sites:
+    """Which cache site an attention call writes and reads: `index[layer_idx]` holds the sites of
+    that layer's calls in call order; `calls` counts this forward's calls per layer (a batch
+    object lives for one forward, so the count restarts with it)."""
+
+    def __init__(self, index: dict[int, tuple[int, ...]]):
+        self.index, self.calls = index, {}
+
+    def call(self, module) -> int:
+        """Which of its layer's calls this is (0 for a layer that calls attention once)."""
+        idx = module.layer_idx
+        if len(self.index[idx]) == 1:
+            return 0
+        n = self.calls.get(idx, 0)
+        self.calls[idx] = n + 1
+        return n % len(self.index[idx])
+
+    def site(self, module) -> int:
+        return self.index[module.layer_idx][self.call(module)]
+
+    def fresh(self) -> "Sites":
+        return Sites(self.index)
 
 
 @dataclass
 class Prefill:
     """Left-padded prompts, run eagerly: every token's K/V is stored, attention is over the prompt."""
 
-    kv: list                    # [k0, v0, k1, v1, ...], each [slots, kv_heads, head_dim]
+    kv: list                    # [k0, v0, k1, v1, ...] per site, each [slots, kv_heads, k_dim / v_dim]
     slots: torch.Tensor         # [n, P] int64: the slot each token writes (left pads: sink 0)
     positions: torch.Tensor     # [n, P] int64: the token's position in its request
     valid: torch.Tensor         # [n, P] bool: False on left pads
+    sites: Sites
 
     def attend(self, module, q, k, v, layer: Layer):
-        """q [n, h, P, d], k / v [n, kv_heads, P, d] -> [n, P, h, d]."""
-        idx = module.layer_idx
-        store(self.kv[2 * idx], self.kv[2 * idx + 1], self.slots.reshape(-1), k, v)
-        n, P = self.valid.shape
-        causal = torch.ones(P, P, dtype=torch.bool, device=q.device).tril()            # [P, P]
-        visible = causal & self.valid[:, None, :]                                      # [n, P, P]
-        visible = visible & in_window(self.positions[:, :, None], self.positions[:, None, :], layer)
-        own = torch.eye(P, dtype=torch.bool, device=q.device)                          # a left pad sees itself
+        """q [n, h, P, d], k [n, kv_heads, P, d], v [n, kv_heads, P, dv] -> [n, P, h, dv]."""
+        site = self.sites.site(module)
+        store(self.kv[2 * site], self.kv[2 * site + 1], self.slots.reshape(-1), k, v)
+        visible = self.visible(layer)                                                  # [n, P, P]
+        own = torch.eye(visible.shape[-1], dtype=torch.bool, device=q.device)          # a left pad sees itself
         return attend(q, k, v, visible | own, layer)                                   # (no all-masked row: no NaN)
+
+    def visible(self, layer: Layer) -> torch.Tensor:
+        """[n, P, P] bool: what a real query of this prefill sees (causal, own request, window)."""
+        P = self.valid.shape[1]
+        causal = torch.ones(P, P, dtype=torch.bool, device=self.valid.device).tril()
+        return causal & self.valid[:, None, :] & in_window(self.positions[:, :, None], self.positions[:, None, :],
+                                                          layer)
 
 
 @dataclass
 class Decode:
     """One new token per request over the paged cache (the decode program's padded view)."""
 
-    kv: list                    # [k0, v0, k1, v1, ...], each [slots, kv_heads, head_dim]
+    kv: list                    # [k0, v0, k1, v1, ...] per site, each [slots, kv_heads, k_dim / v_dim]
     req_to_token: torch.Tensor  # [rows, max_len] int32
     rows: torch.Tensor          # [bs] int64: the request's row (padded lanes: 0)
     positions: torch.Tensor     # [bs] int64: the new token's position (padded lanes: 0)
+    sites: Sites
     kernel: object = None       # Triton paged decode attention, or None for the torch path
-    bound: bool = False         # each attention module holds its (k_cache, v_cache): see `bound`
+    bound: bool = False         # each attention module holds its sites' (k_cache, v_cache): see `bound`
 
     def __post_init__(self):    # once per forward, for every layer
         self.out_cache_loc = self.req_to_token[self.rows, self.positions].long()        # [bs]: padded -> slot 0
         self.seq_lens = (self.positions + 1).to(torch.int32)                           # [bs]: padded -> 1
 
     def attend(self, module, q, k, v, layer: Layer):
-        """q [bs, h, 1, d], k / v [bs, kv_heads, 1, d] -> [bs, 1, h, d]."""
-        k_cache, v_cache = getattr(module, BOUND_KV) if self.bound else (self.kv[2 * module.layer_idx],
-                                                                           self.kv[2 * module.layer_idx + 1])
+        """q [bs, h, 1, d], k [bs, kv_heads, 1, d], v [bs, kv_heads, 1, dv] -> [bs, 1, h, dv]."""
+        k_cache, v_cache = self.caches(module)
         store(k_cache, v_cache, self.out_cache_loc, k, v)
-        if self.kernel is not None and kernel_serves(layer, self.req_to_token.shape[1]):
+        if (self.kernel is not None and kernel_serves(layer, self.req_to_token.shape[1])
+                and q.shape[-1] == k.shape[-1] == v.shape[-1]):
             o = self.kernel(q[:, :, 0], k_cache, v_cache, self.req_to_token, self.rows, self.seq_lens,
                             sm_scale=layer.scaling)                                    # [bs, h, d]
             return o[:, None]
         return self.gathered(q, k_cache, v_cache, self.seq_lens, layer)
+
+    def caches(self, module) -> tuple[torch.Tensor, torch.Tensor]:
+        """This call's site's (k_cache, v_cache): held by the module in a regional decode (one
+        graph for every layer: no layer_idx to specialise on), else looked up by site."""
+        if self.bound:
+            pairs = getattr(module, BOUND_KV)      # its length, not layer_idx: no guard on which layer
+            return pairs[0] if len(pairs) == 1 else pairs[self.sites.call(module)]
+        site = self.sites.site(module)
+        return self.kv[2 * site], self.kv[2 * site + 1]
 
     def gathered(self, q, k_cache, v_cache, seq_lens, layer: Layer):
         """The torch path: each lane's row of the cache, masked to its length and window."""
@@ -95,8 +139,9 @@ class Decode:
 
 def kernel_serves(layer: Layer, max_len: int) -> bool:
     """The Triton decode kernel attends to every key below seq_len, unscaled logits: no soft-cap,
-    and a window only where it covers the whole row."""
-    return layer.softcap is None and (layer.sliding_window is None or layer.sliding_window >= max_len)
+    no sink logits, and a window only where it covers the whole row."""
+    return (layer.softcap is None and layer.sinks is None
+            and (layer.sliding_window is None or layer.sliding_window >= max_len))
 
 
 def in_window(q_pos, k_pos, layer: Layer):
@@ -113,49 +158,59 @@ def store(k_cache, v_cache, loc, k, v) -> None:
 
 
 def attend(q, k, v, visible, layer: Layer):
-    """Softmax attention, GQA by head repeat: torch's SDPA, or in fp32 with the logit soft-cap as
-    HF's eager path applies it (SDPA has no soft-cap).
+    """Softmax attention, GQA by head repeat: torch's SDPA, or in fp32 with the logit soft-cap and
+    sink logits as HF's eager paths apply them (SDPA has neither).
 
-    q [b, h, nq, d], k / v [b, kv_heads, nk, d], visible [b, nq, nk] bool -> [b, nq, h, d].
-    Every query must see at least one key (a prefill's left pads see themselves).
+    q [b, h, nq, d], k [b, kv_heads, nk, d], v [b, kv_heads, nk, dv], visible [b, nq, nk] bool
+    -> [b, nq, h, dv]. Every query must see at least one key (a prefill's left pads see themselves).
     """
     group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)      # [b, h, nk, d]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)      # [b, h, nk, d / dv]
     mask = visible[:, None]                                                            # [b, 1, nq, nk]
-    if layer.softcap is None:
+    if layer.softcap is None and layer.sinks is None:
         o = torch.nn.functional.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
-                                                             scale=layer.scaling)     # [b, h, nq, d]
+                                                             scale=layer.scaling)     # [b, h, nq, dv]
         return o.transpose(1, 2)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * layer.scaling     # [b, h, nq, nk]
-    scores = torch.tanh(scores / layer.softcap) * layer.softcap
-    p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-    return torch.matmul(p, v.float()).transpose(1, 2).to(q.dtype)                      # [b, nq, h, d]
+    if layer.softcap is not None:
+        scores = torch.tanh(scores / layer.softcap) * layer.softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if layer.sinks is not None:   # one more logit per head, whose value is zero: it only takes probability
+        sink = layer.sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)   # [b, h, nq, 1]
+        p = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(scores, dim=-1)
+    return torch.matmul(p, v.float()).transpose(1, 2).to(q.dtype)                      # [b, nq, h, dv]
 
 
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The function registered as attn_implementation "padgraph": (attn_output [b, q, h, d], None).
-    HF's layers pass `sliding_window` and `softcap` where they have them; padgraph's Decoder
-    passes `padgraph_batch` (where this call's K/V go and what its queries read)."""
+    HF's layers pass `sliding_window`, `softcap` and `s_aux` where they have them; padgraph's
+    Decoder passes `padgraph_batch` (where this call's K/V go and what its queries read). A batch
+    with an `observe` method (the Decoder's probe) also sees HF's mask and every keyword."""
     padgraph_batch = kwargs.get("padgraph_batch")
     if padgraph_batch is None:
         raise NotBoundError(f"attention implementation {NAME!r} ran outside a padgraph.hf Decoder call "
                             f"(layer {type(module).__name__} {getattr(module, 'layer_idx', '?')}): "
                             f"padgraph_batch must be passed, got none")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    layer = Layer(scaling, kwargs.get("sliding_window"), kwargs.get("softcap"))
+    layer = Layer(scaling, kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux"))
+    observe = getattr(padgraph_batch, "observe", None)
+    if observe is not None:
+        observe(module, query, key, value, layer, attention_mask, kwargs)
     return padgraph_batch.attend(module, query, key, value, layer), None
 
 
 @contextlib.contextmanager
-def bound(modules, kv: list):
-    """For a decode whose layers are compiled regions: every attention module holds its layer's
-    (k_cache, v_cache) of `kv` for the call (`batch.bound` tells `attend` to read it there).
+def bound(modules, kv: list, sites: Sites):
+    """For a decode whose layers are compiled regions: every attention module holds its sites'
+    (k_cache, v_cache) pairs of `kv` for the call (`batch.bound` tells `attend` to read them there).
     `modules` None: nothing to bind."""
     if modules is None:
         yield
         return
     for m in modules:
-        setattr(m, BOUND_KV, (kv[2 * m.layer_idx], kv[2 * m.layer_idx + 1]))
+        setattr(m, BOUND_KV, tuple((kv[2 * s], kv[2 * s + 1]) for s in sites.index[m.layer_idx]))
     try:
         yield
     finally:

@@ -1,5 +1,8 @@
-"""The paged KV cache padgraph.hf owns: per-layer `[slots, kv_heads, head_dim]` keys and values and
-an SGLang-style `req_to_token[row, pos] -> slot` table.
+"""The paged KV cache padgraph.hf owns: per attention site (one attention call of a forward:
+a layer, or each call of a layer that calls attention twice) `[slots, kv_heads, k_dim]` keys and
+`[slots, kv_heads, v_dim]` values, and an SGLang-style `req_to_token[row, pos] -> slot` table.
+The widths are the ones the model's layers hand the attention function (`support.survey`), not
+the config's `head_dim`: MLA's keys and values differ, Gemma 4's layers differ.
 
 Layout is static: request row r in 1..max_batch owns slots `1 + (r - 1) * max_len + pos`, so the
 table never changes after allocation. Row 0 and slot 0 are the sinks: a padded lane (row 0,
@@ -15,13 +18,29 @@ SINK = 0
 
 
 @dataclass(frozen=True)
-class Shape:
-    """What the cache must hold for one model: layers, KV heads, head dim, dtype."""
+class Site:
+    """One attention call's cache: its layer, KV heads, key and value widths."""
 
-    n_layers: int
+    layer_idx: int
     n_kv_heads: int
-    head_dim: int
+    k_dim: int
+    v_dim: int
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the cache must hold for one model: its sites, in the order a forward calls them, and
+    the dtype."""
+
+    sites: tuple[Site, ...]
     dtype: torch.dtype
+
+    def index(self) -> dict[int, tuple[int, ...]]:
+        """layer_idx -> its sites, in call order (`attention.Sites`)."""
+        out: dict[int, tuple[int, ...]] = {}
+        for i, site in enumerate(self.sites):
+            out[site.layer_idx] = out.get(site.layer_idx, ()) + (i,)
+        return out
 
 
 class PagedCache:
@@ -30,13 +49,10 @@ class PagedCache:
     def __init__(self, shape: Shape, max_batch: int, max_len: int, device):
         self.shape, self.max_batch, self.max_len = shape, max_batch, max_len
         n_slots = 1 + max_batch * max_len
-        kv = (n_slots, shape.n_kv_heads, shape.head_dim)
-        # [k0, v0, k1, v1, ...]: one flat list, bound as one pytree state
-        self.kv = [torch.zeros(kv, dtype=shape.dtype, device=device) for _ in range(2 * shape.n_layers)]
+        # [k0, v0, k1, v1, ...] per site: one flat list, bound as one pytree state
+        self.kv = [torch.zeros(n_slots, site.n_kv_heads, dim, dtype=shape.dtype, device=device)
+                   for site in shape.sites for dim in (site.k_dim, site.v_dim)]
         self.req_to_token = slot_table(max_batch, max_len, device)        # [1 + max_batch, max_len] int32
-
-    def layer(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.kv[2 * idx], self.kv[2 * idx + 1]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.kv)

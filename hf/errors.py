@@ -11,3 +11,11 @@ class UnsupportedModelError(pg.ContractValueError):
 
 class NotBoundError(pg.ContractRuntimeError):
     """The padgraph attention function ran without the metadata a Decoder call passes."""
+
+
+class ArgumentError(pg.ContractValueError):
+    """An argument of a padgraph.hf entry point with a value it does not take."""
+
+
+class ArgumentTypeError(pg.ContractTypeError):
+    """An argument of a padgraph.hf entry point of a type it does not take."""

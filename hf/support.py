@@ -1,57 +1,215 @@
-"""Which Hugging Face models padgraph.hf serves, and the cache shape each needs.
+"""Which Hugging Face models padgraph.hf serves, and the cache each needs.
 
 A model is served when every token mixer is an attention module that calls HF's attention
-interface: then padgraph's registered function sees every layer's q, k, v. State-space and
-linear-recurrent mixers (Mamba, Mamba2, Bamba, Jamba, gated delta nets) keep a recurrent state
-that no attention function sees; they are refused by name before anything runs.
+interface: then padgraph's registered function sees every call's q, k, v. `survey` runs the model
+once with a recording batch and returns each call (its layer, widths, scale, window, soft-cap,
+sinks); the cache is sized from what it saw. A module that keeps state across tokens without
+calling attention (state-space and linear-recurrent mixers, short convolutions, recurrent blocks)
+is refused by what it is, not by its parameter names: a module that takes a cache argument, or
+holds a state-decay `A_log`, and calls no attention below it. The numerical probe
+(`probe.check_decode`) then catches what a survey cannot see.
 """
 from __future__ import annotations
 
+import contextlib
+import inspect
+from dataclasses import dataclass
+
 import torch
 
-from .cache import Shape
-from .errors import UnsupportedModelError
+from . import attention
+from .attention import Layer
+from .cache import Shape, Site
+from .errors import NotBoundError, UnsupportedModelError
 
-# a parameter every recurrent mixer HF ships has (the state decay A = -exp(A_log)), and no
-# attention module has
+# a parameter every state-space mixer HF ships has (the state decay A = -exp(A_log))
 _RECURRENT_PARAM = "A_log"
+# forward arguments through which a module reads or writes state kept across tokens
+STATE_ARGS = ("past_key_values", "past_key_value", "cache", "cache_params", "layer_past", "cache_position",
+              "use_cache", "conv_state", "ssm_state", "recurrent_state", "past_state")
+# keywords HF's layers hand the attention function that padgraph applies or that change nothing
+KNOWN_KWARGS = {"padgraph_batch", "sliding_window", "softcap", "s_aux", "dropout", "scaling", "position_ids",
+                "cache_position", "output_attentions", "use_cache", "is_causal", "position_embeddings",
+                "past_key_values", "past_key_value", "logits_to_keep", "return_dict", "output_hidden_states"}
 
 
-def check_supported(model) -> None:
-    """UnsupportedModelError naming the first layer padgraph.hf cannot serve, else None."""
+@contextlib.contextmanager
+def serving(model, experts: str | None = None):
+    """The model's attention implementation set to padgraph's (and, given `experts`, its MoE
+    experts implementation set to `experts`) for the duration, restored after, also on error:
+    the model stays the user's, and HF's own calls run as before."""
+    cfg = model.config
+    before = cfg._attn_implementation, getattr(cfg, "_experts_implementation", None)
+    swap = experts is not None and before[1] is not None and before[1] != experts
+    cfg._attn_implementation = attention.NAME
+    if swap:
+        cfg._experts_implementation = experts
+    try:
+        yield
+    finally:
+        cfg._attn_implementation = before[0]
+        if swap:
+            cfg._experts_implementation = before[1]
+
+
+@dataclass(frozen=True)
+class Call:
+    """One attention call of a forward: the module, its path, its widths and what it asks for."""
+
+    module: torch.nn.Module
+    path: str
+    layer_idx: int | None
+    n_heads: int
+    n_kv_heads: int
+    k_dim: int
+    v_dim: int
+    layer: Layer
+    unknown: tuple[str, ...]    # keywords padgraph neither applies nor knows to be inert
+
+
+@dataclass
+class Recorder:
+    """A batch that records every attention call; its output is zeros of the right shape."""
+
+    paths: dict
+    calls: list
+
+    def observe(self, module, q, k, v, layer: Layer, mask, kwargs):
+        unknown = tuple(sorted(k for k, val in kwargs.items()
+                               if k not in KNOWN_KWARGS and val is not None and val is not False))
+        self.calls.append(Call(module, self.paths.get(module, "?"), getattr(module, "layer_idx", None),
+                               q.shape[1], k.shape[1], k.shape[-1], v.shape[-1], layer, unknown))
+
+    def attend(self, module, q, k, v, layer: Layer):
+        return q.new_zeros(q.shape[0], q.shape[2], q.shape[1], v.shape[-1])          # [b, n, h, dv]
+
+
+def survey(model) -> list[Call]:
+    """Every attention call of one forward over two tokens, in call order."""
+    attention.register()
+    rec = Recorder({m: p for p, m in model.named_modules()}, [])
+    device = device_of(model)
+    with serving(model), torch.no_grad():
+        model(input_ids=torch.ones(1, 2, dtype=torch.int64, device=device),
+              position_ids=torch.arange(2, device=device)[None], use_cache=False, padgraph_batch=rec)
+    return rec.calls
+
+
+def check_supported(model) -> list[Call]:
+    """The model's attention calls, or UnsupportedModelError naming the first module padgraph.hf
+    cannot serve and why."""
     name = type(model).__name__
-    for path, module in model.named_modules():
-        if hasattr(module, _RECURRENT_PARAM):
-            raise UnsupportedModelError(
-                f"padgraph.hf.Decoder({name}): layer {path!r} is a {type(module).__name__}, a recurrent "
-                f"(state-space) mixer with no attention interface; every token mixer must be an "
-                f"attention layer that calls HF's AttentionInterface")
-    if not getattr(model, "_supports_attention_backend", False):
+    if not getattr(model, "_supports_attention_backend", False):   # a state-space mixer is the cause, if any
+        refuse_stateful(model, {m for m in model.modules() if "Attention" in type(m).__name__})
         raise UnsupportedModelError(
             f"padgraph.hf.Decoder({name}): the model must support HF's attention interface "
-            f"(_supports_attention_backend = True); {name} does not")
-    if not attention_layers(model):
-        raise UnsupportedModelError(f"padgraph.hf.Decoder({name}): no attention module with a layer_idx found")
+            f"(_supports_attention_backend = True); {name} runs its own attention code, which no registered "
+            f"attention function sees")
+    try:
+        calls = survey(model)
+    except NotBoundError as e:
+        raise UnsupportedModelError(
+            f"padgraph.hf.Decoder({name}): an attention layer ran without the keyword arguments the model was "
+            f"called with ({e}); its decoder layer does not pass them on to attention, so padgraph cannot tell "
+            f"it where its keys and values go") from None
+    except (RuntimeError, TypeError, ValueError, IndexError, KeyError, AttributeError) as e:
+        raise UnsupportedModelError(
+            f"padgraph.hf.Decoder({name}): the model's forward fails with padgraph's attention function "
+            f"({type(e).__name__}: {e}, {raised_in(e)}); it reads something HF builds only for its own attention "
+            f"implementations (a 4-D mask, its cache)") from e
+    refuse_stateful(model, {c.module for c in calls})
+    if not calls:
+        raise UnsupportedModelError(f"padgraph.hf.Decoder({name}): no layer called HF's attention interface")
+    for c in calls:
+        if c.layer_idx is None:
+            raise UnsupportedModelError(f"padgraph.hf.Decoder({name}): attention module {c.path!r} "
+                                        f"({type(c.module).__name__}) has no layer_idx to key its cache by")
+        if c.unknown:
+            raise UnsupportedModelError(
+                f"padgraph.hf.Decoder({name}): layer {c.path!r} passes {list(c.unknown)} to the attention "
+                f"function; padgraph's attention applies scaling, sliding_window, softcap and s_aux only")
+    return calls
 
 
-def attention_modules(model) -> list:
-    """Every attention module: those with q_proj and a layer_idx."""
-    return [m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "layer_idx")]
+def raised_in(e: BaseException) -> str:
+    """Where an error was raised: the innermost frame's file stem, function and line."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return "at an unknown place"
+    code = tb.tb_frame.f_code
+    return f"in {code.co_filename.rsplit('/', 1)[-1]}:{code.co_name} line {tb.tb_lineno}"
 
 
-def attention_layers(model) -> list[int]:
-    """layer_idx of every attention module, sorted."""
-    return sorted({m.layer_idx for m in attention_modules(model)})
+def refuse_stateful(model, callers: set) -> None:
+    """UnsupportedModelError for a module that keeps state across tokens and is not `callers` or
+    above one: it takes a cache argument (`STATE_ARGS`) or holds a state decay `A_log`."""
+    above = {m for c in callers for m in ancestors(model, c)}
+    name = type(model).__name__
+    flagged = [(path, module) for path, module in model.named_modules()
+               if module not in above and any(True for _ in module.parameters())
+               and keeps_state(module)]
+    inner = [(p, m) for p, m in flagged if not any(q != p and (not p or q.startswith(p + ".")) for q, _ in flagged)]
+    if not inner:       # the innermost flagged module: a mixer rather than the layer holding it
+        return
+    path, module = inner[0]
+    args = [a for a in STATE_ARGS if a in forward_args(module)]
+    why = f"takes {args} in its forward" if args else f"holds a state decay {_RECURRENT_PARAM}"
+    raise UnsupportedModelError(
+        f"padgraph.hf.Decoder({name}): layer {path!r} is a {type(module).__name__}, a token mixer that "
+        f"keeps state across tokens ({why}) and calls no attention; padgraph.hf serves attention "
+        f"layers through HF's AttentionInterface only, and decoding without that state gives other tokens")
 
 
-def cache_shape(model) -> Shape:
-    """Layers, KV heads, head dim and dtype of the cache the model's attention layers fill."""
-    cfg = model.config.get_text_config()
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    n_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    dtype = next(model.parameters()).dtype
-    return Shape(max(attention_layers(model)) + 1, n_kv_heads, head_dim, dtype)
+def keeps_state(module) -> bool:
+    return hasattr(module, _RECURRENT_PARAM) or any(a in forward_args(module) for a in STATE_ARGS)
+
+
+def ancestors(model, module) -> list:
+    """`module` and every module above it in `model`."""
+    out = []
+    for path, m in model.named_modules():
+        if m is module:
+            parts = path.split(".") if path else []
+            out = [model.get_submodule(".".join(parts[:i])) for i in range(len(parts) + 1)]
+            break
+    return out
+
+
+def forward_args(module) -> set[str]:
+    try:
+        return set(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def cache_shape(model, calls: list[Call]) -> Shape:
+    """The cache sites the calls write, and the model's dtype."""
+    sites = tuple(Site(c.layer_idx, c.n_kv_heads, c.k_dim, c.v_dim) for c in calls)
+    return Shape(sites, next(model.parameters()).dtype)
+
+
+def attention_modules(model, calls: list[Call] | None = None) -> list:
+    """Every module that calls attention, in first-call order."""
+    calls = survey(model) if calls is None else calls
+    return list(dict.fromkeys(c.module for c in calls))
 
 
 def device_of(model) -> torch.device:
     return next(model.parameters()).device
+
+
+def graph_safe_experts(device: torch.device) -> str | None:
+    """The MoE experts implementation a CUDA graph can hold, on a GPU. HF's "eager" experts
+    pick the experts hit with `nonzero()`, and "grouped_mm" reads its per-expert offsets on the
+    host (`offs.tolist()` in transformers' fallback, and inside `torch._grouped_mm` for fp32):
+    host syncs that capture refuses. "batched_mm" gathers each (token, expert) pair's weights and
+    runs one batched matmul: fixed shapes, no sync, the same arithmetic per pair."""
+    if device.type != "cuda":
+        return None
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:
+        return None
+    return "batched_mm" if "batched_mm" in ALL_EXPERTS_FUNCTIONS else None

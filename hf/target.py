@@ -1,8 +1,9 @@
 """`Target`: an unmodified Hugging Face causal LM as a `padgraph.llm` target model.
 
-padgraph.llm's worker runs EAGLE's programs (prefill, verify, draft, draft-extend) over any model
-with the `TargetModel` protocol's paged forwards. `Target` gives an HF model those forwards: each
-runs HF's decoder stack with `use_cache=False` and the padgraph attention function registered,
+padgraph.llm's worker runs its programs over any model with the `TargetModel` protocol's paged
+forwards: plain decoding (`Engine(Target(model, n), None, ...)`, the engine's decode program and
+sampler) and EAGLE's (prefill, verify, draft, draft-extend). `Target` gives an HF model those
+forwards: each runs HF's decoder stack with `use_cache=False` and the padgraph attention function registered,
 handing it a `Paged` batch that stores every layer's k / v in padgraph.llm's KV cache at the
 batch's slots and attends with padgraph's paged kernels: decode, a packed extend (`qo_indptr`),
 or a draft tree (`tree_mask`). The final-normed hidden state is what the draft head reads.
@@ -19,14 +20,13 @@ import torch
 from torch import Tensor, nn
 
 from padgraph.llm.batch import Batch
-from padgraph.llm.models.llama import (AttnPlan, LlamaConfig, PagedForwards, Rotary, store_kv, decode_batch,
-                                       extend_batch, tree_batch)
+from padgraph.llm.models.llama import LlamaConfig, Rotary
+from padgraph.llm.paged import AttnPlan, PagedForwards, decode_batch, extend_batch, store_kv, tree_batch
 
-from . import attention
 from .attention import Layer, kernel_serves
-from .decoder import graph_safe_experts, serving
+from .cache import Shape, Site
 from .errors import UnsupportedModelError
-from .support import cache_shape, check_supported
+from .support import check_supported, graph_safe_experts, serving
 
 
 @dataclass(frozen=True)
@@ -53,45 +53,45 @@ def refuse_unless_plain(layer: Layer, max_context: int, where: str) -> None:
     attend to every key below a request's length, uncapped (`attention.kernel_serves`)."""
     if not kernel_serves(layer, max_context):
         raise UnsupportedModelError(
-            f"padgraph.hf.Target: {where} attends with a logit soft-cap ({layer.softcap}) or within a sliding "
-            f"window ({layer.sliding_window}) shorter than max_context {max_context}; padgraph.llm's paged "
-            f"kernels attend to every key below a request's length, uncapped")
+            f"padgraph.hf.Target: {where} attends with a logit soft-cap ({layer.softcap}), sink logits "
+            f"({'yes' if layer.sinks is not None else 'none'}) or within a sliding window ({layer.sliding_window}) "
+            f"shorter than max_context {max_context}; padgraph.llm's paged kernels attend to every key below "
+            f"a request's length, uncapped, with no sink")
 
 
-@dataclass
-class Probe:
-    """What each attention layer hands the registered function (its scale, window and soft-cap),
-    recorded on one token; the layers' outputs are their queries (the values do not matter)."""
-
-    layers: dict
-
-    def attend(self, module, q, k, v, layer: Layer):
-        self.layers[module.layer_idx] = layer
-        return q.transpose(1, 2)                                                       # [b, n, h, d]
-
-
-def attention_specs(model) -> dict[int, Layer]:
+def attention_specs(calls) -> dict[int, Layer]:
     """layer index -> `Layer` as the model's attention modules pass them at run time (a config
     field such as `sliding_window` is used by some architectures and ignored by others)."""
-    probe = Probe({})
-    device = next(model.parameters()).device
-    with serving(model), torch.no_grad():
-        model.model(input_ids=torch.zeros(1, 1, dtype=torch.int64, device=device),
-                    position_ids=torch.zeros(1, 1, dtype=torch.int64, device=device), use_cache=False,
-                    padgraph_batch=probe)
-    return probe.layers
+    return {c.layer_idx: c.layer for c in calls}
+
+
+def uniform_cache(model, calls) -> Shape:
+    """The one (KV heads, head dim) padgraph.llm's cache holds for every layer, or
+    UnsupportedModelError: its paged kernels take one width for q, k and v, one call per layer."""
+    name = type(model).__name__
+    idx = [c.layer_idx for c in calls]
+    widths = {(c.n_kv_heads, c.k_dim, c.v_dim) for c in calls}
+    if idx != list(range(len(calls))):
+        raise UnsupportedModelError(f"padgraph.hf.Target({name}): padgraph.llm's cache takes one attention call "
+                                    f"per layer, layers 0..n-1; the model's calls are on layers {idx}")
+    if len(widths) != 1 or len({d for w in widths for d in w[1:]}) != 1:
+        raise UnsupportedModelError(f"padgraph.hf.Target({name}): padgraph.llm's paged kernels take one head "
+                                    f"width for queries, keys and values in every layer; the model's (KV heads, "
+                                    f"k width, v width) are {sorted(widths)}")
+    return Shape(tuple(Site(c.layer_idx, c.n_kv_heads, c.k_dim, c.v_dim) for c in calls),
+                 next(model.parameters()).dtype)
 
 
 def text_config(model):
     return model.config.get_text_config()
 
 
-def llm_config(model, max_position: int) -> LlamaConfig:
+def llm_config(model, shape: Shape, max_position: int) -> LlamaConfig:
     """The widths padgraph.llm's programs, cache and an EAGLE head of this model need."""
-    cfg, shape = text_config(model), cache_shape(model)
+    cfg, site = text_config(model), shape.sites[0]
     rope = getattr(cfg, "rope_parameters", None) or {}
-    return LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, n_layers=shape.n_layers,
-                       n_heads=cfg.num_attention_heads, n_kv_heads=shape.n_kv_heads, head_dim=shape.head_dim,
+    return LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, n_layers=len(shape.sites),
+                       n_heads=cfg.num_attention_heads, n_kv_heads=site.n_kv_heads, head_dim=site.k_dim,
                        ffn_size=getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size,
                        rope_theta=float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))),
                        rms_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)), max_position=max_position)
@@ -104,18 +104,18 @@ class Target(PagedForwards, nn.Module):
 
     def __init__(self, model, max_context: int):
         super().__init__()
-        check_supported(model)
+        calls = check_supported(model)
+        shape = uniform_cache(model, calls)
         cfg = text_config(model)
         if getattr(cfg, "final_logit_softcapping", None):
             raise UnsupportedModelError(f"padgraph.hf.Target({type(model).__name__}): soft-capped logits; "
                                         f"greedy verification over padgraph.llm's logits does not cap")
-        attention.register()
-        for idx, layer in sorted(attention_specs(model).items()):
+        for idx, layer in sorted(attention_specs(calls).items()):
             refuse_unless_plain(layer, max_context, f"{type(model).__name__} layer {idx}")
         self.hf = model
         self.experts = graph_safe_experts(next(model.parameters()).device)
         self.max_context = max_context
-        self.cfg = llm_config(model, max_context)
+        self.cfg = llm_config(model, shape, max_context)
         self.layers = model.model.layers
         self.lm_head = model.get_output_embeddings()
         self.embed = model.get_input_embeddings()

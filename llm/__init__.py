@@ -7,7 +7,9 @@ overlap loop), and reference models with EAGLE / MTP draft heads.
 
     target = LlamaModel(LlamaConfig.tiny())
     engine = Engine(target, EagleHead(target), SpecConfig(), backend="reference")
-    reqs, stats = engine.generate_spec([[1, 2, 3]], [16])
+    reqs, stats = engine.generate_spec([[1, 2, 3]], [16])                  # greedy
+    reqs, stats = engine.generate_spec([[1, 2, 3]], sampling=SamplingParams(
+        temperature=0.7, top_p=0.9, seed=1, max_new_tokens=16))           # sampled, exactly
 """
 from .batch import Batch
 from .config import SpecConfig, WorkerOptions
@@ -16,14 +18,16 @@ from .programs import (RunnerAxes, decode_program, draft_extend_program, draft_p
                        draft_program, extend_program, programs, verify_program)
 from .protocol import DraftModel, TargetModel
 from .requests import Request
+from .sampling import SamplingParams
 from .scheduler import Engine
-from .state import GreedyState, SpecState
+from .state import GreedyState, SamplingLanes, SpecState
 from .timing import RunStats
 from .worker import Worker
 
 __all__ = [
     "Batch", "DraftModel", "Engine", "GreedyState", "KVCache", "Request", "RowAllocator",
-    "RunStats", "RunnerAxes", "SlotAllocator", "SpecConfig", "SpecState", "TargetModel", "Worker",
+    "RunStats", "RunnerAxes", "SamplingLanes", "SamplingParams", "SlotAllocator", "SpecConfig",
+    "SpecState", "TargetModel", "Worker",
     "WorkerOptions", "decode_program", "draft_extend_program", "draft_prefill_program",
     "draft_program", "extend_program", "programs", "verify_program",
 ]

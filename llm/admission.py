@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .requests import Request, sure_to_finish
-from .state import LoopState
+from .state import LoopState, drop_done
 from .timing import Readback
 
 
@@ -11,6 +11,7 @@ class Refill:
     a call admits as many as there are free rows, prefills them and appends them to the running
     batch ((active, state) -> (active, state); state None: no batch yet).
 
+    params: each request's SamplingParams (None: greedy).
     prefill_batch(reqs) queues the prefill and returns (state, Readback of the first tokens);
     take_first(req, values) emits a request's first token and says whether that finished it.
 
@@ -26,11 +27,12 @@ class Refill:
     """
 
     def __init__(self, worker, prompts, max_new_tokens, prefill_batch, take_first,
-                 defer: bool = False):
+                 defer: bool = False, params=None):
         worker.check_requests(prompts, max_new_tokens)      # all of them, before any is admitted
         self.worker, self.prefill_batch, self.take_first = worker, prefill_batch, take_first
         self.defer = defer
-        self.queue = list(zip(range(len(prompts)), prompts, max_new_tokens))
+        params = [None] * len(prompts) if params is None else params   # None: greedy
+        self.queue = list(zip(range(len(prompts)), prompts, max_new_tokens, params))
         self.reqs: list[Request] = []
         self.unread: list[tuple[list[Request], Readback]] = []   # deferred first tokens
 
@@ -43,14 +45,14 @@ class Refill:
         if n == 0:
             return active, st
         batch, self.queue = self.queue[:n], self.queue[n:]
-        rids, prompts, news = zip(*batch)
+        rids, prompts, news, params = zip(*batch)
         w = self.worker
-        new = w._admit(list(prompts), list(news), rids=list(rids))
+        new = w.admit(list(prompts), list(news), rids=list(rids), sampling=list(params))
         self.reqs.extend(new)
         new_st, rb = self.prefill_batch(new)
         if self.defer and st is not None and active:
             self.unread.append((new, rb))
-            new_active, new_st = w._drop_done(new, new_st, gone=sure_to_finish)
+            new_active, new_st = drop_done(new, new_st, gone=sure_to_finish)
         else:                   # read now: emit, release the finished ones, drop their rows
             for r, v in zip(new, lanes(rb.wait())):
                 self.take_first(r, v)

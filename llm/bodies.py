@@ -1,6 +1,19 @@
 """The runner programs' bodies: what decode, verify, the EAGLE draft, draft-extend, prefill and
 draft prefill compute on their padded view. Each passes the model one `Batch` built from the view
-(`Batch.from_view`), so no body unpacks metadata tensor by tensor."""
+(`Batch.from_view`), so no body unpacks metadata tensor by tensor.
+
+Sampling: where the program declares the sampling inputs (`programs.sampling_inputs`), decode and
+verify draw each token with `padgraph.llm.sampling.sample`, keyed by the request's seed and the
+absolute position of the token drawn (`PURPOSE_DECODE`), so a token depends only on its logits
+and those keys: not on the lane's row, the bucket, graph or eager. Verify accepts draft tokens by
+one of two exact rules (`WorkerOptions.spec_sampling`). "draws": one decode draw per tree node,
+walked from the root while the draw equals a child's token; the path's draws are at distinct
+positions, so the emitted tokens are exactly what plain sampling draws there, whatever the draft
+proposed (a node's children are accepted with probability p(children), as rejection sampling of
+one-hot proposals accepts them). "rejection": speculative sampling over the tree
+(`verify_tree_sampled`). Either gives, per node, the token the walk emits after it (`predict`),
+and `verify_greedy` walks those and commits the path, as for greedy verification. Temperature 0
+draws the argmax: greedy bit for bit."""
 from __future__ import annotations
 
 import torch
@@ -9,14 +22,38 @@ from padgraph.backends.triton import eagle as ops
 
 from .batch import Batch
 from .config import SpecConfig
-from .models.llama import last_tokens
+from .paged import last_tokens
+from .programs import SAMPLING_INPUTS
+from .sampling import PURPOSE_DECODE, sample, sampling_probs, verify_tree_sampled
+
+
+def samples(x) -> bool:
+    """Whether runner view `x` carries sampling inputs (else its program picks the argmax)."""
+    return all(n in x for n in SAMPLING_INPUTS)
+
+
+def draw(logits, lanes: dict, positions):
+    """Tokens [n] drawn from logits [n, V] with per-lane params `lanes` (name -> [n], the
+    sampling inputs) for the tokens at absolute `positions` [n]."""
+    return sample(logits, lanes["temperature"], lanes["top_k"], lanes["top_p"], lanes["min_p"],
+                  lanes["seed"], positions, PURPOSE_DECODE)
+
+
+def next_tokens(logits, x, positions, per: int = 1):
+    """The tokens at `positions` [bs * per] from logits [bs * per, V]: drawn with view x's sampling
+    lanes (each request's repeated `per` times) where it has them, else the argmax."""
+    if not samples(x):
+        return logits.argmax(-1)
+    lanes = {n: x[n].repeat_interleave(per) if per > 1 else x[n] for n in SAMPLING_INPUTS}
+    return draw(logits, lanes, positions)
 
 
 def decode_body(target):
     def body(x):
         logits, _ = target.forward_decode(x.input_ids, x.positions, Batch.from_view(x))
         top2 = logits.topk(2, dim=-1).values                         # [bs, 2]
-        return {"next_token": logits.argmax(-1), "top2_gap": top2[:, 0] - top2[:, 1]}
+        return {"next_token": next_tokens(logits, x, x.positions + 1),
+                "top2_gap": top2[:, 0] - top2[:, 1]}
     return body
 
 
@@ -47,15 +84,57 @@ def verify_ids(target):
     return forward
 
 
-def verify_body(target, spec: SpecConfig):
+def verify_logits(target):
+    """(input_ids, positions, batch) -> (hidden [bs*k, H], the target's logits [bs*k, V] fp32)."""
+    def forward(*args):
+        if not hasattr(target, "forward_verify_hidden"):
+            logits, hidden = target.forward_verify(*args)
+            return hidden, logits
+        hidden = target.forward_verify_hidden(*args)
+        return hidden, target.logits(hidden)
+    return forward
+
+
+def drawn_at_nodes(logits, x, spec: SpecConfig):
+    """"draws": [bs, k] each tree node's decode draw (the token at the position after it)."""
+    k = spec.num_draft_tokens
+    return next_tokens(logits, x, x.positions + 1, per=k).view(x.bucket, k)
+
+
+def accepted_by_rejection(logits, x, spec: SpecConfig):
+    """"rejection": [bs, k] the token speculative sampling emits after each node of its path
+    (-1 off it), so that walking these from the root retraces the path. A rejection's residual
+    excludes every child it rejected (the draft's proposals are deterministic), so the walk
+    stops where the rule stopped."""
+    bs, k, steps = x.bucket, spec.num_draft_tokens, spec.steps
+    lanes = {n: x[n].repeat_interleave(k) for n in SAMPLING_INPUTS}
+    probs = sampling_probs(logits, lanes["temperature"], lanes["top_k"], lanes["top_p"],
+                           lanes["min_p"]).view(bs, k, -1)             # [bs, k, V]
+    root = x.positions.view(bs, k)[:, 0]                               # the root's position
+    emitted_at = root[:, None] + 1 + torch.arange(steps + 1, device=root.device)
+    _, path, out = verify_tree_sampled(x.input_ids.view(bs, k), x.tree_mask, probs, None,
+                                       x.seed, emitted_at, steps)      # [bs, steps + 1] each
+    return torch.full((bs, k), -1, dtype=torch.long, device=out.device).scatter(1, path, out)
+
+
+SPEC_RULES = {"draws": drawn_at_nodes, "rejection": accepted_by_rejection}
+
+
+def verify_body(target, spec: SpecConfig, rule: str = "draws"):
+    """Verify: the target over the tree; the accepted path (greedy, or sampled by `rule`, one of
+    `SPEC_RULES`), committed to the KV; draft-extend's inputs."""
     k, steps = spec.num_draft_tokens, spec.steps
-    forward = verify_ids(target)
+    greedy, full, accept = verify_ids(target), verify_logits(target), SPEC_RULES[rule]
 
     def body(x):
         bs = x.bucket
         batch = Batch.from_view(x, seq_lens=x.seq_lens + k)          # the tree is in the KV
-        hidden, ids = forward(x.input_ids, x.positions, batch)       # [bs*k, H], [bs*k]
-        predict = ids.view(bs, k)
+        if samples(x):
+            hidden, logits = full(x.input_ids, x.positions, batch)   # [bs*k, H], [bs*k, V]
+            predict = accept(logits, x, spec)                        # [bs, k]
+        else:
+            hidden, ids = greedy(x.input_ids, x.positions, batch)    # [bs*k, H], [bs*k]
+            predict = ids.view(bs, k)
         acc_len, acc_idx, out_tokens = ops.verify_greedy(
             x.input_ids.view(bs, k), x.tree_mask, predict, x.req_to_token,
             x.req_pool_indices, x.seq_lens, steps)
@@ -145,7 +224,8 @@ def draft_prefill_body(head, spec: SpecConfig):
     return body
 
 
-def bodies(target, head, spec: SpecConfig) -> dict:
-    """The EAGLE runners' bodies by program name (`programs`)."""
-    return {"decode": decode_body(target), "verify": verify_body(target, spec),
+def bodies(target, head, spec: SpecConfig, rule: str = "draws") -> dict:
+    """The EAGLE runners' bodies by program name (`programs`); rule: how verify accepts for
+    sampled requests (`SPEC_RULES`)."""
+    return {"decode": decode_body(target), "verify": verify_body(target, spec, rule),
             "draft": draft_body(head, spec), "draft_extend": draft_extend_body(head, spec)}

@@ -4,7 +4,9 @@
 slots; the runner programs index the paged cache with them, so each program needs calls a
 scheduler could make. `sampler(worker, name)` draws those: distinct request rows, sequence
 lengths that leave room for the round's tree, slots read from the rows' slot table, packed
-`qo_indptr` for the extends, a tree mask with siblings for verify. `check(worker)` runs
+`qo_indptr` for the extends, a tree mask with siblings for verify, and, for a program that
+samples, each request's sampling parameters (greedy lanes and every filter among them, valid
+values only: what `SamplingParams` admits). `check(worker)` runs
 `pg.check` on every runner program the worker has over a copy of its slot table in which every
 request row owns its own slots (the cache itself is restored by `pg.check` after every run).
 """
@@ -16,15 +18,48 @@ import torch
 
 import padgraph as pg
 
+from .kv import FIRST
+
 
 def _requests(gen: torch.Generator, w):
-    """bs in 1..max_bs distinct request rows (never the sink row 0)."""
+    """bs in 1..max_bs distinct request rows (never the sink row 0 or the canary row 1)."""
     bs = int(torch.randint(1, w.max_bs + 1, (), generator=gen))
-    rows = (torch.randperm(w.max_bs, generator=gen)[:bs] + 1).int()
+    rows = (torch.randperm(w.max_bs, generator=gen)[:bs] + FIRST).int()
     return bs, rows
 
 
+def sampling_lanes(gen: torch.Generator, bs: int, vocab: int) -> dict:
+    """Valid per-request sampling inputs [bs]: about a third greedy (temperature 0), the rest at
+    temperatures in [0.2, 1.5], each filter (top-k in 1..vocab, top-p in [0.05, 1), min-p in
+    [0, 0.5)) on for about half the lanes, seeds anywhere in [0, 2**62)."""
+    def on(p):
+        return torch.rand(bs, generator=gen) < p
+
+    temperature = torch.where(on(1 / 3), 0.0, 0.2 + 1.3 * torch.rand(bs, generator=gen))
+    top_k = torch.where(on(0.5), torch.randint(1, vocab + 1, (bs,), generator=gen), 0).int()
+    top_p = torch.where(on(0.5), 0.05 + 0.95 * torch.rand(bs, generator=gen), 1.0)
+    min_p = torch.where(on(0.5), 0.5 * torch.rand(bs, generator=gen), 0.0)
+    seed = torch.randint(0, 2 ** 62, (bs,), generator=gen)
+    return dict(temperature=temperature.float(), top_k=top_k, top_p=top_p.float(),
+                min_p=min_p.float(), seed=seed)
+
+
 def sampler(w, name: str) -> Callable[[torch.Generator], dict]:
+    """Raw inputs of a random valid call of runner `name` of worker `w` (`_call`), with valid
+    sampling parameters where the program takes them (`sampling_lanes`)."""
+    call = _call(w, name)
+    samples = "temperature" in w.programs[name].inputs if name in w.programs else False
+    V = w.target.cfg.vocab_size
+
+    def sample(gen: torch.Generator) -> dict:
+        raw = call(gen)
+        if samples:
+            raw.update(sampling_lanes(gen, raw["seq_lens"].shape[0], V))
+        return raw
+    return sample
+
+
+def _call(w, name: str) -> Callable[[torch.Generator], dict]:
     """Raw inputs of a random valid call of runner `name` of worker `w` (CPU tensors; the
     runner moves nothing, so `check` hands them to a reference runner on the state's device)."""
     rt, V, H = w.kv.req_to_token.cpu(), w.target.cfg.vocab_size, w.target.cfg.hidden_size
@@ -83,11 +118,11 @@ def sampler(w, name: str) -> Callable[[torch.Generator], dict]:
 
 def own_slots(w, seed: int = 0) -> None:
     """Give every request row of `w`'s slot table its own max_context slots (a random choice, no
-    slot shared, the sink slot 0 in none), as admissions would."""
+    slot shared, the sink slot 0 and the canary slot 1 in none), as admissions would."""
     rt = w.kv.req_to_token
-    n_rows, width = rt.shape[0] - 1, rt.shape[1]
-    perm = torch.randperm(w.slots.n - 1, generator=torch.Generator().manual_seed(seed))[: n_rows * width]
-    rt[1:] = (perm.int().view(n_rows, width) + 1).to(rt.device)
+    n_rows, width = rt.shape[0] - FIRST, rt.shape[1]
+    perm = torch.randperm(w.slots.n - FIRST, generator=torch.Generator().manual_seed(seed))[: n_rows * width]
+    rt[FIRST:] = (perm.int().view(n_rows, width) + FIRST).to(rt.device)
 
 
 def check(w, names: Iterable[str] | None = None, trials: int = 3, seed: int = 0,

@@ -37,6 +37,22 @@ class SpecConfig:
     def n_path(self) -> int:
         return self.steps + 1
 
+    @property
+    def margin(self) -> int:
+        """Positions a request reserves past prompt + max_new_tokens. A round that starts at
+        seq_len s touches positions < s + margin - 1 (verify's k tree tokens, the draft's
+        steps * topk nodes). A request still running after a round has emitted
+        seq_len - prompt + 1 < max_new_tokens tokens, so real rounds start at
+        s <= prompt + max_new - 2, inside `prompt + max_new + margin`."""
+        return max(self.num_draft_tokens, self.steps * self.topk) + 1
+
+    @property
+    def overlap_margin(self) -> int:
+        """Positions more an overlapped loop needs: a finished request runs one more round, which
+        starts up to steps + 1 (one round's accepted tokens) further on. (Greedy's extra step
+        writes position prompt + max_new - 1: inside `margin` anyway.)"""
+        return self.steps + 1
+
 
 @dataclass(frozen=True)
 class WorkerOptions:
@@ -56,7 +72,22 @@ class WorkerOptions:
     through the "prefill" program (one graph per bucket of packed prompt tokens,
     `prefill_buckets`), followed by the lm_head of the requests' last rows. prefill_tokens: the
     top of that ladder (default max_bs * max_context, all a batch can hold). draft_prefill: the
-    head's prefill the same two ways.
+    head's prefill the same two ways. seed: the engine's seed; a request whose `SamplingParams`
+    has no seed draws from one derived from it and the request's id
+    (`padgraph.llm.requests.request_seed`), so a rerun of the same call samples the same tokens.
+    sampling: decode and verify take the requests' sampling parameters (one graph serves greedy
+    and sampled requests together); False declares today's greedy programs without them (no fp32
+    [bs * k, V] logits in verify) and the engine refuses a request with temperature > 0.
+    spec_sampling: how verify accepts draft tokens for sampled requests; both are exact (the
+    emitted tokens follow the target's sampling distribution whatever the draft proposes) and
+    give greedy lanes greedy verification's tokens. "draws" (default): one draw per tree node
+    with decode's keys (one fused `sample` call over the tree), the path walked from the root
+    while a draw equals a child's token: the emitted tokens are the ones plain sampling draws
+    at those positions, token for token. "rejection": speculative sampling, recursive over a
+    node's children (`padgraph.llm.sampling.verify_tree_sampled`, acceptance and residual draws
+    on their own streams): the same distribution and, for a draft proposing its top-k (one-hot
+    proposals), the same acceptance, through other draws, at the cost of the full [bs, k, V]
+    probabilities and a loop over the tree's levels and children.
     """
     max_bs: int = 16
     max_context: int = 512
@@ -70,11 +101,18 @@ class WorkerOptions:
     prefill_tokens: int | None = None
     draft_prefill: str = "eager"
     tail_sync: bool = True
+    seed: int = 0
+    sampling: bool = True
+    spec_sampling: str = "draws"
 
     def __post_init__(self):
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise pg.ContractTypeError(f"WorkerOptions.seed must be an int; got {self.seed!r}")
         for name, allowed in (("draft_compile", ("regions", "whole")),
                               ("prefill", ("eager", "runner")),
-                              ("draft_prefill", ("eager", "runner"))):
+                              ("draft_prefill", ("eager", "runner")),
+                              ("spec_sampling", ("draws", "rejection")),
+                              ("sampling", (True, False))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be {' or '.join(map(repr, allowed))}; "
                                  f"got {getattr(self, name)!r}")

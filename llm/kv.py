@@ -3,11 +3,16 @@
 Layout: per layer `k[layer] [n_slots, n_kv_heads, head_dim]`, `v[layer] [n_slots, n_kv_heads,
 v_head_dim]`; `req_to_token [n_req_rows, max_context] int32` maps (request row, position) to a
 slot. Slot 0 and request row 0 are sinks: padded lanes write their KV to slot 0 and read through
-row 0 (whose entries are all 0), so a padded lane never touches a real request's state.
+row 0 (whose entries are all 0), so a padded lane never touches a real request's state. Slot 1
+and request row 1 are canaries (`pg.State(canary=1)`): no call may write them, and the runners
+check on every replay that none did. Requests get ids from `FIRST` on.
 """
 from __future__ import annotations
 
 import torch
+
+SINK, CANARY = 0, 1    # slot / request row: padded lanes' sink; a canary no call may write
+FIRST = 2              # the first slot and request row a request gets
 
 
 class KVCache:
@@ -20,9 +25,9 @@ class KVCache:
                  head_dim: int | tuple[int, int], max_context: int, n_req_rows: int,
                  dtype: torch.dtype, device: torch.device | str):
         """head_dim: K's and V's width per head, or (K's, V's) where they differ."""
-        if n_slots < 2 or n_req_rows < 2:
+        if n_slots < FIRST or n_req_rows < FIRST:
             raise ValueError(
-                f"n_slots and n_req_rows must be >= 2 (slot 0 and row 0 are sinks); "
+                f"n_slots and n_req_rows must be >= {FIRST} (slot 0 and row 0 are sinks, 1 canaries); "
                 f"got n_slots={n_slots}, n_req_rows={n_req_rows}")
         head_dim, v_head_dim = head_dim if isinstance(head_dim, tuple) else (head_dim, head_dim)
         self.n_layers, self.n_slots, self.n_kv_heads = n_layers, n_slots, n_kv_heads
@@ -50,40 +55,45 @@ class KVCache:
 
 
 class _FreeList:
-    """Ids 1 .. n-1 (0 is the reserved sink), kept on a stack (fresh pools give 1, 2, 3, ...)."""
+    """Ids FIRST .. n-1 (0 is the sink, 1 the canary), kept on a stack (fresh pools give 2, 3, ...)."""
 
     kind = "id"
 
     def __init__(self, n: int):
-        if n < 2:
-            raise ValueError(f"a {type(self).__name__} needs n >= 2 (id 0 is reserved); got {n}")
+        if n <= FIRST:
+            raise ValueError(f"a {type(self).__name__} needs n >= {FIRST + 1} (ids 0 and 1 are reserved); got {n}")
         self.n = n
-        self._free = list(range(n - 1, 0, -1))  # stack: pop() gives the lowest id
-        self._is_free = [False] + [True] * (n - 1)
+        self._free = list(range(n - 1, FIRST - 1, -1))  # stack: pop() gives the lowest id
+        self._is_free = [False] * FIRST + [True] * (n - FIRST)
 
     @property
     def n_free(self) -> int:
         return len(self._free)
 
+    @property
+    def all_free(self) -> bool:
+        """Every id a request can get is free (nothing leaked)."""
+        return len(self._free) == self.n - FIRST
+
     def alloc(self, n: int) -> list[int]:
-        """n distinct ids, never 0; raises when fewer than n are free (nothing is taken then)."""
+        """n distinct ids, never 0 or 1; raises when fewer than n are free (nothing is taken then)."""
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of {self.kind}s: {n}")
         if n > len(self._free):
             raise RuntimeError(
                 f"{type(self).__name__} exhausted: asked for {n} {self.kind}s, "
-                f"{len(self._free)} of {self.n - 1} free (id 0 is the reserved sink)")
+                f"{len(self._free)} of {self.n - FIRST} free (ids 0 and 1 are the reserved sink and canary)")
         ids = [self._free.pop() for _ in range(n)]
         for i in ids:
             self._is_free[i] = False
         return ids
 
     def free(self, ids) -> None:
-        """Return ids to the pool; freeing 0, an out-of-range id or a free id raises."""
+        """Return ids to the pool; freeing 0, 1, an out-of-range id or a free id raises."""
         ids = [int(i) for i in ids]
         for i in ids:
-            if not 0 < i < self.n:
-                raise ValueError(f"cannot free {self.kind} {i}: valid ids are 1 .. {self.n - 1}")
+            if not FIRST <= i < self.n:
+                raise ValueError(f"cannot free {self.kind} {i}: valid ids are {FIRST} .. {self.n - 1}")
             if self._is_free[i]:
                 raise ValueError(f"{self.kind} {i} freed twice")
         if len(set(ids)) != len(ids):
@@ -94,13 +104,13 @@ class _FreeList:
 
 
 class SlotAllocator(_FreeList):
-    """Free list of KV slots 1 .. n_slots-1 (slot 0 is the sink padded lanes write to)."""
+    """Free list of KV slots 2 .. n_slots-1 (slot 0 is the sink padded lanes write to, 1 a canary)."""
 
     kind = "slot"
 
 
 class RowAllocator(_FreeList):
-    """Free list of req_to_token rows 1 .. n_rows-1 (row 0 is the sink padded lanes read)."""
+    """Free list of req_to_token rows 2 .. n_rows-1 (row 0 is the sink padded lanes read, 1 a canary)."""
 
     kind = "row"
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 # compute the same logit differ by whole ulps at its magnitude: ulp = 2**-7 for |x| in [1, 2),
 # 2**-6 in [2, 4). Measured on the CPU in bf16 (same prefix, target logits through the decode
 # path vs chain trees through the verify path): max |diff| 0.0078 (1 ulp) on the 1B shape at
-# init_std 0.008 (|logit| <= 2.05), 0.035 at the old 0.02 (|logit| <= 5.3). Two logits that
+# init_std 0.008 (|logit| <= 2.05), 0.035 at init_std 0.02 (|logit| <= 5.3). Two logits that
 # each move by d can swap only if their gap is <= 2d; allowing the GPU kernels 2 ulps each at
 # |logit| in [2, 4) gives 4 * 2**-6.
 TIE_TOL = 4 * 2 ** -6

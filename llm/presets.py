@@ -1,6 +1,7 @@
-"""The main job's settings per model family: which distillation preset on a GPU and on the CPU,
-the draft tree and draft compile on a GPU, and the request batch served; `setup` builds a target
-and distils its head, `workload` draws the requests."""
+"""The EAGLE example's settings per model family (`examples/eagle.py`, `bench.bench_eagle`):
+which distillation preset on a GPU and on the CPU, the draft tree and draft compile on a GPU, and
+the request batch served; `setup` builds a target and distils its head, `workload` draws the
+requests."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,16 +14,15 @@ from .distill import build, distill
 # --model -> the draft bodies' compile (`WorkerOptions.draft_compile`): whole where it has run on a GPU
 DRAFT_COMPILE = {"llama": "whole", "deepseek": "whole"}
 # --model -> the lm_head the draft reads on a GPU (the CPU run reads the target's): its e4m3
-# copy, read by the fused lm_head + top-k kernel (H200, Llama: draft 0.84 ms a round against
-# 0.91 unfused, the same accept length)
+# copy (half the bf16 bytes), read by the fused lm_head + top-k kernel, which takes the top-k in
+# the GEMM's epilogue: the faster draft step at a draft's row counts, with the same accept
+# length (results/topk.md; `draft_head.FUSED_MAX_ROWS` bounds it)
 DRAFT_LM_HEAD = {"llama": "fp8-fused", "deepseek": "fp8-fused"}
-# --model -> the draft tree on a GPU, (steps, topk, k). Llama: (3, 4, 8) from the tree sweep
-# (bench/sweep_eagle.py, H200, one process): against (5, 4, 8) it gave 2.03x / 1.35x greedy at
-# bs 1 / 16 instead of 1.92x / 1.16x, a round of 1.41 greedy steps at bs 1 instead of 1.69 (accept
-# 3.02 against 3.48: two draft steps fewer cost less than the half token they found). DeepSeek:
-# (3, 4, 8) too (main job, H200, 2026-12-02): its MTP draft step is one MLA + MoE layer, 0.31 ms
-# at bs 16, so two steps fewer took the round from 4.33 ms (2.22 greedy steps) to 3.41 (1.75) and
-# the main job from 1.24x to 1.49x greedy (accept 3.50 -> 2.99).
+# --model -> the draft tree on a GPU, (steps, topk, k). A shallow tree keeps a round near 1.5
+# greedy steps at bs 1: every draft step is paid in every round, whatever the head accepts (a
+# DeepSeek MTP draft step is a whole MLA + MoE layer). A deeper tree such as (5, 4, 10) gives
+# more speedup where a head accepts as well as the distilled one does, at a dearer round
+# (results/sweep_eagle.md, results/main_jobs.md; `--steps` / `--draft-tokens` choose it).
 GPU_TREE = {"llama": (3, 4, 8), "deepseek": (3, 4, 8)}
 # --model -> (GPU preset, CPU preset, what the CPU run says it is)
 MODELS = {"llama": ("1b", "tiny", "tiny Llama-like target"),

@@ -9,6 +9,12 @@ values are the contract every runner of this family shares (spec/SPEC.md): `seq_
 top-k and hidden states 0, accept lengths 1, tree mask all ones, `qo_indptr` repeats its last
 value (padded requests own no tokens). No runner writes padding code of its own.
 
+Sampling (`sampling=True`, what the worker declares): the programs that pick tokens (decode,
+verify) also take each request's sampling parameters as padded per-request inputs —
+`temperature` 0.0, `top_k` 0, `top_p` 1.0, `min_p` 0.0, `seed` 0 — so a padded lane is a greedy
+lane: it draws a harmless token that is sliced away, and no parameter used at capture is ever
+read by a live lane (every replay packs the live values or these pads).
+
 Model-specific parts are parameters: `outputs` is a mapping of `pg.Output`s, or a function of the
 program's axes (`RunnerAxes`) returning one, since output shapes name the same axis objects.
 `programs(cfg, spec, ...)` fills them in for a target and draft head (the outputs the bodies in
@@ -25,6 +31,7 @@ import padgraph as pg
 from padgraph import Axis, Buckets, Edge, Input, Output, Program, State
 
 from .config import SpecConfig
+from .kv import CANARY, SINK
 
 
 @dataclass(frozen=True)
@@ -41,8 +48,9 @@ OutputsSpec = Union[Mapping[str, Output], Callable[[RunnerAxes], Mapping[str, Ou
 
 
 def kv_state() -> dict[str, State]:
-    """Default bound state: per-layer K/V pools (sink slot 0) and req_to_token (sink row 0)."""
-    return {"k_cache": State(sink=0), "v_cache": State(sink=0), "req_to_token": State(sink=0)}
+    """Default bound state: per-layer K/V pools (sink slot 0, canary slot 1) and req_to_token (sink
+    row 0, canary row 1)."""
+    return {n: State(sink=SINK, canary=CANARY) for n in ("k_cache", "v_cache", "req_to_token")}
 
 
 def _program(name, inputs, outputs: OutputsSpec, axes: RunnerAxes, state, buckets) -> Program:
@@ -58,6 +66,21 @@ def _per_request(bs: Axis) -> dict[str, Input]:
     }
 
 
+def sampling_inputs(bs: Axis) -> dict[str, Input]:
+    """Each request's sampling parameters (`padgraph.llm.sampling.SamplingParams` as lanes); the
+    pads make a padded lane greedy (temperature 0) with every filter off."""
+    return {
+        "temperature": Input((bs,), torch.float32, pad=0.0),
+        "top_k": Input((bs,), torch.int32, pad=0),
+        "top_p": Input((bs,), torch.float32, pad=1.0),
+        "min_p": Input((bs,), torch.float32, pad=0.0),
+        "seed": Input((bs,), torch.int64, pad=0),
+    }
+
+
+SAMPLING_INPUTS = tuple(sampling_inputs(Axis("bs")))
+
+
 def _check_pos(**kw) -> None:
     for n, v in kw.items():
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -65,21 +88,26 @@ def _check_pos(**kw) -> None:
 
 
 def decode_program(outputs: OutputsSpec, *, buckets: Buckets | None = None,
-                   state: Mapping[str, State] | None = None, name: str = "decode") -> Program:
-    """One new token per request: its id, position, KV length after it, row, and target slot."""
+                   state: Mapping[str, State] | None = None, name: str = "decode",
+                   sampling: bool = False) -> Program:
+    """One new token per request: its id, position, KV length after it, row, and target slot
+    (sampling: and its sampling parameters, `sampling_inputs`)."""
     bs = Axis("bs")
     inputs = {
         "input_ids": Input((bs,), torch.int64, pad=0),
         "positions": Input((bs,), torch.int64, pad=0),
         **_per_request(bs),
         "out_cache_loc": Input((bs,), torch.int64, pad=0),      # sink slot 0
+        **(sampling_inputs(bs) if sampling else {}),
     }
     return _program(name, inputs, outputs, RunnerAxes(bs), state, buckets)
 
 
 def verify_program(k: int, outputs: OutputsSpec, *, buckets: Buckets | None = None,
-                   state: Mapping[str, State] | None = None, name: str = "verify") -> Program:
-    """Target verify: k tree tokens per request (request-major on `bs * k`) and the tree mask.
+                   state: Mapping[str, State] | None = None, name: str = "verify",
+                   sampling: bool = False) -> Program:
+    """Target verify: k tree tokens per request (request-major on `bs * k`) and the tree mask
+    (sampling: and each request's sampling parameters, `sampling_inputs`).
 
     `seq_lens` is the prefix length before the tree (the tree occupies positions
     seq_lens .. seq_lens + k - 1 of the request's row).
@@ -92,6 +120,7 @@ def verify_program(k: int, outputs: OutputsSpec, *, buckets: Buckets | None = No
         "out_cache_loc": Input((bs * k,), torch.int64, pad=0),
         **_per_request(bs),
         "tree_mask": Input((bs, k, k), torch.bool, pad=True),
+        **(sampling_inputs(bs) if sampling else {}),
     }
     return _program(name, inputs, outputs, RunnerAxes(bs), state, buckets)
 
@@ -191,21 +220,23 @@ def draft_prefill_program(hidden_size: int, hidden_dtype: torch.dtype, outputs: 
 # ------------------------------------------------------------------ a model's programs
 
 def _state_decl(cache_names) -> dict[str, pg.State]:
-    """The runners' bound state: the caches (sink slot 0) and req_to_token (sink row 0)."""
-    return {**{n: pg.State(sink=0) for n in cache_names}, "req_to_token": pg.State(sink=0)}
+    """The runners' bound state: the caches (sink slot 0, canary slot 1) and req_to_token (sink row
+    0, canary row 1)."""
+    return {n: pg.State(sink=SINK, canary=CANARY) for n in (*cache_names, "req_to_token")}
 
 
 def programs(cfg, spec: SpecConfig, hidden_dtype, buckets=None,
-             cache_names=("k_cache", "v_cache")) -> dict[str, pg.Program]:
+             cache_names=("k_cache", "v_cache"), sampling: bool = False) -> dict[str, pg.Program]:
     """The four EAGLE runner programs (decode, verify, draft, draft-extend) with this model's
-    outputs and cache state names."""
+    outputs and cache state names; sampling: decode and verify take the requests' sampling
+    parameters (the draft proposes its top-k whatever they are, so it takes none)."""
     H, k, S, topk = cfg.hidden_size, spec.num_draft_tokens, spec.steps, spec.topk
     O = pg.Output
     state = _state_decl(cache_names)
     return {
         "decode": decode_program(lambda a: {
             "next_token": O((a.bs,), torch.int64), "top2_gap": O((a.bs,), torch.float32)},
-            buckets=buckets, state=state),
+            buckets=buckets, state=state, sampling=sampling),
         "verify": verify_program(k, lambda a: {
             "accept_len": O((a.bs,), torch.int32), "out_tokens": O((a.bs, S + 1), torch.int64),
             "bonus": O((a.bs,), torch.int64),
@@ -214,7 +245,8 @@ def programs(cfg, spec: SpecConfig, hidden_dtype, buckets=None,
             "de_out_cache_loc": O((a.bs * (S + 1),), torch.int64),
             "de_hidden": O((a.bs * (S + 1), H), hidden_dtype),
             "de_qo_indptr": O((a.bs + 1,), torch.int32),
-            "de_seq_lens": O((a.bs,), torch.int32)}, buckets=buckets, state=state),
+            "de_seq_lens": O((a.bs,), torch.int32)}, buckets=buckets, state=state,
+            sampling=sampling),
         "draft": draft_program(S, topk, H, hidden_dtype, lambda a: {
             "draft_tokens": O((a.bs, k - 1), torch.int64),
             "tree_mask": O((a.bs, k, k), torch.bool),

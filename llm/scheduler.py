@@ -1,8 +1,10 @@
 """The scheduler: requests, admission and the overlap loop over a `Worker`'s rounds.
 
 `Engine` is a `Worker` that serves requests: EAGLE speculative decoding (`generate_spec`: draft →
-verify → draft-extend a round) or greedy decoding (`generate_greedy`: one decode step a round).
-The batch shrinks as requests finish (EOS or max tokens), so raw batch sizes are odd; a finished
+verify → draft-extend a round) or plain decoding (`generate_greedy`: one decode step a round),
+each request greedy or sampled by its own `SamplingParams` (`sampling=`; greedy and sampled
+requests share one batch and one graph). The batch shrinks as requests finish (EOS, a stop token
+or max tokens), so raw batch sizes are odd; a finished
 request's KV slots and req_to_token row go back to the allocators once no round in flight uses
 them. Given more requests than max_bs, the rest wait and are admitted as rows free up
 (continuous admission, `Refill`: each admission is prefilled and appended to the running batch
@@ -38,14 +40,17 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+import padgraph as pg
+
 from .admission import Refill
-from .requests import Request, budget, may_finish, prompt_ids, sure_to_finish
-from .state import GreedyState, LoopState, to_device
+from .requests import (Request, budget, may_finish, prompt_ids, request_seed, sampling_of,
+                       sure_to_finish)
+from .state import GreedyState, LoopState, SamplingLanes, drop_done, to_device
 from .timing import PhaseClock, Readback, RunStats
 from .worker import Worker
 
@@ -63,11 +68,33 @@ class Rounds:
     max_emit: int = 1
 
 
+@dataclass
+class Flight:
+    """The loop's rounds in flight: the queued round not yet read back ((lanes, Readback) or
+    None) and the requests finished but still in that round's batch (released at its readback)."""
+    pending: tuple | None = None
+    late: list = field(default_factory=list)
+
+
 class Engine(Worker):
     """A `Worker` that serves requests: admission, release, and the (overlapped) loop of rounds.
     Takes `Worker`'s arguments."""
 
     # ---- request lifecycle -------------------------------------------------------------
+    def resolve(self, prompts, max_new_tokens=None, sampling=None):
+        """A call's per-request (budgets, SamplingParams): `sampling` is None (greedy), one
+        `SamplingParams` for all or one per request; `max_new_tokens` a list (one per request)
+        or None, which takes each request's `SamplingParams.max_new_tokens`."""
+        params = sampling_of(len(prompts), sampling)
+        hot = [i for i, p in enumerate(params) if not p.greedy]
+        if hot and not self.sampling:
+            raise pg.ContractValueError(
+                f"requests {hot} sample (temperature {params[hot[0]].temperature}) but the "
+                f"engine was built with sampling=False: it serves greedy requests only")
+        if max_new_tokens is None:
+            max_new_tokens = [p.max_new_tokens for p in params]
+        return list(max_new_tokens), params
+
     def check_requests(self, prompts, max_new_tokens) -> None:
         """Before any request is admitted: each has a non-empty prompt of token ids in
         [0, vocab), max_new_tokens >= 1 (an int), and fits max_context with the tree margin."""
@@ -82,24 +109,29 @@ class Engine(Worker):
                                  f"tree margin {self.margin} must fit max_context "
                                  f"{self.max_context}")
 
-    def admit(self, prompts, max_new_tokens, rids=None) -> list[Request]:
-        """Rows and KV slots for these requests (ids `rids`, default 0, 1, ...)."""
-        self.check_requests(prompts, max_new_tokens)
-        return self._admit(prompts, max_new_tokens, rids)
+    def admit(self, prompts, max_new_tokens=None, rids=None, sampling=None) -> list[Request]:
+        """Rows and KV slots for these requests (ids `rids`, default 0, 1, ...; `sampling` and
+        `max_new_tokens` as `resolve` takes them)."""
+        news, params = self.resolve(prompts, max_new_tokens, sampling)
+        self.check_requests(prompts, news)
+        return self._admit(prompts, news, rids, params)
 
-    def _admit(self, prompts, max_new_tokens, rids=None) -> list[Request]:
-        """`admit` for requests `check_requests` has passed."""
+    def _admit(self, prompts, max_new_tokens, rids=None, params=None) -> list[Request]:
+        """`admit` for requests `check_requests` has passed (params: one SamplingParams each,
+        None: greedy)."""
         if len(prompts) > self.rows.n_free:
             raise ValueError(f"{len(prompts)} requests but {self.rows.n_free} free rows "
                              f"(max_bs={self.max_bs} running at once)")
         reqs = []
         rids = range(len(prompts)) if rids is None else rids
+        params = sampling_of(len(prompts), params)
         try:
-            for i, prompt, n_new in zip(rids, prompts, max_new_tokens):
+            for i, prompt, n_new, p in zip(rids, prompts, max_new_tokens, params):
                 need = len(prompt) + n_new + self.margin
                 if self.overlap:     # room for the extra round, as far as max_context allows
                     need = min(need + self.overlap_margin, self.max_context)
-                r = Request(i, [int(t) for t in prompt], int(n_new), row=self.rows.alloc(1)[0])
+                r = Request(i, [int(t) for t in prompt], int(n_new), row=self.rows.alloc(1)[0],
+                            params=p, seed=request_seed(self.seed, i) if p.seed is None else p.seed)
                 reqs.append(r)
                 r.slots = self.slots.alloc(need)
                 self.kv.req_to_token[r.row, :need] = to_device(r.slots, torch.int32,
@@ -112,6 +144,11 @@ class Engine(Worker):
                     self.rows.free([r.row])
             raise
         return reqs
+
+    def lanes(self, reqs) -> SamplingLanes:
+        """The requests' sampling lanes on the worker's device (no host sync)."""
+        return SamplingLanes.of([r.params for r in reqs], [r.seed for r in reqs],
+                                self.kv.req_to_token.device)
 
     def spec_overlap_fits(self, prompts, max_new_tokens) -> bool:
         """Whether every request gets the positions an EAGLE round past its end touches; where
@@ -134,10 +171,11 @@ class Engine(Worker):
         req.slots, req.row = [], 0
 
     def emit(self, req: Request, tokens) -> bool:
-        """Append tokens up to EOS / max_new_tokens; True when the request finished."""
+        """Append tokens up to EOS, one of the request's stop tokens (each emitted, as HF emits
+        its EOS) or max_new_tokens; True when the request finished."""
         for t in tokens:
             req.output.append(t)
-            if t == self.eos_id or len(req.output) >= req.max_new_tokens:
+            if t == self.eos_id or req.stops_at(t) or len(req.output) >= req.max_new_tokens:
                 req.done = True
                 break
         return req.done
@@ -150,14 +188,7 @@ class Engine(Worker):
                 self.release(r)
         return self._drop_done(active, st)
 
-    @staticmethod
-    def _drop_done(active: list[Request], st: LoopState, gone=lambda r: r.done):
-        """The requests not `gone` (default: not done) and their rows of `st` (an index copied
-        without a host sync)."""
-        keep = [i for i, r in enumerate(active) if not gone(r)]
-        if len(keep) == len(active):
-            return active, st
-        return [active[i] for i in keep], st.select(to_device(keep, torch.long, st.rows.device))
+    _drop_done = staticmethod(drop_done)
 
     # ---- the loop ----------------------------------------------------------------------
     def _loop(self, active: list[Request], st: LoopState, rounds: Rounds,
@@ -204,74 +235,99 @@ class Engine(Worker):
         queued, beside round N's results, and a request its first token finishes (EOS) is
         retired one round late like any other.
         """
-        step, consume, stats, overlap = rounds.step, rounds.consume, rounds.stats, rounds.overlap
-        clock, max_emit = rounds.clock, rounds.max_emit
-        stats.overlap = overlap
-        pending = None                  # (lanes, Readback) of a queued round not yet read back
-        late: list[Request] = []        # finished, but in the batch of the round in flight
-        while active or pending or (refill is not None and refill.waiting):
-            if not active and pending is None and self.rows.n_free == 0:
-                raise RuntimeError(
-                    f"{len(refill.queue)} requests wait for a row but none of the "
-                    f"{self.rows.n - 1} is free and none is running: rows admitted outside this "
-                    f"call (Engine.admit) must be released first")
-            launched, kept_out = None, []
-            # round N may finish every running request: read it back before queuing N+1
-            sync_first = (self.tail_sync and overlap and pending is not None and bool(active)
-                          and all(may_finish(r, max_emit) for r in active))
-            if active and overlap and pending is not None and not sync_first:  # N in flight
+        rounds.stats.overlap = rounds.overlap
+        flight = Flight()
+        while active or flight.pending or (refill is not None and refill.waiting):
+            self._check_progress(active, flight, refill)
+            sync_first = self._sync_first(active, flight, rounds)
+            kept_out = []
+            if active and rounds.overlap and flight.pending is not None and not sync_first:  # N in flight
                 kept_out = [r for r in active if sure_to_finish(r)]
-                if kept_out:
-                    active, st = self._drop_done(active, st, gone=sure_to_finish)
+                active, st = drop_done(active, st, gone=sure_to_finish)
             if refill is not None and refill.waiting and not sync_first:   # after kept_out
                 active, st = refill(active, st)
+            launched = None
             if active and not sync_first:
-                st, rb = step(st)       # round N+1, from round N's state on the device
-                stats.rounds += 1
-                launched = (active, rb)
-            if not overlap:
-                pending, launched = launched, None
-            finished = []
-            if pending is not None:
-                lanes, rb = pending
-                values = rb.wait()      # round N's results (round N+1 runs meanwhile)
-                for i, r in enumerate(lanes):
-                    if r.done:          # finished in round N-1: this lane ran for nothing
-                        stats.discarded += 1
-                    elif consume(r, [v[i] for v in values]):
-                        finished.append(r)
-                for r in late:          # their last round, N, is read back: release them
-                    self.release(r)
-                late = []
-                for r in kept_out:      # kept out of round N+1 as sure to finish in round N
-                    if not r.done:
-                        raise RuntimeError(f"request {r.rid} was kept out of the next round as "
-                                           f"sure to finish, but did not finish")
+                st, launched = self._queue(active, st, rounds)
+            if not rounds.overlap:
+                flight.pending, launched = launched, None
+            finished = self._read_back(flight, rounds, kept_out)
             if refill is not None and refill.unread:  # admitted before round N+1 was queued
                 finished += refill.read_first()       # those their first token finished (EOS)
             if finished:
-                in_flight = {id(r) for r in launched[0]} if launched is not None else set()
-                for r in finished:      # round N+1 holds them: release after its readback
-                    if id(r) in in_flight:
-                        late.append(r)
-                    else:               # no round in flight holds them (or kept out of N+1)
-                        self.release(r)
-                active, st = self._drop_done(active, st)   # before round N+2 is queued
-            clock.mark("host")
-            pending = launched
+                active, st = self._retire_finished(active, st, finished, launched, flight)
+            rounds.clock.mark("host")
+            flight.pending = launched
+
+    def _check_progress(self, active, flight: Flight, refill) -> None:
+        if not active and flight.pending is None and self.rows.n_free == 0:
+            raise RuntimeError(
+                f"{len(refill.queue)} requests wait for a row but none of the "
+                f"{self.rows.n - 1} is free and none is running: rows admitted outside this "
+                f"call (Engine.admit) must be released first")
+
+    def _sync_first(self, active, flight: Flight, rounds: Rounds) -> bool:
+        """Round N may finish every running request: read it back before queuing N+1."""
+        return (self.tail_sync and rounds.overlap and flight.pending is not None and bool(active)
+                and all(may_finish(r, rounds.max_emit) for r in active))
+
+    @staticmethod
+    def _queue(active, st, rounds: Rounds):
+        """Queue round N+1 from round N's state on the device: (its output state, (lanes, Readback))."""
+        st, rb = rounds.step(st)
+        rounds.stats.rounds += 1
+        return st, (active, rb)
+
+    def _read_back(self, flight: Flight, rounds: Rounds, kept_out) -> list[Request]:
+        """Wait for round N's results (round N+1 runs meanwhile), consume its live lanes and
+        release the requests whose last round it was: the requests it finished."""
+        if flight.pending is None:
+            return []
+        lanes, rb = flight.pending
+        finished = []
+        for r, *values in zip(lanes, *rb.wait()):
+            if r.done:          # finished in round N-1: this lane ran for nothing
+                rounds.stats.discarded += 1
+            elif rounds.consume(r, values):
+                finished.append(r)
+        for r in flight.late:   # their last round, N, is read back: release them
+            self.release(r)
+        flight.late = []
+        for r in kept_out:      # kept out of round N+1 as sure to finish in round N
+            if not r.done:
+                raise RuntimeError(f"request {r.rid} was kept out of the next round as "
+                                   f"sure to finish, but did not finish")
+        return finished
+
+    def _retire_finished(self, active, st, finished, launched, flight: Flight):
+        """Release the finished requests no round in flight holds; the others once round N+1
+        is read back (`flight.late`). Their rows leave the batch before round N+2 is queued."""
+        in_flight = {id(r) for r in launched[0]} if launched is not None else set()
+        for r in finished:
+            if id(r) in in_flight:
+                flight.late.append(r)
+            else:               # no round in flight holds them (or kept out of N+1)
+                self.release(r)
+        return drop_done(active, st)
 
     # ---- prefill (eager, or the "prefill" runner) ---------------------------------------
 
-    def generate_spec(self, prompts, max_new_tokens) -> tuple[list[Request], RunStats]:
+    def generate_spec(self, prompts, max_new_tokens=None, sampling=None
+                      ) -> tuple[list[Request], RunStats]:
         """EAGLE over the requests: up to max_bs run at once; past that the rest wait and are
-        admitted as rows free up (continuous admission). (Requests in prompt order, stats.)"""
+        admitted as rows free up (continuous admission). (Requests in prompt order, stats.)
+        sampling: None (greedy), a `SamplingParams` for every request or one per request; the
+        emitted tokens follow the target's sampling distribution exactly (see `bodies`).
+        max_new_tokens: one per request, or None for each request's params' budget."""
         stats, t0 = RunStats(), _now(self)
         clock = PhaseClock(self.kv.req_to_token.is_cuda)
+        max_new_tokens, params = self.resolve(prompts, max_new_tokens, sampling)
 
         def prefill_batch(reqs):
             logits, hidden, b = self.prefill(reqs)
-            first = logits.argmax(-1)
-            st = self.draft_prefill(first, hidden, b)
+            lanes = self.lanes(reqs)
+            first = self.first_tokens(logits, lanes, b)
+            st = self.draft_prefill(first, hidden, b, lanes)
             stats.prefills += 1
             clock.mark("prefill")
             return st, Readback(first)
@@ -290,7 +346,7 @@ class Engine(Worker):
 
         overlap = self.spec_overlap_fits(prompts, max_new_tokens)
         refill = Refill(self, prompts, max_new_tokens, prefill_batch, take_first,
-                         defer=overlap)                              # checks them all
+                        defer=overlap, params=params)                # checks them all
         with self._abandon_on_error(refill):
             active, st = refill([], None)
             rounds = Rounds(lambda s: self.spec_round(s, clock), consume, stats, clock, overlap,
@@ -298,15 +354,20 @@ class Engine(Worker):
             self._loop(active, st, rounds, refill)
         return refill.reqs, self._finish(stats, t0, clock, refill.reqs)
 
-    def generate_greedy(self, prompts, max_new_tokens) -> tuple[list[Request], RunStats]:
-        """Greedy decoding over the requests, admitted as `generate_spec` admits them."""
+    def generate_greedy(self, prompts, max_new_tokens=None, sampling=None
+                        ) -> tuple[list[Request], RunStats]:
+        """Plain decoding (one token a step) over the requests, admitted as `generate_spec`
+        admits them; greedy unless `sampling` says otherwise (taken as `generate_spec` takes
+        it)."""
         stats, t0 = RunStats(), _now(self)
         clock = PhaseClock(self.kv.req_to_token.is_cuda)
+        max_new_tokens, params = self.resolve(prompts, max_new_tokens, sampling)
 
         def prefill_batch(reqs):
             logits, _, b = self.prefill(reqs)
-            first, top2 = logits.argmax(-1), logits.topk(2, dim=-1).values
-            st = GreedyState(rows=b.rows, seq_lens=b.seq_lens, cur=first)
+            lanes = self.lanes(reqs)
+            first, top2 = self.first_tokens(logits, lanes, b), logits.topk(2, dim=-1).values
+            st = GreedyState(rows=b.rows, seq_lens=b.seq_lens, cur=first, sampling=lanes)
             stats.prefills += 1
             clock.mark("prefill")
             return st, Readback(first, top2[:, 0] - top2[:, 1])
@@ -324,7 +385,7 @@ class Engine(Worker):
         # greedy's extra step writes position prompt + max_new - 1: always inside the
         # reservation, so greedy overlaps whenever the worker does
         refill = Refill(self, prompts, max_new_tokens, prefill_batch, take_first,
-                         defer=self.overlap)                          # checks them all
+                        defer=self.overlap, params=params)            # checks them all
         with self._abandon_on_error(refill):
             active, st = refill([], None)
             rounds = Rounds(lambda s: self.decode_step(s, clock), consume, stats, clock,

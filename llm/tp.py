@@ -20,7 +20,7 @@ import padgraph.distributed as pgd
 
 from .batch import Batch
 from .config import SpecConfig
-from .kv import KVCache, RowAllocator, SlotAllocator, new_cache
+from .kv import FIRST, KVCache, RowAllocator, SlotAllocator, new_cache
 from .models.llama_tp import LlamaTP
 from .programs import programs
 from .requests import Request
@@ -42,8 +42,8 @@ class TPScheduler:
 
     def __init__(self, setup, eos_id: int | None = None):
         self.setup, self.eos_id = setup, eos_id
-        self.slots = SlotAllocator(setup.max_bs * setup.max_context + 1)
-        self.rows = RowAllocator(setup.max_bs + 1)
+        self.slots = SlotAllocator(setup.max_bs * setup.max_context + FIRST)
+        self.rows = RowAllocator(setup.max_bs + FIRST)
         self.reqs: list[Request] = []
         self.active: list[Request] = []
 
@@ -119,8 +119,8 @@ class Shard:
 
     def __init__(self, target, setup, body, cpu_group=None, **compile_options):
         self.target, self.setup = target, setup
-        self.kv = new_cache(target, target.cfg.n_layers, setup.max_bs * setup.max_context + 1,
-                            setup.max_context, setup.max_bs + 1)
+        self.kv = new_cache(target, target.cfg.n_layers, setup.max_bs * setup.max_context + FIRST,
+                            setup.max_context, setup.max_bs + FIRST)
         program = programs(target.cfg, SpecConfig(), setup.dtype,
                            pg.Buckets(list(setup.buckets)))["decode"]
         state = {"k_cache": self.kv.k, "v_cache": self.kv.v, "req_to_token": self.kv.req_to_token}
@@ -197,5 +197,5 @@ class TPEngine(Engine):
 
 
 def spec_margin(spec: SpecConfig) -> int:
-    """What the engine reserves per request past prompt + output (verify tree and draft slots)."""
-    return max(spec.num_draft_tokens, spec.steps * spec.topk) + 1
+    """What the engine reserves per request past prompt + output (`SpecConfig.margin`)."""
+    return spec.margin

@@ -10,6 +10,10 @@ Per-request KV: a request owns one req_to_token row and, from admission, the slo
 budget (prompt + max_new_tokens + tree scratch), so draft and verify tokens use the slots of the
 positions they occupy; verify commits the accepted path by permuting the row (no KV copies).
 Draft position p holds (token p+1, target hidden p), so the draft cache is one position behind.
+
+Sampling: decode and verify take each request's sampling lanes (`SamplingLanes`, carried in the
+loop state beside its rows), and `first_tokens` draws a prefill's first tokens with the same
+keys, so a request samples the same tokens whichever of these paths, rows or buckets serve it.
 """
 from __future__ import annotations
 
@@ -17,11 +21,11 @@ import padgraph as pg
 from padgraph.backends.triton import eagle as ops
 
 from .batch import RawView
-from .bodies import bodies, decode_body, draft_prefill_body, extend_body
+from .bodies import bodies, decode_body, draft_prefill_body, draw, extend_body
 from .config import SpecConfig, WorkerOptions
-from .kv import RowAllocator, SlotAllocator, cache_state, new_cache
+from .kv import FIRST, RowAllocator, SlotAllocator, cache_state, new_cache
 from .programs import draft_prefill_runner_program, extend_prefill_program, programs
-from .state import GreedyState, PrefillBatch, SpecState, pack_prompts
+from .state import GreedyState, PrefillBatch, SamplingLanes, SpecState, pack_prompts
 from .timing import PhaseClock, Readback
 
 _TARGET_RUNNERS = ("decode", "verify", "prefill")   # the rest run the draft head
@@ -41,20 +45,13 @@ class Worker:
         o = WorkerOptions(**options)
         self.target, self.head, self.spec, self.backend = target, head, spec, backend
         self.max_bs, self.max_context, self.eos_id = o.max_bs, o.max_context, o.eos_id
-        self.overlap, self.tail_sync = o.overlap, o.tail_sync
-        self.margin = max(spec.num_draft_tokens, spec.steps * spec.topk) + 1
-        # A round that starts at seq_len s touches positions < s + margin - 1 (verify's k tree
-        # tokens, the draft's steps * topk nodes). A request still running after a round has
-        # emitted seq_len - prompt + 1 < max_new_tokens tokens, so real rounds start at
-        # s <= prompt + max_new - 2, inside `prompt + max_new + margin`. With overlap a finished
-        # request runs one more round, which starts up to steps + 1 (one round's accepted
-        # tokens) further on: it needs steps + 1 more positions. (Greedy's extra step writes
-        # position prompt + max_new - 1: inside the reservation anyway.)
-        self.overlap_margin = spec.steps + 1
-        n_slots = o.max_bs * o.max_context + 1      # every request reserves at most max_context
-        self.kv = new_cache(target, target.cfg.n_layers, n_slots, o.max_context, o.max_bs + 1)
-        self.dkv = new_cache(target, 1, n_slots, 2, 2)   # the head's layer; rows: self.kv's
-        self.slots, self.rows = SlotAllocator(n_slots), RowAllocator(o.max_bs + 1)
+        self.overlap, self.tail_sync, self.seed = o.overlap, o.tail_sync, o.seed
+        self.sampling = o.sampling
+        self.margin, self.overlap_margin = spec.margin, spec.overlap_margin   # SpecConfig says why
+        n_slots = o.max_bs * o.max_context + FIRST   # each request reserves at most max_context
+        self.kv = new_cache(target, target.cfg.n_layers, n_slots, o.max_context, o.max_bs + FIRST)
+        self.dkv = new_cache(target, 1, n_slots, 2, FIRST)   # the head's layer; rows: self.kv's
+        self.slots, self.rows = SlotAllocator(n_slots), RowAllocator(o.max_bs + FIRST)
         self.prefill_mode = o.prefill
         self.draft_prefill_mode = o.draft_prefill if head is not None else "eager"
         self.programs, self.bodies = self._declare(o)
@@ -70,8 +67,9 @@ class Worker:
         dtype, max_tokens = target.lm_head.weight.dtype, o.prefill_tokens or o.max_bs * o.max_context
         names, draft_names = tuple(cache_state(self.kv)), tuple(cache_state(self.dkv))
         progs = programs(target.cfg, spec, dtype, o.buckets or pg.Buckets.default(o.max_bs),
-                         cache_names=names)
-        fns = bodies(target, head, spec) if head is not None else {"decode": decode_body(target)}
+                         cache_names=names, sampling=o.sampling)
+        fns = (bodies(target, head, spec, o.spec_sampling) if head is not None
+               else {"decode": decode_body(target)})
         if self.prefill_mode == "runner":
             progs["prefill"] = extend_prefill_program(target.cfg, dtype, max_tokens, names)
             fns["prefill"] = extend_body(target)
@@ -121,7 +119,15 @@ class Worker:
         logits, hidden = self.target.forward_extend(b.ids, b.positions, b.batch(self.kv))
         return logits, hidden, b
 
-    def draft_prefill(self, first, hidden, b: PrefillBatch) -> SpecState:
+    @staticmethod
+    def first_tokens(logits, lanes: SamplingLanes, b: PrefillBatch):
+        """Each request's first token [bs] from its prefill's last logits [bs, V]: drawn with its
+        lanes at position prompt length (decode's keys for that position), argmax at
+        temperature 0."""
+        return draw(logits, lanes.inputs(), b.seq_lens.long())
+
+    def draft_prefill(self, first, hidden, b: PrefillBatch,
+                      lanes: SamplingLanes | None = None) -> SpecState:
         """The head over (prompt[1:] + first token, target hidden): the first draft inputs.
         draft_prefill="runner": one runner call (`draft_prefill_body`, graphs on cuda) instead
         of the head's eager layer, top-k and slot assignment, whose launches the host issues
@@ -139,9 +145,14 @@ class Worker:
                 RawView(**raw, **self.state("draft_prefill")))
         return SpecState(rows=b.rows, seq_lens=b.seq_lens, verified_id=first,
                          topk_p=o["topk_p"], topk_index=o["topk_index"],
-                         hidden=o["next_hidden"], draft_loc=o["draft_out_cache_loc"])
+                         hidden=o["next_hidden"], draft_loc=o["draft_out_cache_loc"],
+                         sampling=lanes)
 
     # ---- rounds ------------------------------------------------------------------------
+    def lane_inputs(self, lanes: SamplingLanes) -> dict:
+        """The sampling inputs of decode and verify (none where the worker does not sample)."""
+        return lanes.inputs() if self.sampling else {}
+
     def spec_round(self, st: SpecState, clock: PhaseClock):
         """Queue draft → verify → draft-extend for the batch in `st` and start the readback of
         its accept lengths and tokens; (next state, Readback of (accept lengths [bs], tokens
@@ -153,9 +164,11 @@ class Worker:
             positions=st.seq_lens.long(), seq_lens=st.seq_lens, req_pool_indices=st.rows,
             out_cache_loc=st.draft_loc, verified_id=st.verified_id)
         clock.mark("draft")
+        lanes = st.lanes()
         v = self.runner("verify")(input_ids=d.verify_input_ids, positions=d.verify_positions,
                                   out_cache_loc=d.verify_out_cache_loc, seq_lens=st.seq_lens,
-                                  req_pool_indices=st.rows, tree_mask=d.tree_mask)
+                                  req_pool_indices=st.rows, tree_mask=d.tree_mask,
+                                  **self.lane_inputs(lanes))
         clock.mark("verify")
         # draft-extend takes verify's packed tokens at their bound; their count stays on the GPU
         e = self.runner("draft_extend").call(
@@ -167,16 +180,17 @@ class Worker:
         rb = Readback(v.accept_len, v.out_tokens)   # queued behind the round, before the next
         nxt = SpecState(rows=st.rows, seq_lens=v.de_seq_lens, verified_id=v.bonus,
                         topk_p=e.topk_p, topk_index=e.topk_index, hidden=e.next_hidden,
-                        draft_loc=e.draft_out_cache_loc)
+                        draft_loc=e.draft_out_cache_loc, sampling=lanes)
         return nxt, rb
 
     def decode_step(self, st: GreedyState, clock: PhaseClock):
         """Queue one decode step for the batch in `st` and start the readback of its tokens and
         top-2 gaps; (next state, Readback). No host synchronisation."""
-        s1 = st.seq_lens + 1
+        s1, lanes = st.seq_lens + 1, st.lanes()
         out = self.runner("decode")(
             input_ids=st.cur, positions=st.seq_lens.long(), seq_lens=s1, req_pool_indices=st.rows,
-            out_cache_loc=ops.assign_cache_locs(self.kv.req_to_token, st.rows, st.seq_lens, 1))
+            out_cache_loc=ops.assign_cache_locs(self.kv.req_to_token, st.rows, st.seq_lens, 1),
+            **self.lane_inputs(lanes))
         clock.mark("decode")
         rb = Readback(out.next_token, out.top2_gap)
-        return GreedyState(st.rows, s1, out.next_token), rb
+        return GreedyState(st.rows, s1, out.next_token, sampling=lanes), rb

@@ -1,4 +1,6 @@
-"""`python -m padgraph.spec --backend NAME [pytest args]`: run the conformance suite on a backend."""
+"""`python -m padgraph.spec --backend NAME [pytest args]`: run the conformance suite on a backend.
+`python -m padgraph.spec --inject NAME|all [--backend NAME]`: run the safety net against the fault
+catalogue instead (padgraph/spec/inject.py)."""
 import os
 import sys
 
@@ -14,6 +16,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     here = os.path.dirname(os.path.abspath(__file__))
     argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--inject" or a.startswith("--inject=") for a in argv):
+        from .inject import main as inject     # the fault catalogue, not the pytest suite
+        return inject(argv)
     return int(pytest.main([here, "-p", "padgraph.spec.plugin", "-p", "no:cacheprovider", *argv]))
 
 

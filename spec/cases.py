@@ -2,7 +2,10 @@
 compiles the recipe (`generated.py`), runs the calls and asserts after each: outputs bit for bit
 as the oracle says, outputs never require grad, bound state as the oracle left its copy (sink
 rows aside), rejected calls raise padgraph's own error and change nothing, outputs of
-`copy_outputs=True` calls stay as they were. `repro` prints a case as a runnable program.
+`copy_outputs=True` calls stay as they were. Recurrent state (rule 7.9) is judged by the
+recurrence applied lane by lane on the CPU, never by the body: raw lanes' rows and outputs equal
+it bit for bit, the sink row (pool) and rows [n, bucket) (batch-ordered) are unspecified, every
+other row is bitwise as it was. `repro` prints a case as a runnable program.
 """
 from __future__ import annotations
 
@@ -12,8 +15,8 @@ import torch
 
 import padgraph as pg
 from padgraph.spec import oracle as O
-from padgraph.spec.generated import (Recipe, _int_view, build_program, clone_state, leaves, make_body, make_hook,
-                                     make_raw, make_state, reject, wrap_state)
+from padgraph.spec.generated import (REC_DECAY, REC_SINK, Recipe, _int_view, build_program, clone_state, leaves,
+                                     make_body, make_hook, make_raw, make_state, rec_step, reject, wrap_state)
 
 
 COUNTS = {"programs": 0, "calls": 0, "rejected": 0}
@@ -38,6 +41,7 @@ def run_case(recipe: Recipe, calls, *, backend: str = "reference", device="cpu",
     kept = []
     for i, call in enumerate(calls):
         case = f"call {i} of {len(calls)}: {call}"
+        release(state, mirror, call.poison)
         raw = make_raw(recipe, call, device, host_ok=runner.allow_host_inputs)
         if call.reject is not None:
             _rejected(runner, reject(raw, call.reject, recipe), case)
@@ -55,6 +59,7 @@ def run_case(recipe: Recipe, calls, *, backend: str = "reference", device="cpu",
             same_inputs(raw, snapshot, case)
         scribble_after(raw, dev)    # the caller reuses its tensors at once (stream-ordered)
         same_outputs(out, expected, case)
+        adopt_padded_rows(recipe, program, raw, state, mirror)
         same_state(recipe, state, mirror, case)
         counts["calls"] += 1
         if recipe.copy_outputs:
@@ -72,21 +77,73 @@ def _expect(recipe, program, raw, call, mirror, body, hook, device):
     if not on_ladder and recipe.overflow == "error":
         return None
     snapshot = {n: t.detach().clone() for n, t in raw.items()}
-    x = O.view(program, size, snapshot, eff, state_at(recipe, mirror, size), device)
+    seen = state_at(recipe, mirror, size)
+    if recipe.recurrent != "none":      # the body writes a scratch copy: the recurrence below is the oracle
+        seen["rec"] = _cut(recipe.rec_form, clone_state({"rec": mirror["rec"]})["rec"],
+                           size if recipe.recurrent == "rows" else None)
+    x = O.view(program, size, snapshot, eff, seen, device)
     with torch.no_grad():
         if hook is not None:
             hook(x)
-        return O.finish(program, body(x), ext, eff)
+        expected = O.finish(program, body(x), ext, eff)
+    if recipe.recurrent != "none":
+        expected["r_out"] = recur(recipe, mirror, snapshot)
+    return expected
 
 
 def state_at(recipe: Recipe, state: dict, size: int) -> dict:
     """Rule 7c: batch-ordered state as the body sees it, every leaf cut to rows [0, size)."""
-    if recipe.state != "rows":
-        return state
     out = dict(state)
-    a, b = leaves(state["kv"])[:2] if recipe.state_form != "tensor" else (state["kv"], None)
-    out["kv"] = wrap_state(recipe.state_form, a[:size], None if b is None else b[:size])
+    if recipe.state == "rows":
+        out["kv"] = _cut(recipe.state_form, state["kv"], size)
     return out
+
+
+def _cut(form: str, value, size: int | None):
+    """A two-leaf state of structure `form` with its leaves cut to rows [0, size) (None: as is)."""
+    if size is None:
+        return value
+    a, b = leaves(value)[:2] if form != "tensor" else (value, None)
+    return wrap_state(form, a[:size], None if b is None else b[:size])
+
+
+def recur(recipe: Recipe, mirror: dict, raw: dict) -> torch.Tensor:
+    """Rule 7.9.1's oracle: the recurrence applied to the mirror lane by lane on the CPU, each raw
+    lane on its own row (pool: its slot; rows: row i). Returns the first leaf's new rows, [n, width]."""
+    fresh, x = raw["r_fresh"].cpu(), raw["r_x"].cpu()
+    rows = raw["r_slot"].cpu().tolist() if recipe.recurrent == "pool" else list(range(fresh.shape[0]))
+    news = [_recur_leaf(leaf, decay, rows, x, fresh) for leaf, decay in zip(leaves(mirror["rec"]), REC_DECAY)]
+    return news[0]
+
+
+def _recur_leaf(leaf: torch.Tensor, decay: float, rows: list, x: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+    """One leaf's rows updated in place, one lane at a time; [n, width] the lanes' new rows."""
+    news = leaf.new_empty((len(rows), leaf.shape[1]), device="cpu")
+    for lane, row in enumerate(rows):
+        news[lane] = rec_step(leaf[row:row + 1].cpu(), x[lane:lane + 1], fresh[lane:lane + 1], decay)[0]
+        leaf[row].copy_(news[lane])
+    return news
+
+
+def release(state: dict, mirror: dict, rows) -> None:
+    """The caller fills released recurrent rows with nan, in place (7.2), in both copies: a new
+    occupant must start from its initial state, never from these."""
+    if not rows:
+        return
+    for value in (state["rec"], mirror["rec"]):
+        for leaf in leaves(value):
+            leaf[list(rows)] = float("nan")
+
+
+def adopt_padded_rows(recipe: Recipe, program, raw, state: dict, mirror: dict) -> None:
+    """Rows [n, bucket) of batch-ordered recurrent state are the padded lanes' (7.7: unspecified):
+    the mirror takes the runner's values there, so that later calls compare every other row."""
+    if recipe.recurrent != "rows":
+        return
+    ext = O.extents(program, raw)
+    n, size = ext["bs"], O.bucket(program, ext)[0]
+    for got, want in zip(leaves(state["rec"]), leaves(mirror["rec"])):
+        want[n:size].copy_(got[n:size].detach())
 
 
 def _rejected(runner, raw, case, cls=pg.ContractError, extents=None) -> None:
@@ -126,34 +183,36 @@ def same_outputs(out, expected: dict, case: str) -> None:
         assert not got.requires_grad, f"{name}.requires_grad=True, but should be False (rule 10.5) [{case}]"
         assert (tuple(got.shape), got.dtype) == (tuple(want.shape), want.dtype), (
             f"{name}={tuple(got.shape)} {got.dtype}, but should be {tuple(want.shape)} {want.dtype} [{case}]")
-        g, w = O.bits(got), O.bits(want)
-        differ = g != w
-        if name.startswith("z_"):   # arithmetic, not a copy: a NaN's payload and sign may differ (inductor)
-            differ &= ~(_nans(got) & _nans(want))
+        if name.startswith("z_"):   # arithmetic, not a copy: a NaN's payload and a zero's sign may differ (inductor)
+            differ = ~O.arith_same(got, want)
+        else:
+            differ = O.bits(got) != O.bits(want)
         if bool(differ.any()):
             lane = differ.nonzero()[0].tolist()
             raise AssertionError(f"{name}[{lane}]={got.cpu()[tuple(lane[:got.dim()])]!r}, but should be "
                                  f"{want[tuple(lane[:want.dim()])]!r} (bits differ at lane {lane}) [{case}]")
 
 
-def _nans(t: torch.Tensor) -> torch.Tensor:
-    """NaN lanes of t, shaped like O.bits(t) (complex: each part)."""
-    t = t.detach().cpu()
-    return torch.view_as_real(t).isnan() if t.is_complex() else t.isnan()
-
-
 def same_state(recipe: Recipe, state: dict, mirror: dict, case: str) -> None:
     for name in state:
         for i, (got, want) in enumerate(zip(leaves(state[name]), leaves(mirror[name]))):
             g, w = O.bits(got), O.bits(want)
-            if name == "kv" and recipe.state == "sink":
+            sinks = _sink_rows(recipe, name)
+            if sinks:
                 keep = torch.ones(g.shape[0], dtype=torch.bool)
-                keep[list(recipe.sinks)] = False
+                keep[list(sinks)] = False
                 g, w = g[keep], w[keep]
             if not torch.equal(g, w):
                 row = (g != w).nonzero()[0].tolist()
                 raise AssertionError(f"state {name} leaf {i} (non-sink) differs at {row}: "
                                      f"got {g[row[0]].tolist()}, but should be {w[row[0]].tolist()} [{case}]")
+
+
+def _sink_rows(recipe: Recipe, name: str) -> tuple:
+    """Rows of state `name` that padded lanes may leave holding anything (7.4, 7.9.2)."""
+    if name == "kv" and recipe.state == "sink":
+        return tuple(recipe.sinks)
+    return (REC_SINK,) if name == "rec" and recipe.recurrent == "pool" else ()
 
 
 def repro(recipe: Recipe, calls, backend: str, device, options: dict) -> str:

@@ -6,10 +6,12 @@ A case is plain data (drawn by `strategies.py`), so a failure prints as a runnab
     Recipe    the declaration (axes, ladder, inputs in every layout the Terms know, every dtype,
               pads at each dtype's limits, outputs, state as tensors and pytrees, options) and
               what the body does (echo, alias, digest, extents, an outer product over two axes,
-              sink or batch-ordered state writes, scribbling over its inputs, a prepare hook);
+              sink or batch-ordered state writes, recurrent state read-modify-written per lane
+              (rule 7.9), scribbling over its inputs, a prepare hook);
     Call      one call: extents per axis, device extents, the memory layout of each raw input
               (offset, transposed, strided, expanded, aliased, on the host), a seed for values,
-              and whether it is a call SPEC rejects.
+              whether it is a call SPEC rejects, and for recurrent state each raw lane's slot and
+              `fresh` flag and the slots the caller released (and filled with nan) before it.
 
 `cases.run_case(recipe, calls, backend=..., device=...)` judges one against the oracle.
 """
@@ -33,6 +35,11 @@ DTYPES = (torch.bool, torch.uint8, torch.uint16, torch.uint32, torch.int8, torch
 LAYOUTS = ("1d", "rows", "grid1", "grid2", "nd", "fixed", "indptr")
 RAW_FORMS = ("contig", "offset", "transposed", "strided", "expand", "host", "alias")
 STATE_FORMS = ("tensor", "dict", "list", "nested", "dataclass", "keyed", "unkeyed", "custom")
+REC_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+REC_WRITES = ("index_copy", "scatter", "index_put")
+REC_WIDTHS = (3, 2)             # columns of the recurrent state's two leaves (a conv window, an SSM state)
+REC_DECAY = (0.5, 0.25)         # h <- decay * h + x per leaf: a power of two, so exact in every dtype
+REC_SINK = 0
 REJECTS = ("dtype", "missing", "unknown", "rank", "disagree")
 
 
@@ -101,7 +108,7 @@ class Recipe:
     ladder: tuple = (1, 2, 4)
     inputs: tuple = ()              # (name, dims, dtype, pad); dim: int or (axis, scale, offset); pad: ("fill"|"edge", v)
     echo: tuple = ()                # (input, "clone"|"alias", output pad)
-    cplx: tuple = ()                # (float input, complex dtype, output pad): complex(v, -v)
+    cplx: tuple = ()                # (float input, complex dtype, output pad): complex(v, -v), zeros +0.0
     digest: tuple = ()              # inputs whose rows are summed as int64 bit patterns
     ext_out: bool = False
     outer: tuple = ()               # (axis, pad): int64 (bs, axis) output
@@ -114,6 +121,10 @@ class Recipe:
     hook: bool = False
     copy_outputs: bool = False
     overflow: str = "eager"
+    recurrent: str = "none"         # "none" | "pool" (sink 0, slot input r_slot) | "rows": state `rec`
+    rec_form: str = "tensor"
+    rec_dtype: torch.dtype = torch.float32
+    rec_write: str = "index_copy"   # how a pool body writes rows back: index_copy_ | scatter_ | index_put_
 
 
 @dataclass(frozen=True)
@@ -123,6 +134,8 @@ class Call:
     forms: tuple = ()               # (input, raw form)
     seed: int = 0
     reject: str | None = None
+    lanes: tuple = ()               # recurrent state: (row, fresh) per raw lane (pool: the slot)
+    poison: tuple = ()              # recurrent rows the caller fills with nan before the call (released slots)
 
 
 def _axis_objects(recipe: Recipe) -> dict[str, pg.Axis]:
@@ -155,6 +168,12 @@ def max_bs(recipe: Recipe) -> int:
     return recipe.ladder[-1] + 2
 
 
+def rec_rows(recipe: Recipe) -> int:
+    """Rows of the recurrent state: the sink and a slot per lane of the largest call, plus free
+    slots for admission to choose from (pool); every row an eager size past the ladder reaches (rows)."""
+    return max_bs(recipe) + 4
+
+
 def build_program(recipe: Recipe) -> pg.Program:
     axes = _axis_objects(recipe)
     inputs = {n: pg.Input(tuple(_dim(axes, d) for d in dims), dt, pad=None if pad is None else _pad(pad))
@@ -174,17 +193,21 @@ def build_program(recipe: Recipe) -> pg.Program:
     state = {}
     if recipe.state == "sink":
         state["kv"] = pg.State(sink=recipe.sinks if len(recipe.sinks) > 1 else recipe.sinks[0],
-                               **_custom(recipe))
+                               **_custom(recipe.state_form))
     elif recipe.state == "rows":
-        state["kv"] = pg.State(rows=axes["bs"], **_custom(recipe))
+        state["kv"] = pg.State(rows=axes["bs"], **_custom(recipe.state_form))
         outputs["s_out"] = pg.Output((axes["bs"],), recipe.state_dtype)
+    if recipe.recurrent != "none":
+        rows = {"rows": axes["bs"]} if recipe.recurrent == "rows" else {"sink": REC_SINK}
+        state["rec"] = pg.State(**rows, **_custom(recipe.rec_form))
+        outputs["r_out"] = pg.Output((axes["bs"], REC_WIDTHS[0]), recipe.rec_dtype)
     if recipe.hook:
         state["h"] = pg.State()
     return pg.Program("gen", inputs=inputs, outputs=outputs, state=state, buckets=pg.Buckets(list(recipe.ladder)))
 
 
-def _custom(recipe: Recipe) -> dict:
-    return {"flatten": _own_flatten, "unflatten": _own_unflatten} if recipe.state_form == "custom" else {}
+def _custom(form: str) -> dict:
+    return {"flatten": _own_flatten, "unflatten": _own_unflatten} if form == "custom" else {}
 
 
 def make_state(recipe: Recipe, device) -> dict:
@@ -198,9 +221,18 @@ def make_state(recipe: Recipe, device) -> dict:
         if recipe.grad_state and recipe.state_dtype.is_floating_point:
             a, b = torch.nn.Parameter(a), torch.nn.Parameter(b)
         out["kv"] = wrap_state(recipe.state_form, a, b)
+    if recipe.recurrent != "none":
+        out["rec"] = wrap_state(recipe.rec_form, *_rec_initial(recipe, device))
     if recipe.hook:
         out["h"] = torch.full((4,), -5, dtype=torch.int64, device=device)
     return out
+
+
+def _rec_initial(recipe: Recipe, device) -> list[torch.Tensor]:
+    """[rows, width] per leaf: small dyadic values, so the recurrence on them stays exact."""
+    rows = rec_rows(recipe)
+    return [(torch.arange(rows * w, dtype=torch.float64).view(rows, w) * 0.25 - 3 + k).to(recipe.rec_dtype).to(device)
+            for k, w in enumerate(REC_WIDTHS)]
 
 
 def clone_state(state: dict) -> dict:
@@ -240,9 +272,7 @@ def make_body(recipe: Recipe):
         for n, mode, _ in recipe.echo:
             outs[f"e_{n}"] = x[n] if mode == "alias" else x[n].clone()
         for n, dtype, _ in recipe.cplx:
-            real = torch.float64 if dtype == torch.complex128 else torch.float32
-            v = x[n].to(real)
-            outs[f"z_{n}"] = torch.complex(v, -v)
+            outs[f"z_{n}"] = complex_of(x[n], dtype)
         for n in recipe.digest:
             outs[f"d_{n}"] = digest(x[n])
         if recipe.ext_out:
@@ -251,11 +281,23 @@ def make_body(recipe: Recipe):
             outs["outer"] = _outer(x, *caps[recipe.outer[0]], recipe.outer[0])
         if recipe.state != "none":
             outs.update(_write_state(recipe, x))
+        if recipe.recurrent != "none":
+            outs["r_out"] = _recur(recipe, x)
         for n in recipe.mutate:
             _scribble(x[n])
         return outs
 
     return body
+
+
+def complex_of(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """complex(v, -v) as `dtype`, every zero part +0.0: `v + 0.0` and `0.0 - v` are +0.0 for
+    either zero in IEEE arithmetic, where `-v` keeps a sign that a compiler may compute as
+    `0 - v` instead (eager and inductor then differ only in the sign of a zero). NaN stays NaN;
+    its payload may still differ, which the judge allows for these outputs."""
+    real = torch.float64 if dtype == torch.complex128 else torch.float32
+    v = v.to(real)
+    return torch.complex(v + 0.0, 0.0 - v)
 
 
 def _outer(x, scale: int, offset: int, axis: str):
@@ -287,6 +329,36 @@ def _write_state(recipe: Recipe, x) -> dict:
     for leaf in kv:
         leaf.copy_(vals.expand_as(leaf))
     return {"s_out": kv[0][:, 0].clone()}
+
+
+def rec_step(h: torch.Tensor, x: torch.Tensor, fresh: torch.Tensor, decay: float) -> torch.Tensor:
+    """[lanes, w]: one recurrent update. A fresh lane starts from zeros by selection, never by
+    arithmetic on its row (a released slot may hold nan, and nan * 0 is nan)."""
+    return decay * torch.where(fresh[:, None], torch.zeros_like(h), h) + x[:, :h.shape[1]]
+
+
+def _recur(recipe: Recipe, x) -> torch.Tensor:
+    """Read-modify-write of every leaf of `rec` per lane (pool: at the lane's slot; rows: lane i's
+    row i); returns the first leaf's new rows, [bucket, width]."""
+    new_rows = []
+    for leaf, decay in zip(leaves(x.rec), REC_DECAY):
+        if recipe.recurrent == "rows":
+            new = rec_step(leaf, x.r_x, x.r_fresh, decay)        # leaf: rows [0, bucket)
+            leaf.copy_(new)
+        else:
+            new = rec_step(leaf.index_select(0, x.r_slot), x.r_x, x.r_fresh, decay)
+            _write_rows(recipe.rec_write, leaf, x.r_slot, new)
+        new_rows.append(new)
+    return new_rows[0]
+
+
+def _write_rows(how: str, leaf: torch.Tensor, slot: torch.Tensor, new: torch.Tensor) -> None:
+    if how == "scatter":
+        leaf.scatter_(0, slot[:, None].expand_as(new), new)
+    elif how == "index_put":
+        leaf.index_put_((slot,), new)
+    else:
+        leaf.index_copy_(0, slot, new)
 
 
 def make_hook(recipe: Recipe):
@@ -321,6 +393,19 @@ def slots(recipe: Recipe, n: int, gen: torch.Generator) -> torch.Tensor:
     return (torch.randperm(state_rows(recipe) - first, generator=gen)[:n] + first).to(torch.int64)
 
 
+REC_INPUTS = ("r_slot", "r_fresh", "r_x")
+
+
+def _rec_raw(name: str, call: Call, shape, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """A recurrent input's raw values: the call's slots and fresh flags, and x as multiples of
+    1/8 in [-8, 8] (the recurrence never overflows nor leaves the normal range)."""
+    if name == "r_slot":
+        return torch.tensor([row for row, _ in call.lanes], dtype=torch.int64)
+    if name == "r_fresh":
+        return torch.tensor([fresh for _, fresh in call.lanes], dtype=torch.bool)
+    return (torch.randint(-64, 65, shape, generator=gen, dtype=torch.int64).to(torch.float64) / 8).to(dtype)
+
+
 def in_form(v: torch.Tensor, form: str, device) -> torch.Tensor:
     """The same values in another memory layout (or on the host)."""
     if form == "host":
@@ -348,9 +433,13 @@ def make_raw(recipe: Recipe, call: Call, device, host_ok: bool = True) -> dict[s
     for name, dims, dtype, _ in recipe.inputs:
         shape = raw_shape(recipe, dims, ext)
         v = slots(recipe, shape[0], gen) if name == "slot" else raw_values(shape, dtype, gen)
+        if name in REC_INPUTS:
+            v = _rec_raw(name, call, shape, dtype, gen)
         form = forms.get(name, "contig")
-        if name == "slot" and form in ("alias", "expand"):
-            form = "offset"          # slots stay distinct rows: another input's bits are no slots
+        if name in ("slot", "r_slot", "r_fresh") and form in ("alias", "expand"):
+            form = "offset"          # slots stay distinct rows and flags the call's: another input's bits are neither
+        if name == "r_x" and form == "alias":
+            form = "offset"          # another input's bits may be nan: the recurrence stays exact
         if form == "host" and not host_ok:
             form = "contig"
         if form == "alias":

@@ -10,7 +10,9 @@ the device extents of one call it says what a backend must do:
                   clamped coordinate (default where a padded dim has no raw lane)
     outputs       rule 6: lanes past a device extent hold the output's pad; sliced to raw extents
 
-Values are compared as bit patterns (`bits`): NaN payloads, -0.0 and every dtype alike.
+Values are compared as bit patterns (`bits`): NaN payloads, -0.0 and every dtype alike. Outputs
+the body computes by arithmetic (not copies) are compared with `arith_same`: there a NaN's
+payload and a zero's sign are the compiler's choice, not padgraph's.
 """
 from __future__ import annotations
 
@@ -29,6 +31,21 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     if t.dtype.is_complex:
         t = torch.view_as_real(t)
     return t.view(_INT_OF_SIZE[t.element_size()]) if t.dtype != torch.int64 else t
+
+
+def arith_same(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Lanes of `bits(got)` that equal `want` as results of arithmetic: the same bits, both NaN,
+    or both zero (either sign): inductor may compute `-v` as `0 - v` and drop `+ 0`, so the
+    sign of a zero and the payload of a NaN can differ from eager without any padgraph bug."""
+    g, w = _parts(got), _parts(want)
+    return (bits(got) == bits(want)) | (g.isnan() & w.isnan()) | ((g == 0) & (w == 0))
+
+
+def _parts(t: torch.Tensor) -> torch.Tensor:
+    """t on the CPU as floats shaped like `bits(t)` (complex: its real/imaginary parts)."""
+    t = t.detach().cpu()
+    t = torch.view_as_real(t) if t.is_complex() else t
+    return t.float() if t.dtype.is_floating_point and t.element_size() == 1 else t
 
 
 def stored(value, dtype: torch.dtype):

@@ -41,6 +41,10 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "needs_cuda: the case only means something on a CUDA device")
+    # expected warnings: cases call past the ladder on purpose (a case that checks the warning
+    # turns warnings back on), and inductor's first import warns about torch's own torch.jit use
+    config.addinivalue_line("filterwarnings", "ignore::padgraph.OverflowWarning")
+    config.addinivalue_line("filterwarnings", "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
     config.stash[_RUNNER] = _runner_class(config.getoption("--backend"))
 
 

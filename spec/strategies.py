@@ -11,7 +11,8 @@ import torch
 from hypothesis import strategies as st
 
 from padgraph.spec import oracle as O
-from padgraph.spec.generated import (DTYPES, LAYOUTS, RAW_FORMS, REJECTS, STATE_FORMS, Call, Recipe, max_bs)
+from padgraph.spec.generated import (DTYPES, LAYOUTS, RAW_FORMS, REC_DTYPES, REC_SINK, REC_WIDTHS, REC_WRITES,
+                                     REJECTS, STATE_FORMS, Call, Recipe, build_program, max_bs, rec_rows)
 
 
 def pad_values(dtype: torch.dtype) -> list:
@@ -33,6 +34,13 @@ def _holds(v: float, dtype: torch.dtype) -> bool:
     if math.isfinite(v):
         return math.isfinite(s)
     return (math.isnan(v) and math.isnan(s)) or s == v
+
+
+def complex_dtypes(dtype: torch.dtype) -> list[torch.dtype]:
+    """Complex outputs a `dtype` input may feed: float8 converts to complex64 only, since
+    inductor's GPU code generation has no float8 -> float64 conversion (a compiled body would
+    fail to build, for a reason that is not padgraph's)."""
+    return [torch.complex64] if dtype.itemsize == 1 else [torch.complex64, torch.complex128]
 
 
 @st.composite
@@ -85,8 +93,25 @@ def _carried(inputs) -> set:
     return {d[0] for _, dims, _, _ in inputs for d in dims if not isinstance(d, int)}
 
 
+def recurrent_inputs(draw, kind: str, dtype: torch.dtype) -> list:
+    """Rule 7.9's inputs: the slot (pool only, padded with the sink), the fresh flag (padded True)
+    and x, whose pad (any the dtype holds, nan included) only ever reaches a sink row."""
+    out = [("r_slot", (("bs", 1, 0),), torch.int64, ("fill", REC_SINK))] if kind == "pool" else []
+    out.append(("r_fresh", (("bs", 1, 0),), torch.bool, ("fill", True)))
+    pad = (draw(st.sampled_from(["fill", "fill", "edge"])), draw(st.sampled_from(pad_values(dtype))))
+    return out + [("r_x", (("bs", 1, 0), REC_WIDTHS[0]), dtype, pad)]
+
+
+def rec_writes(dtype: torch.dtype) -> tuple:
+    """How a pool body may write its rows back in `dtype`: torch's CPU `scatter_` on float16 and
+    bfloat16 rewrites the bits of nan in rows it does not write (a released slot's nan), which
+    would break 7.9.3 for a reason in the body, not the runner."""
+    return tuple(w for w in REC_WRITES if not (w == "scatter" and dtype.itemsize == 2))
+
+
 @st.composite
-def recipes(draw) -> Recipe:
+def recipes(draw, recurrent: str | None = None, state: str | None = None) -> Recipe:
+    """A program and its body; `recurrent` / `state` fix what the draw would choose."""
     n_dep = draw(st.integers(0, 2))
     axes = tuple((f"t{i}", draw(st.integers(1, 3)), draw(st.integers(0, 2)), draw(st.booleans()))
                  for i in range(1, n_dep + 1))
@@ -96,7 +121,7 @@ def recipes(draw) -> Recipe:
         if axis not in _carried(inputs):
             dtype = draw(st.sampled_from(DTYPES))
             inputs.append((f"c_{axis}", ((axis, 1, 0),), dtype, ("fill", draw(st.sampled_from(pad_values(dtype))))))
-    state = draw(st.sampled_from(["none", "none", "sink", "rows"]))
+    state = state or draw(st.sampled_from(["none", "none", "sink", "rows"]))
     sinks = draw(st.sampled_from([(0,), (0,), (0, 1)]))
     if state == "sink":
         inputs.append(("slot", (("bs", 1, 0),), torch.int64, ("fill", sinks[-1])))
@@ -107,11 +132,18 @@ def recipes(draw) -> Recipe:
     digest = tuple(n for n, dims, _, _ in inputs if dims and draw(st.booleans()))
     cplx = tuple((n, ct, draw(st.sampled_from([0.0, -2.25, float("nan"), float("inf")])))
                  for n, _, dt, _ in inputs if dt.is_floating_point and draw(st.integers(0, 2)) == 2
-                 for ct in [draw(st.sampled_from([torch.complex64, torch.complex128]))])
+                 for ct in [draw(st.sampled_from(complex_dtypes(dt)))])
     dev_axes = [a[0] for a in axes]
     outer = (draw(st.sampled_from(dev_axes)), draw(st.sampled_from([0, -1, 99]))) \
         if dev_axes and draw(st.booleans()) else ()
     state_dtype = draw(st.sampled_from([torch.int64, torch.float32, torch.bfloat16]))
+    recurrent = recurrent or draw(st.sampled_from(["none", "none", "none", "none", "pool", "pool", "rows"]))
+    rec = {}
+    if recurrent != "none":
+        rec_dtype = draw(st.sampled_from(REC_DTYPES))
+        inputs += recurrent_inputs(draw, recurrent, rec_dtype)
+        rec = dict(recurrent=recurrent, rec_form=draw(st.sampled_from(STATE_FORMS)), rec_dtype=rec_dtype,
+                   rec_write=draw(st.sampled_from(rec_writes(rec_dtype))))
     ladder = draw(ladders())
     if max(_numel(dims, axes, ladder[-1] + 2) for _, dims, _, _ in inputs) > MAX_ELEMENTS:
         ladder = tuple(b for b in ladder if b <= 8) or (1, 2)      # nd inputs grow as bucket^3
@@ -121,13 +153,15 @@ def recipes(draw) -> Recipe:
                   grad_state=state == "rows" and state_dtype.is_floating_point and draw(st.booleans()),
                   mutate=tuple(n for n in names_in if draw(st.integers(0, 3)) == 3),
                   hook=draw(st.integers(0, 3)) == 3, copy_outputs=draw(st.booleans()),
-                  overflow=draw(st.sampled_from(["eager", "eager", "error"])))
+                  overflow=draw(st.sampled_from(["eager", "eager", "error"])), **rec)
 
 
 @st.composite
 def call_lists(draw, recipe: Recipe) -> list[Call]:
     largest = recipe.ladder[-1]
     calls = []
+    pool = RequestPool(recipe) if recipe.recurrent != "none" else None
+    program = build_program(recipe) if pool else None
     for _ in range(draw(st.integers(1, 5))):
         ext = [("bs", draw(st.integers(1, max_bs(recipe))))]
         dev = []
@@ -138,6 +172,64 @@ def call_lists(draw, recipe: Recipe) -> list[Call]:
                 dev.append((name, draw(st.integers(-1, n + 1))))
         forms = tuple((n, draw(st.sampled_from(RAW_FORMS))) for n, *_ in recipe.inputs)
         rej = draw(st.sampled_from(REJECTS)) if draw(st.integers(0, 6)) == 6 else None
+        rec = {}
+        if pool is not None:
+            size, on_ladder = O.bucket(program, dict(ext))
+            runs = rej is None and (on_ladder or recipe.overflow == "eager")
+            rec = pool.call(draw, ext[0][1], size if runs else None)
         calls.append(Call(ext=tuple(ext), dev=tuple(dev), forms=forms, seed=draw(st.integers(0, 2**31 - 1)),
-                          reject=rej))
+                          reject=rej, **rec))
     return calls
+
+
+class RequestPool:
+    """The caller's side of recurrent state across a call sequence (rule 7.9). Pool: admission
+    hands out the lowest free slot (a released slot first, so slots are reused), release returns
+    a slot and fills its row with nan, and a request's first call is `fresh`. Rows: lane i owns
+    row i; a row a padded lane or the caller may have written since its last raw lane is `fresh`
+    on its next call (its value is unspecified, 7.7). Never a row whose value the oracle cannot
+    know is read into arithmetic."""
+
+    def __init__(self, recipe: Recipe):
+        self.kind, self.rows = recipe.recurrent, rec_rows(recipe)
+        self.free = [r for r in range(self.rows) if r != REC_SINK]
+        self.started: dict[int, bool] = {}      # pool: live slot -> has it had a call that ran
+        self.dirty: set[int] = set()            # rows: rows whose value a raw lane did not leave
+
+    def call(self, draw, n: int, size: int | None) -> dict:
+        """lanes and poison of a call of n raw lanes; size: the bucket it runs at (None: it does not run)."""
+        poison = self._release(draw) if self.kind == "pool" else self._poison(draw)
+        if self.kind == "pool":
+            self._admit(n + draw(st.integers(0, 2)))
+            slots = draw(st.permutations(sorted(self.started)))[:n]
+            lanes = tuple((s, not self.started[s]) for s in slots)
+        else:
+            lanes = tuple((i, i in self.dirty or draw(st.booleans())) for i in range(n))
+        if size is not None:
+            self._ran(lanes, n, size)
+        return {"lanes": lanes, "poison": poison}
+
+    def _release(self, draw) -> tuple:
+        if not self.started or draw(st.integers(0, 2)) != 2:
+            return ()
+        gone = draw(st.permutations(sorted(self.started)))[:draw(st.integers(1, len(self.started)))]
+        for s in gone:
+            del self.started[s]
+        self.free = sorted(gone) + self.free
+        return tuple(sorted(gone))
+
+    def _admit(self, want: int) -> None:
+        while self.free and len(self.started) < want:
+            self.started[self.free.pop(0)] = False
+
+    def _poison(self, draw) -> tuple:
+        rows = tuple(sorted(set(draw(st.lists(st.integers(0, self.rows - 1), max_size=2)))))
+        self.dirty.update(rows)
+        return rows
+
+    def _ran(self, lanes, n: int, size: int) -> None:
+        if self.kind == "pool":
+            self.started.update((row, True) for row, _ in lanes)
+        else:
+            self.dirty.difference_update(range(n))
+            self.dirty.update(range(n, size))

@@ -77,6 +77,24 @@ def test_r7_state_classes_registered_without_key_functions(form, options, backen
     run_case(recipe, [G.Call(ext=(("bs", 3),), seed=2)], backend=backend, device=device, **options)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_r7_9_a_released_slots_nan_stays_bit_for_bit(dtype, options, backend, device):
+    """Rule 7.9.3 with a released slot holding nan: a 2-byte pool written back with torch's CPU
+    scatter_ had the nan of rows no lane wrote rewritten (0x7fc0 -> 0xffff); a body that writes
+    with index_copy_ / index_put_ keeps them, and so must every backend around it."""
+    inputs = (("r_slot", (("bs", 1, 0),), torch.int64, ("fill", 0)),
+              ("r_fresh", (("bs", 1, 0),), torch.bool, ("fill", True)),
+              ("r_x", (("bs", 1, 0), 3), dtype, ("fill", float("nan"))))
+    for how in ("index_copy", "index_put"):
+        recipe = G.Recipe(ladder=(1, 4), inputs=inputs, recurrent="pool", rec_form="dict", rec_dtype=dtype,
+                          rec_write=how)
+        calls = [G.Call(ext=(("bs", 2),), lanes=((1, True), (4, True))),
+                 G.Call(ext=(("bs", 1),), lanes=((1, False),), seed=1),
+                 G.Call(ext=(("bs", 3),), lanes=((2, True), (4, False), (3, True)), poison=(1,), seed=2),
+                 G.Call(ext=(("bs", 1),), lanes=((1, True),), seed=3)]
+        run_case(recipe, calls, backend=backend, device=device, **options)
+
+
 def _threads_program():
     return pg.Program("threads", inputs={"a": pg.Input((bs,), torch.int64, pad=0)},
                       outputs={"o": pg.Output((bs,), torch.int64)}, buckets=pg.Buckets([8]))

@@ -161,3 +161,68 @@ def _chain(err):
     while err.__cause__ is not None:
         err = err.__cause__
         yield err
+
+
+ALIAS_ROUTES = {   # route -> the aliases of output 'h' ([bs, 3]) it hands back, in a tuple or list
+    "unbind": lambda h: list(h.unbind()),
+    "split": lambda h: list(torch.split(h, 1)),
+    "chunk": lambda h: list(h.chunk(3, dim=1)),
+    "for-row-in": lambda h: [row for row in h],
+    "keyword": lambda h: [torch.narrow(h, dim=1, start=1, length=2)],
+    "detach": lambda h: [h.detach()],
+}
+
+
+@pytest.mark.parametrize("route", sorted(ALIAS_ROUTES))
+def test_r6_2_aliases_in_tuples_lists_and_keywords_stay_lent(compile, device, route):
+    """Aliases of an output, wherever a torch function returns them, read its values until the
+    next call and raise after it."""
+    kv = torch.zeros(4 * S.LADDER[-1], dtype=torch.int64, device=device)
+    runner = compile(program(), body, state={"kv": kv})
+    raw = _raw(3, 3, device, seed=2)
+    kept = ALIAS_ROUTES[route](runner(**raw)["h"])
+    want = ALIAS_ROUTES[route](expected(**raw)["h"].contiguous())
+    case = f"{route} of output 'h', bs=3"
+    S.assert_equal("number of aliases", len(kept), len(want), case)
+    for got, w in zip(kept, want):
+        S.assert_close("an alias before the next call", got, w, case)
+    runner(**_raw(3, 3, device, seed=3))
+    for got in kept:
+        with pytest.raises(pg.StaleOutputError):
+            got.sum()
+
+
+STALE_ARGUMENTS = {   # route -> a read that receives the stale output 'y' somewhere in its arguments
+    "keyword": lambda y: torch.add(torch.zeros_like(y), other=y),
+    "keyword-list": lambda y: torch.cat(tensors=[y, y]),
+    "nested": lambda y: torch.stack([y, y]),
+    "tolist": lambda y: y.tolist(),
+    "len": lambda y: len(y),
+    "iterate": lambda y: [int(v) for v in y],
+}
+
+
+@pytest.mark.parametrize("route", sorted(STALE_ARGUMENTS))
+def test_r6_2_a_stale_output_anywhere_among_the_arguments_raises(compile, device, route):
+    kv = torch.zeros(4 * S.LADDER[-1], dtype=torch.int64, device=device)
+    runner = compile(program(), body, state={"kv": kv})
+    y = runner(**_raw(3, 3, device, seed=2))["y"]
+    runner(**_raw(3, 3, device, seed=3))
+    with pytest.raises(pg.StaleOutputError, match="output 'y'"):
+        STALE_ARGUMENTS[route](y)
+
+
+def test_r6_2_results_in_their_own_memory_are_the_callers(compile, device):
+    """No false alarm: results that do not alias an output (sorted values and indices, a sum, a
+    split of a copy) keep their values after later calls."""
+    kv = torch.zeros(4 * S.LADDER[-1], dtype=torch.int64, device=device)
+    runner = compile(program(), body, state={"kv": kv})
+    raw = _raw(5, 3, device, seed=4)
+    out = runner(**raw)
+    kept = [*torch.sort(out["y"], descending=True), out["h"].sum(1), *(out["y"] + 0).split(2)]
+    want_y = expected(**raw)["y"]
+    want = [*torch.sort(want_y, descending=True), expected(**raw)["h"].sum(1), *(want_y + 0).split(2)]
+    for seed in range(2):
+        runner(**_raw(5, 3, device, seed=10 + seed))
+    for i, (got, w) in enumerate(zip(kept, want)):
+        S.assert_close(f"result {i} after later calls", got, w, "bs=5")

@@ -110,8 +110,8 @@ def test_admitted_rows_are_never_in_flight(models, monkeypatch, tail_sync):
     checked = []
     orig_admit = Engine._admit
 
-    def admit(self, prompts, news, rids=None):
-        reqs = orig_admit(self, prompts, news, rids)
+    def admit(self, prompts, news, rids=None, params=None):
+        reqs = orig_admit(self, prompts, news, rids, params)
         busy = set().union(*(rb.rows for rb in in_flight)) if in_flight else set()
         assert not busy & {r.row for r in reqs}, (busy, [r.row for r in reqs])
         checked.append(len(busy))

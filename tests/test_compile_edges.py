@@ -166,5 +166,7 @@ def test_an_option_the_backend_lacks_is_a_contract_error_naming_its_options():
         assert repr(next(iter(bad))) in str(err.value) and "copy_outputs" in str(err.value)
     with pytest.raises(pg.ContractValueError, match="overflow"):
         pg.compile(prog, lambda x: {"y": x.a}, backend="reference", overflow="ignore")
-    runner = pg.compile(prog, lambda x: {"y": x.a}, backend="reference", torch_compile=False, copy_outputs=1)
+    runner = pg.compile(prog, lambda x: {"y": x.a}, backend="reference", torch_compile=False, copy_outputs=True)
     assert runner.options == pg.Options(copy_outputs=True) and not runner._compiled
+    with pytest.raises(pg.ContractTypeError, match="copy_outputs must be a bool"):
+        pg.compile(prog, lambda x: {"y": x.a}, backend="reference", copy_outputs=1)     # 1 is no bool

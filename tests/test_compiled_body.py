@@ -140,9 +140,9 @@ def _tiny_decode(n_layers=4):
     from padgraph.llm.models.llama import LlamaConfig, LlamaModel
     from padgraph.llm import SpecConfig, programs
     from padgraph.llm.bodies import decode_body
-    from padgraph.llm.kv import new_cache
+    from padgraph.llm.kv import FIRST, new_cache
     target = LlamaModel(LlamaConfig.tiny(n_layers=n_layers)).eval()
-    kv = new_cache(target, n_layers, 8 * 32 + 1, 32, 9)
+    kv = new_cache(target, n_layers, 8 * 32 + FIRST, 32, 8 + FIRST)
     for t in kv.k + kv.v:
         t.normal_()
     prog = programs(target.cfg, SpecConfig(), torch.float32, pg.Buckets([1, 2, 4, 8]))["decode"]
@@ -153,8 +153,9 @@ def _tiny_decode(n_layers=4):
 def _decode_raw(n, kv, seed):
     g = torch.Generator().manual_seed(seed)
     ctx = torch.randint(2, 30, (n,), generator=g)
-    rows = torch.arange(1, n + 1)
-    kv.req_to_token[1:n + 1] = (1 + rows[:, None] * 32 - 32 + torch.arange(32)).int()
+    from padgraph.llm.kv import FIRST      # slot and row 0: sinks; 1: canaries
+    rows = torch.arange(FIRST, n + FIRST)
+    kv.req_to_token[FIRST:n + FIRST] = (FIRST + (rows[:, None] - FIRST) * 32 + torch.arange(32)).int()
     return {"input_ids": torch.randint(1, 100, (n,), generator=g), "positions": ctx - 1,
             "seq_lens": ctx.int(), "req_pool_indices": rows.int(),
             "out_cache_loc": kv.req_to_token[rows, ctx - 1].long()}

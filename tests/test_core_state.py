@@ -238,6 +238,103 @@ def test_pg_check_sees_sinks_of_list_elements():
     assert res.ok, str(res)
 
 
+# ---- a user's flatten / unflatten pair (rule 7.6) -------------------------------------------------
+class Own:
+    """A cache class torch's pytree does not know: bound through pg.State(flatten=, unflatten=)."""
+
+    def __init__(self, k, v, step=0):
+        self.k, self.v, self.step = k, v, step
+
+
+class OwnK:
+    """What a careless unflatten builds: the value tensor is lost."""
+
+    def __init__(self, k):
+        self.k = k
+
+
+def _own_flatten(c):
+    return [c.k] + [getattr(c, f) for f in ("v", "extra") if hasattr(c, f)], c
+
+
+def _with_extra(c: Own) -> Own:
+    c.extra = c.k.clone()             # a leaf the bound object does not have
+    return c
+
+
+UNFLATTEN = {   # each a user's unflatten(tensors, context); context is the object bound
+    "inverse": lambda ts, c: Own(ts[0], ts[1], c.step),
+    "rewrapped": lambda ts, c: Own(ts[0].view(ts[0].shape), ts[1][:], c.step),   # new views, same memory
+    "swapped": lambda ts, c: Own(ts[1], ts[0], c.step),
+    "duplicated": lambda ts, c: Own(ts[0], ts[0], c.step),
+    "dropped": lambda ts, c: OwnK(ts[0]),
+    "added": lambda ts, c: _with_extra(Own(ts[0], ts[1], c.step)),
+    "ignored": lambda ts, c: Own(ts[0], c.v, c.step),          # keeps the bound v, not the one given
+    "not-a-tensor": lambda ts, c: Own(ts[0], None, c.step),
+    "raises": lambda ts, c: Own(ts[2], ts[3]),
+}
+
+
+def _own_program(unflatten, rows=False):
+    spec = pg.State(rows=bs if rows else None, flatten=_own_flatten, unflatten=unflatten)
+    return pg.Program("own", inputs={"a": pg.Input((bs,), torch.float32, pad=0)},
+                      outputs={"y": pg.Output((bs,), torch.float32)}, state={"c": spec}, buckets=[1, 2, 4])
+
+
+def _own_state():
+    return {"c": Own(torch.zeros(4), torch.zeros(4))}
+
+
+def _own_body(x):
+    x.c.k[: x.a.shape[0]] = x.a
+    x.c.v[: x.a.shape[0]] = x.a * 10
+    return {"y": x.c.k + x.c.v}
+
+
+@pytest.mark.parametrize("rows", [False, True], ids=["bound", "batch-ordered"])
+@pytest.mark.parametrize("form", ["inverse", "rewrapped"])
+def test_an_inverse_flatten_pair_binds_and_writes_reach_each_leaf(form, rows):
+    st = _own_state()
+    runner = compile_ref(_own_program(UNFLATTEN[form], rows), _own_body, state=st)
+    out = runner(a=torch.tensor([1.0, 2.0, 3.0]))
+    assert out.y.tolist() == [11.0, 22.0, 33.0]
+    assert st["c"].k.tolist()[:3] == [1.0, 2.0, 3.0] and st["c"].v.tolist()[:3] == [10.0, 20.0, 30.0]
+
+
+def test_a_flatten_giving_one_tensor_twice_binds():
+    """Two leaves that are one tensor (a shared K/V buffer): giving it back at both is the inverse."""
+    t = torch.zeros(4)
+    prog = _own_program(UNFLATTEN["duplicated"], rows=True)
+    runner = compile_ref(prog, lambda x: {"y": x.c.k + x.c.v}, state={"c": Own(t, t)})
+    assert runner(a=torch.ones(2)).y.tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("rows", [False, True], ids=["bound", "batch-ordered"])
+@pytest.mark.parametrize("form,parts", [
+    ("swapped", ["at c[0] the tensor given as c[1]", "land in c[1]"]),
+    ("duplicated", ["at c[1] the tensor given as c[0]"]),
+    ("dropped", ["1 leaves where flatten gave 2", "c[1] is dropped"]),
+    ("added", ["3 leaves where flatten gave 2", "c[2] is added"]),
+    ("not-a-tensor", ["at c[1] NoneType where unflatten was given a tensor"]),
+    ("raises", ["flatten(unflatten(leaves, context))", "IndexError"]),
+])
+def test_a_pair_that_is_not_inverse_is_refused_at_compile_naming_the_leaf(form, parts, rows):
+    st = _own_state()
+    with pytest.raises(pg.ContractValueError) as e:
+        compile_ref(_own_program(UNFLATTEN[form], rows), _own_body, state=st)
+    for p in ["program 'own'", "state 'c'"] + parts:
+        assert p in str(e.value), f"message={str(e.value)!r}, but should contain {p!r}"
+    assert st["c"].k.tolist() == [0.0] * 4 and st["c"].v.tolist() == [0.0] * 4    # nothing ran
+
+
+def test_an_unflatten_ignoring_a_tensor_of_batch_ordered_state_is_refused():
+    """The body would see the whole bound v, not its rows [0, bucket): its writes skip the cut."""
+    with pytest.raises(pg.ContractValueError, match=r"at c\[1\] a tensor unflatten was not given"):
+        compile_ref(_own_program(UNFLATTEN["ignored"], rows=True), _own_body, state=_own_state())
+    # not batch-ordered: unflatten is never used on other tensors, and the object it builds is the bound one
+    compile_ref(_own_program(UNFLATTEN["ignored"]), _own_body, state=_own_state())
+
+
 # ---- rule 2.4: stride-aware aliasing ----------------------------------------------------------------
 def test_byte_span_from_sizes_and_strides():
     buf = torch.zeros(40)

@@ -84,7 +84,7 @@ def test_many_calls_queued_behind_a_long_kernel_return_at_once(copy):
     host_s = time.perf_counter() - t0
     torch.cuda.synchronize()
     assert host_s < 0.25, f"300 calls behind a 0.5 s kernel took {host_s:.3f} s on the host: a call waited for the GPU"
-    assert len(runner.pack.block.slots) > 2      # the ring grew instead of waiting
+    assert len(runner.pack.block.slots) > runner.pack.block.ring.batch + 1   # the ring grew instead of waiting
     for r, o in zip(raws, outs):
         assert torch.equal(o, r * 2 + r.numel())
 

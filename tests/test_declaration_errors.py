@@ -192,3 +192,164 @@ def test_error_classes_refine_builtins():
 ])
 def test_axis_errors(make, err, parts):
     _raises(make, err, parts)
+
+
+# ---- axis arithmetic: the affine forms, and a ContractTypeError for anything else ------------------------------
+def test_affine_forms_are_dimensions():
+    assert (bs - 1).offset == -1 and (bs - 1) == bs + -1 and ((bs + 1) - 1) == Affine(bs)
+    assert (2 * (bs + 1)) == Affine(bs, 2, 2) and (bs * 3 - 2) == Affine(bs, 3, -2)
+
+
+@pytest.mark.parametrize("make,parts", [
+    (lambda: 5 - bs, ["5 - bs", "'-'", "'bs'"]),
+    (lambda: -bs, ["-(bs)", "'bs'"]),
+    (lambda: -(bs + 1), ["-(bs+1)", "'bs'"]),
+    (lambda: bs / 2, ["bs / 2", "'/'"]),
+    (lambda: 2 / bs, ["2 / bs", "'/'"]),
+    (lambda: bs // 2, ["bs // 2", "'//'"]),
+    (lambda: (bs * 2) // 2, ["bs*2 // 2", "'//'"]),
+    (lambda: bs % 2, ["bs % 2", "'%'"]),
+    (lambda: bs ** 2, ["bs ** 2", "'**'"]),
+    (lambda: bs < 3, ["bs < 3", "'<'"]),
+    (lambda: 3 <= bs, ["bs >= 3", "'>='"]),
+    (lambda: abs(bs), ["abs(bs)", "'abs'"]),
+    (lambda: bs * bs, ["bs * bs", "'bs'", "scale must be an int", "Axis"]),
+    (lambda: bs + bs, ["bs + bs", "'bs'", "offset must be an int", "Axis"]),
+    (lambda: bs - 1.5, ["bs - 1.5", "offset must be an int", "float"]),
+    (lambda: bs * True, ["bs * True", "scale must be an int", "bool"]),
+    (lambda: (bs + 1) - "1", ["bs+1 - '1'", "offset", "str"]),
+])
+def test_other_axis_arithmetic_is_a_contract_type_error(make, parts):
+    e = _raises(make, pg.ContractTypeError, parts + ["an axis takes", "bs + 1", "bs * 4"])
+    assert isinstance(e, TypeError)
+
+
+def test_a_dimension_negative_at_the_smallest_bucket_is_refused():
+    _raises(lambda: pg.Program("decl", inputs={"a": pg.Input((bs,), torch.int32, pad=0),
+                                               "b": pg.Input((bs - 3, 2), torch.int32, pad=0)}, buckets=[1, 2, 4]),
+            pg.ContractValueError, ["'decl'", "input 'b'", "bs-3", ">= 0 at every bucket", "-2 at bucket 1"])
+    ok = pg.Program("decl", inputs={"a": pg.Input((bs,), torch.int32, pad=0), "b": pg.Input((bs - 1,), torch.int32, pad=0)},
+                    buckets=[1, 2])
+    r = pg.compile(ok, lambda x: {}, backend="reference")
+    r(a=torch.zeros(2, dtype=torch.int32), b=torch.zeros(1, dtype=torch.int32))
+
+
+# ---- options of pg.compile: checked at compile, never at the first call -------------------------------------
+_BODY = lambda x: {}     # noqa: E731
+
+BAD_OPTIONS = [
+    ("torch_compile-str", dict(torch_compile="bogus"), pg.ContractTypeError, ["torch_compile", "'bogus'", "True, False, None or a dict"]),
+    ("torch_compile-int", dict(torch_compile=1), pg.ContractTypeError, ["torch_compile", "1 (int)"]),
+    ("torch_compile-key", dict(torch_compile={1: 2}), pg.ContractTypeError, ["torch_compile", "str keys"]),
+    ("torch_compile-mode", dict(torch_compile={"mode": "fast"}), pg.ContractValueError, ["torch_compile mode", "'fast'"]),
+    ("torch_compile-fullgraph", dict(torch_compile={"fullgraph": "yes"}), pg.ContractValueError, ["'fullgraph'", "'yes'"]),
+    ("torch_compile-size_oblivious", dict(torch_compile={"size_oblivious": 1}), pg.ContractValueError, ["'size_oblivious'", "1 (int)"]),
+    ("torch_compile-options", dict(torch_compile={"options": 3}), pg.ContractValueError, ["'options'", "3"]),
+    ("torch_compile-passes", dict(torch_compile={"passes": 3}), pg.ContractValueError, ["passes", "callable", "3"]),
+    ("torch_compile-regions", dict(torch_compile={"regions": 3}), pg.ContractValueError, ["regions", "nn.Module"]),
+    ("torch_compile-unknown", dict(torch_compile={"modee": "default"}), pg.ContractValueError, ["unknown ['modee']"]),
+    ("copy_outputs-str", dict(copy_outputs="False"), pg.ContractTypeError, ["copy_outputs", "a bool", "'False' (str)"]),
+    ("copy_outputs-int", dict(copy_outputs=0), pg.ContractTypeError, ["copy_outputs", "a bool", "0 (int)"]),
+    ("copy_outputs-None", dict(copy_outputs=None), pg.ContractTypeError, ["copy_outputs", "a bool", "None"]),
+    ("prepare-int", dict(prepare=42), pg.ContractTypeError, ["prepare", "a callable", "42 (int)"]),
+    ("prepare-str", dict(prepare="hook"), pg.ContractTypeError, ["prepare", "a callable", "'hook'"]),
+    ("overflow-value", dict(overflow="ignore"), pg.ContractValueError, ["overflow", "'eager' or 'error'", "'ignore'"]),
+    ("overflow-type", dict(overflow=1), pg.ContractTypeError, ["overflow", "a str", "1 (int)"]),
+    ("device", dict(device=42.5), pg.ContractValueError, ["device", "42.5"]),
+    ("shadow", dict(shadow=3), pg.ContractTypeError, ["shadow", "pg.Shadow", "3"]),
+    ("unknown", dict(warmup=2), pg.ContractTypeError, ["no option 'warmup'", "copy_outputs"]),
+]
+
+
+@pytest.mark.parametrize("case,options,err,parts", BAD_OPTIONS, ids=[c[0] for c in BAD_OPTIONS])
+def test_bad_options_are_refused_at_compile(case, options, err, parts):
+    _raises(lambda: pg.compile(_prog(), _BODY, backend="reference", **options), err, ["'decl'"] + parts)
+
+
+@pytest.mark.parametrize("make,err,parts", [
+    (lambda: pg.compile(3, _BODY), pg.ContractValueError, ["program must be a pg.Program", "3 (int)"]),
+    (lambda: pg.compile(_prog(), 3), pg.ContractTypeError, ["'decl'", "body", "callable", "int"]),
+    (lambda: pg.compile(_prog(), _BODY, backend=3), pg.ContractTypeError, ["backend", "a str", "3 (int)"]),
+    (lambda: pg.compile(_prog(), _BODY, backend=["cuda"]), pg.ContractTypeError, ["backend", "['cuda']"]),
+    (lambda: pg.compile(_prog(), _BODY, backend="nope"), pg.ContractValueError, ["backend", "'nope'", "reference"]),
+    (lambda: pg.compile(_prog(), _BODY, backend="reference", state=3), pg.ContractTypeError, ["'decl'", "state", "int"]),
+])
+def test_compile_arguments_are_checked(make, err, parts):
+    _raises(make, err, parts)
+
+
+def test_options_typed_on_a_backend_subclass_are_checked_by_their_annotation():
+    from dataclasses import dataclass
+
+    from padgraph.reference import ReferenceRunner
+
+    @dataclass(frozen=True)
+    class MyOptions(pg.Options):
+        steps: int = 2
+        verbose: bool | None = None
+        mode: str = "a"
+        CHOICES = {**pg.Options.CHOICES, "mode": ("a", "b")}
+
+    class Mine(ReferenceRunner):
+        backend = "mine-options"
+        Options = MyOptions
+
+    for bad, parts in ((dict(steps=True), ["steps", "an int", "True (bool)"]), (dict(steps=2.0), ["steps", "2.0"]),
+                       (dict(verbose="no"), ["verbose", "a bool", "or None", "'no'"]),
+                       (dict(mode="c"), ["mode", "'a' or 'b'", "'c'"])):
+        with pytest.raises(pg.ContractError) as e:
+            Mine(_prog(), _BODY, **bad)
+        assert all(p in str(e.value) for p in parts), str(e.value)
+    assert Mine(_prog(), _BODY, steps=3, verbose=None, mode="b").options.steps == 3
+
+
+# ---- register_backend --------------------------------------------------------------------------------------
+class _NotARunner:
+    pass
+
+
+@pytest.mark.parametrize("name,cls,err,parts", [
+    ("mine", _NotARunner, pg.ContractTypeError, ["'mine'", "pg.Runner subclass", "_NotARunner"]),
+    ("mine", 3, pg.ContractTypeError, ["'mine'", "pg.Runner subclass", "3 (int)"]),
+    ("mine", "no_colon", pg.ContractValueError, ["'mine'", "'package.module:RunnerClass'", "'no_colon'"]),
+    ("mine", "pkg.mod:not ok", pg.ContractValueError, ["'pkg.mod:not ok'"]),
+    (3, pg.Runner, pg.ContractTypeError, ["name", "str", "3 (int)"]),
+    ("", pg.Runner, pg.ContractTypeError, ["name", "non-empty"]),
+    ("reference", pg.Runner, pg.ContractValueError, ["built-in", "'reference'"]),
+    ("cuda", pg.Runner, pg.ContractValueError, ["built-in", "'cuda'"]),
+])
+def test_register_backend_checks_name_and_class(name, cls, err, parts):
+    _raises(lambda: pg.register_backend(name, cls), err, parts)
+    assert name not in pg.backend_names() or name in ("reference", "cuda")
+
+
+def test_a_registered_path_that_is_no_runner_fails_at_resolve_naming_it():
+    pg.register_backend("decl-not-a-runner", "padgraph.errors:ContractError")
+    _raises(lambda: pg.compile(_prog(), _BODY, backend="decl-not-a-runner"), pg.ContractTypeError,
+            ["'decl-not-a-runner'", "pg.Runner subclass", "ContractError"])
+
+
+# ---- Program, Input, Output, State: checked when the program is built, naming program and buffer ----------
+@pytest.mark.parametrize("make,err,parts", [
+    (lambda: pg.Program(3, inputs={"a": pg.Input((bs,), torch.int32, pad=0)}), pg.ContractTypeError, ["name", "str", "3 (int)"]),
+    (lambda: pg.Program("", inputs={"a": pg.Input((bs,), torch.int32, pad=0)}), pg.ContractValueError, ["name", "non-empty"]),
+    (lambda: pg.Program("decl", inputs=[("a", pg.Input((bs,), torch.int32, pad=0))]), pg.ContractTypeError, ["'decl'", "inputs", "mapping", "list"]),
+    (lambda: pg.Program("decl", inputs=3), pg.ContractTypeError, ["'decl'", "inputs", "mapping", "3 (int)"]),
+    (lambda: _prog(outputs=3), pg.ContractTypeError, ["'decl'", "outputs", "mapping"]),
+    (lambda: _prog(state=["kv"]), pg.ContractTypeError, ["'decl'", "state", "mapping"]),
+    (lambda: _prog(buckets=5), pg.ContractValueError, ["'decl'", "buckets", "5"]),
+    (lambda: pg.Program("decl", inputs={"a": pg.Input((bs,), "int32", pad=0)}), pg.ContractTypeError, ["'decl'", "'a'", "torch.dtype", "'int32'"]),
+    (lambda: pg.Program("decl", inputs={"a": pg.Input([bs], torch.int32, pad=0)}), pg.ContractTypeError, ["'decl'", "'a'", "tuple"]),
+    (lambda: pg.Program("decl", inputs={"a": pg.Input((bs, 2.0), torch.int32, pad=0)}), pg.ContractTypeError, ["'decl'", "'a'", "2.0"]),
+    (lambda: pg.Program("decl", inputs={"a": pg.Input((bs, True), torch.int32, pad=0)}), pg.ContractTypeError, ["'decl'", "'a'", "True"]),
+    (lambda: _prog(outputs={"y": pg.Output((bs,), torch.int32, pad="x")}), pg.ContractTypeError, ["'decl'", "output 'y'", "'x'"]),
+    (lambda: _prog(outputs={"y": pg.Output((bs,), "int32")}), pg.ContractTypeError, ["'decl'", "output 'y'", "torch.dtype"]),
+    (lambda: _prog(state={"s": pg.State(flatten=3, unflatten=3)}), pg.ContractTypeError, ["'decl'", "state 's'", "callables"]),
+    (lambda: _prog(state={"s": pg.State(flatten=lambda o: ([], None))}), pg.ContractTypeError, ["'decl'", "state 's'", "both"]),
+    (lambda: _prog(state={"s": pg.State(rows=3)}), pg.ContractValueError, ["'decl'", "state 's'", "rows", "3"]),
+    (lambda: _prog(state={"s": "kv"}), pg.ContractTypeError, ["'decl'", "state 's'", "pg.State"]),
+    (lambda: pg.Axis("t", capacity=bs * 2, device_extent="yes"), pg.ContractTypeError, ["'t'", "device_extent", "bool", "'yes'"]),
+    (lambda: pg.Axis("t", capacity=bs * 2, device_extent=1), pg.ContractTypeError, ["'t'", "device_extent", "1 (int)"]),
+])
+def test_declaration_arguments_are_checked(make, err, parts):
+    _raises(make, err, parts)

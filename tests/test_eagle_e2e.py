@@ -11,6 +11,7 @@ from padgraph.llm.models.llama import LlamaConfig, LlamaModel
 from padgraph.llm import Engine, SpecConfig, SpecState
 
 import padgraph as pg
+from padgraph.llm.kv import FIRST
 
 LENS = [(5, 14), (11, 6), (3, 19), (8, 1), (6, 11)]   # (prompt, max_new): the batch shrinks
 
@@ -42,9 +43,9 @@ def one_thread():
 
 
 def assert_released(w):
-    assert w.slots.n_free == w.slots.n - 1
-    assert w.rows.n_free == w.rows.n - 1
-    assert not w.kv.req_to_token.any()
+    assert w.slots.all_free
+    assert w.rows.all_free
+    assert not w.kv.req_to_token[FIRST:].any()
 
 
 def test_paged_forwards_match_dense():

@@ -1,4 +1,4 @@
-"""Item 6 of issue 2: bad input gets a clear error and changes nothing (reference backend), and
+"""Bad input gets a clear error and changes nothing (reference backend), and
 the errors of declaration, compile and the padded view name what must hold and what was given."""
 import functools
 

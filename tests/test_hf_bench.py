@@ -18,7 +18,7 @@ def test_bench_hf_tiny_cpu(tmp_path):
     cmd = [sys.executable, str(ROOT / "bench" / "bench_hf.py"), "--tiny", "--device", "cpu", "--model", "qwen3",
            "--sizes", "1,3", "--variants", "hf-eager,padgraph", "--iters", "3"]
     env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)   # no timeout: a busy machine is slow, not wrong
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     rows = json.loads((tmp_path / "bench_hf_qwen3.json").read_text())["rows"]
     assert {(r["variant"], r["bs"]) for r in rows} == {(v, n) for v in ("hf-eager", "padgraph") for n in (1, 3)}

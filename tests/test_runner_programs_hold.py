@@ -6,6 +6,7 @@ import torch
 
 import padgraph as pg
 from padgraph.llm.programs import decode_program, draft_extend_program, extend_program, verify_program
+from padgraph.llm.kv import FIRST
 
 H, S = 4, 3
 B = pg.Buckets([1, 2, 4, 8])
@@ -141,10 +142,10 @@ def test_device_extents_repeated_calls(tc):
     cases = [(3, 12), (3, 7), (3, 2), (3, 0), (3, -5), (3, 100), (4, 3), (4, 16)] + ([] if tc else [(1, 4), (1, 0)])
     for n, e in cases:   # compiled: bucket 4 only (one graph; keeps the test short)
         m = n * (S + 1)
-        st["k_cache"].zero_()
-        raw = dict(input_ids=torch.arange(m) + 1, positions=torch.arange(m), out_cache_loc=torch.arange(m) + 1,
+        st["k_cache"][FIRST:].zero_()              # slot 0 the sink, 1 the canary: not the test's
+        raw = dict(input_ids=torch.arange(m) + 1, positions=torch.arange(m), out_cache_loc=torch.arange(m) + FIRST,
                    hidden_states=torch.randn(m, H), seq_lens=torch.full((n,), 5, dtype=torch.int32),
-                   req_pool_indices=torch.arange(n, dtype=torch.int32) + 1, accept_lens=torch.ones(n, dtype=torch.int32),
+                   req_pool_indices=torch.arange(n, dtype=torch.int32) + FIRST, accept_lens=torch.ones(n, dtype=torch.int32),
                    qo_indptr=torch.arange(n + 1, dtype=torch.int32))
         out = r.call(raw, extents={"tokens": torch.tensor(e, dtype=torch.int32)})
         f = min(max(e, 0), m)
@@ -155,7 +156,7 @@ def test_device_extents_repeated_calls(tc):
         assert torch.equal(out.c, torch.full((n,), f + int((torch.arange(f) + 1).sum()))), (n, e)
         want_kv = torch.zeros(400, H)
         want_kv[raw["out_cache_loc"][:f]] = raw["hidden_states"][:f]
-        assert torch.equal(st["k_cache"][1:], want_kv[1:]), (n, e)
+        assert torch.equal(st["k_cache"][FIRST:], want_kv[FIRST:]), (n, e)
 
 
 def test_device_extent_bad_values_rejected_before_anything_runs():

@@ -1,5 +1,5 @@
 """The runner programs (decode, verify, draft, draft-extend, prefill, draft prefill): declared pad values, axes,
-and pg.check with the example model's bodies (no pad leakage, no state writes outside raw
+and pg.check with the example model's bodies, sampling parameters included (no pad leakage, no state writes outside raw
 targets and sinks, deterministic)."""
 
 import pytest
@@ -13,7 +13,7 @@ from padgraph.llm.programs import (decode_program, draft_extend_program, draft_p
 from padgraph.llm.models.eagle_head import EagleHead
 from padgraph.llm.models.llama import LlamaConfig, LlamaModel
 from padgraph.llm import Engine, SpecConfig, checks
-from padgraph.llm.programs import prefill_buckets
+from padgraph.llm.programs import SAMPLING_INPUTS, prefill_buckets
 
 
 def pads(p):
@@ -123,3 +123,34 @@ def test_draft_emits_verify_inputs(worker):
     assert d.verify_input_ids.shape == (n,)
     assert torch.equal(d.verify_input_ids, ids) and torch.equal(d.verify_positions, pos)
     assert torch.equal(d.verify_out_cache_loc, loc)
+
+
+def test_worker_programs_take_sampling_parameters_with_their_pads(worker):
+    """decode and verify take each request's sampling parameters as padded inputs whose pads
+    make a padded lane greedy with every filter off; the draft programs propose their top-k and
+    take none, and a program declared without `sampling=True` is unchanged."""
+    pads = {"temperature": (0.0, torch.float32), "top_k": (0, torch.int32),
+            "top_p": (1.0, torch.float32), "min_p": (0.0, torch.float32),
+            "seed": (0, torch.int64)}
+    for name in ("decode", "verify"):
+        inputs = worker.programs[name].inputs
+        assert {n: (inputs[n].pad.value, inputs[n].dtype) for n in SAMPLING_INPUTS} == pads
+        assert all(inputs[n].shape == inputs["seq_lens"].shape for n in SAMPLING_INPUTS)
+    for name in ("draft", "draft_extend", "prefill", "draft_prefill"):
+        assert not set(SAMPLING_INPUTS) & set(worker.programs[name].inputs), name
+    assert not set(SAMPLING_INPUTS) & set(decode_program({}).inputs)
+
+
+def test_check_sampler_draws_valid_sampling_parameters(worker):
+    """Every lane `checks.sampler` draws for a sampling program is a valid `SamplingParams`,
+    and the draws cover greedy lanes and each filter."""
+    from padgraph.llm.sampling import SamplingParams
+    gen, lanes = torch.Generator().manual_seed(0), []
+    for _ in range(20):
+        raw = checks.sampler(worker, "verify")(gen)
+        lanes += list(zip(*(raw[n].tolist() for n in SAMPLING_INPUTS)))
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, seed=s)
+              for t, k, p, m, s in lanes]
+    assert any(p.greedy for p in params) and not all(p.greedy for p in params)
+    assert all(any(f(p) for p in params) for f in (lambda p: p.top_k > 0, lambda p: p.top_p < 1,
+                                                    lambda p: p.min_p > 0))

@@ -2,7 +2,16 @@
 catches the hazards a reference run can show (a padded lane writing a non-sink row, metadata a
 hook built from a raw buffer, raw lanes reading lanes past an extent) at the first sampled call
 that exhibits them. The graph-only hazards (a Python scalar baked in at capture, a temporary
-freed before the pack reads it) are tested on the GPU in test_cuda_shadow.py."""
+freed before the pack reads it) are tested on the GPU in test_cuda_shadow.py.
+
+Hazards, sorted:
+  false alarm — padded lanes writing anything (an affine layer's bias, noise) at a sink row or at
+    the padded rows of batch-ordered state; an output fed back as the next call's input (a decode
+    loop), whose memory the replay rewrites before the eager runs read it.
+  silent change — a verification that raises after the run has rewritten the previous call's
+    outputs: those must read as stale, not show the raising call's values.
+  still caught — a padded lane writing a live row or a raw lane's batch-ordered row, a live row
+    that differs between the replay and the eager run (named by row)."""
 import logging
 
 import pytest
@@ -101,3 +110,124 @@ def test_on_mismatch_log_and_callable(caplog):
 def test_shadow_options_are_checked(kw):
     with pytest.raises(pg.ContractError):
         pg.Shadow(**kw)
+
+
+# ---- no false alarm where padded lanes may write anything (rules 7.4, 7.7) --------------------------
+def _sink_program(name="sink"):
+    return pg.Program(name, inputs={"loc": pg.Input((bs,), torch.int64, pad=0), "v": pg.Input((bs, 2), torch.float32, pad=0)},
+                      outputs={"o": pg.Output((bs,), torch.float32)},
+                      state={"rows": pg.State(sink=0), "own": pg.State(rows=bs)}, buckets=pg.Buckets([4, 8]))
+
+
+def _sink_state(device="cpu"):
+    return {"rows": torch.zeros(32, 2, device=device), "own": torch.zeros(8, 2, device=device)}
+
+
+def _pad_lanes(x) -> torch.Tensor:
+    return (torch.arange(x.bucket, device=x.v.device) >= x.extent("bs"))[:, None]    # [bucket, 1]
+
+
+def _affine_at_sink(x):
+    """What a linear layer with a bias does: padded lanes (v = 0) write 0.5 at the sink, not 0."""
+    x.rows.index_copy_(0, x.loc, x.v * 2 + 0.5)
+    x.own.copy_(x.v * 3 + 0.25)                      # padded rows [n, bucket) get 0.25
+    return {"o": x.rows.index_select(0, x.loc).sum(1)}
+
+
+def _noise_at_sink(x):
+    """Padded lanes write fresh noise at the sink and at their own rows: a value no two runs share."""
+    x.rows.index_copy_(0, x.loc, torch.where(_pad_lanes(x), torch.rand_like(x.v), x.v))
+    x.own.copy_(torch.where(_pad_lanes(x), torch.rand_like(x.v), x.v + 1))
+    return {"o": x.v.sum(1)}
+
+
+@pytest.mark.parametrize("body,tc", [(_affine_at_sink, None), (_noise_at_sink, None), (_affine_at_sink, True)],
+                         ids=["affine", "noise", "affine-compiled"])
+def test_padded_lanes_writing_anything_at_sinks_and_own_rows_are_no_mismatch(body, tc):
+    st = _sink_state()
+    r = pg.compile(_sink_program(), body, state=st, torch_compile=tc, shadow=pg.Shadow(every=1))
+    for n in (3, 5, 2, 8, 3):
+        loc, v = torch.randperm(31)[:n] + 1, torch.randn(n, 2)
+        r(loc=loc, v=v)
+        want = v * 2 + 0.5 if body is _affine_at_sink else v
+        torch.testing.assert_close(st["rows"][loc], want)          # live rows: exactly what raw lanes wrote
+    assert (r.stats.shadow_calls, r.stats.shadow_mismatches) == (5, 0)
+
+
+def test_live_rows_are_still_compared_strictly_and_named_by_row():
+    """A state row raw lanes own that differs between the replay and the eager run (here a Python
+    counter the body reads) is a mismatch, reported as the row, not a lane."""
+    calls = [0]
+
+    def body(x):
+        calls[0] += 1
+        x.rows.index_copy_(0, x.loc, torch.rand_like(x.v))          # noise at the sink: allowed
+        x.rows[5, 1] = float(calls[0])                               # row 5: no sink, not padded lanes'
+        return {"o": x.v.sum(1)}
+    r = pg.compile(_sink_program(), body, state=_sink_state(), shadow=pg.Shadow(every=1))
+    want = r"state 'rows', row 5, column 1: the replay left 1.0, the eager padded path leaves 2.0"
+    with pytest.raises(pg.ShadowMismatch, match=want):
+        r(loc=torch.arange(3) + 8, v=torch.randn(3, 2))
+
+
+def test_a_0d_state_and_a_3d_row_are_named_as_such():
+    program = pg.Program("shapes", inputs={"v": pg.Input((bs,), torch.float32, pad=0)},
+                         outputs={"o": pg.Output((bs,), torch.float32)}, state={"count": pg.State(), "cube": pg.State(sink=0)}, buckets=pg.Buckets([4]))
+    runs = [0]
+
+    def body(x, field):
+        runs[0] += 1
+        target = x.count if field == "count" else x.cube[2, 1, 0]     # never a sink, never a padded row
+        target.fill_(runs[0])                                      # replay and eager run differ
+        return {"o": x.v + 0}
+    for field, where in (("count", "state 'count', its value"), ("cube", r"state 'cube', row 2, element \(1, 0\) of it")):
+        state = {"count": torch.zeros(()), "cube": torch.zeros(4, 2, 2)}
+        r = pg.compile(program, lambda x: body(x, field), state=state, shadow=pg.Shadow(every=1))
+        with pytest.raises(pg.ShadowMismatch, match=where + ": the replay left"):
+            r(v=torch.ones(3))
+
+
+def test_padded_lanes_of_batch_ordered_state_writing_a_raw_row_are_caught():
+    """Lane i writes row (i + 1) mod bucket: the last padded lane lands on raw row 0."""
+    def body(x):
+        x.own[(torch.arange(x.bucket) + 1) % x.bucket] = x.v
+        return {"o": x.v.sum(1)}
+    r = pg.compile(_sink_program(), body, state=_sink_state(), shadow=pg.Shadow(every=1))
+    with pytest.raises(pg.ShadowMismatch, match=r"state 'own', row 0, column 0: the padded run left 0.0, the exact run"):
+        r(loc=torch.arange(3) + 8, v=torch.randn(3, 2) + 5)
+
+
+# ---- an output fed back; a verification that raises ----------------------------------------------
+def _loop_program():
+    return pg.Program("loop", inputs={"h": pg.Input((bs, 3), torch.float32, pad=0)},
+                      outputs={"y": pg.Output((bs, 3), torch.float32)}, buckets=pg.Buckets([4, 8]))
+
+
+@pytest.mark.parametrize("copy", [False, True], ids=["lent", "copied"])
+def test_an_output_fed_back_as_the_next_input_is_no_mismatch(copy):
+    """The decode-loop pattern: the eager runs read the input as the call found it, not the
+    output memory the replay has just rewritten."""
+    r = pg.compile(_loop_program(), lambda x: {"y": x.h * 2 + 1}, shadow=pg.Shadow(every=1), copy_outputs=copy)
+    h = torch.randn(3, 3)
+    out = r(h=h)
+    for _ in range(4):
+        want = out.y.clone() * 2 + 1
+        out = r(h=out.y)
+        torch.testing.assert_close(out.y, want)
+    assert (r.stats.shadow_calls, r.stats.shadow_mismatches) == (5, 0)
+
+
+def test_a_shadowed_call_that_raises_leaves_earlier_outputs_stale_not_changed():
+    runs = [0]
+
+    def body(x):                 # the second run (call 2's replay) differs from every other run
+        runs[0] += 1
+        return {"y": x.h + (100.0 if runs[0] == 2 else 0.0)}
+    r = pg.compile(_loop_program(), body, shadow=pg.Shadow(every=2, first=0))
+    first = r(h=torch.zeros(3, 3))                     # not sampled
+    assert first.y.tolist() == [[0.0] * 3] * 3
+    with pytest.raises(pg.ShadowMismatch, match="output 'y'.*the replay gave 101.0, the eager padded path gives 1.0"):
+        r(h=torch.ones(3, 3))                          # sampled: its run rewrote the output memory
+    with pytest.raises(pg.StaleOutputError, match="call 1"):
+        first.y.sum()
+    assert r(h=torch.ones(3, 3) * 2).y.tolist() == [[2.0] * 3] * 3      # not sampled: still usable

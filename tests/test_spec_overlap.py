@@ -281,7 +281,7 @@ def test_cuda_overlapped_rounds_never_sync(monkeypatch):
         assert len(waits) - n0 == stats.rounds + 1    # one wait per round launched + admission
         assert stats.discarded <= 3                   # at most one per request that ran rounds
         assert [r.output for r in reqs] == [r.output for r in warm[mode][0]], mode
-    assert w.slots.n_free == w.slots.n - 1 and w.rows.n_free == w.rows.n - 1
+    assert w.slots.all_free and w.rows.all_free
 
 
 @pytest.mark.cuda
@@ -309,7 +309,7 @@ def test_cuda_continuous_admission_never_syncs(monkeypatch):
         assert stats.overlap and stats.prefills >= 3, (mode, stats)
         assert stats.rounds < len(waits) - n0 <= stats.rounds + stats.prefills
         assert [r.output for r in reqs] == [r.output for r in warm[mode][0]], mode
-    assert w.slots.n_free == w.slots.n - 1 and w.rows.n_free == w.rows.n - 1
+    assert w.slots.all_free and w.rows.all_free
 
 
 def test_compiled_layers_give_the_eager_tokens(models):

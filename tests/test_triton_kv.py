@@ -11,10 +11,10 @@ from padgraph.backends.triton.store import store_kv, store_kv_reference
 
 @pytest.mark.parametrize("cls", [SlotAllocator, RowAllocator])
 def test_allocator_never_hands_out_the_sink(cls):
-    a = cls(5)
+    a = cls(6)
     assert a.n_free == 4
     ids = a.alloc(4)
-    assert sorted(ids) == [1, 2, 3, 4] and a.n_free == 0
+    assert sorted(ids) == [2, 3, 4, 5] and a.n_free == 0
     a.free(ids[:2])
     again = a.alloc(2)
     assert sorted(again) == sorted(ids[:2]) and 0 not in again
@@ -22,7 +22,7 @@ def test_allocator_never_hands_out_the_sink(cls):
 
 @pytest.mark.parametrize("cls", [SlotAllocator, RowAllocator])
 def test_allocator_exhausted_raises_and_takes_nothing(cls):
-    a = cls(4)
+    a = cls(5)
     a.alloc(2)
     with pytest.raises(RuntimeError, match="exhausted: asked for 2"):
         a.alloc(2)
@@ -35,16 +35,18 @@ def test_allocator_rejects_bad_frees():
     ids = a.alloc(3)
     with pytest.raises(ValueError, match="cannot free slot 0"):
         a.free([0])
-    with pytest.raises(ValueError, match="valid ids are 1 .. 5"):
+    with pytest.raises(ValueError, match="cannot free slot 1"):
+        a.free([1])                      # the canary
+    with pytest.raises(ValueError, match="valid ids are 2 .. 5"):
         a.free([6])
     a.free(ids[:1])
     with pytest.raises(ValueError, match="freed twice"):
         a.free(ids[:1])
     with pytest.raises(ValueError, match="duplicate"):
         a.free([ids[1], ids[1]])
-    assert a.n_free == 3  # the failed frees changed nothing
-    with pytest.raises(ValueError, match="n >= 2"):
-        RowAllocator(1)
+    assert a.n_free == 2  # the failed frees changed nothing
+    with pytest.raises(ValueError, match="n >= 3"):
+        RowAllocator(2)
 
 
 def test_allocator_ids_are_distinct_under_churn():
@@ -59,8 +61,8 @@ def test_allocator_ids_are_distinct_under_churn():
         else:
             n = min(a.n_free, int(torch.randint(0, 6, (), generator=gen)))
             held += a.alloc(n)
-        assert len(set(held)) == len(held) and 0 not in held
-        assert a.n_free + len(held) == 49
+        assert len(set(held)) == len(held) and 0 not in held and 1 not in held
+        assert a.n_free + len(held) == 48
 
 
 # ----------------------------------------------------------------------------- KVCache

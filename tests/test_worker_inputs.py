@@ -13,6 +13,7 @@ from padgraph.llm.models.llama import LlamaConfig, LlamaModel
 from padgraph.llm import Engine, SpecConfig
 
 import padgraph as pg
+from padgraph.llm.kv import FIRST
 
 torch.manual_seed(0)
 TARGET = LlamaModel(LlamaConfig.tiny(n_layers=1)).eval()
@@ -31,8 +32,8 @@ def _worker(spec=SpecConfig(3, 2, 5), **kw):
 
 
 def _released(w):
-    return (w.slots.n_free == w.slots.n - 1 and w.rows.n_free == w.rows.n - 1
-            and not w.kv.req_to_token.any())
+    return (w.slots.all_free and w.rows.all_free
+            and not w.kv.req_to_token[FIRST:].any())
 
 
 def _run(w, mode, prompts, news):

@@ -74,6 +74,8 @@ class CudaOptions(Options):
         or one of those three by name: every strategy keeps the same contract (staging.Pack).
     """
 
+    CHOICES = {**Options.CHOICES, "copy": ("cudart", "torch"), "pack": ("auto", *_STRATEGIES)}
+
     pool: Any = None
     warmup: int = 2
     progress: bool | None = None
@@ -121,6 +123,14 @@ class CudaGraphRunner(Runner):
             self._graphs = self._capture(opts.warmup, opts.progress, opts.restore_state)
         if not self.pack.native_device_extents:   # nd inputs along a device axis, or no Triton
             self._run_device = functools.partial(Runner._run_device, self)
+
+    def _canary_checker(self):
+        from ..triton import canary
+        if not canary.available(self.state.device() or "cuda"):
+            log.warning("program %r: the canary needs Triton on CUDA; its rows are checked with torch ops",
+                        self.program.name)
+            return None
+        return canary.checker
 
     def _cuda_device(self, device) -> torch.device:
         if device is None or device.type != "cuda":
@@ -177,13 +187,15 @@ class CudaGraphRunner(Runner):
         shared = {t.untyped_storage().data_ptr() for t in self.static.storage.values()}
         shared |= {t.untyped_storage().data_ptr() for _, t in self.state.named()}
         shared.add(self.pack.block.device_buf.untyped_storage().data_ptr())
-        return {n: t.clone() if t.untyped_storage().data_ptr() in shared else t for n, t in outs.items()}
+        # detached: a body that enables grad inside returns outputs with a grad_fn (rule 10.5)
+        return {n: (t.clone() if t.untyped_storage().data_ptr() in shared else t).detach() for n, t in outs.items()}
 
     # ---- call path -----------------------------------------------------------------------------
     def _run(self, bucket, raw, ext, dev=None):
         g = self._graphs[bucket]
         self.pack.per_call(bucket, raw, ext, dev)
         self._hook(g.view)
+        self._end_lease()           # the replay rewrites the outputs lent so far
         g.graph.replay()
         return g.outputs
 

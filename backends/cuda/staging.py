@@ -10,19 +10,22 @@ Per call the host writes one small block into a pinned slot and sends it with ON
 
 The body's `x.extent(axis)` tensors are views of the extents in the device copy of that block, so
 the copy itself writes them. Slots form a ring that never waits for the GPU: a slot whose copy has
-not run yet is skipped by inserting a fresh slot (the ring only grows while the GPU is behind).
+not run yet is skipped by inserting a fresh slot (the ring only grows while the GPU is behind);
+copies are fenced by one event per group of calls (`_Ring`).
 """
 from __future__ import annotations
 
+import collections
 import logging
 import math
+import operator
 import struct
 
 import numpy as np
 import torch
 
 from padgraph import pack as P
-from padgraph.plan import Plan
+from padgraph.plan import Plan, values_at
 from padgraph.program import padded_dims
 
 from ..triton import pack as tpack
@@ -63,15 +66,99 @@ def _prefix(t: torch.Tensor, shape: tuple) -> torch.Tensor:
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), shape)
 
 
+def _pinned(nbytes: int) -> torch.Tensor:
+    return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+_IS_CPU = operator.attrgetter("is_cpu")
+_CONTIGUOUS = torch.Tensor.is_contiguous
+_DATA_PTR = torch.Tensor.data_ptr
+
+
 class _Slot:
-    """One pinned copy of the per-call block, with the event of the copy that last read it."""
+    """One pinned copy of the per-call block; `seq`: the call whose copy last read it (0: none);
+    `send(nbytes)`: queue the copy of its first bytes into the device block (bound once)."""
 
-    __slots__ = ("host", "raw", "event")
+    __slots__ = ("host", "raw", "seq", "send")
 
-    def __init__(self, layout: "CallBlock"):
-        self.host = torch.zeros(layout.nbytes, dtype=torch.uint8, pin_memory=True)
+    def __init__(self, nbytes: int, device_buf: torch.Tensor, copier):
+        self.host = _pinned(nbytes)
         self.raw = self.host.numpy()              # the block's bytes, written by CallBlock._write
-        self.event = layout.copier.new_event()     # an event never recorded counts as done
+        self.seq = 0
+        self.send = copier.bind(device_buf, self.host)
+
+
+# pinned bytes the ring may hold to fence copies in groups (a small block: up to 8 calls a fence)
+_FENCED_BYTES = 1 << 20
+_MAX_BATCH = 8
+
+
+class _Ring:
+    """The pinned slots a call's block is written into, and the fences that free them.
+
+    A slot may be rewritten only once the copy that last read it has run. One event recorded on
+    the copies' stream after every `batch` calls (and before the stream changes, so that a fence
+    covers only copies queued ahead of it on its own stream) fences them all: one event record
+    and one query per group of calls instead of per call. A slot whose fence the GPU has not
+    passed is skipped by inserting a fresh one: the ring never waits for the GPU, it only grows
+    while the GPU is behind."""
+
+    def __init__(self, nbytes: int, device_buf: torch.Tensor, copier, batch: int):
+        self.nbytes, self.device_buf, self.copier, self.batch = nbytes, device_buf, copier, batch
+        self.slots = [self._new() for _ in range(batch + 1)]
+        self._turn = 0
+        self._seq = 0                # calls sent so far (a slot's seq is one of them)
+        self._safe = 0               # every call up to this one has had its copy run
+        self._fences: collections.deque = collections.deque()   # (event, last call it covers), oldest first
+        self._open, self._n_open = None, 0      # stream of the calls sent since the last fence, their count
+        self._events: list = []      # events of passed fences, reused
+
+    def _new(self) -> _Slot:
+        return _Slot(self.nbytes, self.device_buf, self.copier)
+
+    def acquire(self) -> _Slot:
+        """A slot no queued copy still reads."""
+        i = self._turn
+        slot = self.slots[i]
+        if slot.seq > self._safe and not self._passed(slot.seq):
+            slot = self._new()                      # the GPU is behind: grow rather than wait
+            self.slots.insert(i, slot)
+            if len(self.slots) in (16, 256, 4096):
+                log.info("padgraph: %d pinned call slots (the GPU is many calls behind)", len(self.slots))
+        self._turn = (i + 1) % len(self.slots)
+        return slot
+
+    def send(self, slot: _Slot, nbytes: int) -> None:
+        """Queue the copy of the slot's first `nbytes`; fence the open group when it is full."""
+        stream = slot.send(nbytes)
+        if self._open is not None and stream != self._open:
+            self._fence()                           # the open group's copies are on another stream
+        self._seq += 1
+        slot.seq = self._seq
+        self._open = stream
+        self._n_open += 1
+        if self._n_open >= self.batch:
+            self._fence()
+
+    def _fence(self) -> None:
+        """An event after the open group's copies, on their stream (recorded later on that stream
+        is still after them)."""
+        if not self._n_open:
+            return
+        event = self._events.pop() if self._events else self.copier.new_event()
+        self.copier.record(event, self._open)
+        self._fences.append((event, self._seq))
+        self._open, self._n_open = None, 0
+
+    def _passed(self, seq: int) -> bool:
+        """Whether call `seq`'s copy has run: the fences the GPU has passed, oldest first."""
+        fences = self._fences
+        while fences and self.copier.query(fences[0][0]):
+            event, self._safe = fences.popleft()
+            self._events.append(event)
+        if seq > self._safe and seq > self._seq - self._n_open:
+            self._fence()                           # its group is still open: fence it for next time
+        return seq <= self._safe
 
 
 class CallBlock:
@@ -100,35 +187,43 @@ class CallBlock:
         self._axis_index = {a: i for i, a in enumerate(self.axes)}
         # [srcs (int64) | pad | bounds, device extents (int32)] in one struct call per call
         self._write = struct.Struct(f"<{self.n_jobs}q{self.ext_off - 8 * self.n_jobs}x{2 * self.n_axes}i").pack_into
-        self.slots = [_Slot(self), _Slot(self)]
+        batch = max(1, min(_MAX_BATCH, _FENCED_BYTES // self.nbytes))
+        self.ring = _Ring(self.nbytes, self.device_buf, self.copier, batch)
         self.keep: list = []
-        self._turn = 0
         self.others = [n for n in program.inputs if n not in set(jobs)]   # packed by torch ops
         self._dev_base = self.device_buf.data_ptr()
+        self._jobs_of, self._others_of = values_at(jobs), values_at(self.others)
+        self._bounds_of = values_at(self.axes)
 
-    # ---- the ring -------------------------------------------------------------------------------
-    def _acquire(self) -> _Slot:
-        i = self._turn
-        slot = self.slots[i]
-        if not self.copier.done(slot.event):
-            slot = _Slot(self)                      # the GPU is behind: grow rather than wait
-            self.slots.insert(i, slot)
-            if len(self.slots) in (16, 256, 4096):
-                log.info("padgraph: %d pinned call slots (the GPU is many calls behind)", len(self.slots))
-        self._turn = (i + 1) % len(self.slots)
-        return slot
+    @property
+    def slots(self) -> list[_Slot]:
+        """The ring's pinned slots (more than `ring.batch + 1` once the GPU fell behind)."""
+        return self.ring.slots
 
     # ---- one call -------------------------------------------------------------------------------
     def send(self, raw, ext) -> None:
         """Write srcs, extents and host inputs into a free slot; one async copy to the device."""
-        slot = self._acquire()
+        slot = self.ring.acquire()
+        self.keep = []            # this call's dense copies of strided device inputs (see below)
+        jobs = self._jobs_of(raw)                 # the kernel jobs' tensors, in job order
+        # validation admits inputs on the runner's device or (host inputs) the CPU only
+        if any(map(_IS_CPU, jobs)) or not all(map(_CONTIGUOUS, jobs)) \
+                or (self.others and any(map(_IS_CPU, self._others_of(raw)))):
+            srcs, used = self._sources(slot, raw)
+        else:                     # every input dense on the device: the kernel reads it in place
+            srcs, used = map(_DATA_PTR, jobs), self.header
+        bounds = self._bounds_of(ext)
+        self._write(slot.raw, 0, *srcs, *bounds, *bounds)   # device extents default to the host ones
+        self.ring.send(slot, used)
+
+    def _sources(self, slot: _Slot, raw) -> tuple[list[int], int]:
+        """Each job's source address, host inputs staged into the slot; and the bytes to copy."""
         used = self.header
         srcs = []
-        self.keep = keep = []     # this call's dense copies of strided device inputs (see below)
         for name in self.jobs:
             t = raw[name]
             if t.is_cuda:
-                srcs.append(t.data_ptr() if t.is_contiguous() else dense_source(t, keep))
+                srcs.append(t.data_ptr() if t.is_contiguous() else dense_source(t, self.keep))
             else:
                 used = max(used, self._stage(slot, name, t))
                 srcs.append(self._dev_base + self.staging[name])
@@ -136,9 +231,7 @@ class CallBlock:
             t = raw[name]
             if not t.is_cuda:
                 used = max(used, self._stage(slot, name, t))
-        bounds = [ext[a] for a in self.axes]
-        self._write(slot.raw, 0, *srcs, *bounds, *bounds)   # device extents default to the host ones
-        self.copier.copy(self.device_buf, slot.host, used, slot.event)
+        return srcs, used
 
     def send_device_extents(self, dev) -> None:
         """After send: each device extent (0-d int32 on the device) into its slot, device to device."""

@@ -41,17 +41,17 @@ from .kv import resolve_impl
 # - MAX_SPLITS (128: 256 tokens a split at 32K) bounds partials memory and `num_splits` (<=
 #   2 * MAX_SPLITS); at 128 splits the merge is the separate kernel, now spread over bs * H *
 #   DV/64 programs: unchanged (a sweep may try 256 for bs 1 at 32K: 2048 programs of 2 tiles).
-# - DECODE_PROGRAMS_PER_SM (one query a request): the H200 sweep of 2026-12-01 (bench_attention,
+# - DECODE_PROGRAMS_PER_SM (one query a request): an H200 sweep (`bench.bench_attention`,
 #   32/8 heads, d 128, BLOCK_N 64) was fastest at 256-1024 programs, 2-8 per SM, where 16 an SM
 #   asked for 4-8x more splits: bs 8 ctx 4096 best at 4 splits (49.6 us eager) against the 32
-#   then chosen (63.0); bs 32 ctx 4096 at 2 (142.0 against 151-165 for 8-16); bs 128 ctx 4096
+#   of 16 an SM (63.0); bs 32 ctx 4096 at 2 (142.0 against 151-165 for 8-16); bs 128 ctx 4096
 #   at 1 (510.6 against 3's ~520); bs 8 ctx 32768 at 8 (262.7 against 33's ~275); bs 1 ctx
-#   32768 at 32 (55.1 against 128's 69.7). In CUDA graphs (bench_attention, same day) 2 an SM
-#   was faster than 16 at every point with ctx <= 4096 or bs * kv heads >= 256 (bs 8 ctx 4096
+#   32768 at 32 (55.1 against 128's 69.7). In CUDA graphs (same sweep) 2 an SM was faster
+#   than 16 at every point with ctx <= 4096 or bs * kv heads >= 256 (bs 8 ctx 4096
 #   53.2 us against 60.6, bs 32 ctx 4096 142.6 against 152.6, bs 128 ctx 512 81.4 against
 #   94.6) but slower at long contexts with few (request, head) pairs (bs 1 ctx 32768 60.1
 #   against 56.0, bs 8 ctx 32768 299.3 against 275.9), which then took 16 an SM.
-# - Decode now (graph-timed sweep, bench_attention --no-spec --no-cold, 2026-12-03,
+# - Decode (graph-timed sweep, `bench.bench_attention --no-spec --no-cold`,
 #   results/attention.md): the largest power of two <= 4 programs an SM
 #   (DECODE_PROGRAMS_PER_SM), at most DECODE_MAX_SPLITS, the merge folded up to
 #   DECODE_FOLD_MAX_SPLITS splits. bs 8 ctx 4096: 8 splits folded 49.4 us (the policy's 5:
@@ -59,7 +59,7 @@ from .kv import resolve_impl
 #   (32 folded: 19.9); bs 1 ctx 32768: 64 + merge 51.0 (128 + merge: 54.8); bs 32 and 128
 #   unchanged (2 folded, 1: the best measured). Folding costs the last program a serial pass
 #   over every split: slower from 16 splits on at bs 1, faster at <= 8.
-#   Short contexts (bench_attention --in-graph 20, 2026-12-03 s15b, sweep at ctx 512): where
+#   Short contexts (`bench.bench_attention --in-graph 20`, swept at ctx 512): where
 #   128-token splits leave fewer than DECODE_FOLD_MAX_SPLITS, decode splits go down to
 #   DECODE_MIN_SPLIT_TOKENS (one tile of 64) while they stay folded: bs 1 ctx 512 8 splits
 #   folded 11.4 us against the 4 of 128 tokens' 12.9 (SDPA 11.7); bs 8 ctx 512 8 folded 16.5

@@ -11,8 +11,8 @@ t is (a prefix sum of the requests' tile counts from qo_indptr, `tile_owner`) an
 BLOCK_M rows = (new token, q head of kv_head's group) pairs, so a K/V tile is read once for the
 whole GQA group; tiles past the last request's exit at once. No host planning from values, and
 cost follows real lengths: the grid grows as bs + n_tok, where one program per (request, tile
-any request could need) grew as bs * n_tok (H200, 2026-12-03: 12288 programs of which 1024
-worked at bs 32 x 6 tokens, 0.89x SDPA-with-mask). Each tile reads positions up to its last
+any request could need) grew as bs * n_tok (at bs 32 x 6 tokens: 12288 programs, of which
+1024 had work). Each tile reads positions up to its last
 token's; short extends (draft-extend: a few tokens per request) split that range over S
 programs like decode and merge in the same launch (`attention_split.py`); long ones use S = 1.
 """

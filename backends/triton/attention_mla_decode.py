@@ -44,8 +44,8 @@ MIN_SPLIT_TOKENS = 128
 # that the QK product runs as independent MMA chains instead of one 36-deep one), 32 latent rows
 # an iteration in 3 stages (3 x 36 KB in flight) over 4 warps, at most DECODE_PROGRAMS_PER_SM
 # programs an SM (floor: no partial second wave), splits of >= DECODE_MIN_SPLIT_TOKENS, merge
-# folded up to DECODE_FOLD_MAX_BYTES of partials. H200 graph sweep (bench_mla --decode-only
-# --keys-major, 2026-12-03, results/mla.md, DeepSeek-V2-Lite sizes):
+# folded up to DECODE_FOLD_MAX_BYTES of partials. In a graph-timed sweep on an H200
+# (`bench.bench_mla --decode-only --keys-major`, DeepSeek-V2-Lite sizes; results/mla.md) it was
 # best at every swept point - bs 1 ctx 8192 19.2 us at 128 splits (keys-major policy 22.2);
 # bs 8 ctx 8192 42.6 at 33 splits + merge (the 32/2/4 policy 50.9; fold 72.6); bs 32 ctx 8192
 # 110.2 at 8 splits folded (the 64-row 8-warp tile's policy 145.2; unfolded 113.6); the same
@@ -64,10 +64,10 @@ KEYS_MAJOR_TILE = dict(BLOCK_N=64, num_warps=4)  # one warp group: 64 keys = one
 # with Triton 3.6: 241 registers, no spills, 200 KB of shared memory; 64 rows do not fit)
 KEYS_MAJOR_MANY_ROWS = dict(BLOCK_H=32, BLOCK_N=64, num_warps=8)
 # Where the policy takes the keys-major kernel (sm_90+): bs * max_context (the cache width) at
-# least this much (decode: bs 1 only). H200, bench_mla --keys-major (2026-12-03, first run,
-# results/mla.md; the second run, mla.md, within 0.02): verify took
-# 0.57-0.84 of the row-major time at bs 8 and 32 (ctx 1024, 8192), 0.90 at bs 1 ctx 8192, but
-# 1.26 at bs 1 ctx 1024; extend 0.73-0.93 at bs 8 ctx 8192 and bs 32, but 1.18-1.51 below that;
+# least this much (decode: bs 1 only). On an H200 (`bench.bench_mla --keys-major`,
+# results/mla.md; two runs within 0.02 of each other) verify took 0.57-0.84 of the row-major
+# time at bs 8 and 32 (ctx 1024, 8192), 0.90 at bs 1 ctx 8192, but 1.26 at bs 1 ctx 1024;
+# extend 0.73-0.93 at bs 8 ctx 8192 and bs 32, but 1.18-1.51 below that;
 # decode 0.80-0.90 at bs 1 ctx >= 8192, 1.08 at bs 1 ctx 1024, 0.98-1.20 at bs 8 and 32 (one
 # program an SM, 168 KB of tiles: latency-bound, no second program to overlap with); decode
 # now takes DECODE_TILE everywhere (faster than keys-major at every swept point, above).

@@ -2,10 +2,10 @@
 
 At bs 1-16 a decode step's linear layers are matrix-vector products: each reads its whole
 weight once and does almost no arithmetic, so they should stream at the GPU's memory bandwidth.
-cuBLAS does that for the large ones and not for the small ones: on the H200 (bench_runner
-profile, 2026-12-02) the 1B model's qkv (3072 x 2048) and o (2048 x 2048) projections read at
-2.1 and 1.5 TB/s at bs 1 and the down projection (2048 x 8192) at 2.9 TB/s plus a split-K
-reduce, against 4.25 TB/s of copy bandwidth, while gate_up and the lm_head reach 3.7-4.2.
+cuBLAS does that for the large ones and not for the small ones: on an H200 the 1B model's qkv
+(3072 x 2048) and o (2048 x 2048) projections read at about a third to a half of copy bandwidth
+at bs 1 and the down projection (2048 x 8192) at about 0.6 of it, while gate_up and the lm_head
+come near it (`results/gemv.md`).
 
 `gemv` is a candidate for those: grid (cdiv(N, BLOCK_N), SPLIT_K). A program takes BLOCK_N rows
 of w (output columns) and a 1 / SPLIT_K share of K, loads a [BLOCK_N, BLOCK_K] tile of w and the
@@ -17,16 +17,15 @@ splits put more programs on the SMs for the small matrices (2048 output columns 
 are 128 programs, fewer than an H200's 132 SMs can hide latency with).
 
 Not wired into the models as such: `grouped_linear.py` takes its tiles for one launch over
-several weights that read one input, which is where the gain is. Measured on the H200 (`bench/bench_gemv.py`, 2026-12-03,
-`results/gemv.md`): against F.linear it is 0.86-0.95x on qkv, 1.00-1.03x on o, gate_up, down
-and the lm_head; the 1B step's GEMMs alone, as one CUDA graph, take 838 us with F.linear and
-813 us with each shape's faster kernel at bs 1 (floor 585 us), a 3% gain not worth a custom op
-in the compiled bodies. Both stop at ~6 us for the 8-12 MB qkv / o weights: a kernel's ramp
-and tail, not its tile. `pdl=True` (programmatic dependent launch, the first weight tile
-requested before waiting for the kernel before, the next kernel released at the start) made the
-chain of one-split calls slower, not faster: 1355 us against 873 at bs 1 (which of its two
-changes costs that, the early release or the hand prefetch in place of Triton's pipelined
-loads, was not separated).
+several weights that read one input, which is where the gain is. Alone (`bench.bench_gemv`,
+`results/gemv.md`) it is slower than F.linear on qkv and level with it (within 3%) on o,
+gate_up, down and the lm_head; the 1B step's GEMMs as one CUDA graph gain 3% with each shape's
+faster kernel at bs 1, not worth a custom op in the compiled bodies. Both stop at ~6 us for the
+8-12 MB qkv / o weights: a kernel's ramp and tail, not its tile. `pdl=True` (programmatic
+dependent launch, the first weight tile requested before waiting for the kernel before, the
+next kernel released at the start) made the chain of one-split calls about 1.5x slower, not
+faster (which of its two changes costs that, the early release or the hand prefetch in place
+of Triton's pipelined loads, was not separated).
 The torch reference (`impl="torch"`, and the CPU) is `F.linear`.
 """
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Triton's once-per-process setup, started in the background when the kernels are imported.
 
-A process's first Triton kernel launch pays for setup that no kernel choice changes. Measured on
-the H200 (`bench/triton_compile_times.py`, cProfile, 2026-12-03; Triton 3.6): hashing Triton's
-own install for the compile-cache key (`triton_key`, libtriton.so included: 0.5-0.7 s, every
+A process's first Triton kernel launch pays for setup that no kernel choice changes. Measured
+with `bench.triton_compile_times` (cProfile, Triton 3.6, on an H200 host): hashing Triton's own
+install for the compile-cache key (`triton_key`, libtriton.so included: 0.5-0.7 s, every
 process, cached kernels or not), building and loading its CUDA utility module (a C compiler run
 with an empty cache: 0.47 s) and importing its Gluon front end (0.12-0.16 s). Compiling a kernel
 (MLIR passes, ptxas) took ~0.3 s a kernel, and building each kernel's launcher another ~0.4 s.

@@ -36,8 +36,8 @@ from .kv import resolve_impl
 
 # A chunk is this many logits, one warp a chunk (16 a thread): the k rounds of reductions are
 # then warp shuffles, with no cross-warp step. 128256 / 512 gives 251 chunks a row, so the merge
-# reads 251 * k candidates. On the H200 (bench_topk, 2026-12-01) this was the fastest of the
-# sweep at 16 and 64 rows: 15.4 / 29.8 us a call against 16.1 / 34.8 for 4096 over 4 warps.
+# reads 251 * k candidates. It was the fastest block of `bench.bench_topk`'s sweep at 16 and 64
+# rows, ahead of 4096 logits over 4 warps (results/topk.md).
 BLOCK = 512
 NUM_WARPS = 1
 MERGE_WARPS = 4

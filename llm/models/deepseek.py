@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..batch import Batch
-from .llama import MLP, AttnPlan, PagedForwards, RMSNorm, Rotary, init_weights
+from ..paged import AttnPlan, PagedForwards
+from .llama import MLP, RMSNorm, Rotary, init_weights
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ class LatentCache:
                  n_req_rows: int, dtype: torch.dtype, device: torch.device | str):
         if n_slots < 2 or n_req_rows < 2:
             raise ValueError(f"n_slots and n_req_rows must be >= 2 (slot 0 and row 0 are "
-                             f"sinks); got n_slots={n_slots}, n_req_rows={n_req_rows}")
+                             f"sinks, 1 canaries); got n_slots={n_slots}, n_req_rows={n_req_rows}")
         self.n_layers, self.n_slots, self.width = n_layers, n_slots, width
         self.latent = [torch.zeros(n_slots, 1, width, dtype=dtype, device=device)
                        for _ in range(n_layers)]

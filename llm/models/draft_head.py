@@ -16,12 +16,11 @@ import torch
 from torch import Tensor, nn
 
 from ..batch import Batch
-from .llama import AttnPlan
+from ..paged import AttnPlan
 
-# Rows up to which "fp8-fused" runs the fused lm_head + top-k kernel (H200, 2026-12-01,
-# bench/bench_topk.py, V 128256 x H 2048): 88.5 / 115.9 us a draft step at 16 / 64 rows
-# against 126.2 / 143.5 unfused, but 364.9 against 240.1 at 256 (its tiles re-read the weight
-# once per 64-row block). Between 64 and 256 it was not measured.
+# Rows up to which "fp8-fused" runs the fused lm_head + top-k kernel. At V 128256 x H 2048 it
+# beat the fp8 GEMM + top-k kernel at 16 and 64 rows and lost at 256, where its tiles re-read
+# the weight once per 64-row block (results/topk.md); between 64 and 256 it was not measured.
 FUSED_MAX_ROWS = 64
 
 

@@ -12,8 +12,8 @@ from torch import Tensor, nn
 
 from ..batch import Batch
 from .draft_head import DraftHead
-from .llama import (DecoderLayer, LlamaConfig, LlamaModel, AttnPlan, RMSNorm, extend_batch,
-                    init_weights, tree_batch)
+from ..paged import AttnPlan, extend_batch, tree_batch
+from .llama import DecoderLayer, LlamaConfig, LlamaModel, RMSNorm, init_weights
 
 
 class EagleHead(DraftHead):

@@ -29,8 +29,8 @@ from torch import Tensor, nn
 
 from ..batch import Batch
 from ..kv import KVCache
-from .llama import (MLP, Attention, LlamaConfig, LlamaModel, AttnPlan, PagedForwards, RMSNorm,
-                    Rotary, decode_batch)
+from ..paged import AttnPlan, PagedForwards, decode_batch
+from .llama import MLP, Attention, LlamaConfig, LlamaModel, RMSNorm, Rotary
 
 
 # ------------------------------------------------------------------------------ collectives

@@ -12,8 +12,9 @@ import torch
 from torch import Tensor, nn
 
 from ..batch import Batch
-from .deepseek import (DeepSeekConfig, DeepSeekLayer, DeepSeekModel, AttnPlan, RMSNorm,
-                       init_deepseek, mla_extend_batch, mla_tree_batch)
+from ..paged import AttnPlan
+from .deepseek import (DeepSeekConfig, DeepSeekLayer, DeepSeekModel, RMSNorm, init_deepseek,
+                       mla_extend_batch, mla_tree_batch)
 from .draft_head import DraftHead
 
 

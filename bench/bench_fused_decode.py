@@ -1,0 +1,305 @@
+"""The fused decode layer (`backends/triton/fused_decode.py`) against the current decode step,
+Llama-1B shape, random weights, under CUDA graphs.
+
+    python -m bench.bench_fused_decode [--sizes 1,16,64] [--iters 50]
+    python -m bench.bench_fused_decode --smoke        # CPU, tiny model, interpreted: runs only
+
+Variants, each captured in its own CUDA graph per batch size:
+  current    `LlamaModel.forward_decode` (cuBLAS GEMVs, the Triton KV store and attention)
+  fused      the fused layers, then the model's lm_head; plain launches
+  fused+pdl  the same with programmatic dependent launch (where the GPU and Triton have it)
+  fused+...  options: +pdl, +reduce (a reduce kernel sums the down partials), +splitsN,
+             +warpsN, +bnN, +halfN (`FusedDecodePolicy` fields)
+The fused path takes bs <= 16; at a larger bs its rows say so and time nothing (a model hook
+falls back to the current path there).
+
+Per variant and size: the step (median of single replays, and back-to-back replays), one layer
+alone (back-to-back replays of a one-layer graph), each against its weight-streaming floor
+(bytes read / device copy bandwidth), kernels per step (profiled replays), and the check against
+the current path: hidden relative error, greedy tokens equal (a differing token is reported
+with its top-2 logit gap), the K/V written, and whether two replays give the same bits.
+Writes fused_decode.md and fused_decode.json to $OUT (results/local/ elsewhere).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from bench.common import copy_bandwidth, env_info, kernel_table, out_dir  # noqa: E402
+from padgraph.backends.triton import fused_decode as fd  # noqa: E402
+from padgraph.llm import Batch  # noqa: E402
+from padgraph.llm.kv import FIRST, KVCache  # noqa: E402
+from padgraph.llm.models.llama import LlamaConfig, LlamaModel, decode_batch  # noqa: E402
+
+MAX_CTX = 1024          # the cache width; contexts are random in [256, MAX_CTX - 1)
+SMOKE_CTX = 48
+
+
+def make_batch(n: int, kv: KVCache, cfg, gen: torch.Generator, device) -> dict:
+    """n requests with random context lengths in [256, kv.max_context - 1) (the runner
+    benchmark's), each in a row of its own."""
+    width = kv.max_context
+    ctx = torch.randint(min(256, width - 2), width - 1, (n,), generator=gen)
+    slots = FIRST + torch.arange(n)[:, None] * width + torch.arange(width)[None]
+    kv.req_to_token[FIRST:FIRST + n] = slots.to(device, torch.int32)
+    return {"input_ids": torch.randint(1, cfg.vocab_size, (n,), generator=gen).to(device),
+            "positions": (ctx - 1).to(device),
+            "seq_lens": ctx.to(device, torch.int32),
+            "req_pool_indices": torch.arange(FIRST, FIRST + n, dtype=torch.int32).to(device),
+            "out_cache_loc": slots[torch.arange(n), ctx - 1].to(device)}
+
+
+def batch_of(kv, raw) -> Batch:
+    return Batch(kv, kv.req_to_token, raw["req_pool_indices"], raw["seq_lens"], raw["out_cache_loc"])
+
+
+OPTIONS = {"splits": "down_splits", "warps": "num_warps", "bn": "block_n", "half": "half_n"}
+
+
+def policy_of(variant: str) -> fd.FusedDecodePolicy:
+    """"fused" plus options: "+pdl" (programmatic dependent launch), "+reduce" (the partials
+    always summed by a reduce kernel, never in the next qkv kernel), "+splitsN" (N down
+    partials), "+warpsN", "+bnN" (o / gate-up / down tile rows), "+halfN" (qkv half-tile)."""
+    fields, opts = {}, variant.split("+")
+    for opt in opts[1:]:
+        name = opt.rstrip("0123456789")
+        if opt == "pdl":
+            fields["pdl"] = True
+        elif opt == "reduce":
+            fields["fold_max_m"] = 0
+        elif name in OPTIONS and opt[len(name):]:
+            fields[OPTIONS[name]] = int(opt[len(name):])
+        else:
+            raise SystemExit(f"variant {variant!r}: option {opt!r} is not one of +pdl, +reduce, "
+                             + ", ".join(f"+{o}N" for o in OPTIONS))
+    if opts[0] != "fused":
+        raise SystemExit(f"variant {variant!r}: 'current' or 'fused' with options")
+    return fd.FusedDecodePolicy(**{"pdl": False, **fields})
+
+
+def step_fn(model, kv, raw, variant: str, impl: str = "auto"):
+    """The step of `variant` on the static inputs raw: () -> (logits [n, V], hidden [n, H])."""
+    if variant == "current":
+        return lambda: model.forward_decode(raw["input_ids"], raw["positions"], batch_of(kv, raw))
+    policy = policy_of(variant)
+
+    def run():
+        b = batch_of(kv, raw)
+        hidden = fd.decode_hidden(model, raw["input_ids"], raw["positions"], b.out_cache_loc, kv,
+                                  decode_batch(b).attend, policy=policy, impl=impl)
+        return model.logits(hidden), hidden
+    return run
+
+
+def layer_fn(model, kv, raw, variant: str, impl: str = "auto"):
+    """Layer 0 alone on a fixed input (the fused one with the partials of a previous layer)."""
+    n, cfg = raw["input_ids"].shape[0], model.cfg
+    x = model.embed(raw["input_ids"])
+    plan = decode_batch(batch_of(kv, raw))
+    layer = model.layers[0]
+    if variant == "current":
+        return lambda: layer(x, raw["positions"], model.rope, plan, kv.k[0], kv.v[0])
+    policy = policy_of(variant)
+    parts = torch.zeros(policy.down_splits, n, cfg.hidden_size, device=x.device)
+    w, rope = fd.layer_weights(model)[0], fd.RopeTables(model.rope.cos, model.rope.sin)
+    return lambda: fd.decode_layer(x, parts, w, rope, raw["positions"], raw["out_cache_loc"],
+                                   kv.k[0], kv.v[0], plan.attend, policy=policy, impl=impl)
+
+
+def graph_of(fn):
+    """(replay, outputs): fn captured after a warm-up on a side stream (CPU: fn and one call)."""
+    if not torch.cuda.is_available():
+        return fn, fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    torch.cuda.synchronize()
+    return graph.replay, out
+
+
+def time_us(replay, iters: int, back_to_back: int = 1) -> float:
+    """Median µs per replay over iters samples, each `back_to_back` replays between two events
+    (1: a single replay, launch latency included; more: the GPU span of a chain)."""
+    if not torch.cuda.is_available():
+        return float("nan")
+    for _ in range(3):
+        replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        for _ in range(back_to_back):
+            replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / back_to_back)
+    return statistics.median(times)
+
+
+def kernels_per_step(replay, calls: int = 5) -> float:
+    if not torch.cuda.is_available():
+        return float("nan")
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            replay()
+        torch.cuda.synchronize()
+    return kernel_table(prof.events(), calls)["kernels"]
+
+
+def layer_bytes(model, n_ctx_tokens: int) -> int:
+    """Bytes one layer must read: its weights and the KV of the batch's context."""
+    cfg, layer = model.cfg, model.layers[0]
+    weights = sum(p.numel() * p.element_size() for p in layer.parameters())
+    return weights + n_ctx_tokens * 2 * cfg.n_kv_heads * cfg.head_dim * 2
+
+
+def step_bytes(model, n: int, n_ctx_tokens: int) -> int:
+    """Bytes a step must read: every layer, the final norm, the lm_head, n embedding rows."""
+    emb = model.embed.weight
+    rest = sum(p.numel() * p.element_size() for p in (model.norm.weight, model.lm_head.weight))
+    rows = n * emb.stride(0) * emb.element_size()
+    return model.cfg.n_layers * layer_bytes(model, n_ctx_tokens) + rest + rows
+
+
+def written_kv(kv, loc) -> torch.Tensor:
+    """[n_layers, 2, n, Hkv, D] the K/V at slots loc of every layer."""
+    return torch.stack([torch.stack([k[loc], v[loc]]) for k, v in zip(kv.k, kv.v)]).float()
+
+
+def compare(ref: dict, got: dict) -> dict:
+    """The fused step's outputs against the current one's on the same inputs and cache."""
+    ids_ref, ids_got = ref["logits"].argmax(-1), got["logits"].argmax(-1)
+    top2 = ref["logits"].topk(2, dim=-1).values
+    gaps = (top2[:, 0] - top2[:, 1])[ids_ref != ids_got]
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()   # noqa: E731
+    return {"hidden_rel_err": rel(got["hidden"].float(), ref["hidden"].float()),
+            "kv_rel_err": rel(got["kv"], ref["kv"]),
+            "tokens_equal": int((ids_ref == ids_got).sum()), "tokens": int(ids_ref.numel()),
+            "differing_token_top2_gaps": [round(g, 5) for g in gaps.tolist()]}
+
+
+def run_step(model, kv, raw, variant: str, impl: str) -> tuple:
+    """(replay, {"logits", "hidden", "kv"} after one replay, bit_stable)."""
+    replay, out = graph_of(step_fn(model, kv, raw, variant, impl))
+    replay()
+    first = {"logits": out[0].clone(), "hidden": out[1].clone(),
+             "kv": written_kv(kv, raw["out_cache_loc"])}
+    replay()
+    stable = torch.equal(first["logits"], out[0]) and torch.equal(first["hidden"], out[1])
+    return replay, first, stable
+
+
+def measure_size(model, kv, raw, variants, iters: int, bw: float, impl: str) -> list[dict]:
+    """Every variant at one batch size; impl: the fused kernels' ("triton" runs them
+    interpreted on the CPU)."""
+    n = raw["input_ids"].shape[0]
+    ctx_tokens = int(raw["seq_lens"].sum())
+    floor_step = step_bytes(model, n, ctx_tokens) / bw * 1e6
+    floor_layer = layer_bytes(model, ctx_tokens) / bw * 1e6
+    rows, ref = [], None
+    for variant in variants:
+        row = {"bs": n, "variant": variant, "floor_us": floor_step, "layer_floor_us": floor_layer}
+        if variant != "current" and not fd.takes(model, raw["input_ids"], kv):
+            rows.append({**row, "note": f"bs {n} > {fd.MAX_M}: not taken (the current path runs)"})
+            continue
+        with torch.no_grad():
+            replay, outs, stable = run_step(model, kv, raw, variant, impl)
+            layer_replay, _ = graph_of(layer_fn(model, kv, raw, variant, impl))
+        ref = outs if variant == "current" else ref
+        step_us, chain_us = time_us(replay, iters), time_us(replay, max(iters // 5, 3), 10)
+        layer_us = time_us(layer_replay, iters, 10)
+        row.update(step_us=step_us, step_b2b_us=chain_us, x_floor=chain_us / floor_step,
+                   layer_us=layer_us, layer_x_floor=layer_us / floor_layer,
+                   kernels_per_step=kernels_per_step(replay), bit_stable=stable)
+        if variant != "current":
+            row.update(compare(ref, outs))
+        rows.append(row)
+        del replay, layer_replay
+    return rows
+
+
+def table_lines(rows: list[dict]) -> list[str]:
+    head = ("| bs | variant | step µs | b2b µs | x floor | layer µs | layer x floor | kernels/step "
+            "| tokens equal | hidden rel err | KV rel err | same bits |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        if "note" in r:
+            lines.append(f"| {r['bs']} | {r['variant']} | {r['note']} |")
+            continue
+        match = f"{r['tokens_equal']}/{r['tokens']}" if "tokens" in r else "ref"
+        err = lambda k: f"{r[k]:.1e}" if k in r else "-"   # noqa: E731
+        lines.append(f"| {r['bs']} | {r['variant']} | {r['step_us']:.1f} | {r['step_b2b_us']:.1f} "
+                     f"| {r['x_floor']:.2f} | {r['layer_us']:.1f} | {r['layer_x_floor']:.2f} "
+                     f"| {r['kernels_per_step']:.0f} | {match} | {err('hidden_rel_err')} "
+                     f"| {err('kv_rel_err')} | {r['bit_stable']} |")
+    return lines
+
+
+def setup(smoke: bool, device, sizes):
+    cfg = (LlamaConfig.tiny(hidden_size=80, n_heads=3, n_kv_heads=1, head_dim=32, ffn_size=72)
+           if smoke else LlamaConfig.llama_1b())
+    width = SMOKE_CTX if smoke else MAX_CTX
+    model = LlamaModel(cfg).to(device, torch.bfloat16).eval()
+    kv = KVCache(cfg.n_layers, FIRST + max(sizes) * width, cfg.n_kv_heads, cfg.head_dim, width,
+                 FIRST + max(sizes), torch.bfloat16, device)
+    for t in kv.k + kv.v:
+        t.normal_()                                     # never time on zeros
+    return model, kv
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1,16,64")
+    ap.add_argument("--variants", default="current,fused,fused+pdl,fused+pdl+warps16")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--smoke", action="store_true", help="tiny model; on CPU, interpreted, untimed")
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    variants = ["current"] + [v for v in args.variants.split(",") if v != "current"]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not args.smoke:
+        ap.error("the 1B-shaped benchmark needs a GPU; --smoke runs the tiny model on the CPU")
+    torch.manual_seed(0)
+    model, kv = setup(args.smoke, device, sizes)
+    bw = copy_bandwidth(device) if device.type == "cuda" else float("nan")
+    pdl = fd.pdl_supported(device)
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; PDL {'available' if pdl else 'unavailable'}", flush=True)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for n in sizes:
+        rows += measure_size(model, kv, make_batch(n, kv, model.cfg, gen, device), variants,
+                             args.iters, bw, "triton" if args.smoke else "auto")
+        print("\n".join(table_lines([r for r in rows if r["bs"] == n])[2:]), flush=True)
+    write(rows, bw, pdl, kv.max_context, args)
+
+
+def write(rows, bw: float, pdl: bool, width: int, args) -> None:
+    info = {**env_info(), "copy_bandwidth_tb_s": bw / 1e12, "pdl_available": pdl,
+            "max_ctx": width, "smoke": args.smoke}
+    lines = ["# Fused decode layers against the current decode step", "",
+             f"{info['gpu']}, torch {info['torch']}, triton {info['triton']}, copy bandwidth "
+             f"{bw / 1e12:.2f} TB/s, PDL {'available' if pdl else 'unavailable'}; contexts "
+             f"random in [{min(256, width - 2)}, {width - 1}). Step µs: one replay (launch included); b2b: "
+             "back-to-back replays (x floor uses it); layer: layer 0 alone, back-to-back.", "",
+             *table_lines(rows), "", f"`{info['command']}`"]
+    out = out_dir()
+    (out / "fused_decode.md").write_text("\n".join(lines) + "\n")
+    (out / "fused_decode.json").write_text(json.dumps({"env": info, "rows": rows}, indent=1))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Soak: the EAGLE main job's runner programs (prefill, draft, verify, draft-extend, decode) served
+under continuous admission for `--calls` runner calls, with every safety feature on: the canary
+(slot 1 and request row 1 of the caches, checked in every replay) and the shadow re-running every
+`--every`-th call of each runner eagerly (and the first call of every bucket).
+
+Requests arrive in waves larger than max_bs, with mixed prompt lengths, budgets and sampling
+parameters (greedy, temperature 0.7 and 1.0 with top-p / top-k / min-p), so rows and slots are
+reused all along. At the end: the runner calls, shadow-verified calls and mismatches, canary
+hits (a synchronous `canary_check` of every runner), and the device memory allocated after the
+first wave against the last (growth means something is kept per call).
+
+    python -m bench.soak [--calls 10000] [--every 50] [--tiny]
+
+Writes soak.{md,json} under $OUT (or results/local).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+import padgraph as pg
+from bench.common import env_info, out_dir
+from padgraph.llm import Engine, SpecConfig
+from padgraph.llm.models.eagle_head import EagleHead
+from padgraph.llm.models.llama import LlamaConfig, LlamaModel
+from padgraph.llm.sampling import SamplingParams
+
+MIXES = (SamplingParams(), SamplingParams(temperature=0.7, top_p=0.9),
+         SamplingParams(temperature=1.0, top_k=50), SamplingParams(temperature=1.0, min_p=0.05))
+
+
+def wave(vocab: int, n: int, gen: torch.Generator, max_prompt: int, max_new: int):
+    """n requests: random prompts and budgets, sampling parameters cycling through MIXES."""
+    lens = torch.randint(4, max_prompt, (n,), generator=gen).tolist()
+    news = torch.randint(2, max_new, (n,), generator=gen).tolist()
+    prompts = [torch.randint(1, vocab, (m,), generator=gen).tolist() for m in lens]
+    return prompts, news, [MIXES[i % len(MIXES)] for i in range(n)]
+
+
+def runner_calls(engine) -> int:
+    return sum(sum(r.stats.calls.values()) + r.stats.eager_fallbacks for r in engine._runners.values())
+
+
+def shadow_counts(engine) -> tuple[int, int]:
+    rs = engine._runners.values()
+    return sum(r.stats.shadow_calls for r in rs), sum(r.stats.shadow_mismatches for r in rs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=10000, help="runner calls to serve at least")
+    ap.add_argument("--every", type=int, default=50, help="shadow-verify every N-th call of each runner")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model (the CPU runs this)")
+    args = ap.parse_args()
+    gpu = torch.cuda.is_available() and not args.tiny
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    cfg = LlamaConfig.llama_1b() if gpu else LlamaConfig.tiny(n_layers=2)
+    dtype = torch.bfloat16 if gpu else torch.float32
+    target = LlamaModel(cfg).to(device, dtype).eval()
+    head = EagleHead(target).to(device, dtype).eval()     # random: accepts little, calls a lot
+    shadow = pg.Shadow(every=args.every, first=1, on_mismatch="log")
+    engine = Engine(target, head, SpecConfig(steps=3, topk=4, num_draft_tokens=8),
+                    backend="cuda" if device == "cuda" else "reference", max_bs=16, max_context=256,
+                    buckets=pg.Buckets.default(16), compile_options={"shadow": shadow},
+                    torch_compile=False, prefill="runner" if device == "cuda" else "eager")
+    gen = torch.Generator().manual_seed(1)
+    waves, t0, mem = 0, time.perf_counter(), []
+    while runner_calls(engine) < args.calls:
+        prompts, news, params = wave(cfg.vocab_size, 40, gen, 64, 96)
+        mode = engine.generate_spec if waves % 3 else engine.generate_greedy
+        with torch.no_grad():
+            mode(prompts, news, sampling=params)
+        waves += 1
+        if device == "cuda":
+            torch.cuda.synchronize()
+            mem.append(torch.cuda.memory_allocated())
+        print(f"wave {waves}: {runner_calls(engine)} runner calls", flush=True)
+    hits = []
+    for name, r in engine._runners.items():
+        try:
+            r.canary_check()
+        except pg.CanaryError as e:
+            hits.append(f"{name}: {e}")
+    verified, mismatches = shadow_counts(engine)
+    growth = (mem[-1] - mem[0]) if len(mem) > 1 else 0
+    res = {"env": env_info(), "calls": runner_calls(engine), "waves": waves, "seconds": time.perf_counter() - t0,
+           "shadow_every": args.every, "shadow_verified": verified, "shadow_mismatches": mismatches,
+           "canary_rows": sum(len(r._canary) for r in engine._runners.values() if r._canary is not None),
+           "canary_hits": hits, "memory_after_first_wave": mem[0] if mem else None,
+           "memory_growth_bytes": growth, "model": "llama-1b shape" if gpu else "tiny",
+           "command": "python -m bench.soak" + (" --tiny" if args.tiny else "") + f" --calls {args.calls} --every {args.every}"}
+    line = (f"soak: calls={res['calls']} waves={waves} shadow_verified={verified} mismatches={mismatches} "
+            f"canary_rows={res['canary_rows']} canary_hits={len(hits)} memory_growth={growth} bytes")
+    print(line)
+    out = out_dir()
+    (out / "soak.json").write_text(json.dumps(res, indent=1, default=str))
+    (out / "soak.md").write_text("# Soak\n\n" + line + "\n")
+
+
+if __name__ == "__main__":
+    main()

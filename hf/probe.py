@@ -1,0 +1,199 @@
+"""The Decoder's probe: before a `Decoder` serves a model, a small left-padded batch (3 ragged
+rows) is prefilled and decoded a few steps through padgraph's own path (the attention function,
+cache layout and decode body it serves with, run eagerly) and through the model's own forward
+(full recompute, HF's attention and mask, no cache); the logits must agree within the dtype's
+tolerance. Where they do not, `UnsupportedModelError` names the first decoder layer whose output
+differs (forward hooks on the layers in both runs) and the likely cause: an HF mask that is not
+causal-and-window (chunked, dynamic), or state the layer keeps that no attention call sees.
+
+The rule is structural: whatever an architecture does that padgraph does not reproduce shows in
+its tokens' logits, and is refused at `Decoder(...)` rather than served with other tokens.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+
+from .attention import Layer, Prefill
+from .cache import PagedCache
+from .errors import UnsupportedModelError
+
+ROWS, STEPS, PROMPT = 3, 3, 10
+# relative error allowed: ||ours - theirs|| / ||theirs|| per row, at the model's dtype
+# (a layer served wrongly gives O(1): a dropped sink, a missed window or state, another mask)
+TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3, torch.float16: 5e-2, torch.bfloat16: 1e-1}
+
+
+def rel_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    """max over rows of ||ours - theirs|| / ||theirs||: rows [n, ...]."""
+    a, b = ours.float().flatten(1), theirs.float().flatten(1)
+    return float(((a - b).norm(dim=1) / b.norm(dim=1).clamp(min=1e-12)).max())
+
+
+def probe_batch(vocab: int, max_len: int, device):
+    """ROWS left-padded prompts with lengths P, P - 2, P - 5 (at least 1):
+    (input_ids [ROWS, P], attention_mask [ROWS, P]), P = min(PROMPT, max_len - STEPS)."""
+    P = max(1, min(PROMPT, max_len - STEPS))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, max(vocab, 2), (ROWS, P), generator=g)
+    mask = torch.ones(ROWS, P, dtype=torch.int64)
+    for row, short in enumerate((0, 2, 5)):
+        mask[row, :min(short, P - 1)] = 0
+    return (ids * mask).to(device), mask.to(device)
+
+
+@dataclass
+class Taps:
+    """Forward hooks on the decoder layers: each forward's last-position outputs [n, H] per layer."""
+
+    layers: list
+    seen: list = field(default_factory=list)
+
+    @contextlib.contextmanager
+    def on(self):
+        hooks = [m.register_forward_hook(self.hook) for m in self.layers]
+        try:
+            yield self
+        finally:
+            for h in hooks:
+                h.remove()
+
+    def hook(self, module, args, out):
+        hidden = out[0] if isinstance(out, (tuple, list)) else out
+        if isinstance(hidden, torch.Tensor) and hidden.dim() == 3:
+            self.seen.append(hidden[:, -1].detach())
+
+
+def decoder_layers(model) -> tuple[str, list]:
+    """The decoder's layer list (its one ModuleList of modules) and its path, or ("", [])."""
+    for path, m in model.named_modules():
+        if isinstance(m, torch.nn.ModuleList) and len(m) > 0 and path.endswith("layers"):
+            return path, list(m)
+    return "", []
+
+
+@dataclass
+class MaskCheck(Prefill):
+    """A prefill that also compares, for every attention call, HF's mask with the one padgraph
+    attends with (real query rows only); the first disagreement is kept."""
+
+    differs: str | None = None
+
+    def observe(self, module, q, k, v, layer: Layer, mask, kwargs):
+        if self.differs is not None or mask is None or mask.dim() != 4:
+            return
+        ours = self.visible(layer)                                                     # [n, P, P]
+        theirs = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0           # [n, P, P]
+        rows = self.valid[:, :, None].expand_as(ours)
+        if mask.dtype != torch.bool and bool(((mask[:, 0] != 0) & (mask[:, 0] > torch.finfo(mask.dtype).min)
+                                              & rows).any()):
+            self.differs = f"layer {module.layer_idx}: HF's attention mask carries finite biases (a dynamic mask)"
+        elif theirs.shape == ours.shape and bool(((theirs != ours) & rows).any()):
+            self.differs = (f"layer {module.layer_idx}: HF's attention mask is not causal within "
+                            f"{'a sliding window of ' + str(layer.sliding_window) if layer.sliding_window else 'the request'}"
+                            f" (a chunked or other mask of its own) as padgraph's attention is")
+
+
+@contextlib.contextmanager
+def hf_masks():
+    """HF builds its masks for attention implementation "padgraph" (as for SDPA) for the probe's
+    prefill; by default it builds none for a registered function. Restored after."""
+    try:
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+        mapping = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    except (ImportError, AttributeError):    # a transformers without the interface: no mask to compare
+        yield
+        return
+    had = mapping.get("padgraph")
+    mapping["padgraph"] = sdpa_mask
+    try:
+        yield
+    finally:
+        if had is None:
+            mapping.pop("padgraph", None)
+        else:
+            mapping["padgraph"] = had
+
+
+@dataclass(frozen=True)
+class Path:
+    """padgraph's serving path, as the probe runs it: `prefill(cache, ids, mask, batch_cls)` ->
+    (logits [n, vocab], the prefill batch); `decode(x)` -> logits [n, vocab] (the decode body over
+    a raw view `x`); `serving()` the model's attention set to padgraph's."""
+
+    prefill: object
+    decode: object
+    serving: object
+
+
+def reference_logits(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The model's own last-position logits [n, vocab]: full recompute with HF's mask, positions
+    counted over real tokens as HF's generate counts them."""
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
+                 logits_to_keep=1).logits[:, -1]
+
+
+def check_decode(model, shape, path: Path, max_len: int) -> float:
+    """UnsupportedModelError unless padgraph's prefill and decode give the model's own logits
+    (within `TOLERANCE`) on a ragged left-padded probe batch over several steps; else the largest
+    relative error seen."""
+    device = next(model.parameters()).device
+    ids, mask = probe_batch(model.config.get_text_config().vocab_size, max_len, device)
+    n, P = ids.shape
+    steps = min(STEPS, max_len - P)
+    cache = PagedCache(shape, n, P + steps, device)
+    rows, lens = torch.arange(1, n + 1, device=device), mask.sum(-1)
+    ours, theirs = Taps(decoder_layers(model)[1]), Taps(decoder_layers(model)[1])
+    worst = 0.0
+    with torch.no_grad():
+        with path.serving(), hf_masks(), ours.on():
+            logits, batch = path.prefill(cache, ids, mask, MaskCheck)
+        for t in range(steps + 1):
+            with theirs.on():
+                ref = reference_logits(model, ids, mask)                               # [n, vocab]
+            worst = max(worst, judge(model, t, logits, ref, ours, theirs, batch.differs, shape.dtype))
+            if t == steps:
+                return worst
+            token = ref.argmax(-1)                                                     # [n]
+            ids, mask = torch.cat([ids, token[:, None]], 1), torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            x = SimpleNamespace(kv=cache.kv, req_to_token=cache.req_to_token, req_pool_indices=rows,
+                                positions=lens + t, input_ids=token)
+            with path.serving(), ours.on():
+                logits = path.decode(x)
+
+
+def judge(model, t: int, logits, ref, ours: Taps, theirs: Taps, mask_differs: str | None, dtype) -> float:
+    """Step t's relative error; raise naming the first differing layer if the logits differ.
+    Clears the taps."""
+    tol = TOLERANCE.get(dtype, 4e-2)
+    err = rel_error(logits, ref)
+    layer_errs = ([rel_error(a, b) for a, b in zip(ours.seen, theirs.seen)]
+                  if len(ours.seen) == len(theirs.seen) else [])
+    ours.seen.clear()
+    theirs.seen.clear()
+    if err <= tol:
+        return err
+    layers_path = decoder_layers(model)[0]
+    first = next((i for i, e in enumerate(layer_errs) if e > tol), None)
+    where = "the prefill" if t == 0 else f"decode step {t}"
+    at = (f"layer {layers_path}.{first} is the first whose output differs ({layer_errs[first]:.2g})"
+          if first is not None else "no decoder layer's output differs (the final norm or head does)")
+    raise UnsupportedModelError(
+        f"padgraph.hf.Decoder({type(model).__name__}): on a probe batch ({ROWS} left-padded rows), padgraph's "
+        f"logits differ from the model's own forward at {where} (relative error {err:.2g} > {tol:g} for "
+        f"{dtype}); {at}. Likely cause: {cause(t, mask_differs)}. Serving it would give other tokens than "
+        f"model.generate")
+
+
+def cause(t: int, mask_differs: str | None) -> str:
+    if mask_differs is not None:
+        return mask_differs
+    if t > 0:
+        return ("the layer keeps something across tokens that padgraph's attention cache does not hold "
+                "(a recurrent or convolution state, or a cache HF's layer reads in its own way)")
+    return ("the layer computes something padgraph's attention function does not reproduce (an attention "
+            "variant or keyword HF's own attention applies)")

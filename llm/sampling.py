@@ -1,0 +1,403 @@
+"""Sampling under the contract: per-request parameters, a counter-based random stream, the
+sampler (`sample`, `sampling_probs`) and exact speculative acceptance (`verify_chain_sampled`,
+`verify_tree_sampled`). Everything here is torch and graph-safe: fixed shapes from the arguments,
+no host sync, no global generator. On CUDA tensors `sample` runs the Triton kernels of
+`padgraph.backends.triton.sampling`, which return the same tokens bit for bit; under
+torch.compile `sample` and `sampling_probs` are opaque ops (their integers must not be fused).
+
+The distribution, in Hugging Face's processor order (`GenerationMixin._get_logits_processor`:
+temperature, top-k, top-p, min-p), on fp32 logits `l` of one row:
+
+1. x = l * (1 / temperature) (fp32, the reciprocal once per row: HF divides, which differs
+   in the last bit of x only). NaN counts as -inf; if any x is +inf the row's mass is
+   spread evenly over its +inf entries. d = x - max(x) <= 0.
+2. Weights in fixed point, w = floor(exp(d) * 2**40) as int64, through `fixed_exp` (a
+   polynomial of IEEE adds and multiplies, so the kernel computes the same integers; tokens with
+   exp(d) < 2**-40 weigh 0). Sums of integers do not depend on their order: every threshold
+   and the draw below are exact and identical in any implementation.
+3. top-k (k in 1..V-1): keep d >= the k-th largest d (ties at the boundary all kept, as HF's).
+4. top-p (< 1): keep d_i if the weight of the kept tokens with d > d_i is < top_p * their total
+   (fp64 comparison; the top token always stays; ties stay or go together).
+5. min-p (> 0): keep w_i >= min_p * 2**40, i.e. p_i >= min_p * p_max (fp64 comparison).
+6. The draw: r = floor(u * Z / 2**62) for Z the kept weights' sum and u 62 random bits of the
+   stream (integer arithmetic, no modulo bias); the token is the first index whose cumulative
+   weight exceeds r. Its probability is w_i / Z up to 2**-62.
+
+temperature == 0 lanes return exactly `logits.argmax(-1)` (torch's rule: the first NaN, else the
+first maximum); so does a sampled lane whose logits hold no finite or +inf value.
+
+The random stream: 64 random bits per key (seed, position, purpose, index) from splitmix64's
+finaliser (the output function of Java's SplittableRandom; over a Weyl sequence it passes
+TestU01's BigCrush) absorbing the key one 64-bit word at a time, h <- mix(h ^ word + gamma): a
+cascade of bijections, so two keys share bits only by a 2**-64 accident. Not cryptographic.
+A lane's token depends only on its logits, its parameters and its keys: the same in any row,
+batch, bucket, eager or CUDA graph.
+
+Keys. The position is the absolute position of the token being decided. A plain next token is
+(seed, position, PURPOSE_DECODE); a speculative round tests a draft at (seed, position,
+PURPOSE_ACCEPT, node) and draws a correction or the bonus at (seed, position,
+PURPOSE_RESIDUAL); a draft that samples its proposals uses PURPOSE_DRAFT with the proposed
+token's position and an index that tells its tree nodes apart. Exactness needs every decision
+to read bits no other decision read: a round only decides positions up to its first rejection
+and the next round starts after the tokens it emitted, so these keys never repeat across rounds;
+keying a draft's noise by tree node instead of position would (and biases the output).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+import padgraph as pg
+from padgraph.errors import mismatch
+from padgraph.backends.triton import sampling as kernels
+from padgraph.backends.triton.sampling import (FIXED_ONE, PURPOSE_ACCEPT, PURPOSE_DECODE,
+                                               PURPOSE_DRAFT, PURPOSE_RESIDUAL, fixed_exp,
+                                               mulhi62, random_bits)
+
+__all__ = ["SamplingParams", "PURPOSE_DECODE", "PURPOSE_ACCEPT", "PURPOSE_RESIDUAL",
+           "PURPOSE_DRAFT", "random_bits", "uniform", "sample", "sampling_probs",
+           "sampling_weights", "draw", "verify_chain_sampled", "verify_tree_sampled",
+           "fixed_exp", "FIXED_ONE", "mulhi62"]
+
+SEED_MAX = 2 ** 63 - 1
+
+
+def _bad(field: str, value, allowed: str) -> pg.ContractValueError:
+    return pg.ContractValueError(f"SamplingParams.{field} must be {allowed}; got {value!r}")
+
+
+def _number(field: str, value, kinds) -> None:
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        names = " or ".join(k.__name__ for k in kinds)
+        raise pg.ContractTypeError(f"SamplingParams.{field} must be a {names}; got {value!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples. temperature 0 is greedy (bit-identical to argmax); top_k 0,
+    top_p 1 and min_p 0 are off. seed None: the engine gives one from its own seed."""
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    max_new_tokens: int = 16
+
+    def __post_init__(self):
+        for f in ("temperature", "top_p", "min_p"):
+            _number(f, getattr(self, f), (int, float))
+        for f in ("top_k", "max_new_tokens"):
+            _number(f, getattr(self, f), (int,))
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise _bad("temperature", self.temperature, "a finite number >= 0 (0 = greedy)")
+        if self.top_k < 0:
+            raise _bad("top_k", self.top_k, "an int >= 0 (0 = off)")
+        if not 0 < self.top_p <= 1:
+            raise _bad("top_p", self.top_p, "in (0, 1] (1 = off)")
+        if not 0 <= self.min_p <= 1:
+            raise _bad("min_p", self.min_p, "in [0, 1] (0 = off)")
+        if self.seed is not None:
+            _number("seed", self.seed, (int,))
+            if not 0 <= self.seed <= SEED_MAX:
+                raise _bad("seed", self.seed, f"None or an int in [0, 2**63 - 1]")
+        if self.max_new_tokens < 1:
+            raise _bad("max_new_tokens", self.max_new_tokens, "an int >= 1")
+        if not isinstance(self.stop_token_ids, (tuple, list)) or any(
+                isinstance(t, bool) or not isinstance(t, int) or t < 0
+                for t in self.stop_token_ids):
+            raise _bad("stop_token_ids", self.stop_token_ids, "a tuple of ints >= 0")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+# ------------------------------------------------------------------------------ the stream
+
+def uniform(seed, position, purpose: int, index=0) -> torch.Tensor:
+    """Uniform fp64 in [0, 1) with 53 random bits per key (broadcast over the key tensors)."""
+    bits = random_bits(seed, position, purpose, index)
+    return ((bits >> 11) & ((1 << 53) - 1)).double() * 2.0 ** -53
+
+
+# ------------------------------------------------------------------------------- the sampler
+
+def _check(logits, params: dict, position) -> None:
+    """Shapes and dtypes only (host metadata: graph-safe); values are the caller's contract."""
+    if logits.dim() != 2:
+        raise pg.ContractValueError(mismatch("sample", "logits", "shape", "[n, V]",
+                                                tuple(logits.shape)))
+    if not logits.is_floating_point():
+        raise pg.ContractTypeError(mismatch("sample", "logits", "dtype", "a float dtype",
+                                               logits.dtype))
+    n, V = logits.shape
+    if V > kernels.V_MAX:
+        raise pg.ContractValueError(mismatch("sample", "logits", "vocabulary size",
+                                                f"<= {kernels.V_MAX}", V))
+    wanted = {"temperature": torch.float32, "top_k": torch.int32, "top_p": torch.float32,
+              "min_p": torch.float32, "seed": torch.int64, "position": torch.int64}
+    for name, t in {**params, "position": position}.items():
+        if t is None:
+            continue
+        if tuple(t.shape) != (n,):
+            raise pg.ContractValueError(mismatch("sample", name, "shape", f"[{n}]",
+                                                    tuple(t.shape)))
+        if t.dtype != wanted[name]:
+            raise pg.ContractTypeError(mismatch("sample", name, "dtype", wanted[name],
+                                                   t.dtype))
+        if t.device != logits.device:
+            raise pg.ContractValueError(mismatch("sample", name, "device", logits.device,
+                                                    t.device))
+
+
+def _scaled(logits, temperature):
+    """d = x - max(x) [n, V] fp32 (see the module doc, step 1) and whether the row has mass."""
+    inv_t = 1.0 / torch.where(temperature > 0, temperature, 1.0)          # [n] fp32, IEEE
+    x = logits.float() * inv_t[:, None]
+    x = torch.where(torch.isnan(x), float("-inf"), x)
+    pinf = (x == float("inf")).any(-1, keepdim=True)
+    x = torch.where(pinf, torch.where(x == float("inf"), 0.0, float("-inf")), x)
+    m = x.amax(-1, keepdim=True)
+    live = m > float("-inf")
+    d = torch.where(live, x - torch.where(live, m, 0.0), float("-inf"))
+    return d, live[:, 0]
+
+
+def _top_p_threshold(d_sorted, w_sorted, top_p) -> torch.Tensor:
+    """[n, 1] the smallest d kept by top-p: the kept tokens are a prefix of the sorted row, those
+    whose strictly-larger weight is < top_p * total (ties share the weight above their group)."""
+    above = w_sorted.cumsum(-1) - w_sorted                            # [n, V] exclusive
+    neg = (-d_sorted).contiguous()
+    first = torch.searchsorted(neg, neg, right=False)                 # tie group's first slot
+    above = above.gather(-1, first)
+    total = w_sorted.sum(-1, keepdim=True)
+    keep = above.double() < total.double() * top_p.double()[:, None]
+    count = keep.sum(-1, keepdim=True).clamp_min(1)
+    return d_sorted.gather(-1, count - 1)
+
+
+def sampling_weights(logits, temperature, top_k, top_p, min_p):
+    """(w [n, V] int64, the fixed-point weights `sample` draws in proportion to; live [n] bool,
+    False where a sampled row has no mass). Greedy rows' weights are computed but unused."""
+    d, live = _scaled(logits, temperature)
+    n, V = d.shape
+    w = fixed_exp(d)
+    d_sorted, order = d.sort(-1, descending=True)
+    k = torch.where((top_k > 0) & (top_k < V), top_k, V).long()
+    d_k = d_sorted.gather(-1, k[:, None] - 1)                         # [n, 1]
+    w_sorted = torch.where(d_sorted >= d_k, w.gather(-1, order), 0)
+    d_p = _top_p_threshold(d_sorted, w_sorted, top_p)
+    cut = torch.where((top_p < 1)[:, None], torch.maximum(d_p, d_k), d_k)
+    keep = (d >= cut) & (w.double() >= min_p.double()[:, None] * float(FIXED_ONE))
+    return torch.where(keep, w, 0), live
+
+
+def draw(w, u62) -> torch.Tensor:
+    """The first index whose cumulative weight exceeds floor(u62 * Z / 2**62): [n] int64 from
+    weights w [n, V] int64 (Z = their row sum < 2**62) and u62 [n] int64 in [0, 2**62)."""
+    cum = w.cumsum(-1)
+    r = mulhi62(u62, cum[:, -1])
+    return torch.searchsorted(cum, r[:, None], right=True)[:, 0].clamp_max(w.shape[1] - 1)
+
+
+def _sample_torch(logits, temperature, top_k, top_p, min_p, seed, position, purpose):
+    w, live = sampling_weights(logits, temperature, top_k, top_p, min_p)
+    u62 = (random_bits(seed, position, purpose) >> 2) & ((1 << 62) - 1)
+    token = draw(w, u62)
+    return torch.where((temperature > 0) & live, token, logits.argmax(-1))
+
+
+def _sample_eager(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor, min_p: torch.Tensor, seed: torch.Tensor,
+                  position: torch.Tensor, purpose: int, impl: str) -> torch.Tensor:
+    args = (logits, temperature, top_k, top_p, min_p, seed, position, purpose)
+    if kernels.resolve_impl(impl, logits) == "triton":
+        return kernels.sample_triton(*args)
+    return _sample_torch(*args)
+
+
+def _probs_eager(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                 top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    w, live = sampling_weights(logits, temperature, top_k, top_p, min_p)
+    probs = (w.double() / w.sum(-1, keepdim=True).clamp_min(1).double()).float()
+    onehot = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[1]).float()
+    return torch.where(((temperature > 0) & live)[:, None], probs, onehot)
+
+
+# Under torch.compile both are opaque ops, run eagerly at replay: inductor would otherwise fuse
+# the reference's multiplies and adds into FMAs and change the integers the tokens come from.
+_sample_op = torch.library.custom_op("padgraph::sample_tokens", _sample_eager, mutates_args=())
+_sample_op.register_fake(lambda logits, *args: logits.new_empty(logits.shape[0],
+                                                                dtype=torch.int64))
+_probs_op = torch.library.custom_op("padgraph::sampling_probs", _probs_eager, mutates_args=())
+_probs_op.register_fake(lambda logits, *args: logits.new_empty(logits.shape,
+                                                               dtype=torch.float32))
+
+
+def sample(logits, temperature, top_k, top_p, min_p, seed, position, purpose: int,
+           impl: str = "auto") -> torch.Tensor:
+    """Tokens [n] int64 from logits [n, V] (any float dtype) and per-lane parameters [n]
+    (temperature/top_p/min_p fp32, top_k int32, seed int64), position [n] int64 (the absolute
+    position of the token drawn), purpose a PURPOSE_* constant. The distribution and the stream
+    are the module doc's; temperature 0 lanes return exactly logits.argmax(-1). Graph-safe.
+    impl: "auto" (the Triton kernel on CUDA tensors, else torch), "triton", "torch"; both give
+    the same tokens bit for bit."""
+    params = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+    _check(logits, params, position)
+    args = (logits, temperature, top_k, top_p, min_p, seed, position, int(purpose), impl)
+    if torch.compiler.is_compiling():
+        return _sample_op(*args)
+    return _sample_eager(*args)
+
+
+def sampling_probs(logits, temperature, top_k, top_p, min_p) -> torch.Tensor:
+    """[n, V] fp32: the distribution `sample` draws from (temperature 0 lanes and rows without
+    mass: one-hot at logits.argmax(-1))."""
+    _check(logits, dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p), None)
+    args = (logits, temperature, top_k, top_p, min_p)
+    return _probs_op(*args) if torch.compiler.is_compiling() else _probs_eager(*args)
+
+
+# ---------------------------------------------------------------- speculative acceptance
+
+def _draw_probs(p, u) -> torch.Tensor:
+    """Inverse-CDF draw [n] from unnormalised probabilities p [n, V] (fp32/64, row sum > 0)
+    with uniforms u [n] fp64; a zero-probability entry is never drawn."""
+    cum = p.double().cumsum(-1)
+    idx = torch.searchsorted(cum, (u * cum[:, -1])[:, None], right=True)[:, 0]
+    return idx.clamp_max(p.shape[1] - 1)
+
+
+def _residual(p, q) -> torch.Tensor:
+    """max(p - q, 0), or p itself where that has no mass (p == q: a rejection had probability
+    0, only rounding gets here)."""
+    r = (p - q).clamp_min(0)
+    return torch.where(r.sum(-1, keepdim=True) > 0, r, p)
+
+
+def _at(t, idx) -> torch.Tensor:
+    """t [n, V] at idx [n] -> [n]."""
+    return t.gather(1, idx[:, None])[:, 0]
+
+
+def verify_chain_sampled(target_probs, draft_tokens, draft_probs, seed, positions):
+    """Speculative sampling over a chain of k drafts (MTP): (accept_len [bs] int32 = accepted
+    drafts + 1, out_tokens [bs, k+1] int64 = the accepted drafts, then the token drawn at the
+    first rejection (from norm(max(p - q, 0))) or, all accepted, the bonus drawn from the
+    target at the leaf; entries past accept_len repeat the last emitted token).
+
+    target_probs [bs, k+1, V] (`sampling_probs` of the target at each draft position and the
+    bonus's), draft_tokens [bs, k], draft_probs [bs, k, V] the draft's distribution each draft
+    was drawn from, or None: the drafts were proposed deterministically (q one-hot, so draft i
+    is accepted with probability p_i(draft)). Draft i is accepted iff u * q(c) < p(c), with u
+    from the stream at (seed [bs], positions[:, i], PURPOSE_ACCEPT); draws use PURPOSE_RESIDUAL.
+    positions [bs, k+1] int64: the absolute position of each emitted token. The emitted tokens
+    follow the target's distribution exactly, whatever the draft; greedy targets (one-hot at the
+    argmax) accept a draft iff it equals the argmax, as greedy verification does."""
+    bs, k = draft_tokens.shape
+    alive = torch.ones(bs, dtype=torch.bool, device=draft_tokens.device)
+    n_acc = torch.zeros(bs, dtype=torch.int32, device=draft_tokens.device)
+    outs = []
+    for i in range(k + 1):
+        p = target_probs[:, i].double()
+        u = uniform(seed, positions[:, i], PURPOSE_RESIDUAL)
+        if i == k:                                                   # bonus from the leaf
+            outs.append(torch.where(alive, _draw_probs(p, u), outs[-1]))
+            break
+        c = draft_tokens[:, i].long()
+        q = (torch.nn.functional.one_hot(c, p.shape[1]).double() if draft_probs is None
+             else draft_probs[:, i].double())
+        ok = uniform(seed, positions[:, i], PURPOSE_ACCEPT) * _at(q, c) < _at(p, c)
+        fix = _draw_probs(_residual(p, q), u)
+        tok = torch.where(ok, c, fix)
+        outs.append(torch.where(alive, tok, outs[-1]) if i else tok)
+        n_acc += (alive & ok).int()
+        alive = alive & ok
+    return n_acc + 1, torch.stack(outs, 1)
+
+
+def verify_tree_sampled(tokens, tree_mask, target_probs, draft_probs, seed, positions,
+                        steps: int):
+    """Speculative sampling over an EAGLE tree (recursive rejection over siblings, as SpecInfer's
+    multi-candidate verification): (accept_len [bs] int32, accept_index [bs, steps+1] int64,
+    out_tokens [bs, steps+1] int64), the same layout as `eagle.verify_greedy` (accept_index
+    repeats the last node past accept_len; out_tokens holds the emitted tokens, then repeats the
+    last one). The caller commits accept_index to the KV as for greedy verification.
+
+    tokens [bs, k] (node 0 the root), tree_mask [bs, k, k] (node i sees its ancestors), the
+    target's distribution after each node target_probs [bs, k, V] (`sampling_probs`).
+    Walking down from the root, the children of the current node are tried in node order: child
+    c is accepted iff u * q(c) < p(c), u from (seed, positions[:, depth], PURPOSE_ACCEPT, node);
+    on rejection p <- norm(max(p - q, 0)) and q <- q without c, renormalised. draft_probs None:
+    the children were proposed deterministically (the draft's top-k), q is one-hot at each
+    child in turn, so child c is accepted with probability p(c) and a rejection zeroes p(c).
+    draft_probs [bs, k, V]: the children of node i were drawn without replacement from
+    draft_probs[:, i]. If no child is accepted (or there is none), the token is drawn from the
+    residual p (PURPOSE_RESIDUAL), ending the path; after `steps` accepted levels the bonus is
+    drawn from the target at the leaf. The emitted tokens follow the target's distribution
+    exactly; a greedy target (one-hot) gives `verify_greedy`'s result."""
+    bs, k = tokens.shape
+    parent = _tree_parents(tree_mask)                                # [bs, k]
+    cur = torch.zeros(bs, dtype=torch.long, device=tokens.device)
+    alive = torch.ones(bs, dtype=torch.bool, device=tokens.device)
+    path, outs = [cur], []
+    for depth in range(steps + 1):
+        pos = positions[:, depth]
+        p, q = _row(target_probs, cur), None if draft_probs is None else _row(draft_probs, cur)
+        found, nxt = torch.zeros_like(alive), cur
+        if depth < steps:
+            found, nxt, p = _try_children(tokens, parent, cur, alive, p, q, seed, pos)
+        tok = torch.where(found, _at(tokens, nxt), _draw_probs(p, uniform(seed, pos,
+                                                                           PURPOSE_RESIDUAL)))
+        outs.append(torch.where(alive, tok, outs[-1]) if depth else tok)
+        alive, cur = alive & found, nxt
+        if depth < steps:
+            path.append(cur)
+    accept_index = torch.stack(path, 1)
+    accept_len = 1 + torch.stack(path[1:], 1).ne(torch.stack(path[:-1], 1)).sum(1)
+    return accept_len.int(), accept_index, torch.stack(outs, 1)
+
+
+def _row(t, node) -> torch.Tensor:
+    """t [bs, k, V] at node [bs] -> [bs, V] fp64."""
+    return t.gather(1, node[:, None, None].expand(-1, 1, t.shape[2]))[:, 0].double()
+
+
+def _try_children(tokens, parent, cur, alive, p, q, seed, pos):
+    """Recursive rejection over cur's children in node order: (found [bs], the accepted node
+    [bs] (cur where none), the residual target p [bs, V] after the rejections)."""
+    found, nxt = torch.zeros_like(alive), cur
+    for j in range(1, tokens.shape[1]):
+        child = (parent[:, j] == cur) & alive & ~found
+        c = tokens[:, j].long()
+        qj = torch.nn.functional.one_hot(c, p.shape[1]).double() if q is None else q
+        ok = child & (uniform(seed, pos, PURPOSE_ACCEPT, j) * _at(qj, c) < _at(p, c))
+        found, nxt = found | ok, torch.where(ok, j, nxt)
+        rej = child & ~ok
+        p = torch.where(rej[:, None], _normalised(_residual(p, qj)), p)
+        if q is not None:
+            q = torch.where(rej[:, None], _without(q, c), q)
+    return found, nxt, p
+
+
+def _tree_parents(tree_mask) -> torch.Tensor:
+    """Parent node of each node: the deepest strict ancestor in the mask, -1 if none [bs, k]."""
+    k = tree_mask.shape[1]
+    idx = torch.arange(k, device=tree_mask.device)
+    strict = tree_mask.bool() & (idx[None, :] < idx[:, None])
+    return torch.where(strict, idx, -1).amax(dim=2)
+
+
+def _normalised(p) -> torch.Tensor:
+    return p / p.sum(-1, keepdim=True)
+
+
+def _without(q, c) -> torch.Tensor:
+    """q with token c [n] removed and renormalised (q itself where nothing would remain)."""
+    r = q.scatter(1, c[:, None], 0.0)
+    s = r.sum(-1, keepdim=True)
+    return torch.where(s > 0, r / s.clamp_min(1e-300), q)

@@ -1,0 +1,54 @@
+"""padgraph.hf's `Target` as a plain (non-speculative) target of padgraph.llm's engine: the
+engine's decode program, KV layout, request-to-token table, sampler and stop tokens over an
+unmodified HF model's layers, with no draft head. Greedy tokens equal HF's `generate`; sampled
+ones follow HF's `generate(do_sample=True)` distribution (the parameters resolved from HF's
+keywords by `padgraph.hf.generation`, as `Decoder.generate` resolves them)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import padgraph.hf as pghf  # noqa: E402
+from padgraph.hf import generation  # noqa: E402
+from padgraph.llm import Engine, SpecConfig  # noqa: E402
+from sampling_stats import P_MIN, chi_square, one_thread  # noqa: E402,F401
+from test_hf_models import MAX_LEN, NEW, VOCAB, build, prompts  # noqa: E402
+from test_hf_sampling import PROMPT, SETTINGS, hf_joint, sharpened  # noqa: E402
+
+
+def engine(model, max_bs: int) -> Engine:
+    spec = SpecConfig()
+    return Engine(pghf.Target(model, MAX_LEN + spec.margin + spec.overlap_margin), None, spec,
+                  backend="reference", max_bs=max_bs, max_context=MAX_LEN + spec.margin + spec.overlap_margin)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mixtral"])
+def test_engine_decodes_an_hf_target_to_hf_greedy_tokens(name):
+    model = build(name)
+    eng = engine(model, 5)
+    ids, mask = prompts(5, seed=3)
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)[:, ids.shape[1]:]
+    reqs, _ = eng.generate_greedy([i[m.bool()].tolist() for i, m in zip(ids, mask)], [NEW] * 5)
+    assert [r.output for r in reqs] == ref.tolist()
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_engine_samples_an_hf_target_as_hf(name):
+    model, kw = sharpened(name), SETTINGS[name]
+    plan = generation.resolve(model, len(PROMPT), do_sample=True, max_new_tokens=2, **kw)
+    eng = engine(model, 64)
+    joint, pairs = hf_joint(model, **kw), []
+    for call in range(40):
+        seeds = generation.row_seeds(64, seed=call)
+        params = [dataclasses.replace(plan.params, seed=int(s)) for s in seeds]
+        reqs, _ = eng.generate_greedy([PROMPT] * 64, [2] * 64, sampling=params)
+        pairs += [r.output for r in reqs]
+    pairs = torch.tensor(pairs)
+    counts = torch.bincount(pairs[:, 0] * VOCAB + pairs[:, 1], minlength=VOCAB * VOCAB)
+    stat, df, p = chi_square(counts, joint.reshape(-1))
+    assert p >= P_MIN, f"{name}: the engine's joint of 2 tokens against HF's: chi2={stat:.1f} df={df} p={p:.2e}"

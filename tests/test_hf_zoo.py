@@ -1,0 +1,214 @@
+"""Every decoder-only causal LM this transformers ships, as a tiny random model (`hf_zoo`): padgraph.hf
+decodes it to `model.generate(do_sample=False)`'s very tokens (bs 1, 3 and 5, left-padded prompts,
+prompts plus new tokens longer than its sliding windows, attention chunks and convolution kernels),
+or refuses it at `Decoder(...)` with a message naming a real cause. Never wrong tokens, never a raw
+error.
+
+docs/hf_models.md lists each architecture's outcome; it is generated from this sweep
+(`python tests/test_hf_zoo.py --write`), and each test checks its architecture against it, so a
+served model that becomes refused (or the reverse) fails here.
+
+By default a representative subset runs: one architecture per mechanism served or refused (about a
+minute on 2 cores). PADGRAPH_HF_SWEEP=all runs every architecture (about 10 minutes on 2 cores).
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import padgraph.hf as pghf  # noqa: E402
+
+import hf_zoo  # noqa: E402
+from test_hf_models import prompts  # noqa: E402
+
+DOC = Path(__file__).parents[1] / "docs" / "hf_models.md"
+NEW, MAX_LEN, ROWS = 10, 32, (1, 3, 5)
+REPRESENTATIVE = [      # one per mechanism: plain, sinks, two calls a layer, MLA, per-layer widths, fused
+    "llama", "gpt_oss", "diffllama", "deepseek_v3", "gemma4_text", "gpt2",     # q/k/v; chunked and dynamic masks,
+    "llama4_text", "doge", "lfm2", "nemotron", "mamba", "qwen3_next"]           # short convs, kwargs not passed on,
+#                                                                                 SSMs, gated delta nets
+CAUSES = {   # a refusal's short cause -> the words of padgraph's message that say it
+    "state kept across tokens": "keeps state across tokens",
+    "model's own mask": "HF's attention mask",
+    "attention keyword not applied": "to the attention function; padgraph",
+    "keywords not passed to attention": "without the keyword arguments",
+    "no attention interface": "_supports_attention_backend",
+    "no attention call": "no layer called",
+    "logits differ on the probe": "padgraph's logits differ",
+    "needs what HF builds for its own attention": "fails with padgraph's attention function",
+    "probe fails through padgraph's path": "fails through padgraph's path",
+}
+
+
+@dataclass(frozen=True)
+class Outcome:
+    model_type: str
+    status: str          # served / refused / not built (the tiny config this sweep gives is invalid)
+    cause: str = ""
+    message: str = ""
+
+    def row(self) -> str:
+        msg = re.sub(r"\d+\.\d+(e-?\d+)?", "…", self.message).replace("|", "/")
+        return f"| `{self.model_type}` | {self.status} | {self.cause} | {msg} |"
+
+
+def cause_of(message: str) -> str:
+    """The first cause whose words the message holds (a mask or state cause over the probe's)."""
+    return next((c for c, words in CAUSES.items() if words in message), "")
+
+
+def tiny_model(model_type: str):
+    """hf_zoo's model, one whose own generate runs: as many KV heads as heads where 2 fail (MLA)."""
+    ids, mask = prompts(3, seed=3)
+    for overrides in ({}, {"num_key_value_heads": 4}):
+        try:
+            model = hf_zoo.build_type(model_type, **overrides)
+            with torch.no_grad():
+                model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=2)
+            return model
+        except Exception:
+            if overrides:
+                raise
+
+
+def outcome(model_type: str) -> Outcome:
+    """Decoder(...) and generate at bs 1 / 3 / 5 against HF's; raw errors propagate."""
+    try:                            # the sweep's tiny config, not padgraph: recorded, not judged
+        model = tiny_model(model_type)
+    except Exception as e:
+        return Outcome(model_type, "not built", "", f"{type(e).__name__}: {(str(e) or '?').splitlines()[0][:120]}")
+    try:
+        dec = pghf.Decoder(model, max_batch=max(ROWS), max_len=MAX_LEN, backend="reference")
+    except pghf.UnsupportedModelError as e:
+        return Outcome(model_type, "refused", cause_of(str(e)), str(e).split(": ", 1)[-1][:300])
+    for n in ROWS:
+        ids, mask = prompts(n, seed=n)
+        with torch.no_grad():
+            ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
+        ours = dec.generate(ids, attention_mask=mask, max_new_tokens=NEW)
+        if ours.tolist() != ref.tolist():
+            return Outcome(model_type, "WRONG TOKENS", "", f"bs {n}")
+    return Outcome(model_type, "served")
+
+
+def outcome_or_error(model_type: str) -> Outcome:
+    """`outcome`, a raw error recorded as one (for the doc; the test fails on it)."""
+    try:
+        return outcome(model_type)
+    except Exception as e:
+        return Outcome(model_type, "RAW ERROR", "", f"{type(e).__name__}: {(str(e) or '?').splitlines()[0][:160]}")
+
+
+def documented() -> dict[str, tuple[str, str]]:
+    """model_type -> (status, cause) as docs/hf_models.md lists them, where it was generated with
+    this transformers (another version's architectures may differ: then nothing to compare)."""
+    text = DOC.read_text() if DOC.exists() else ""
+    if f"(transformers {transformers.__version__})" not in text:
+        return {}
+    rows = re.findall(r"^\| `([^`]+)` \| ([^|]+) \| ([^|]*) \|", text, re.M)
+    return {t: (s.strip(), c.strip()) for t, s, c in rows}
+
+
+def selected() -> list[str]:
+    everything = hf_zoo.architectures()
+    if os.environ.get("PADGRAPH_HF_SWEEP") == "all":
+        return everything
+    return [t for t in REPRESENTATIVE if t in everything]
+
+
+@pytest.mark.parametrize("model_type", selected())
+def test_served_exactly_or_refused_with_a_cause(model_type):
+    got = outcome(model_type)
+    if got.status == "not built":
+        pytest.skip(f"{model_type}: the sweep's tiny config does not build here ({got.message})")
+    assert got.status != "WRONG TOKENS", f"{model_type}: tokens differ from HF's generate at {got.message}"
+    if got.status == "refused":
+        assert got.cause, f"{model_type}: refused without a cause this sweep knows: {got.message}"
+    doc = documented()
+    if model_type in doc:
+        assert doc[model_type] == (got.status, got.cause), (
+            f"{model_type}: docs/hf_models.md says {doc[model_type]}, the sweep gives {(got.status, got.cause)}; "
+            f"regenerate with `python tests/test_hf_zoo.py --write` if the change is meant")
+
+
+def write_doc() -> None:
+    """docs/hf_models.md from a sweep of every architecture."""
+    outcomes = [outcome_or_error(t) for t in hf_zoo.architectures()]
+    served = [o for o in outcomes if o.status == "served"]
+    refused = [o for o in outcomes if o.status == "refused"]
+    lines = [
+        "# Hugging Face architectures and padgraph.hf",
+        "",
+        f"Generated by `python tests/test_hf_zoo.py --write` (transformers {transformers.__version__}); "
+        "`tests/test_hf_zoo.py` checks each row. Each architecture is a tiny random model built from its config "
+        f"(`tests/hf_zoo.py`): **served** means `padgraph.hf.Decoder` gives `model.generate(do_sample=False)`'s "
+        f"tokens at batch sizes 1, 3 and 5 with left padding, {NEW} new tokens past prompts of 3 to 12, beyond "
+        "sliding windows, attention chunks and convolution kernels of 4; **refused** means `Decoder(...)` raised "
+        "`UnsupportedModelError` with the cause shown; **not built** means this sweep's tiny config is not valid "
+        "for the architecture (not judged).",
+        "",
+        f"{len(served)} served, {len(refused)} refused, {len(outcomes) - len(served) - len(refused)} not built "
+        f"of {len(outcomes)}.",
+        "",
+        "| model type | outcome | cause | message |",
+        "|---|---|---|---|",
+        *[o.row() for o in outcomes],
+        "",
+    ]
+    DOC.write_text("\n".join(lines))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--write"]:
+        sys.exit("usage: python tests/test_hf_zoo.py --write")
+    write_doc()
+
+
+@pytest.mark.parametrize("model_type", ["diffllama", pytest.param("gpt_oss", marks=pytest.mark.skipif(
+    os.environ.get("PADGRAPH_HF_SWEEP") != "all", reason="a full sweep's (PADGRAPH_HF_SWEEP=all): ~2 min on 2 cores"))])
+def test_compiled_regions_serve_two_calls_a_layer_and_sinks(model_type):
+    """torch_compile=True (decoder layers as compiled regions): a layer calling attention twice
+    keeps its two cache sites apart, and sink logits stay applied."""
+    model = tiny_model(model_type)
+    dec = pghf.Decoder(model, max_batch=3, max_len=MAX_LEN, backend="reference", torch_compile=True)
+    for n in (3, 1):
+        ids, mask = prompts(n, seed=n + 30)
+        with torch.no_grad():
+            ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
+        assert dec.generate(ids, attention_mask=mask, max_new_tokens=NEW).tolist() == ref.tolist(), model_type
+
+
+def test_cache_sites_follow_what_the_layers_hand_attention():
+    """The cache is sized from the calls, not the config's head_dim: MLA's keys wider than its
+    values, Gemma 4's full layers wider than its sliding ones, two sites for a layer that calls
+    attention twice."""
+    mla = pghf.Decoder(tiny_model("deepseek_v3"), max_batch=2, max_len=16, backend="reference", probe=False)
+    assert {(s.k_dim, s.v_dim) for s in mla.cache.shape.sites} == {(24, 16)}
+    gemma4 = pghf.Decoder(tiny_model("gemma4_text"), max_batch=2, max_len=16, backend="reference", probe=False)
+    assert len({s.k_dim for s in gemma4.cache.shape.sites}) == 2, gemma4.cache.shape
+    diff = pghf.Decoder(tiny_model("diffllama"), max_batch=2, max_len=16, backend="reference", probe=False)
+    assert [s.layer_idx for s in diff.cache.shape.sites] == [0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("model_type", ["gemma4_text", "diffllama", "gpt_oss"])
+def test_triton_decode_kernel_path_on_the_variants(model_type):
+    """The GPU path's attention (the Triton paged decode kernel, interpreted on the CPU): per-layer
+    head widths and two sites a layer through the kernel; sink logits, which the kernel does not
+    apply, through the torch path. HF generate's tokens."""
+    import functools
+    from padgraph.backends.triton import attention_decode
+    model = tiny_model(model_type)
+    dec = pghf.Decoder(model, max_batch=3, max_len=MAX_LEN, backend="reference")
+    dec.body.kernel = functools.partial(attention_decode.decode_attention, impl="triton")   # as on a GPU
+    ids, mask = prompts(3, seed=11)
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6)
+    assert dec.generate(ids, attention_mask=mask, max_new_tokens=6).tolist() == ref.tolist()

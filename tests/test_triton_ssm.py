@@ -1,0 +1,409 @@
+"""Slot-indexed recurrent-state kernels (Mamba2 SSM update and scan, causal conv window) against
+their torch references, on awkward sizes (Triton interpreted on CPU), and at a Mamba2-1B-like
+shape on a GPU, replayed from CUDA graphs.
+
+Besides the values, every case checks the pool contract the kernels keep: padded lanes (slot 0,
+the sink) write only slot 0, rows no lane owns are bitwise untouched, raw lanes' rows equal an
+unpadded run's, and a new request in a reused slot never reads the leftovers (filled with nan).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from padgraph.backends.triton.conv_state import (conv_state_prefill, conv_state_prefill_reference,
+                                                 conv_state_update, conv_state_update_reference)
+from padgraph.backends.triton import ssm
+from padgraph.backends.triton.ssm import (ssm_chunked_scan, ssm_chunked_scan_reference, ssm_decode_update,
+                                          ssm_decode_update_reference)
+
+N_SLOTS = 9
+
+
+def _ssm_params(n_heads, head_dim, d_state, n_groups, n, seed, device="cpu", dtype=torch.float32, extras=True):
+    """Per-token inputs [n, ...] and per-head parameters of a Mamba2 mixer, seeded."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)   # noqa: E731
+    p = {"x": r(n, n_heads, head_dim), "dt": r(n, n_heads) - 1.0, "A": -torch.rand(n_heads, generator=g) * 4,
+         "B": r(n, n_groups, d_state), "C": r(n, n_groups, d_state)}
+    if extras:
+        p.update(D=r(n_heads), z=r(n, n_heads, head_dim), dt_bias=r(n_heads) * 0.5)
+    return {k: (v.to(dtype) if k in ("x", "B", "C", "z") else v).to(device) for k, v in p.items()}
+
+
+def _pool(shape, seed, device="cpu", dtype=torch.float32):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
+
+
+def _slots(n_raw, n_pad, seed, device="cpu"):
+    """Distinct live slots in 1..N_SLOTS-1 for the raw lanes, the sink 0 for the padded ones."""
+    live = torch.randperm(N_SLOTS - 1, generator=torch.Generator().manual_seed(seed))[:n_raw] + 1
+    return torch.cat([live, torch.zeros(n_pad, dtype=torch.int64)]).to(device)
+
+
+def _assert_pool(after, before, owned, want_owned, case, tol=None):
+    """Owned rows equal `want_owned` (within `tol`, default by dtype), the sink is free, every other
+    row is bitwise untouched."""
+    owned = owned.tolist()
+    others = [r for r in range(1, after.shape[0]) if r not in owned]
+    assert torch.equal(after[others], before[others]), f"rows no lane owns were written [{case}]"
+    torch.testing.assert_close(after[owned].float(), want_owned.float(), rtol=tol, atol=tol,
+                               msg=lambda m: f"{m} [{case}]")
+
+
+# ---- ssm_decode_update --------------------------------------------------------------------------
+DECODE_SIZES = [  # n_heads, head_dim, d_state, n_groups, raw lanes, padded lanes
+    (1, 3, 5, 1, 1, 0), (2, 7, 16, 1, 3, 2), (3, 37, 9, 3, 5, 3), (4, 5, 13, 2, 3, 1), (2, 16, 8, 2, 1, 4)]
+
+
+@pytest.mark.parametrize("extras", [False, True], ids=["plain", "D-z-bias"])
+@pytest.mark.parametrize("size", DECODE_SIZES, ids=lambda s: "h{}p{}n{}g{}-raw{}pad{}".format(*s))
+def test_ssm_decode_matches_reference_and_pads_write_only_the_sink(size, extras):
+    n_heads, head_dim, d_state, n_groups, n_raw, n_pad = size
+    n = n_raw + n_pad
+    p = _ssm_params(n_heads, head_dim, d_state, n_groups, n, seed=n * 7 + head_dim, extras=extras)
+    slot = _slots(n_raw, n_pad, seed=head_dim)
+    pool = _pool((N_SLOTS, n_heads, head_dim, d_state), seed=d_state)
+    got_pool, ref_pool = pool.clone(), pool.clone()
+    y = ssm_decode_update(got_pool, slot, impl="triton", **p)
+    y_ref = ssm_decode_update_reference(ref_pool, slot, **p)
+    case = f"size={size} extras={extras}"
+    torch.testing.assert_close(y[:n_raw], y_ref[:n_raw], msg=lambda m: f"{m} [{case}]")
+    _assert_pool(got_pool, pool, slot[:n_raw], ref_pool[slot[:n_raw]], case)
+    # the raw lanes' rows are bitwise those of the same call without its padded lanes
+    exact_pool = pool.clone()
+    y_exact = ssm_decode_update(exact_pool, slot[:n_raw], impl="triton", **{k: v[:n_raw] if v.shape[0] == n and
+                                                                             v.dim() > 1 else v for k, v in p.items()})
+    assert torch.equal(got_pool[slot[:n_raw]], exact_pool[slot[:n_raw]]), case
+    assert torch.equal(y[:n_raw], y_exact), case
+
+
+def test_ssm_decode_softplus_limits_and_low_precision_state():
+    """dt through softplus (large values take the identity) then a clamp; a bf16 pool and bf16 x."""
+    p = _ssm_params(3, 6, 10, 1, 4, seed=1, dtype=torch.bfloat16)
+    p["dt"] = torch.tensor([[-30.0, 0.1, 25.0]] * 4)
+    slot = _slots(4, 0, seed=2)
+    pool = _pool((N_SLOTS, 3, 6, 10), seed=3, dtype=torch.bfloat16)
+    for lim in ((0.0, float("inf")), (0.01, 0.5)):
+        got_pool, ref_pool = pool.clone(), pool.clone()
+        y = ssm_decode_update(got_pool, slot, dt_limit=lim, impl="triton", **p)
+        y_ref = ssm_decode_update_reference(ref_pool, slot, dt_limit=lim, **p)
+        assert y.dtype == torch.bfloat16 and got_pool.dtype == torch.bfloat16
+        torch.testing.assert_close(y, y_ref, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(got_pool.float(), ref_pool.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_ssm_decode_reference_is_the_mamba2_recurrence():
+    """The reference against the formula written out for one lane, head by head (no broadcasting)."""
+    p = _ssm_params(4, 3, 5, 2, 1, seed=4)
+    pool = _pool((N_SLOTS, 4, 3, 5), seed=5)
+    h0 = pool[6].clone()
+    y = ssm_decode_update_reference(pool, torch.tensor([6]), **p)
+    for h in range(4):
+        g = h // 2
+        dt = F.softplus(p["dt"][0, h] + p["dt_bias"][h])
+        new = h0[h] * torch.exp(dt * p["A"][h]) + dt * torch.outer(p["x"][0, h], p["B"][0, g])
+        torch.testing.assert_close(pool[6, h], new)
+        want = (new @ p["C"][0, g] + p["D"][h] * p["x"][0, h]) * F.silu(p["z"][0, h])
+        torch.testing.assert_close(y[0, h], want)
+
+
+def test_mamba1_a_per_state_decode_and_scan_match_the_reference_and_the_formula():
+    """Mamba1 (Jamba): a channel per head (head_dim 1), A [channels, d_state], B / C one group."""
+    n_ch, d_state, n = 11, 16, 5
+    p = _ssm_params(n_ch, 1, d_state, 1, n, seed=21)
+    p["A"] = -torch.rand(n_ch, d_state, generator=torch.Generator().manual_seed(22)) * 3
+    slot, pool = _slots(3, 2, seed=23), _pool((N_SLOTS, n_ch, 1, d_state), seed=24)
+    got, ref = pool.clone(), pool.clone()
+    y = ssm_decode_update(got, slot, impl="triton", **p)
+    torch.testing.assert_close(y[:3], ssm_decode_update_reference(ref, slot, **p)[:3])
+    _assert_pool(got, pool, slot[:3], ref[slot[:3]], "mamba1 decode")
+    dt = F.softplus(p["dt"][0] + p["dt_bias"])                                    # [n_ch]
+    new = pool[slot[0], :, 0] * torch.exp(dt[:, None] * p["A"]) + (dt * p["x"][0, :, 0])[:, None] * p["B"][0]
+    torch.testing.assert_close(got[slot[0], :, 0], new)
+    cu, has_init = torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([True, False])
+    got, ref = pool.clone(), pool.clone()
+    torch.testing.assert_close(ssm_chunked_scan(got, slot[:2], cu, has_init, impl="triton", **p),
+                               ssm_chunked_scan_reference(ref, slot[:2], cu, has_init, **p))
+    _assert_pool(got, pool, slot[:2], ref[slot[:2]], "mamba1 scan")
+    with pytest.raises(ValueError, match="method='chunked' needs one A per head"):
+        ssm_chunked_scan(got, slot[:2], cu, has_init, method="chunked", **p)
+
+
+# ---- ssm_chunked_scan ---------------------------------------------------------------------------
+def _packed(lengths, n_pad_seq, n_pad_tok, device="cpu"):
+    """cu_seqlens of sequences `lengths` then n_pad_seq empty padded ones (edge-padded), and the
+    token count with n_pad_tok padded tokens past the last sequence."""
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()] + [sum(lengths)] * n_pad_seq, dtype=torch.int32)
+    return cu.to(device), sum(lengths) + n_pad_tok
+
+
+SCAN_CASES = [  # n_heads, head_dim, d_state, n_groups, lengths, has_initial_state, padded seqs, padded tokens
+    (1, 3, 5, 1, [4], [False], 0, 0),
+    (2, 7, 16, 2, [1, 5, 0], [True, False, True], 2, 3),
+    (3, 37, 9, 1, [6, 2], [False, True], 1, 2),
+    (2, 5, 13, 1, [3, 1, 4, 2, 1], [True, True, False, False, True], 3, 1),
+    (2, 6, 16, 2, [70, 33, 32], [True, False, True], 1, 4),          # several chunks, a partial last one
+]
+
+
+@pytest.mark.parametrize("method", ssm.SCAN_METHODS)
+@pytest.mark.parametrize("case", SCAN_CASES,
+                         ids=lambda c: "h{}p{}n{}g{}-len{}".format(*c[:4], "_".join(map(str, c[4]))))
+def test_ssm_scan_matches_reference_with_fresh_and_continued_slots(case, method):
+    n_heads, head_dim, d_state, n_groups, lengths, init, n_pad_seq, n_pad_tok = case
+    cu, n_tok = _packed(lengths, n_pad_seq, n_pad_tok)
+    p = _ssm_params(n_heads, head_dim, d_state, n_groups, n_tok, seed=n_tok)
+    slot = _slots(len(lengths), n_pad_seq, seed=head_dim)
+    has_init = torch.tensor(init + [False] * n_pad_seq)
+    pool = _pool((N_SLOTS, n_heads, head_dim, d_state), seed=d_state)
+    for s, fresh in enumerate(init):                 # a reused slot: the old occupant's leftovers
+        if not fresh:
+            pool[slot[s]] = float("nan")
+    got_pool, ref_pool = pool.clone(), pool.clone()
+    y = ssm_chunked_scan(got_pool, slot, cu, has_init, method=method, impl="triton", **p)
+    y_ref = ssm_chunked_scan_reference(ref_pool, slot, cu, has_init, **p)
+    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4, msg=lambda m: f"{m} [{case} {method}]")
+    assert not y[: sum(lengths)].isnan().any() and (y[sum(lengths):] == 0).all(), case
+    _assert_pool(got_pool, pool, slot[: len(lengths)], ref_pool[slot[: len(lengths)]], f"{case} {method}", tol=1e-4)
+
+
+@pytest.mark.parametrize("method", ssm.SCAN_METHODS)
+def test_ssm_scan_then_decode_equals_one_longer_scan(method):
+    """Prefill of a prompt then decode steps leave the same state and outputs as prefilling it all:
+    the two ops compute one recurrence."""
+    n_heads, head_dim, d_state, steps = 2, 5, 7, 3
+    p = _ssm_params(n_heads, head_dim, d_state, 1, 6 + steps, seed=9)
+    slot = torch.tensor([4])
+    pool = _pool((N_SLOTS, n_heads, head_dim, d_state), seed=10)
+    whole = pool.clone()
+    y_all = ssm_chunked_scan(whole, slot, torch.tensor([0, 6 + steps], dtype=torch.int32), torch.tensor([False]),
+                             method=method, impl="triton", **p)
+    split = pool.clone()
+    head = {k: v[:6] if v.dim() > 1 else v for k, v in p.items()}
+    y_head = ssm_chunked_scan(split, slot, torch.tensor([0, 6], dtype=torch.int32), torch.tensor([False]),
+                              method=method, impl="triton", **head)
+    ys = [ssm_decode_update(split, slot, impl="triton", **{k: v[t:t + 1] if v.dim() > 1 else v for k, v in p.items()})
+          for t in range(6, 6 + steps)]
+    torch.testing.assert_close(torch.cat([y_head, *ys]), y_all)
+    torch.testing.assert_close(split, whole)
+
+
+@pytest.mark.parametrize("tile", [16, 64])
+def test_ssm_kernels_split_head_dim_into_blocks_with_a_partial_last_one(monkeypatch, tile):
+    """Small tiles: head_dim 37 at d_state 8 runs as blocks of 2 or 8 rows (the chunked scan: 16),
+    the last one partial."""
+    monkeypatch.setattr(ssm, "DECODE_TILE", tile)
+    monkeypatch.setattr(ssm, "SCAN_TILE", tile)
+    monkeypatch.setattr(ssm, "CHUNK_P", 16)
+    n_heads, head_dim, d_state = 2, 37, 8
+    p = _ssm_params(n_heads, head_dim, d_state, 1, 4, seed=11)
+    slot, pool = _slots(3, 1, seed=12), _pool((N_SLOTS, n_heads, head_dim, d_state), seed=13)
+    got, ref = pool.clone(), pool.clone()
+    torch.testing.assert_close(ssm_decode_update(got, slot, impl="triton", **p)[:3],
+                               ssm_decode_update_reference(ref, slot, **p)[:3])
+    _assert_pool(got, pool, slot[:3], ref[slot[:3]], f"decode tile={tile}")
+    cu, has_init = torch.tensor([0, 3, 4, 4], dtype=torch.int32), torch.tensor([True, False, False])
+    for method in ssm.SCAN_METHODS:
+        got, ref = pool.clone(), pool.clone()
+        torch.testing.assert_close(ssm_chunked_scan(got, slot[:3], cu, has_init, method=method, impl="triton", **p),
+                                   ssm_chunked_scan_reference(ref, slot[:3], cu, has_init, **p))
+        _assert_pool(got, pool, slot[:3], ref[slot[:3]], f"scan tile={tile} {method}")
+
+
+# ---- conv window --------------------------------------------------------------------------------
+CONV_SIZES = [(3, 2, 1, 0), (11, 3, 3, 2), (37, 4, 5, 3), (16, 4, 1, 4)]   # d, k, raw lanes, padded lanes
+
+
+@pytest.mark.parametrize("activation", [None, "silu"])
+@pytest.mark.parametrize("size", CONV_SIZES, ids=lambda s: "d{}k{}-raw{}pad{}".format(*s))
+def test_conv_update_matches_reference_and_pads_write_only_the_sink(size, activation):
+    d, k, n_raw, n_pad = size
+    g = torch.Generator().manual_seed(d * k)
+    x, w, bias = torch.randn(n_raw + n_pad, d, generator=g), torch.randn(d, k, generator=g), torch.randn(d, generator=g)
+    slot = _slots(n_raw, n_pad, seed=d)
+    pool = _pool((N_SLOTS, d, k - 1), seed=k)
+    got_pool, ref_pool = pool.clone(), pool.clone()
+    out = conv_state_update(got_pool, slot, x, w, bias, activation, impl="triton")
+    out_ref = conv_state_update_reference(ref_pool, slot, x, w, bias, activation)
+    torch.testing.assert_close(out[:n_raw], out_ref[:n_raw])
+    _assert_pool(got_pool, pool, slot[:n_raw], ref_pool[slot[:n_raw]], f"{size} {activation}")
+    # the window holds the last k - 1 inputs: its newest entry is x, the rest moved one left
+    assert torch.equal(got_pool[slot[:n_raw], :, -1], x[:n_raw])
+    assert torch.equal(got_pool[slot[:n_raw], :, :-1], pool[slot[:n_raw], :, 1:])
+
+
+CONV_SCAN_CASES = [  # d, k, lengths, has_initial_state, padded seqs, padded tokens
+    (3, 2, [4], [False], 0, 0),
+    (11, 4, [1, 2, 0, 7], [True, True, True, False], 2, 3),
+    (37, 3, [20, 1], [False, True], 1, 5),
+    (5, 4, [2, 1, 3], [False, False, True], 0, 1),
+]
+
+
+@pytest.mark.parametrize("activation", [None, "silu"])
+@pytest.mark.parametrize("case", CONV_SCAN_CASES,
+                         ids=lambda c: "d{}k{}-len{}".format(c[0], c[1], "_".join(map(str, c[2]))))
+def test_conv_prefill_matches_reference_and_conv1d(case, activation):
+    d, k, lengths, init, n_pad_seq, n_pad_tok = case
+    cu, n_tok = _packed(lengths, n_pad_seq, n_pad_tok)
+    g = torch.Generator().manual_seed(n_tok)
+    x, w, bias = torch.randn(n_tok, d, generator=g), torch.randn(d, k, generator=g), torch.randn(d, generator=g)
+    slot = _slots(len(lengths), n_pad_seq, seed=d)
+    has_init = torch.tensor(init + [False] * n_pad_seq)
+    pool = _pool((N_SLOTS, d, k - 1), seed=k)
+    for s, keep in enumerate(init):
+        if not keep:
+            pool[slot[s]] = float("nan")            # a reused slot's leftovers: never read
+    got_pool, ref_pool = pool.clone(), pool.clone()
+    out = conv_state_prefill(got_pool, slot, cu, has_init, x, w, bias, activation, impl="triton")
+    out_ref = conv_state_prefill_reference(ref_pool, slot, cu, has_init, x, w, bias, activation)
+    torch.testing.assert_close(out, out_ref)
+    _assert_pool(got_pool, pool, slot[: len(lengths)], ref_pool[slot[: len(lengths)]], str(case))
+    for s, (lo, hi) in enumerate(zip(cu.tolist()[:-1], cu.tolist()[1: len(lengths) + 1])):
+        history = pool[slot[s]] if init[s] else torch.zeros(d, k - 1)
+        stream = torch.cat([history, x[lo:hi].T], dim=1)                          # [d, k - 1 + length]
+        if hi > lo:
+            want = F.conv1d(stream[None], w[:, None, :], bias, groups=d)[0].T
+            torch.testing.assert_close(out[lo:hi], F.silu(want) if activation else want)
+        torch.testing.assert_close(got_pool[slot[s]], stream[:, -(k - 1):])
+    assert (out[sum(lengths):] == 0).all()
+
+
+def test_conv_prefill_then_updates_equal_one_longer_prefill():
+    d, k, n, steps = 13, 4, 5, 3
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(n + steps, d, generator=g), torch.randn(d, k, generator=g)
+    slot, pool = torch.tensor([2]), _pool((N_SLOTS, d, k - 1), seed=1)
+    whole, split = pool.clone(), pool.clone()
+    out_all = conv_state_prefill(whole, slot, torch.tensor([0, n + steps], dtype=torch.int32), torch.tensor([True]),
+                                 x, w, impl="triton")
+    out_head = conv_state_prefill(split, slot, torch.tensor([0, n], dtype=torch.int32), torch.tensor([True]),
+                                  x[:n], w, impl="triton")
+    outs = [conv_state_update(split, slot, x[t:t + 1], w, impl="triton") for t in range(n, n + steps)]
+    torch.testing.assert_close(torch.cat([out_head, *outs]), out_all)
+    torch.testing.assert_close(split, whole)
+
+
+# ---- argument checks ----------------------------------------------------------------------------
+def test_bad_shapes_are_refused_with_the_expected_shape():
+    p = _ssm_params(4, 3, 5, 2, 2, seed=0)
+    pool = torch.zeros(N_SLOTS, 4, 3, 5)
+    with pytest.raises(ValueError, match=r"slot must be \[2\] int32/int64"):
+        ssm_decode_update(pool, torch.zeros(3, dtype=torch.int64), **p)
+    with pytest.raises(ValueError, match="n_groups dividing n_heads=4"):
+        ssm_decode_update(pool, torch.zeros(2, dtype=torch.int64), **dict(p, B=torch.zeros(2, 3, 5)))
+    with pytest.raises(ValueError, match=r"A must be contiguous \[n_heads=4\]"):
+        ssm_decode_update(pool, torch.zeros(2, dtype=torch.int64), **dict(p, A=torch.zeros(4, 3)))
+    with pytest.raises(ValueError, match=r"x must be \(2, 4, 3\)"):
+        ssm_decode_update(pool, torch.zeros(2, dtype=torch.int64), **dict(p, x=torch.zeros(2, 4, 4)))
+    with pytest.raises(ValueError, match=r"has_initial_state must be \[1\] bool"):
+        ssm_chunked_scan(pool, torch.zeros(1, dtype=torch.int64), torch.tensor([0, 2], dtype=torch.int32),
+                         torch.tensor([1]), **p)
+    with pytest.raises(ValueError, match=r"weight must be \[d=6, k=4\]"):
+        conv_state_update(torch.zeros(N_SLOTS, 6, 3), torch.zeros(1, dtype=torch.int64), torch.zeros(1, 6),
+                          torch.zeros(6, 1, 4))
+    with pytest.raises(ValueError, match="method must be one of"):
+        ssm_chunked_scan(pool, torch.zeros(1, dtype=torch.int64), torch.tensor([0, 2], dtype=torch.int32),
+                         torch.tensor([True]), method="parallel", **p)
+    with pytest.raises(ValueError, match="k >= 2"):
+        conv_state_update(torch.zeros(N_SLOTS, 6, 0), torch.zeros(1, dtype=torch.int64), torch.zeros(1, 6),
+                          torch.zeros(6, 1))
+
+
+# ---- GPU: a Mamba2-1B-like layer, eager and replayed from CUDA graphs ------------------------------
+MAMBA2_1B = dict(n_heads=32, head_dim=64, d_state=128, n_groups=1)
+CONV_DIM, CONV_K = 32 * 64 + 2 * 128, 4        # x, B and C go through the conv in Mamba2
+
+
+def _replay_with_new_data(fn, inputs: dict, fresh: dict):
+    """Capture fn(**inputs) in a CUDA graph, copy `fresh` into the inputs, replay: the outputs."""
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(**{k: v.clone() for k, v in inputs.items()})     # warm-up: compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(**inputs)
+    for k, v in fresh.items():
+        inputs[k].copy_(v)
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n_raw,n_pad", [(1, 0), (13, 3), (60, 4)])
+def test_cuda_ssm_decode_at_a_1b_shape_in_a_cuda_graph(n_raw, n_pad):
+    dev, n = torch.device("cuda"), n_raw + n_pad
+    shape = (80, MAMBA2_1B["n_heads"], MAMBA2_1B["head_dim"], MAMBA2_1B["d_state"])
+    pool = _pool(shape, seed=0, device=dev)
+    p = _ssm_params(**MAMBA2_1B, n=n, seed=1, device=dev, dtype=torch.bfloat16)
+    slot = (torch.randperm(79)[:n_raw] + 1).to(dev)
+    slot = torch.cat([slot, torch.zeros(n_pad, dtype=torch.int64, device=dev)])
+    inputs = {"state": pool, "slot": slot, **p}
+    new_p = _ssm_params(**MAMBA2_1B, n=n, seed=2, device=dev, dtype=torch.bfloat16)
+    new_slot = torch.cat([(torch.randperm(79)[:n_raw] + 1).to(dev), slot[n_raw:]])
+    before = pool.clone()
+    ref_pool = before.clone()
+    y = _replay_with_new_data(lambda **a: ssm_decode_update(**a, impl="triton"), inputs, {"slot": new_slot, **new_p})
+    y_ref = ssm_decode_update_reference(ref_pool, new_slot, **new_p)
+    torch.testing.assert_close(y[:n_raw].float(), y_ref[:n_raw].float(), rtol=2e-2, atol=2e-2)
+    _assert_pool(pool, before, new_slot[:n_raw], ref_pool[new_slot[:n_raw]], f"graph n={n}", tol=1e-3)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("method", ssm.SCAN_METHODS)
+def test_cuda_ssm_scan_and_conv_prefill_at_a_1b_shape_in_a_cuda_graph(method):
+    dev = torch.device("cuda")
+    lengths, n_pad_seq = [1, 100, 513, 37], 4
+    cu, n_tok = _packed(lengths, n_pad_seq, 11, device=dev)
+    slot = torch.tensor([5, 17, 2, 40] + [0] * n_pad_seq, device=dev)
+    has_init = torch.tensor([True, False, True, False] + [False] * n_pad_seq, device=dev)
+    shape = (48, MAMBA2_1B["n_heads"], MAMBA2_1B["head_dim"], MAMBA2_1B["d_state"])
+    pool, before = _pool(shape, seed=3, device=dev), None
+    before = pool.clone()
+    p = _ssm_params(**MAMBA2_1B, n=n_tok, seed=4, device=dev, dtype=torch.bfloat16)
+    fresh = _ssm_params(**MAMBA2_1B, n=n_tok, seed=5, device=dev, dtype=torch.bfloat16)
+    inputs = {"state": pool, "slot": slot, "cu_seqlens": cu, "has_initial_state": has_init, **p}
+    y = _replay_with_new_data(lambda **a: ssm_chunked_scan(**a, method=method, impl="triton"), inputs, fresh)
+    ref_pool = before.clone()
+    y_ref = ssm_chunked_scan_reference(ref_pool, slot, cu, has_init, **fresh)
+    torch.testing.assert_close(y.float(), y_ref.float(), rtol=3e-2, atol=3e-2)
+    _assert_pool(pool, before, slot[:4], ref_pool[slot[:4]], f"ssm scan graph {method}", tol=1e-3)
+
+    conv_pool = _pool((48, CONV_DIM, CONV_K - 1), seed=6, device=dev, dtype=torch.bfloat16)
+    conv_before = conv_pool.clone()
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(CONV_DIM, CONV_K, generator=g).to(dev)
+    x = torch.randn(n_tok, CONV_DIM, generator=g).to(dev, torch.bfloat16)
+    inputs = {"conv_state": conv_pool, "slot": slot, "cu_seqlens": cu, "has_initial_state": has_init, "x": x,
+              "weight": w}
+    x_new = torch.randn(n_tok, CONV_DIM, generator=g).to(dev, torch.bfloat16)
+    out = _replay_with_new_data(lambda **a: conv_state_prefill(**a, activation="silu", impl="triton"), inputs,
+                                {"x": x_new})
+    ref_conv = conv_before.clone()
+    out_ref = conv_state_prefill_reference(ref_conv, slot, cu, has_init, x_new, w, activation="silu")
+    torch.testing.assert_close(out.float(), out_ref.float(), rtol=2e-2, atol=2e-2)
+    _assert_pool(conv_pool, conv_before, slot[:4], ref_conv[slot[:4]], "conv prefill graph", tol=2e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n_raw,n_pad", [(1, 0), (29, 3)])
+def test_cuda_conv_update_at_a_1b_shape_in_a_cuda_graph(n_raw, n_pad):
+    dev, n = torch.device("cuda"), n_raw + n_pad
+    pool = _pool((80, CONV_DIM, CONV_K - 1), seed=0, device=dev, dtype=torch.bfloat16)
+    before = pool.clone()
+    g = torch.Generator().manual_seed(1)
+    w, bias = torch.randn(CONV_DIM, CONV_K, generator=g).to(dev), torch.randn(CONV_DIM, generator=g).to(dev)
+    slot = torch.cat([(torch.randperm(79)[:n_raw] + 1), torch.zeros(n_pad, dtype=torch.int64)]).to(dev)
+    inputs = {"conv_state": pool, "slot": slot, "x": torch.randn(n, CONV_DIM, device=dev, dtype=torch.bfloat16)}
+    new = {"slot": torch.cat([(torch.randperm(79)[:n_raw] + 1).to(dev), slot[n_raw:]]),
+           "x": torch.randn(n, CONV_DIM, device=dev, dtype=torch.bfloat16)}
+    out = _replay_with_new_data(lambda **a: conv_state_update(**a, weight=w, bias=bias, activation="silu",
+                                                              impl="triton"), inputs, new)
+    ref_pool = before.clone()
+    out_ref = conv_state_update_reference(ref_pool, new["slot"], new["x"], w, bias, "silu")
+    torch.testing.assert_close(out[:n_raw].float(), out_ref[:n_raw].float(), rtol=2e-2, atol=2e-2)
+    _assert_pool(pool, before, new["slot"][:n_raw], ref_pool[new["slot"][:n_raw]], f"conv graph n={n}", tol=2e-2)
