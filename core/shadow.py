@@ -191,7 +191,7 @@ def _first_difference(a: torch.Tensor, b: torch.Tensor, spec: Shadow, skip_rows:
         rtol = rtol if spec.rtol is None else spec.rtol
         atol = atol if spec.atol is None else spec.atol
         a64, b64 = a.double(), b.double()
-        bad = ~((a64 - b64).abs() <= atol + rtol * b64.abs()) & ~(a64.isnan() & b64.isnan()) & (a64 != b64)
+        bad = ~((a64 - b64).abs() <= atol + rtol * _row_scale(b64)) & ~(a64.isnan() & b64.isnan()) & (a64 != b64)
     else:
         bad = bit_view(a) != bit_view(b)
     if skip_rows and bad.dim() > 0:
@@ -199,6 +199,20 @@ def _first_difference(a: torch.Tensor, b: torch.Tensor, spec: Shadow, skip_rows:
     if not bool(bad.any()):
         return None
     return tuple(bad.nonzero()[0].tolist())
+
+
+def _row_scale(b: torch.Tensor) -> torch.Tensor:
+    """Each element's magnitude for the relative tolerance: the largest finite |value| of its row
+    of dim 0 (a 0-d or 1-d tensor: the element's own). A GEMM picked by row count (the padded run
+    has more rows than the exact one) rounds a dot product to within its terms' scale, not its
+    result's: an element that cancels to near zero may differ by many of its own ulps (bf16 K
+    rows on a GPU did, at 15 rows against 16), while a padding bug moves a value by the row's
+    scale, which this still catches."""
+    mag = b.abs().nan_to_num(0.0, posinf=0.0, neginf=0.0)
+    if b.dim() < 2:
+        return mag
+    rows = mag.reshape(b.shape[0], -1).amax(1)                     # [rows]
+    return torch.maximum(mag, rows.view(-1, *([1] * (b.dim() - 1))))
 
 
 def _row(lane: tuple, t: torch.Tensor) -> str:

@@ -167,7 +167,7 @@ def test_cuda_graph_checks_every_replay():
         return {"y": x.val * 2}
 
     bad = pg.compile(prog, clamped, backend="cuda", state={"kv": kv_pool("cuda")})
-    with pytest.raises(pg.CanaryError, match=r"kv\[\d\] row 1.*compile"):
+    with pytest.raises(pg.CanaryError, match=r"canary row 1 of kv\[\d\].*at compile"):
         bad(**{k: v.cuda() for k, v in raw(4, g).items()})   # compile's all-pad warm-up runs wrote it
     for n in (4, 8):
         bad(**{k: v.cuda() for k, v in raw(n, g).items()})

@@ -231,3 +231,18 @@ def test_a_shadowed_call_that_raises_leaves_earlier_outputs_stale_not_changed():
     with pytest.raises(pg.StaleOutputError, match="call 1"):
         first.y.sum()
     assert r(h=torch.ones(3, 3) * 2).y.tolist() == [[2.0] * 3] * 3      # not sampled: still usable
+
+
+def test_float_tolerance_is_relative_to_the_rows_scale():
+    """A GEMM picked by row count rounds an element that cancels to near zero by many of its own
+    ulps (bf16 K rows on a GPU, 15 rows against 16): within the row's scale, no finding. A row a
+    padded lane overwrote differs by the row's scale: a finding, naming that row."""
+    from padgraph.shadow import Shadow, _first_difference
+    b = torch.tensor([[0.5, -0.25, 0.002, 0.125], [0.3, 0.1, -0.2, 0.05]], dtype=torch.bfloat16)
+    a = b.clone()
+    a[0, 2] = 0.0027                                   # ~90 of its own ulps, 0.1 % of the row's max
+    assert _first_difference(a, b, Shadow()) is None
+    a[1] = torch.tensor([0.31, -0.4, 0.7, 0.05], dtype=torch.bfloat16)   # a row rewritten
+    assert _first_difference(a, b, Shadow())[0] == 1
+    v = torch.tensor([0.002, 0.5], dtype=torch.bfloat16)                  # 1-d: each element's own scale
+    assert _first_difference(v + torch.tensor([0.0007, 0.0], dtype=torch.bfloat16), v, Shadow()) == (0,)
