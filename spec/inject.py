@@ -271,7 +271,7 @@ def write_page(out: Path, rows: list[dict], text: str, args) -> None:
             "did not; `n/a`: it does not apply to that kind of fault. The clean column must read",
             "\"no alarm\" everywhere: a detector that flags a correct program is a false alarm.", "",
             f"- date: {env['date']}", f"- GPU: {gpu}", f"- versions: torch {env['torch']}, triton {env['triton']}",
-            f"- command (repo root): `{command}`", ""]
+            f"- command (repo root): `{command}`", "", ""]
     (out / "fault_injection.md").write_text("\n".join(head) + text + "\n")
 
 
