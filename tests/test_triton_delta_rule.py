@@ -17,6 +17,7 @@ from padgraph.backends.triton import delta_rule
 from padgraph.backends.triton.delta_rule import (delta_rule_decode_update, delta_rule_decode_update_reference,
                                                  delta_rule_prefill, delta_rule_prefill_reference)
 from padgraph.errors import ContractTypeError, ContractValueError
+from graph_replay import replay_with_new_data as _replay_with_new_data
 
 N_SLOTS = 9
 PER_TOKEN = ("q", "k", "v", "g", "beta")
@@ -318,22 +319,6 @@ def test_bad_arguments_are_refused_naming_the_op_argument_and_what_is_allowed():
 QWEN3_NEXT = dict(n_k_heads=16, n_v_heads=32, dk=128, dv=128)   # linear_num_{key,value}_heads, *_head_dim
 
 
-def _replay_with_new_data(fn, inputs: dict, fresh: dict):
-    """Capture fn(**inputs) in a CUDA graph, copy `fresh` into the inputs, replay: the outputs."""
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn(**{k: v.clone() for k, v in inputs.items()})     # warm-up: compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn(**inputs)
-    for k, v in fresh.items():
-        inputs[k].copy_(v)
-    graph.replay()
-    torch.cuda.synchronize()
-    return out
 
 
 @pytest.mark.cuda

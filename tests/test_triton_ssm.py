@@ -15,6 +15,7 @@ from padgraph.backends.triton.conv_state import (conv_state_prefill, conv_state_
 from padgraph.backends.triton import ssm
 from padgraph.backends.triton.ssm import (ssm_chunked_scan, ssm_chunked_scan_reference, ssm_decode_update,
                                           ssm_decode_update_reference)
+from graph_replay import replay_with_new_data as _replay_with_new_data
 
 N_SLOTS = 9
 
@@ -315,22 +316,6 @@ MAMBA2_1B = dict(n_heads=32, head_dim=64, d_state=128, n_groups=1)
 CONV_DIM, CONV_K = 32 * 64 + 2 * 128, 4        # x, B and C go through the conv in Mamba2
 
 
-def _replay_with_new_data(fn, inputs: dict, fresh: dict):
-    """Capture fn(**inputs) in a CUDA graph, copy `fresh` into the inputs, replay: the outputs."""
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn(**{k: v.clone() for k, v in inputs.items()})     # warm-up: compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn(**inputs)
-    for k, v in fresh.items():
-        inputs[k].copy_(v)
-    graph.replay()
-    torch.cuda.synchronize()
-    return out
 
 
 @pytest.mark.cuda

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .kv import resolve_impl
+from .ssm import _check_packed
 
 ACTIVATIONS = (None, "silu")
 
@@ -221,14 +222,7 @@ def conv_state_prefill(conv_state, slot, cu_seqlens, has_initial_state, x, weigh
     owns `conv_state[slot[s]]` (read first when `has_initial_state[s]`, else zeros; then its last
     k - 1 inputs). Returns out [n_tok, d]; tokens past cu_seqlens[-1] get 0."""
     _check(conv_state, x, weight, bias, activation)
-    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
-        raise ValueError(f"cu_seqlens must be [n_seq + 1]; got {tuple(cu_seqlens.shape)}")
-    n_seq = cu_seqlens.shape[0] - 1
-    _check_index("cu_seqlens", cu_seqlens, n_seq + 1)
-    _check_index("slot", slot, n_seq)
-    if has_initial_state.shape != (n_seq,) or has_initial_state.dtype != torch.bool:
-        raise ValueError(f"has_initial_state must be [{n_seq}] bool; got {tuple(has_initial_state.shape)} "
-                         f"{has_initial_state.dtype}")
+    n_seq = _check_packed(cu_seqlens, slot, has_initial_state)
     if resolve_impl(impl, conv_state, slot, cu_seqlens, x, weight) == "torch":
         return conv_state_prefill_reference(conv_state, slot, cu_seqlens, has_initial_state, x, weight, bias,
                                             activation)
