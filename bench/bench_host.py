@@ -149,7 +149,9 @@ def profile(runner) -> str:
         runner(**raw)
     prof.disable()
     s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
+    stats = pstats.Stats(prof, stream=s)
+    stats.strip_dirs()                  # file names only: no machine's paths in the results
+    stats.sort_stats("tottime").print_stats(18)
     return s.getvalue()[:6000]
 
 

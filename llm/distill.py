@@ -11,7 +11,7 @@ head memorises a small corpus (H200, random 1B target: held-out top-1 0.63 after
 against 0.86 for the untrained passthrough; kept at step 15, 0.874). Weights are saved locally
 only.
 
-    python -m padgraph.llm.distill --model tiny --out /tmp/eagle_tiny.pt
+    python -m padgraph.llm.distill --model tiny --out eagle_tiny.pt
 
 The same script distils the DeepSeek MTP-style head (`--model ds-tiny | ds-lite`): any target
 with `forward_dense(tokens) -> (logits, hidden)` and any `DraftHead` (EagleHead, MTPHead).

@@ -17,7 +17,7 @@ from padgraph.backends.triton import delta_rule
 from padgraph.backends.triton.delta_rule import (delta_rule_decode_update, delta_rule_decode_update_reference,
                                                  delta_rule_prefill, delta_rule_prefill_reference)
 from padgraph.errors import ContractTypeError, ContractValueError
-from graph_replay import replay_with_new_data as _replay_with_new_data
+from recurrent_cases import packed as _packed, replay_with_new_data as _replay_with_new_data
 
 N_SLOTS = 9
 PER_TOKEN = ("q", "k", "v", "g", "beta")
@@ -132,13 +132,6 @@ def test_decode_with_a_low_precision_pool_and_inputs():
 
 
 # ---- delta_rule_prefill ---------------------------------------------------------------------------
-def _packed(lengths, n_pad_seq, n_pad_tok, device="cpu"):
-    """cu_seqlens of sequences `lengths` then n_pad_seq empty padded ones (edge-padded), and the
-    token count with n_pad_tok padded tokens past the last sequence."""
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()] + [sum(lengths)] * n_pad_seq, dtype=torch.int32)
-    return cu.to(device), sum(lengths) + n_pad_tok
-
-
 PREFILL_CASES = [  # n_k_heads, n_v_heads, dk, dv, lengths, has_initial_state, padded seqs, padded tokens
     (1, 1, 3, 5, [4], [False], 0, 0),
     (2, 4, 7, 16, [1, 5, 0], [True, False, True], 2, 3),

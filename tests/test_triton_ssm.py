@@ -15,7 +15,7 @@ from padgraph.backends.triton.conv_state import (conv_state_prefill, conv_state_
 from padgraph.backends.triton import ssm
 from padgraph.backends.triton.ssm import (ssm_chunked_scan, ssm_chunked_scan_reference, ssm_decode_update,
                                           ssm_decode_update_reference)
-from graph_replay import replay_with_new_data as _replay_with_new_data
+from recurrent_cases import packed as _packed, replay_with_new_data as _replay_with_new_data
 
 N_SLOTS = 9
 
@@ -131,13 +131,6 @@ def test_mamba1_a_per_state_decode_and_scan_match_the_reference_and_the_formula(
 
 
 # ---- ssm_chunked_scan ---------------------------------------------------------------------------
-def _packed(lengths, n_pad_seq, n_pad_tok, device="cpu"):
-    """cu_seqlens of sequences `lengths` then n_pad_seq empty padded ones (edge-padded), and the
-    token count with n_pad_tok padded tokens past the last sequence."""
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()] + [sum(lengths)] * n_pad_seq, dtype=torch.int32)
-    return cu.to(device), sum(lengths) + n_pad_tok
-
-
 SCAN_CASES = [  # n_heads, head_dim, d_state, n_groups, lengths, has_initial_state, padded seqs, padded tokens
     (1, 3, 5, 1, [4], [False], 0, 0),
     (2, 7, 16, 2, [1, 5, 0], [True, False, True], 2, 3),

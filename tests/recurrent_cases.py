@@ -1,4 +1,5 @@
-"""Kernel tests' CUDA-graph check: capture a call, feed it new data, replay."""
+"""Helpers of the recurrent kernels' tests (SSM, conv window, delta rule): packed sequences, and the
+CUDA-graph check (capture a call, feed it new data, replay)."""
 import torch
 
 
@@ -18,3 +19,10 @@ def replay_with_new_data(fn, inputs: dict, fresh: dict):
     graph.replay()
     torch.cuda.synchronize()
     return out
+
+
+def packed(lengths, n_pad_seq, n_pad_tok, device="cpu"):
+    """cu_seqlens of sequences `lengths` then n_pad_seq empty padded ones (edge-padded), and the
+    token count with n_pad_tok padded tokens past the last sequence."""
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()] + [sum(lengths)] * n_pad_seq, dtype=torch.int32)
+    return cu.to(device), sum(lengths) + n_pad_tok
