@@ -6,10 +6,12 @@ under continuous admission for `--calls` runner calls, with every safety feature
 Requests arrive in waves larger than max_bs, with mixed prompt lengths, budgets and sampling
 parameters (greedy, temperature 0.7 and 1.0 with top-p / top-k / min-p), so rows and slots are
 reused all along. At the end: the runner calls, shadow-verified calls and mismatches, canary
-hits (a synchronous `canary_check` of every runner), and the device memory allocated after the
-first wave against the last (growth means something is kept per call).
+hits (a synchronous `canary_check` of every runner), and the device memory allocated after each
+wave: its growth from the first wave to the last, and from the first wave after the last CUDA
+graph was captured (a bucket first reached late captures its graph then) to the last; growth
+after the last capture means something is kept per call.
 
-    python -m bench.soak [--calls 10000] [--every 50] [--tiny]
+    python -m bench.soak [--calls 10000] [--every 50] [--dtypes bf16,fp32] [--tiny]
 
 Writes soak.{md,json} under $OUT (or results/local).
 """
@@ -49,26 +51,25 @@ def shadow_counts(engine) -> tuple[int, int]:
     return sum(r.stats.shadow_calls for r in rs), sum(r.stats.shadow_mismatches for r in rs)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--calls", type=int, default=10000, help="runner calls to serve at least")
-    ap.add_argument("--every", type=int, default=50, help="shadow-verify every N-th call of each runner")
-    ap.add_argument("--tiny", action="store_true", help="a tiny model (the CPU runs this)")
-    args = ap.parse_args()
+def captures(engine) -> int:
+    return sum(len(r.stats.capture) for r in engine._runners.values())
+
+
+def soak(args, dtype: torch.dtype, exact: bool) -> dict:
+    """One soak at `dtype` with the shadow's exact comparison on or off: its result record."""
     gpu = torch.cuda.is_available() and not args.tiny
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     cfg = LlamaConfig.llama_1b() if gpu else LlamaConfig.tiny(n_layers=2)
-    dtype = torch.bfloat16 if gpu else torch.float32
     target = LlamaModel(cfg).to(device, dtype).eval()
     head = EagleHead(target).to(device, dtype).eval()     # random: accepts little, calls a lot
-    shadow = pg.Shadow(every=args.every, first=1, on_mismatch="log")
+    shadow = pg.Shadow(every=args.every, first=1, on_mismatch="log", exact=exact)
     engine = Engine(target, head, SpecConfig(steps=3, topk=4, num_draft_tokens=8),
                     backend="cuda" if device == "cuda" else "reference", max_bs=16, max_context=256,
                     buckets=pg.Buckets.default(16), compile_options={"shadow": shadow},
                     torch_compile=False, prefill="runner" if device == "cuda" else "eager")
     gen = torch.Generator().manual_seed(1)
-    waves, t0, mem = 0, time.perf_counter(), []
+    waves, t0, mem, caps = 0, time.perf_counter(), [], []
     while runner_calls(engine) < args.calls:
         prompts, news, params = wave(cfg.vocab_size, 40, gen, 64, 96)
         mode = engine.generate_spec if waves % 3 else engine.generate_greedy
@@ -78,6 +79,7 @@ def main() -> None:
         if device == "cuda":
             torch.cuda.synchronize()
             mem.append(torch.cuda.memory_allocated())
+            caps.append(captures(engine))
         print(f"wave {waves}: {runner_calls(engine)} runner calls", flush=True)
     hits = []
     for name, r in engine._runners.items():
@@ -87,18 +89,51 @@ def main() -> None:
             hits.append(f"{name}: {e}")
     verified, mismatches = shadow_counts(engine)
     growth = (mem[-1] - mem[0]) if len(mem) > 1 else 0
-    res = {"env": env_info(), "calls": runner_calls(engine), "waves": waves, "seconds": time.perf_counter() - t0,
+    settled = next((i for i in range(len(caps)) if caps[i] == caps[-1]), 0)   # first wave after the last capture
+    steady = (mem[-1] - mem[settled]) if mem else 0
+    res = {"dtype": str(dtype).removeprefix("torch."), "shadow_exact": exact,
+           "calls": runner_calls(engine), "waves": waves, "seconds": time.perf_counter() - t0,
            "shadow_every": args.every, "shadow_verified": verified, "shadow_mismatches": mismatches,
            "canary_rows": sum(len(r._canary) for r in engine._runners.values() if r._canary is not None),
            "canary_hits": hits, "memory_after_first_wave": mem[0] if mem else None,
-           "memory_growth_bytes": growth, "model": "llama-1b shape" if gpu else "tiny",
-           "command": "python -m bench.soak" + (" --tiny" if args.tiny else "") + f" --calls {args.calls} --every {args.every}"}
-    line = (f"soak: calls={res['calls']} waves={waves} shadow_verified={verified} mismatches={mismatches} "
-            f"canary_rows={res['canary_rows']} canary_hits={len(hits)} memory_growth={growth} bytes")
-    print(line)
+           "memory_growth_bytes": growth, "memory_per_wave": mem, "graphs_captured_per_wave": caps,
+           "steady_from_wave": settled + 1, "memory_growth_after_last_capture_bytes": steady,
+           "model": "llama-1b shape" if gpu else "tiny"}
+    res["line"] = (f"soak {res['dtype']} exact={exact}: calls={res['calls']} waves={waves} shadow_verified={verified} "
+                   f"mismatches={mismatches} canary_rows={res['canary_rows']} canary_hits={len(hits)} "
+                   f"memory_growth={growth} bytes (after the last capture, waves {settled + 1}..{waves}: {steady} bytes)")
+    print(res["line"], flush=True)
+    del engine, target, head
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+DTYPES = {"bf16": (torch.bfloat16, False), "fp32": (torch.float32, True)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=10000, help="runner calls to serve at least, per dtype")
+    ap.add_argument("--every", type=int, default=50, help="shadow-verify every N-th call of each runner")
+    ap.add_argument("--dtypes", default="bf16,fp32",
+                    help="comma-separated, each a soak of its own: bf16 (the shadow's exact comparison off, "
+                         "SPEC 7.8: bf16 GEMMs round by row count and the draft's top-k meets near ties) "
+                         "and fp32 (exact comparison on); the CPU's --tiny soak runs fp32 only")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model (the CPU runs this)")
+    args = ap.parse_args()
+    names = [d for d in args.dtypes.split(",") if d]
+    if not names or any(d not in DTYPES for d in names):
+        ap.error(f"--dtypes: a comma-separated subset of {sorted(DTYPES)}; got {args.dtypes!r}")
+    if args.tiny or not torch.cuda.is_available():
+        names = ["fp32"]
+    runs = [soak(args, *DTYPES[d]) for d in names]
+    command = ("python -m bench.soak" + (" --tiny" if args.tiny else "") + f" --calls {args.calls} "
+               f"--every {args.every} --dtypes {','.join(names)}")
+    res = {"env": env_info(), "command": command, "runs": runs}
     out = out_dir()
     (out / "soak.json").write_text(json.dumps(res, indent=1, default=str))
-    (out / "soak.md").write_text("# Soak\n\n" + line + "\n")
+    (out / "soak.md").write_text("# Soak\n\n" + "\n".join(f"- {r['line']}" for r in runs) + "\n")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,11 @@ twice more on the same device from a copy of the bound state as the call found i
      from a raw buffer, a padded lane writing a non-sink row, a body reading lanes past an extent:
      each makes the padded run differ from the exact one.
 
+The second comparison assumes a raw lane is computed the same at any batch size, up to the
+dtype's tolerance: a bf16 body whose GEMMs are chosen by row count and that takes a discrete
+choice (argmax, top-k) on a near tie can differ there with no padded lane involved; such a body
+is shadowed with `exact=False` (SPEC 7.8).
+
 Both compare only what the contract makes deterministic: outputs on raw lanes, and every state
 row except sink rows (rule 7.4) and the padded rows [n, bucket) of batch-ordered state (7.7),
 where padded lanes may write anything (noise, or the racy result of a scatter of many padded
@@ -49,7 +54,9 @@ class Shadow:
 
     every: verify every N-th call of the runner (after `first`); first: the first K calls of each
     bucket are verified; on_mismatch: "raise" (pg.ShadowMismatch), "log" (a logging error) or a
-    callable taking the ShadowMismatch; exact: also compare with the exact run (no padded lane);
+    callable taking the ShadowMismatch; exact: also compare with the exact run (no padded lane;
+    False for a body that rounds differently by batch size and takes discrete choices on the
+    result, e.g. a bf16 draft's top-k: SPEC 7.8);
     rtol / atol: float tolerance (default by dtype: compiled bodies and GEMMs picked by shape may
     round differently in the last bits)."""
 

@@ -9,6 +9,15 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# pytest-xdist workers share the machine's cores: each takes its share of intra-op threads (and
+# so do the subprocesses it starts: the conformance runs). Without it every worker runs as many
+# OpenMP threads as there are cores, and on a busy 2-core machine the spinning threads of two
+# workers (and anything else running) make small-op tests many times slower.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    torch.set_num_threads(_threads)
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

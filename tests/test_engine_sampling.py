@@ -430,7 +430,7 @@ JOINT = SP(temperature=0.03, top_k=3)
 @pytest.mark.parametrize("rule", ["rejection", "draws", "support-only"])
 def test_eagle_joint_distribution_of_the_first_tokens_is_the_targets(models, rule, monkeypatch):
     """The first three tokens (the prefill's draw, then a round's accepted drafts and residual
-    or bonus draw) of 800 requests with seeds 0..799, against the exact joint of sampling from
+    or bonus draw) of 400 requests with seeds 0..399, against the exact joint of sampling from
     the target (27 outcomes: top-k 3 at a temperature where the three differ): chi-square
     p >= 1e-3 for both exact rules with a draft that proposes the target's own top-2 (long
     accepted paths and rejections both), and p < 1e-3 for a rule that accepts any child the
@@ -443,5 +443,5 @@ def test_eagle_joint_distribution_of_the_first_tokens_is_the_targets(models, rul
                spec_sampling="draws" if rule == "draws" else "rejection")
     prompt = _prompts(target.cfg.vocab_size)[0]
     exact = _exact_joint(target, prompt, JOINT, 3)
-    p = _p_value(_joint_counts(w, prompt, JOINT, 800, 3), exact)
+    p = _p_value(_joint_counts(w, prompt, JOINT, 400, 3), exact)
     assert (p >= P_MIN) == (rule != "support-only"), f"{rule}: p = {p:.2e}"

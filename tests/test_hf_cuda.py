@@ -96,12 +96,16 @@ def test_cuda_sampled_tokens_equal_the_eager_reference(name, torch_compile):
     kw = dict(do_sample=True, temperature=0.9, top_k=20, top_p=0.9, min_p=0.02, max_new_tokens=NEW)
     graph = pghf.Decoder(model, max_batch=5, max_len=MAX_LEN, backend="cuda", torch_compile=torch_compile)
     eager = pghf.Decoder(model, max_batch=5, max_len=MAX_LEN, backend="reference")
+    other = []
     for n in (1, 3, 5):
         ids, mask = (t.cuda() for t in prompts(n, seed=n))
         ours = graph.generate(ids, attention_mask=mask, seed=n, **kw)
         assert ours.tolist() == eager.generate(ids, attention_mask=mask, seed=n, **kw).tolist(), \
             f"{name} bs {n}: sampled tokens differ between the CUDA graph and the eager reference"
-        assert ours.tolist() != graph.generate(ids, attention_mask=mask, seed=n + 100, **kw).tolist()
+        other.append(ours.tolist() != graph.generate(ids, attention_mask=mask, seed=n + 100, **kw).tolist())
+    # another seed draws other tokens somewhere (a peaked tiny model, e.g. gemma2's at bs 1, may
+    # draw the same ten tokens from two seeds: its nucleus there is often one token wide)
+    assert any(other), f"{name}: seeds n and n + 100 drew the same tokens at every batch size"
 
 
 def test_cuda_eagle_samples_with_the_seed():

@@ -2,9 +2,10 @@
 Triton's real compiler (TTIR -> TTGIR -> LLVM -> PTX -> cubin), with no GPU: the interpreter the
 other CPU tests use runs the kernels' Python and would not catch code the compiler rejects.
 Runs in a subprocess (TRITON_INTERPRET must be unset before triton is imported) with a fresh
-cache; skipped where this Triton has no NVIDIA backend or ptxas. The kernels are built in four
-groups (`GROUPS`), one subprocess each, so that pytest-xdist spreads about two CPU-minutes of
-compiler time over its workers."""
+cache; skipped where this Triton has no NVIDIA backend or ptxas. The kernels are built in groups
+(`GROUPS`), one subprocess each, so that pytest-xdist spreads the compiler time over its workers.
+A group leaves once its kernels have run in the cuda tests on a GPU (the MLA kernels' did:
+tests/test_cuda_mla.py)."""
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ SCRIPT = textwrap.dedent('''
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from padgraph.backends.triton import attention_decode as ad, attention_mla_decode as am
+    from padgraph.backends.triton import attention_decode as ad
     from padgraph.backends.triton import topk as tk
 
     def build(kernel, types, constexprs, num_warps=4):
@@ -33,20 +34,6 @@ SCRIPT = textwrap.dedent('''
     dec = {n: "*bf16" for n in ("Q", "K", "V", "Out")}
     dec.update({"ReqToToken": "*i32", "ReqPoolIdx": "*i32", "SeqLens": "*i32", "TreeMask": "*u8",
                 "MidO": "*fp32", "MidLse": "*fp32", "Counters": "*i32", "sm_scale": "fp32"})
-    mla = {"Q": "*bf16", "KV": "*bf16", "Out": "*bf16", "ReqToToken": "*i32", "ReqPoolIdx": "*i32",
-           "SeqLens": "*i32", "QoIndptr": "*i32", "TreeMask": "*u8", "MidO": "*fp32",
-           "MidLse": "*fp32", "Counters": "*i32", "sm_scale": "fp32"}
-    for mode, nq in ((0, 1), (1, 8), (2, 1)):       # decode, tree verify, causal extend
-        if GROUP != f"mla-mode{mode}":
-            continue
-        for ahead, split_c in ((1, False), (0, False), (1, True)):  # slots in the loop; halves
-            build(am._mla_kernel, mla, dict(NUM_Q=nq, MODE=mode, UPCAST=False, BLOCK_H=16,
-                  BLOCK_N=32, BLOCK_C=512, BLOCK_R=64, MERGE_UNROLL=2, SLOTS_AHEAD=ahead,
-                  SPLIT_C=split_c))
-        # the keys-major kernel: Hopper warp-group MMAs (16 rows at decode, 32 over 8 warps)
-        build(am._mla_keys_major_kernel, mla, dict(NUM_Q=nq, MODE=mode, UPCAST=False,
-              BLOCK_H=16 if mode == 0 else 32, BLOCK_N=64, BLOCK_C=512, BLOCK_R=64,
-              MERGE_UNROLL=1, SLOTS_AHEAD=1), num_warps=4 if mode == 0 else 8)
     if GROUP == "attention-gemv-topk":
         for tree in (False, True):
             build(ad._split_kv_kernel, dec, dict(GROUP=4, NUM_Q=8 if tree else 1, HAS_TREE=tree,
@@ -85,7 +72,7 @@ def run_compiler(args, tmp_path) -> str:
     return p.stdout
 
 
-GROUPS = {"attention-gemv-topk": 7, "mla-mode0": 4, "mla-mode1": 4, "mla-mode2": 4}    # group -> kernels built
+GROUPS = {"attention-gemv-topk": 7}    # group -> kernels built
 
 
 @pytest.mark.parametrize("group", list(GROUPS))
