@@ -1,15 +1,22 @@
-"""The fused decode layer (`backends/triton/fused_decode.py`) against the current decode step,
-Llama-1B shape, random weights, under CUDA graphs.
+"""The fused decode step (`backends/triton/fused_decode.py` layers, `fused_tail.py` norm +
+lm_head + argmax) against the current decode step, Llama-1B shape, random weights, under CUDA
+graphs: a greedy step, tokens in, next tokens and top-2 gaps out (the decode program's outputs).
 
-    python -m bench.bench_fused_decode [--sizes 1,16,64] [--iters 50]
-    python -m bench.bench_fused_decode --smoke        # CPU, tiny model, interpreted: runs only
+    python -m bench.bench_fused_decode [--sizes 1,4,16] [--iters 50] [--check]
+    python -m bench.bench_fused_decode --smoke --check   # CPU, tiny model, interpreted, untimed
 
 Variants, each captured in its own CUDA graph per batch size:
-  current    `LlamaModel.forward_decode` (cuBLAS GEMVs, the Triton KV store and attention)
-  fused      the fused layers, then the model's lm_head; plain launches
-  fused+pdl  the same with programmatic dependent launch (where the GPU and Triton have it)
-  fused+...  options: +pdl, +reduce (a reduce kernel sums the down partials), +splitsN,
-             +warpsN, +bnN, +halfN (`FusedDecodePolicy` fields)
+  current    `LlamaModel.forward_decode` (cuBLAS GEMVs, the Triton KV store and attention),
+             then the argmax and top-2 of its fp32 logits
+  fused      the fused layers (one-row kernels at 1 row, tensor-core ones from 2 rows: the
+             default policy) and the fused greedy tail; plain launches
+  fused+...  options: +pdl (programmatic dependent launch, where the GPU and Triton have it),
+             +logits (the sampling path's step: the tail writes fp32 logits, the argmax is
+             torch's), +rows (the one-row kernels at every row count), +tc (the tensor-core ones
+             at every row count, 1 included), +reduce (a reduce kernel sums the one-row down
+             partials), and `FusedDecodePolicy` fields: +splitsN, +warpsN, +bnN, +halfN (one-row
+             kernels), +tcbnN, +tchalfN, +tcffnN, +tckN, +tcprojkN, +tcstagesN, +tcwarpsN,
+             +tailvN (tensor-core kernels and the tail)
 The fused path takes bs <= 16; at a larger bs its rows say so and time nothing (a model hook
 falls back to the current path there).
 
@@ -17,8 +24,10 @@ Per variant and size: the step (median of single replays, and back-to-back repla
 alone (back-to-back replays of a one-layer graph), each against its weight-streaming floor
 (bytes read / device copy bandwidth), kernels per step (profiled replays), and the check against
 the current path: hidden relative error, greedy tokens equal (a differing token is reported
-with its top-2 logit gap), the K/V written, and whether two replays give the same bits.
-Writes fused_decode.md and fused_decode.json to $OUT (results/local/ elsewhere).
+with the current path's top-2 logit gap), the K/V written, and whether two replays give the
+same bits. --check: exit 1 if a fused variant's token differs where that gap is over 0.05, or
+two replays differ. Writes fused_decode.md and fused_decode.json to $OUT (results/local/
+elsewhere).
 """
 from __future__ import annotations
 
@@ -34,6 +43,7 @@ if not torch.cuda.is_available():
 
 from bench.common import copy_bandwidth, env_info, kernel_table, out_dir  # noqa: E402
 from padgraph.backends.triton import fused_decode as fd  # noqa: E402
+from padgraph.backends.triton import fused_tail  # noqa: E402
 from padgraph.llm import Batch  # noqa: E402
 from padgraph.llm.kv import FIRST, KVCache  # noqa: E402
 from padgraph.llm.models.llama import LlamaConfig, LlamaModel, decode_batch  # noqa: E402
@@ -60,24 +70,28 @@ def batch_of(kv, raw) -> Batch:
     return Batch(kv, kv.req_to_token, raw["req_pool_indices"], raw["seq_lens"], raw["out_cache_loc"])
 
 
-OPTIONS = {"splits": "down_splits", "warps": "num_warps", "bn": "block_n", "half": "half_n"}
+OPTIONS = {"splits": "down_splits", "warps": "num_warps", "bn": "block_n", "half": "half_n",
+           "tcbn": "tc_block_n", "tchalf": "tc_half_n", "tcffn": "tc_ffn_n", "tck": "tc_block_k",
+           "tcprojk": "tc_proj_block_k", "tcstages": "tc_stages", "tcwarps": "tc_warps",
+           "tailv": "tail_block_v"}
+FLAGS = {"pdl": {"pdl": True}, "reduce": {"fold_max_m": 0}, "rows": {"tc_min_rows": fd.MAX_M + 1},
+         "tc": {"tc_min_rows": 1}, "logits": {}}
+NEAR_TIE = 0.05         # a differing token with the current path's top-2 gap under it is a tie
 
 
 def policy_of(variant: str) -> fd.FusedDecodePolicy:
-    """"fused" plus options: "+pdl" (programmatic dependent launch), "+reduce" (the partials
-    always summed by a reduce kernel, never in the next qkv kernel), "+splitsN" (N down
-    partials), "+warpsN", "+bnN" (o / gate-up / down tile rows), "+halfN" (qkv half-tile)."""
+    """"fused" plus options (the module docstring's list): a `FusedDecodePolicy`, PDL off
+    unless "+pdl"."""
     fields, opts = {}, variant.split("+")
     for opt in opts[1:]:
         name = opt.rstrip("0123456789")
-        if opt == "pdl":
-            fields["pdl"] = True
-        elif opt == "reduce":
-            fields["fold_max_m"] = 0
+        if opt in FLAGS:
+            fields.update(FLAGS[opt])
         elif name in OPTIONS and opt[len(name):]:
             fields[OPTIONS[name]] = int(opt[len(name):])
         else:
-            raise SystemExit(f"variant {variant!r}: option {opt!r} is not one of +pdl, +reduce, "
+            raise SystemExit(f"variant {variant!r}: option {opt!r} is not one of "
+                             + ", ".join(f"+{f}" for f in FLAGS) + ", "
                              + ", ".join(f"+{o}N" for o in OPTIONS))
     if opts[0] != "fused":
         raise SystemExit(f"variant {variant!r}: 'current' or 'fused' with options")
@@ -85,21 +99,31 @@ def policy_of(variant: str) -> fd.FusedDecodePolicy:
 
 
 def step_fn(model, kv, raw, variant: str, impl: str = "auto"):
-    """The step of `variant` on the static inputs raw: () -> (logits [n, V], hidden [n, H])."""
+    """The greedy step of `variant` on the static inputs raw: () -> {"ids" [n], "gap" [n],
+    "hidden" [n, H], and "logits" [n, V] where the variant writes them}."""
+    def current():
+        logits, hidden = model.forward_decode(raw["input_ids"], raw["positions"], batch_of(kv, raw))
+        ids, gap = fused_tail.greedy_reference(logits)
+        return {"ids": ids, "gap": gap, "hidden": hidden, "logits": logits}
     if variant == "current":
-        return lambda: model.forward_decode(raw["input_ids"], raw["positions"], batch_of(kv, raw))
-    policy = policy_of(variant)
+        return current
+    policy, logits = policy_of(variant), "logits" in variant.split("+")
 
-    def run():
+    def fused():
         b = batch_of(kv, raw)
-        hidden = fd.decode_hidden(model, raw["input_ids"], raw["positions"], b.out_cache_loc, kv,
-                                  decode_batch(b).attend, policy=policy, impl=impl)
-        return model.logits(hidden), hidden
-    return run
+        out = fused_tail.decode_step(model, raw["input_ids"], raw["positions"], b.out_cache_loc,
+                                     kv, decode_batch(b).attend, logits=logits, policy=policy,
+                                     impl=impl)
+        if logits:
+            ids, gap = fused_tail.greedy_reference(out.logits)
+            return {"ids": ids, "gap": gap, "hidden": out.hidden, "logits": out.logits}
+        return {"ids": out.ids, "gap": out.gap, "hidden": out.hidden}
+    return fused
 
 
 def layer_fn(model, kv, raw, variant: str, impl: str = "auto"):
-    """Layer 0 alone on a fixed input (the fused one with the partials of a previous layer)."""
+    """Layer 0 alone on a fixed input (the one-row fused layer with the partials of a previous
+    layer, the tensor-core one with its input's sums of squares)."""
     n, cfg = raw["input_ids"].shape[0], model.cfg
     x = model.embed(raw["input_ids"])
     plan = decode_batch(batch_of(kv, raw))
@@ -107,8 +131,12 @@ def layer_fn(model, kv, raw, variant: str, impl: str = "auto"):
     if variant == "current":
         return lambda: layer(x, raw["positions"], model.rope, plan, kv.k[0], kv.v[0])
     policy = policy_of(variant)
-    parts = torch.zeros(policy.down_splits, n, cfg.hidden_size, device=x.device)
     w, rope = fd.layer_weights(model)[0], fd.RopeTables(model.rope.cos, model.rope.sin)
+    if n >= policy.tc_min_rows:
+        ssq = fd.ssq_partials_reference(x, policy.tc_block_n)
+        return lambda: fd.decode_layer_tc(x, ssq, w, rope, raw["positions"], raw["out_cache_loc"],
+                                          kv.k[0], kv.v[0], plan.attend, policy=policy, impl=impl)
+    parts = torch.zeros(policy.down_splits, n, cfg.hidden_size, device=x.device)
     return lambda: fd.decode_layer(x, parts, w, rope, raw["positions"], raw["out_cache_loc"],
                                    kv.k[0], kv.v[0], plan.attend, policy=policy, impl=impl)
 
@@ -181,25 +209,40 @@ def written_kv(kv, loc) -> torch.Tensor:
 
 def compare(ref: dict, got: dict) -> dict:
     """The fused step's outputs against the current one's on the same inputs and cache."""
-    ids_ref, ids_got = ref["logits"].argmax(-1), got["logits"].argmax(-1)
-    top2 = ref["logits"].topk(2, dim=-1).values
-    gaps = (top2[:, 0] - top2[:, 1])[ids_ref != ids_got]
+    differ = ref["ids"] != got["ids"]
+    gaps = ref["gap"][differ]
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()   # noqa: E731
     return {"hidden_rel_err": rel(got["hidden"].float(), ref["hidden"].float()),
             "kv_rel_err": rel(got["kv"], ref["kv"]),
-            "tokens_equal": int((ids_ref == ids_got).sum()), "tokens": int(ids_ref.numel()),
+            "gap_max_abs_err": (got["gap"] - ref["gap"]).abs().max().item(),
+            "tokens_equal": int((~differ).sum()), "tokens": int(differ.numel()),
             "differing_token_top2_gaps": [round(g, 5) for g in gaps.tolist()]}
 
 
 def run_step(model, kv, raw, variant: str, impl: str) -> tuple:
-    """(replay, {"logits", "hidden", "kv"} after one replay, bit_stable)."""
+    """(replay, the step's outputs and "kv" written after one replay, bit_stable)."""
     replay, out = graph_of(step_fn(model, kv, raw, variant, impl))
     replay()
-    first = {"logits": out[0].clone(), "hidden": out[1].clone(),
-             "kv": written_kv(kv, raw["out_cache_loc"])}
+    first = {k: t.clone() for k, t in out.items()}
+    first["kv"] = written_kv(kv, raw["out_cache_loc"])
     replay()
-    stable = torch.equal(first["logits"], out[0]) and torch.equal(first["hidden"], out[1])
+    stable = all(torch.equal(first[k], t) for k, t in out.items())
     return replay, first, stable
+
+
+def failures(rows: list[dict]) -> list[str]:
+    """What --check refuses: a fused token that differs where the current path's top-2 gap is
+    over NEAR_TIE, or a step whose two replays differ."""
+    bad = []
+    for r in rows:
+        if "note" in r:
+            continue
+        far = [g for g in r.get("differing_token_top2_gaps", []) if g > NEAR_TIE]
+        if far:
+            bad.append(f"bs {r['bs']} {r['variant']}: tokens differ at top-2 gaps {far}")
+        if not r["bit_stable"]:
+            bad.append(f"bs {r['bs']} {r['variant']}: two replays differ")
+    return bad
 
 
 def measure_size(model, kv, raw, variants, iters: int, bw: float, impl: str) -> list[dict]:
@@ -262,13 +305,18 @@ def setup(smoke: bool, device, sizes):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="1,16,64")
-    ap.add_argument("--variants", default="current,fused,fused+pdl,fused+pdl+warps16")
+    ap.add_argument("--sizes", default="1,4,16")
+    ap.add_argument("--variants", default="current,fused,fused+pdl,fused+pdl+logits,fused+pdl+rows")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--smoke", action="store_true", help="tiny model; on CPU, interpreted, untimed")
+    ap.add_argument("--check", action="store_true",
+                    help=f"exit 1 if a fused token differs beyond a near tie (top-2 gap > "
+                         f"{NEAR_TIE}) or two replays differ")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     variants = ["current"] + [v for v in args.variants.split(",") if v != "current"]
+    for v in variants[1:]:
+        policy_of(v)                                    # refuse an unknown option up front
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.smoke:
         ap.error("the 1B-shaped benchmark needs a GPU; --smoke runs the tiny model on the CPU")
@@ -284,16 +332,23 @@ def main() -> None:
                              args.iters, bw, "triton" if args.smoke else "auto")
         print("\n".join(table_lines([r for r in rows if r["bs"] == n])[2:]), flush=True)
     write(rows, bw, pdl, kv.max_context, args)
+    if args.check:
+        bad = failures(rows)
+        print("\n".join(bad) if bad else "check: fused tokens equal the current path's "
+              f"(near ties, top-2 gap <= {NEAR_TIE}, excepted); replays bit-stable")
+        if bad:
+            raise SystemExit(1)
 
 
 def write(rows, bw: float, pdl: bool, width: int, args) -> None:
     info = {**env_info(), "copy_bandwidth_tb_s": bw / 1e12, "pdl_available": pdl,
             "max_ctx": width, "smoke": args.smoke}
-    lines = ["# Fused decode layers against the current decode step", "",
+    lines = ["# Fused greedy decode step against the current decode step", "",
              f"{info['gpu']}, torch {info['torch']}, triton {info['triton']}, copy bandwidth "
              f"{bw / 1e12:.2f} TB/s, PDL {'available' if pdl else 'unavailable'}; contexts "
-             f"random in [{min(256, width - 2)}, {width - 1}). Step µs: one replay (launch included); b2b: "
-             "back-to-back replays (x floor uses it); layer: layer 0 alone, back-to-back.", "",
+             f"random in [{min(256, width - 2)}, {width - 1}). A step: tokens in, next tokens "
+             "and top-2 gaps out. Step µs: one replay (launch included); b2b: back-to-back "
+             "replays (x floor uses it); layer: layer 0 alone, back-to-back.", "",
              *table_lines(rows), "", f"`{info['command']}`"]
     out = out_dir()
     (out / "fused_decode.md").write_text("\n".join(lines) + "\n")

@@ -1,9 +1,11 @@
-"""A Llama decoder layer's decode step at small batch (bs <= MAX_M) in four fused kernels, plus
-the paged decode attention kernel as it is; torch references beside them.
+"""A Llama decoder layer's decode step at small batch (bs <= MAX_M) in fused kernels, plus the
+paged decode attention kernel as it is; torch references beside them. Two kernel families,
+picked per row count (`FusedDecodePolicy.tc_min_rows`): row-loop GEMVs on the CUDA cores for
+one row, tensor-core GEMMs (`tl.dot`, the rows padded to 16) from two rows up.
 
-At bs 1-16 a decode layer reads its weights once and does almost no arithmetic; the unfused
+At bs 1-16 a decode layer reads its weights once and does little arithmetic; the unfused
 layer spends most of its time on ~15 launches of small kernels (norms, RoPE, the KV store,
-SiLU-mul, GEMVs below bandwidth) and the gaps between them. Here a layer is:
+SiLU-mul, GEMVs below bandwidth) and the gaps between them. The one-row layer is:
 
   1. `norm_qkv_rope_store`: the previous layer's down-projection partials summed into the
      residual (fixed order), RMSNorm, q/k/v from the three weights (row views of the model's
@@ -17,21 +19,39 @@ SiLU-mul, GEMVs below bandwidth) and the gaps between them. Here a layer is:
      next layer's kernel 1 (or `residual_norm` after the last layer) sums them in split order,
      so a replay gives the same bits every time.
 
-GEMV shape: a program loads its whole weight tile (all of K, or its split's share, one load,
-no K loop: [8, 2048] bf16 at the 1B shape), then waits for the kernel before it (programmatic
-dependent launch, where available), then loops over the M rows: loads the row (L2), reduces it
-against the tile held in registers, stores. The wait comes before that loop, so no load of an
-activation can be hoisted above it. With PDL the weight loads of kernel n+1 overlap kernel n's
-tail; every read of an activation and every write happen after the wait, and a kernel passes
-its wait only once the kernel before has finished (which passed its own wait), so results and
-buffer reuse follow stream order, with or without PDL. The product is a multiply-reduce on the
-CUDA cores, not `tl.dot`: a whole-K dot keeps x and the tile in dot layouts and spills (ptxas
-for sm_90: 1-14 KB of stack a thread at 16 rows), while the row loop at the default tiles and
-8 warps compiles without spills (113-234 registers).
+One-row GEMV shape: a program loads its whole weight tile (all of K, or its split's share, one
+load, no K loop: [8, 2048] bf16 at the 1B shape), then waits for the kernel before it
+(programmatic dependent launch, where available), then loops over the M rows: loads the row
+(L2), reduces it against the tile held in registers, stores. The product is a multiply-reduce
+on the CUDA cores, not `tl.dot`: a whole-K dot keeps x and the tile in dot layouts and spills
+(ptxas for sm_90: 1-14 KB of stack a thread at 16 rows), while the row loop at the default
+tiles and 8 warps compiles without spills (113-234 registers). Its arithmetic grows with the
+rows: at 16 it is what bounds the step.
+
+The tensor-core layer (2..16 rows, `decode_layer_tc`) streams each weight once through a K
+loop of `tl.dot` (weights as the dot's M side, the rows padded to BM = 16 and masked as its N
+side, fp32 accumulation, the loop software-pipelined by Triton): the arithmetic of 16 rows
+costs the tensor cores a few percent of the weight-streaming time. Its down projection runs
+the whole of K in each program, so every projection back into the residual stream ends in the
+same epilogue (`proj_residual_tc`): out = resid + product, written with each row's sum of
+squares over the program's columns, [P, M] fp32 (P programs). The kernel that normalizes
+that output next (qkv, gate/up, the final norm in `fused_tail`) sums the P partials in a fixed
+order to get the row's RMS: no separate norm pass, no down partials, no atomics. A layer is
+`norm_qkv_rope_store_tc`, the attention, `proj_residual_tc` (o), `norm_gate_up_silu_tc`,
+`proj_residual_tc` (down): five launches, as the one-row layer at M <= fold_max_m.
+
+PDL: a program issues its weight loads first (the one-row kernels their whole tile, the
+tensor-core kernels the first BLOCK_K chunk of theirs), then waits for the kernel before
+(`gdc_wait`), then reads activations: the wait comes before any loop that reads one, so no
+load of an activation can be hoisted above it. With PDL the weight loads of kernel n+1
+overlap kernel n's tail; every read of an activation and every write happen after the wait,
+and a kernel passes its wait only once the kernel before has finished (which passed its own
+wait), so results and buffer reuse follow stream order, with or without PDL.
 
 Rounding follows the unfused model step for step (each projection's output, the residual
 adds, the normed input, silu(gate) and the product rounded to the activation dtype); only the
-order of the fp32 sums differs, so results match it within the dtype's rounding.
+order of the fp32 sums differs, so results match it within the dtype's rounding, and a
+kernel's sums have one order, so replays give the same bits.
 """
 from __future__ import annotations
 
@@ -57,6 +77,7 @@ except ImportError:  # pragma: no cover - older Triton: the kernels run without 
     _HAS_GDC = False
 
 MAX_M = 16              # rows (requests) the kernels take: the small-batch decode steps
+ROW_BLOCK = 16          # the tensor-core kernels' rows: the N side of their dots (masked past M)
 PROGRAM = "fused_decode"
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -66,22 +87,49 @@ class FusedDecodePolicy:
     """How the fused kernels launch (defaults: no register spills at the 1B shape, sm_90).
     pdl: programmatic dependent launch where the GPU and Triton have it (sm_90+, Triton >= 3.4),
     else plain launches; `PADGRAPH_PDL=0` in the environment turns it off everywhere.
-    down_splits: fp32 partials of the down projection (each program loads K / down_splits of
-    its K, the FFN width). half_n: the qkv tile is two half_n-row slices of one head, the pairs
-    RoPE mixes (`qkv_tile`). block_n: rows of a weight per program in the o, gate/up and down
-    kernels. fold_max_m: up to this many rows, the next layer's qkv kernel sums the partials
-    into the residual itself (each of its programs reads all of them: S*M*H*4 bytes of L2 a
-    program); above it a small reduce kernel (`residual_norm`) sums them first, one launch more
-    a layer. max_rows: the most decode rows the fused path takes (`takes`): on an H100 it ran a
-    1B step at 1 row 2.2x faster than the eager-captured path and at 16 rows 1.8x slower (its
-    GEMVs are compute-bound there; results/fused_decode.md); rows between were not measured."""
+    max_rows: the most decode rows the fused path takes (`takes`; at most MAX_M).
+    tc_min_rows: from this many rows up, the tensor-core kernels run (`decode_layer_tc`); below
+    it, the one-row kernels (`decode_layer`).
+
+    One-row kernels. down_splits: fp32 partials of the down projection (each program loads
+    K / down_splits of its K, the FFN width). half_n: the qkv tile is two half_n-row slices of
+    one head, the pairs RoPE mixes (`qkv_tile`). block_n: rows of a weight per program in the
+    o, gate/up and down kernels. num_warps: theirs. fold_max_m: up to this many rows, the next
+    layer's qkv kernel sums the partials into the residual itself (each of its programs reads
+    all of them: S*M*H*4 bytes of L2 a program); above it a small reduce kernel
+    (`residual_norm`) sums them first, one launch more a layer.
+
+    Tensor-core kernels (powers of two). tc_block_n: weight rows a program in the o and down
+    projections (>= 16: the dot's M side). tc_half_n: the qkv half-tile (as half_n; a tile
+    under 16 rows is padded with masked rows). tc_ffn_n: gate rows and as many up rows a program
+    (>= 16). tc_block_k: the K step of the loops that normalize their input (qkv, gate/up, the
+    lm_head of `fused_tail`); tc_proj_block_k: that of the o and down projections (one dot a
+    step: a longer step fits in registers, and their 128 programs at the 1B shape need more
+    bytes in flight each). tc_stages: software-pipeline stages of the K loop (Triton's
+    num_stages: stages - 1 steps of weights in flight a program). tc_warps: warps a program.
+    tail_block_v: lm_head rows a program in `fused_tail`. The defaults compile for sm_90
+    without spills at the 1B shape, in <= 123 KB of shared memory a program.
+
+    At 16 rows the one-row kernels' arithmetic bounds them (results/fused_decode.md: on an
+    H100, 1.8x slower than the eager-captured path at the 1B shape); the tensor-core kernels
+    read the same weight bytes with ~16x2 flops a weight on the tensor cores, so they are
+    expected to stay near the weight-streaming floor up to MAX_M rows: max_rows covers them."""
     pdl: bool = True
-    max_rows: int = 1
+    max_rows: int = 16
+    tc_min_rows: int = 2
     down_splits: int = 4
     half_n: int = 8
     block_n: int = 8
     num_warps: int = 8
     fold_max_m: int = 4
+    tc_block_n: int = 16
+    tc_half_n: int = 8
+    tc_ffn_n: int = 32
+    tc_block_k: int = 128
+    tc_proj_block_k: int = 256
+    tc_stages: int = 6
+    tc_warps: int = 4
+    tail_block_v: int = 64
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -99,14 +147,36 @@ def _pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
+def _refuse(field: str, value, allowed: str) -> None:
+    raise ContractValueError(mismatch(PROGRAM, None, f"policy.{field}", allowed, value))
+
+
 def _launch(policy: FusedDecodePolicy, device: torch.device) -> dict:
-    """The launch options of a kernel call; refuses a policy the kernels cannot compile."""
+    """The launch options of a one-row kernel call; refuses a policy the kernels cannot compile."""
     for field in ("block_n", "half_n", "num_warps"):
         if not _pow2(getattr(policy, field)):
-            raise ContractValueError(mismatch(PROGRAM, None, f"policy.{field}",
-                                              "a power of two", getattr(policy, field)))
+            _refuse(field, getattr(policy, field), "a power of two")
     pdl = _pdl_on(policy, device)
     return dict(PDL=pdl, num_warps=policy.num_warps, num_stages=1,
+                **({"launch_pdl": True} if pdl else {}))
+
+
+def launch_tc(policy: FusedDecodePolicy, device: torch.device) -> dict:
+    """The launch options of a tensor-core kernel call (the K loop's BK, stages, warps, PDL, and
+    F32: the dot's operands upcast on the CPU interpreter, whose `tl.dot` reads bf16 storage as
+    integers; exact there, since a bf16 / fp16 product fits fp32). Refuses a policy the kernels
+    cannot compile."""
+    for field in ("tc_block_n", "tc_ffn_n", "tc_block_k", "tc_proj_block_k", "tail_block_v"):
+        if not (_pow2(getattr(policy, field)) and getattr(policy, field) >= 16):
+            _refuse(field, getattr(policy, field), "a power of two >= 16 (a tl.dot side)")
+    for field in ("tc_half_n", "tc_warps"):
+        if not _pow2(getattr(policy, field)):
+            _refuse(field, getattr(policy, field), "a power of two")
+    if policy.tc_stages < 1:
+        _refuse("tc_stages", policy.tc_stages, ">= 1")
+    pdl = _pdl_on(policy, device)
+    return dict(PDL=pdl, F32=device.type == "cpu", BK=policy.tc_block_k,
+                num_warps=policy.tc_warps, num_stages=policy.tc_stages,
                 **({"launch_pdl": True} if pdl else {}))
 
 
@@ -210,9 +280,25 @@ def down_partials_reference(act, w_down, splits: int):
 
 
 def residual_norm_reference(h, parts, norm_w, eps: float):
-    """(resid = h + parts summed, RMSNorm(resid)): the tail after the last layer."""
+    """(resid = h + parts summed, RMSNorm(resid), each row's sum of squares of resid [1, M]
+    fp32): the tail after the last layer."""
     resid = add_partials_reference(h, parts)
-    return resid, rms_norm_reference(resid, norm_w, eps)
+    return resid, rms_norm_reference(resid, norm_w, eps), resid.float().pow(2).sum(-1)[None]
+
+
+def ssq_partials_reference(x, block_n: int):
+    """[P, M] fp32: each row's sum of squares of x [M, N] over each block_n columns
+    (P = cdiv(N, block_n)): what `proj_residual_tc` writes beside its output."""
+    m, n = x.shape
+    p = triton.cdiv(n, block_n)
+    xf = F.pad(x.float(), (0, p * block_n - n)).view(m, p, block_n)
+    return xf.pow(2).sum(-1).T.contiguous()
+
+
+def proj_residual_reference(a, weight, resid, block_n: int):
+    """(out = resid + a @ weight.T, `ssq_partials_reference(out, block_n)`)."""
+    out = resid + F.linear(a, weight)
+    return out, ssq_partials_reference(out, block_n)
 
 
 # ---------------------------------------------------------------------------------- kernels
@@ -225,7 +311,7 @@ def _row_times(x, w):
 
 
 @triton.jit
-def _wait_for_previous(PDL: tl.constexpr):
+def wait_for_previous(PDL: tl.constexpr):
     """Everything above it reads weights only; everything below may read what the kernel before
     wrote. The kernel after may start its own weight loads from here on."""
     if PDL:
@@ -297,7 +383,7 @@ def _norm_qkv_kernel(X, Parts, Resid, NormW, Wq, Wk, Wv, Cos, Sin, Pos, Q, KCach
     else:
         w1, w2 = _pair_tile(Wv, stride_wv, rows, offs_k, k_ok, HEAD_DIM)
     norm_w = tl.load(NormW + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-    _wait_for_previous(PDL)
+    wait_for_previous(PDL)
 
     dtype = Q.dtype.element_ty
     for m in range(M):
@@ -331,7 +417,7 @@ def _o_residual_kernel(A, Wo, Resid, Out, M, N, K, stride_a, stride_w, BLOCK_N: 
     n_ok, k_ok = offs_n < N, offs_k < K
     w = tl.load(Wo + offs_n[:, None] * stride_w + offs_k[None, :],
                 mask=n_ok[:, None] & k_ok[None, :], other=0.0)     # [BLOCK_N, BLOCK_K]
-    _wait_for_previous(PDL)
+    wait_for_previous(PDL)
 
     dtype = Out.dtype.element_ty
     for m in range(M):
@@ -352,7 +438,7 @@ def _norm_gate_up_kernel(X, NormW, Wg, Wu, Act, M, N, H, stride_wg, stride_wu, e
     wg = tl.load(Wg + offs_n[:, None] * stride_wg + offs_k[None, :], mask=w_mask, other=0.0)
     wu = tl.load(Wu + offs_n[:, None] * stride_wu + offs_k[None, :], mask=w_mask, other=0.0)
     norm_w = tl.load(NormW + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-    _wait_for_previous(PDL)
+    wait_for_previous(PDL)
 
     dtype = Act.dtype.element_ty
     for m in range(M):
@@ -375,7 +461,7 @@ def _down_partials_kernel(A, Wd, Parts, M, N, K, k_per_split, stride_a, stride_w
     k_ok = (offs_k < K) & (offs_k < (s + 1) * k_per_split)
     w = tl.load(Wd + offs_n[:, None] * stride_w + offs_k[None, :],
                 mask=n_ok[:, None] & k_ok[None, :], other=0.0)      # [BLOCK_N, BLOCK_K]
-    _wait_for_previous(PDL)
+    wait_for_previous(PDL)
 
     for m in range(M):
         a = tl.load(A + m * stride_a + offs_k, mask=k_ok, other=0.0)
@@ -383,24 +469,195 @@ def _down_partials_kernel(A, Wd, Parts, M, N, K, k_per_split, stride_a, stride_w
 
 
 @triton.jit
-def _residual_norm_kernel(X, Parts, Resid, Out, NormW, M, H, stride_x, eps,
+def _residual_norm_kernel(X, Parts, Resid, Out, Ssq, NormW, M, H, stride_x, eps,
                           N_PARTS: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
-    """Row m: Resid = X + Parts summed, Out = RMSNorm(Resid) (the tail after the last layer)."""
+    """Row m: Resid = X + Parts summed, Out = RMSNorm(Resid), Ssq[m] = the sum of Resid^2."""
     m = tl.program_id(0)
     offs_k = tl.arange(0, BLOCK_H)
     k_ok = offs_k < H
     norm_w = tl.load(NormW + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-    _wait_for_previous(PDL)
+    wait_for_previous(PDL)
 
     x = _residual_row(X, stride_x, Parts, m, M, offs_k, H, N_PARTS)         # [BLOCK_H]
     dtype = Out.dtype.element_ty
     tl.store(Resid + m * H + offs_k, x.to(dtype), mask=k_ok)
     tl.store(Out + m * H + offs_k, _rms_norm_row(x, norm_w, H, eps).to(dtype), mask=k_ok)
+    tl.store(Ssq + m, tl.sum(x * x, axis=0))
+
+
+# ------------------------------------------------------------------- tensor-core kernels
+
+@triton.jit
+def mma_rows(acc, w, x, F32: tl.constexpr):
+    """acc [N, BM] + w [N, BK] @ x [BM, BK].T on the tensor cores, accumulated in fp32 (the
+    weights on the dot's M side, the rows on its N side). F32: both operands upcast first, for
+    the CPU interpreter (see `launch_tc`)."""
+    if F32:
+        return tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc)
+    return tl.dot(w, tl.trans(x), acc)
+
+
+@triton.jit
+def weight_chunk(W, stride_w, rows, row_ok, ks, K):
+    """W[rows, ks] [N, BK], 0 where masked (int64 row offsets: an lm_head passes 2**31)."""
+    return tl.load(W + rows.to(tl.int64)[:, None] * stride_w + ks[None, :],
+                   mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
+
+
+@triton.jit
+def rows_chunk(X, stride_x, m, m_ok, ks, K, rstd, NormW, NORM: tl.constexpr):
+    """X[m, ks] [BM, BK] in X's dtype, 0 where masked; NORM: RMSNormed with the rows' rstd [BM]
+    and NormW[ks] ((x * rstd) * weight in fp32, rounded back: `_rms_norm_row`'s order)."""
+    k_ok = ks < K
+    x = tl.load(X + m[:, None] * stride_x + ks[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                other=0.0)
+    if NORM:
+        nw = tl.load(NormW + ks, mask=k_ok, other=0.0).to(tl.float32)
+        x = ((x.to(tl.float32) * rstd[:, None]) * nw[None, :]).to(X.dtype.element_ty)
+    return x
+
+
+@triton.jit
+def rows_rstd(Ssq, n_ssq, M, m, m_ok, K, eps, BLOCK_P: tl.constexpr):
+    """[BM] rsqrt(mean square + eps) of rows m, from their sums of squares as n_ssq partials
+    Ssq [n_ssq, M] fp32 (BLOCK_P >= n_ssq), summed in one fixed order."""
+    p = tl.arange(0, BLOCK_P)
+    s = tl.load(Ssq + p[:, None] * M + m[None, :], mask=(p < n_ssq)[:, None] & m_ok[None, :],
+                other=0.0)
+    return tl.rsqrt(tl.sum(s, axis=0) / K + eps)
+
+
+@triton.jit
+def _proj_residual_tc_kernel(A, W, Resid, Out, Ssq, M, N, K, stride_a, stride_w,
+                             BLOCK_N: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                             F32: tl.constexpr, PDL: tl.constexpr):
+    """Out[:, tile] = Resid[:, tile] + A @ W[tile].T over the whole of K, BLOCK_N rows of W a
+    program; Ssq[pid, m] = the sum over the tile of Out[m, :]^2 (the rounded values)."""
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    ks = tl.arange(0, BK)
+    w = weight_chunk(W, stride_w, n, n_ok, ks, K)                   # [BLOCK_N, BK]
+    wait_for_previous(PDL)
+
+    m = tl.arange(0, BM)
+    m_ok = m < M
+    acc = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
+    acc = mma_rows(acc, w, rows_chunk(A, stride_a, m, m_ok, ks, K, None, None, False), F32)
+    for k0 in range(BK, K, BK):
+        acc = mma_rows(acc, weight_chunk(W, stride_w, n, n_ok, k0 + ks, K),
+                       rows_chunk(A, stride_a, m, m_ok, k0 + ks, K, None, None, False), F32)
+    dtype = Out.dtype.element_ty
+    ok = n_ok[:, None] & m_ok[None, :]
+    offs = m[None, :] * N + n[:, None]                              # [BLOCK_N, BM]
+    r = tl.load(Resid + offs, mask=ok, other=0.0).to(tl.float32)
+    out = (r + acc.to(dtype).to(tl.float32)).to(dtype)
+    tl.store(Out + offs, out, mask=ok)
+    of = tl.where(ok, out.to(tl.float32), 0.0)
+    tl.store(Ssq + pid * M + m, tl.sum(of * of, axis=0), mask=m_ok)
+
+
+@triton.jit
+def _norm_qkv_tc_kernel(X, Ssq, NormW, Wq, Wk, Wv, Cos, Sin, Pos, Q, KCache, VCache, Loc,
+                        M, H, n_ssq, n_q_heads, n_kv_heads, stride_x, stride_wq, stride_wk,
+                        stride_wv, stride_cos, stride_q, stride_kc_s, stride_kc_h, stride_vc_s,
+                        stride_vc_h, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+                        TILE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                        BLOCK_P: tl.constexpr, F32: tl.constexpr, PDL: tl.constexpr):
+    """`_norm_qkv_kernel`'s tiles (columns c and c + D/2 of one head for HALF consecutive c) on
+    the tensor cores: two dots of TILE = max(16, HALF) weight rows (lanes past HALF masked),
+    X RMSNormed on the fly with the rows' rstd from Ssq [n_ssq, M]."""
+    pid = tl.program_id(0)
+    tiles = HEAD_DIM // 2 // HALF
+    t_q = n_q_heads * tiles
+    t_k = t_q + n_kv_heads * tiles
+    local = tl.where(pid < t_q, pid, tl.where(pid < t_k, pid - t_q, pid - t_k))
+    head = local // tiles
+    lane = tl.arange(0, TILE)
+    c_ok = lane < HALF
+    offs_c = (local % tiles) * HALF + lane                          # [TILE] first-half columns
+    rows = head * HEAD_DIM + offs_c
+    if pid < t_q:
+        W = Wq
+        stride_w = stride_wq
+    elif pid < t_k:
+        W = Wk
+        stride_w = stride_wk
+    else:
+        W = Wv
+        stride_w = stride_wv
+    ks = tl.arange(0, BK)
+    w1 = weight_chunk(W, stride_w, rows, c_ok, ks, H)               # [TILE, BK] each
+    w2 = weight_chunk(W, stride_w, rows + HEAD_DIM // 2, c_ok, ks, H)
+    wait_for_previous(PDL)
+
+    m = tl.arange(0, BM)
+    m_ok = m < M
+    rstd = rows_rstd(Ssq, n_ssq, M, m, m_ok, H, eps, BLOCK_P)
+    x = rows_chunk(X, stride_x, m, m_ok, ks, H, rstd, NormW, True)
+    acc1 = mma_rows(tl.zeros([TILE, BM], dtype=tl.float32), w1, x, F32)
+    acc2 = mma_rows(tl.zeros([TILE, BM], dtype=tl.float32), w2, x, F32)
+    for k0 in range(BK, H, BK):
+        x = rows_chunk(X, stride_x, m, m_ok, k0 + ks, H, rstd, NormW, True)
+        acc1 = mma_rows(acc1, weight_chunk(W, stride_w, rows, c_ok, k0 + ks, H), x, F32)
+        acc2 = mma_rows(acc2, weight_chunk(W, stride_w, rows + HEAD_DIM // 2, c_ok, k0 + ks, H),
+                        x, F32)
+    dtype = Q.dtype.element_ty
+    y1 = acc1.to(dtype).to(tl.float32)                              # [TILE, BM]
+    y2 = acc2.to(dtype).to(tl.float32)
+    ok = c_ok[:, None] & m_ok[None, :]
+    if pid < t_k:               # q and k: rotate-half RoPE at each row's position
+        at = tl.load(Pos + m, mask=m_ok, other=0)[None, :] * stride_cos + offs_c[:, None]
+        cos = tl.load(Cos + at, mask=ok, other=0.0)
+        sin = tl.load(Sin + at, mask=ok, other=0.0)
+        y1, y2 = y1 * cos - y2 * sin, y2 * cos + y1 * sin
+    if pid < t_q:
+        dst = Q + m[None, :] * stride_q + head * HEAD_DIM + offs_c[:, None]
+    else:                       # a padded lane carries slot 0: it writes the sink
+        slot = tl.load(Loc + m, mask=m_ok, other=0).to(tl.int64)[None, :]
+        if pid < t_k:
+            dst = KCache + slot * stride_kc_s + head * stride_kc_h + offs_c[:, None]
+        else:
+            dst = VCache + slot * stride_vc_s + head * stride_vc_h + offs_c[:, None]
+    tl.store(dst, y1.to(dtype), mask=ok)
+    tl.store(dst + HEAD_DIM // 2, y2.to(dtype), mask=ok)
+
+
+@triton.jit
+def _norm_gate_up_tc_kernel(X, Ssq, NormW, Wg, Wu, Act, M, N, H, n_ssq, stride_x, stride_wg,
+                            stride_wu, eps, BLOCK_N: tl.constexpr, BM: tl.constexpr,
+                            BK: tl.constexpr, BLOCK_P: tl.constexpr, F32: tl.constexpr,
+                            PDL: tl.constexpr):
+    """Act[:, tile] = silu(xn @ Wg[tile].T) * (xn @ Wu[tile].T), xn = RMSNorm(X) on the fly
+    with the rows' rstd from Ssq [n_ssq, M]; BLOCK_N rows of each weight a program."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    ks = tl.arange(0, BK)
+    wg = weight_chunk(Wg, stride_wg, n, n_ok, ks, H)                # [BLOCK_N, BK] each
+    wu = weight_chunk(Wu, stride_wu, n, n_ok, ks, H)
+    wait_for_previous(PDL)
+
+    m = tl.arange(0, BM)
+    m_ok = m < M
+    rstd = rows_rstd(Ssq, n_ssq, M, m, m_ok, H, eps, BLOCK_P)
+    x = rows_chunk(X, stride_x, m, m_ok, ks, H, rstd, NormW, True)
+    acc_g = mma_rows(tl.zeros([BLOCK_N, BM], dtype=tl.float32), wg, x, F32)
+    acc_u = mma_rows(tl.zeros([BLOCK_N, BM], dtype=tl.float32), wu, x, F32)
+    for k0 in range(BK, H, BK):
+        x = rows_chunk(X, stride_x, m, m_ok, k0 + ks, H, rstd, NormW, True)
+        acc_g = mma_rows(acc_g, weight_chunk(Wg, stride_wg, n, n_ok, k0 + ks, H), x, F32)
+        acc_u = mma_rows(acc_u, weight_chunk(Wu, stride_wu, n, n_ok, k0 + ks, H), x, F32)
+    dtype = Act.dtype.element_ty
+    g = acc_g.to(dtype).to(tl.float32)                              # [BLOCK_N, BM]
+    u = acc_u.to(dtype).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    tl.store(Act + m[None, :] * N + n[:, None], (silu * u).to(dtype),
+             mask=n_ok[:, None] & m_ok[None, :])
 
 
 # ---------------------------------------------------------------------------------- wrappers
 
-def _check_rows(what: str, x: torch.Tensor, kernel: bool) -> None:
+def check_rows(what: str, x: torch.Tensor, kernel: bool) -> None:
     """x [M, K] with rows contiguous; for the kernels also 1 <= M <= MAX_M in fp16 / bf16 (the
     references take any M and dtype)."""
     if x.dim() != 2 or x.stride(1) != 1 or (kernel and not 1 <= x.shape[0] <= MAX_M):
@@ -410,12 +667,21 @@ def _check_rows(what: str, x: torch.Tensor, kernel: bool) -> None:
         raise ContractValueError(mismatch(PROGRAM, what, "dtype", KERNEL_DTYPES, x.dtype))
 
 
-def _check_weight(what: str, w: torch.Tensor, n: int | None, k: int, dtype) -> None:
+def check_weight(what: str, w: torch.Tensor, n: int | None, k: int, dtype) -> None:
+    """w [n, k] (any n where None) in dtype with rows contiguous."""
     want = (n if n is not None else w.shape[0], k)
     if w.dim() != 2 or tuple(w.shape) != want or w.stride(1) != 1 or w.dtype != dtype:
         raise ContractValueError(mismatch(PROGRAM, what, "weight", f"{want} {dtype} with rows "
                                           "contiguous", f"{tuple(w.shape)} {w.dtype} strides "
                                           f"{w.stride()}"))
+
+
+def check_ssq(ssq, m: int) -> None:
+    """ssq [P >= 1, m] fp32 contiguous: m rows' sums of squares as P partials."""
+    if ssq.dim() != 2 or ssq.shape[0] < 1 or ssq.shape[1] != m or ssq.dtype != torch.float32 \
+            or not ssq.is_contiguous():
+        raise ContractValueError(mismatch(PROGRAM, "ssq", "row sums of squares", f"[P >= 1, {m}] "
+                                          "fp32 contiguous", f"{tuple(ssq.shape)} {ssq.dtype}"))
 
 
 def _check_parts(parts, m: int, h: int) -> None:
@@ -444,13 +710,13 @@ def norm_qkv_rope_store(x, parts, w: LayerWeights, rope: RopeTables, positions, 
     (q [M, Hq, D] roped, resid [M, H]); k (roped) and v written at slots loc [M] of
     k_cache / v_cache [n_slots, Hkv, D]."""
     kernel = resolve_impl(impl, x, k_cache, v_cache, loc) != "torch"
-    _check_rows("x", x, kernel)
+    check_rows("x", x, kernel)
     m, h = x.shape
     _check_parts(parts, m, h)
     d = k_cache.shape[-1]
     n_q, n_kv = w.wq.shape[0] // d, k_cache.shape[1]
     for name, wt, n in (("wq", w.wq, n_q * d), ("wk", w.wk, n_kv * d), ("wv", w.wv, n_kv * d)):
-        _check_weight(name, wt, n, h, x.dtype)
+        check_weight(name, wt, n, h, x.dtype)
     if not kernel:
         return norm_qkv_rope_store_reference(x, parts, w, rope, positions, loc, k_cache, v_cache)
     half = qkv_tile(d, policy.half_n)
@@ -471,9 +737,9 @@ def o_proj_residual(attn, wo, resid, *, policy: FusedDecodePolicy = FusedDecodeP
                     impl: str = "auto"):
     """resid [M, H] + attn [M, Hq*D] @ wo [H, Hq*D].T -> h [M, H]."""
     kernel = resolve_impl(impl, attn, wo, resid) != "torch"
-    _check_rows("attn", attn, kernel)
+    check_rows("attn", attn, kernel)
     m, k = attn.shape
-    _check_weight("wo", wo, None, k, attn.dtype)
+    check_weight("wo", wo, None, k, attn.dtype)
     n = wo.shape[0]
     if tuple(resid.shape) != (m, n) or not resid.is_contiguous() or resid.dtype != attn.dtype:
         raise ContractValueError(mismatch(PROGRAM, "resid", "residual", f"[{m}, {n}] "
@@ -491,10 +757,10 @@ def norm_gate_up_silu(h, w: LayerWeights, *, policy: FusedDecodePolicy = FusedDe
                       impl: str = "auto"):
     """silu(gate) * up of RMSNorm(h [M, H]) -> act [M, F]."""
     kernel = resolve_impl(impl, h, w.w_gate, w.w_up) != "torch"
-    _check_rows("h", h, kernel)
+    check_rows("h", h, kernel)
     m, k = h.shape
-    _check_weight("w_gate", w.w_gate, None, k, h.dtype)
-    _check_weight("w_up", w.w_up, w.w_gate.shape[0], k, h.dtype)
+    check_weight("w_gate", w.w_gate, None, k, h.dtype)
+    check_weight("w_up", w.w_up, w.w_gate.shape[0], k, h.dtype)
     if not kernel:
         return norm_gate_up_silu_reference(h, w)
     n = w.w_gate.shape[0]
@@ -511,9 +777,9 @@ def down_partials(act, w_down, *, policy: FusedDecodePolicy = FusedDecodePolicy(
     """act [M, F] @ w_down [H, F].T as policy.down_splits fp32 partials [S, M, H] (the sum in
     split order is the projection; `split_bounds` gives each split's K range)."""
     kernel = resolve_impl(impl, act, w_down) != "torch"
-    _check_rows("act", act, kernel)
+    check_rows("act", act, kernel)
     m, k = act.shape
-    _check_weight("w_down", w_down, None, k, act.dtype)
+    check_weight("w_down", w_down, None, k, act.dtype)
     splits = policy.down_splits
     if splits < 1:
         raise ContractValueError(mismatch(PROGRAM, None, "policy.down_splits", ">= 1", splits))
@@ -530,19 +796,98 @@ def down_partials(act, w_down, *, policy: FusedDecodePolicy = FusedDecodePolicy(
 
 def residual_norm(h, parts, norm_w, eps: float, *,
                   policy: FusedDecodePolicy = FusedDecodePolicy(), impl: str = "auto"):
-    """(resid = h [M, H] + parts [S, M, H] summed in order, RMSNorm(resid) with norm_w)."""
+    """(resid = h [M, H] + parts [S, M, H] (or None) summed in order, RMSNorm(resid) with
+    norm_w, each row's sum of squares of resid as [1, M] fp32: the `ssq` the tensor-core
+    kernels and `fused_tail` normalize with)."""
     kernel = resolve_impl(impl, h, norm_w) != "torch"
-    _check_rows("h", h, kernel)
+    check_rows("h", h, kernel)
     m, k = h.shape
     _check_parts(parts, m, k)
     if not kernel:
         return residual_norm_reference(h, parts, norm_w, eps)
     resid, out = (torch.empty(m, k, dtype=h.dtype, device=h.device) for _ in range(2))
+    ssq = torch.empty(1, m, dtype=torch.float32, device=h.device)
     _residual_norm_kernel[(m,)](
-        h, parts if parts is not None else h, resid, out, norm_w, m, k, h.stride(0), eps,
+        h, parts if parts is not None else h, resid, out, ssq, norm_w, m, k, h.stride(0), eps,
         N_PARTS=0 if parts is None else parts.shape[0], BLOCK_H=triton.next_power_of_2(k),
         **_launch(policy, h.device))
-    return resid, out
+    return resid, out, ssq
+
+
+def norm_qkv_rope_store_tc(x, ssq, w: LayerWeights, rope: RopeTables, positions, loc, k_cache,
+                           v_cache, *, policy: FusedDecodePolicy = FusedDecodePolicy(),
+                           impl: str = "auto"):
+    """`norm_qkv_rope_store` on the tensor cores: x [M, H] the residual, ssq [P, M] fp32 its
+    rows' sums of squares as fixed-order partials (`proj_residual_tc`, `residual_norm`) -> q
+    [M, Hq, D] roped; k (roped) and v written at slots loc [M]."""
+    kernel = resolve_impl(impl, x, k_cache, v_cache, loc) != "torch"
+    check_rows("x", x, kernel)
+    m, h = x.shape
+    check_ssq(ssq, m)
+    d = k_cache.shape[-1]
+    n_q, n_kv = w.wq.shape[0] // d, k_cache.shape[1]
+    for name, wt, n in (("wq", w.wq, n_q * d), ("wk", w.wk, n_kv * d), ("wv", w.wv, n_kv * d)):
+        check_weight(name, wt, n, h, x.dtype)
+    if not kernel:
+        return norm_qkv_rope_store_reference(x, None, w, rope, positions, loc, k_cache,
+                                             v_cache)[0]
+    half = qkv_tile(d, policy.tc_half_n)
+    q = torch.empty(m, n_q, d, dtype=x.dtype, device=x.device)
+    _norm_qkv_tc_kernel[((n_q + 2 * n_kv) * (d // 2 // half),)](
+        x, ssq, w.input_norm, w.wq, w.wk, w.wv, rope.cos, rope.sin, positions, q, k_cache,
+        v_cache, loc, m, h, ssq.shape[0], n_q, n_kv, x.stride(0), w.wq.stride(0),
+        w.wk.stride(0), w.wv.stride(0), rope.cos.stride(0), q.stride(0), k_cache.stride(0),
+        k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), w.eps, HEAD_DIM=d, HALF=half,
+        TILE=max(16, half), BM=ROW_BLOCK, BLOCK_P=triton.next_power_of_2(ssq.shape[0]),
+        **launch_tc(policy, x.device))
+    return q
+
+
+def proj_residual_tc(a, weight, resid, *, policy: FusedDecodePolicy = FusedDecodePolicy(),
+                     impl: str = "auto"):
+    """(out = resid [M, N] + a [M, K] @ weight [N, K].T, ssq [P, M] fp32: each row's sum of
+    squares of out over each policy.tc_block_n columns, P = cdiv(N, tc_block_n)): the o and the
+    down projection of `decode_layer_tc` (the whole of K in each program, no partials)."""
+    kernel = resolve_impl(impl, a, weight, resid) != "torch"
+    check_rows("a", a, kernel)
+    m, k = a.shape
+    check_weight("weight", weight, None, k, a.dtype)
+    n = weight.shape[0]
+    if tuple(resid.shape) != (m, n) or not resid.is_contiguous() or resid.dtype != a.dtype:
+        raise ContractValueError(mismatch(PROGRAM, "resid", "residual", f"[{m}, {n}] "
+                                          f"{a.dtype} contiguous", tuple(resid.shape)))
+    if not kernel:
+        return proj_residual_reference(a, weight, resid, policy.tc_block_n)
+    opts = {**launch_tc(policy, a.device), "BK": policy.tc_proj_block_k}
+    p = triton.cdiv(n, policy.tc_block_n)
+    out = torch.empty_like(resid)
+    ssq = torch.empty(p, m, dtype=torch.float32, device=a.device)
+    _proj_residual_tc_kernel[(p,)](a, weight, resid, out, ssq, m, n, k, a.stride(0),
+                                   weight.stride(0), BLOCK_N=policy.tc_block_n, BM=ROW_BLOCK,
+                                   **opts)
+    return out, ssq
+
+
+def norm_gate_up_silu_tc(h, ssq, w: LayerWeights, *,
+                         policy: FusedDecodePolicy = FusedDecodePolicy(), impl: str = "auto"):
+    """`norm_gate_up_silu` on the tensor cores, h [M, H] normalized with its rows' sums of
+    squares ssq [P, M] (`proj_residual_tc`) -> act [M, F]."""
+    kernel = resolve_impl(impl, h, w.w_gate, w.w_up) != "torch"
+    check_rows("h", h, kernel)
+    m, k = h.shape
+    check_ssq(ssq, m)
+    check_weight("w_gate", w.w_gate, None, k, h.dtype)
+    check_weight("w_up", w.w_up, w.w_gate.shape[0], k, h.dtype)
+    if not kernel:
+        return norm_gate_up_silu_reference(h, w)
+    opts = launch_tc(policy, h.device)
+    n = w.w_gate.shape[0]
+    act = torch.empty(m, n, dtype=h.dtype, device=h.device)
+    _norm_gate_up_tc_kernel[(triton.cdiv(n, policy.tc_ffn_n),)](
+        h, ssq, w.post_norm, w.w_gate, w.w_up, act, m, n, k, ssq.shape[0], h.stride(0),
+        w.w_gate.stride(0), w.w_up.stride(0), w.eps, BLOCK_N=policy.tc_ffn_n, BM=ROW_BLOCK,
+        BLOCK_P=triton.next_power_of_2(ssq.shape[0]), **opts)
+    return act
 
 
 # ------------------------------------------------------------------------------- the layers
@@ -551,7 +896,7 @@ AttendFn = Callable[..., torch.Tensor]      # (q [M, Hq, D], k_cache, v_cache) -
 
 
 def takes(model, input_ids: torch.Tensor, kv, policy: FusedDecodePolicy | None = None) -> bool:
-    """Whether `decode_hidden` runs `model`'s decode step of these tokens in the fused kernels:
+    """Whether `decode_residual` runs `model`'s decode step of these tokens in the fused kernels:
     1..MAX_M tokens (and at most `policy.max_rows` where a policy is given), fp16 / bf16 weights
     with the caches in the same dtype, an even head_dim. Elsewhere (more rows, fp32) the caller
     keeps its own path."""
@@ -564,8 +909,9 @@ def takes(model, input_ids: torch.Tensor, kv, policy: FusedDecodePolicy | None =
 def decode_layer(x, parts, w: LayerWeights, rope: RopeTables, positions, loc, k_cache, v_cache,
                  attend: AttendFn, *, policy: FusedDecodePolicy = FusedDecodePolicy(),
                  impl: str = "auto"):
-    """One decoder layer: (x [M, H], the previous layer's down partials or None) -> (h [M, H],
-    this layer's down partials [S, M, H]); the layer's output is h + the partials summed."""
+    """One decoder layer in the one-row kernels: (x [M, H], the previous layer's down partials
+    or None) -> (h [M, H], this layer's down partials [S, M, H]); the layer's output is h + the
+    partials summed."""
     if parts is not None and x.shape[0] > policy.fold_max_m:
         x, parts = residual_norm(x, parts, w.input_norm, w.eps, policy=policy, impl=impl)[0], None
     q, resid = norm_qkv_rope_store(x, parts, w, rope, positions, loc, k_cache, v_cache,
@@ -576,6 +922,19 @@ def decode_layer(x, parts, w: LayerWeights, rope: RopeTables, positions, loc, k_
     return h, down_partials(act, w.w_down, policy=policy, impl=impl)
 
 
+def decode_layer_tc(x, ssq, w: LayerWeights, rope: RopeTables, positions, loc, k_cache,
+                    v_cache, attend: AttendFn, *, policy: FusedDecodePolicy = FusedDecodePolicy(),
+                    impl: str = "auto"):
+    """One decoder layer in the tensor-core kernels: (x [M, H] the residual stream, ssq [P, M]
+    its rows' sums of squares) -> the layer's output and its ssq, the same way."""
+    q = norm_qkv_rope_store_tc(x, ssq, w, rope, positions, loc, k_cache, v_cache,
+                               policy=policy, impl=impl)
+    o = attend(q, k_cache, v_cache)                                          # [M, Hq, D]
+    h, ssq_h = proj_residual_tc(o.reshape(o.shape[0], -1), w.wo, x, policy=policy, impl=impl)
+    act = norm_gate_up_silu_tc(h, ssq_h, w, policy=policy, impl=impl)        # [M, F]
+    return proj_residual_tc(act, w.w_down, h, policy=policy, impl=impl)
+
+
 def layer_weights(model) -> list[LayerWeights]:
     """The fused kernels' views of every layer of a `LlamaModel`-shaped model."""
     cfg = model.cfg
@@ -583,14 +942,35 @@ def layer_weights(model) -> list[LayerWeights]:
             for layer in model.layers]
 
 
-def decode_hidden(model, input_ids, positions, out_cache_loc, kv, attend: AttendFn, *,
-                  policy: FusedDecodePolicy = FusedDecodePolicy(), impl: str = "auto"):
-    """The final-normed hidden [M, H] of a decode step (what `LlamaModel._run` returns for a
-    decode batch), every layer in `decode_layer`; K/V written at out_cache_loc of kv.k/kv.v."""
+def decode_residual(model, input_ids, positions, out_cache_loc, kv, attend: AttendFn, *,
+                    policy: FusedDecodePolicy = FusedDecodePolicy(), impl: str = "auto"):
+    """(x [M, H], ssq [P, M] fp32): the residual stream after the last layer of a decode step
+    (the final norm's input) and its rows' sums of squares as fixed-order partials, every layer
+    in `decode_layer_tc` from policy.tc_min_rows rows up, else in `decode_layer`; K/V written at
+    out_cache_loc of kv.k/kv.v."""
     rope = RopeTables(model.rope.cos, model.rope.sin)
-    x, parts = model.embed(input_ids), None                                  # [M, H]
+    x = model.embed(input_ids)                                               # [M, H]
+    norm = model.norm.weight, model.norm.eps
+    if input_ids.shape[0] >= policy.tc_min_rows:
+        ssq = residual_norm(x, None, *norm, policy=policy, impl=impl)[2]
+        for i, w in enumerate(layer_weights(model)):
+            x, ssq = decode_layer_tc(x, ssq, w, rope, positions, out_cache_loc, kv.k[i],
+                                     kv.v[i], attend, policy=policy, impl=impl)
+        return x, ssq
+    parts = None
     for i, w in enumerate(layer_weights(model)):
         x, parts = decode_layer(x, parts, w, rope, positions, out_cache_loc, kv.k[i], kv.v[i],
                                 attend, policy=policy, impl=impl)
-    return residual_norm(x, parts, model.norm.weight, model.norm.eps, policy=policy,
+    resid, _, ssq = residual_norm(x, parts, *norm, policy=policy, impl=impl)
+    return resid, ssq
+
+
+def decode_hidden(model, input_ids, positions, out_cache_loc, kv, attend: AttendFn, *,
+                  policy: FusedDecodePolicy = FusedDecodePolicy(), impl: str = "auto"):
+    """The final-normed hidden [M, H] of a decode step (what `LlamaModel._run` returns for a
+    decode batch): `decode_residual`, then the final RMSNorm (`fused_tail` fuses that norm into
+    the lm_head instead)."""
+    x, _ = decode_residual(model, input_ids, positions, out_cache_loc, kv, attend,
+                           policy=policy, impl=impl)
+    return residual_norm(x, None, model.norm.weight, model.norm.eps, policy=policy,
                          impl=impl)[1]

@@ -176,7 +176,8 @@ class LlamaModel(PagedForwards, nn.Module):
 
     def __init__(self, cfg: LlamaConfig, seed: int = 0, fused=None):
         """fused: a `padgraph.backends.triton.fused_decode.FusedDecodePolicy`: decode steps it
-        takes (bf16 / fp16, up to its max_rows) run in the fused per-layer kernels."""
+        takes (bf16 / fp16, up to its max_rows) run in the fused per-layer kernels and the fused
+        norm + lm_head (`fused_tail`)."""
         super().__init__()
         self.cfg, self.fused = cfg, fused
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -201,14 +202,32 @@ class LlamaModel(PagedForwards, nn.Module):
     def forward_decode(self, input_ids, positions, batch):
         """[bs] tokens → (logits [bs, V] fp32, hidden [bs, H]); with `fused` set, the steps the
         fused kernels take (`fused_decode.takes`) run in them, the others as before."""
-        if self.fused is not None:
-            from padgraph.backends.triton import fused_decode as fd
-            if fd.takes(self, input_ids, batch.kv, self.fused):
-                hidden = fd.decode_hidden(self, input_ids, positions, batch.out_cache_loc, batch.kv,
-                                          self._decode_batch(batch).attend, policy=self.fused,
-                                          impl=batch.impl)
-                return self.logits(hidden), hidden
+        step = self._fused_step(input_ids, positions, batch, logits=True)
+        if step is not None:
+            return step.logits, step.hidden
         return super().forward_decode(input_ids, positions, batch)
+
+    def forward_decode_greedy(self, input_ids, positions, batch):
+        """[bs] tokens → (ids [bs] int64: `forward_decode`'s logits' argmax, gap [bs] fp32: their
+        top-1 minus top-2, hidden [bs, H]): a greedy step. The fused step (with `fused` set)
+        takes the argmax in its lm_head kernel and never writes the [bs, V] logits."""
+        step = self._fused_step(input_ids, positions, batch, logits=False)
+        if step is not None:
+            return step.ids, step.gap, step.hidden
+        logits, hidden = self.forward_decode(input_ids, positions, batch)
+        top2 = logits.topk(2, dim=-1).values
+        return logits.argmax(-1), top2[:, 0] - top2[:, 1], hidden
+
+    def _fused_step(self, input_ids, positions, batch, logits: bool):
+        """`fused_tail.decode_step` where `fused` is set and takes the step, else None."""
+        if self.fused is None:
+            return None
+        from padgraph.backends.triton import fused_decode, fused_tail
+        if not fused_decode.takes(self, input_ids, batch.kv, self.fused):
+            return None
+        return fused_tail.decode_step(self, input_ids, positions, batch.out_cache_loc, batch.kv,
+                                      self._decode_batch(batch).attend, logits=logits,
+                                      policy=self.fused, impl=batch.impl)
 
     def greedy_ids(self, hidden: Tensor) -> Tensor:
         """argmax of `logits(hidden)`, taken on the lm_head's own output (bf16 on a GPU): the
