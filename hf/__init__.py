@@ -18,9 +18,11 @@ not apply (beams, repetition penalty, ...) is refused, never approximated.
 
 A model is served with `model.generate`'s greedy tokens or refused at `Decoder(...)`, never served with
 others: the Decoder surveys the model's attention calls (their key and value widths, sink logits,
-several calls a layer), refuses a token mixer that keeps state without calling attention, and
-probes a small left-padded batch through its own path against the model's own forward, naming
-the first layer that differs (docs/hf_models.md lists what each architecture gets). Arguments
+several calls a layer) and the states its recurrent mixers keep through HF's cache (a hybrid's
+SSM, convolution and delta-net states, held in a pool of one row per request), refuses a token
+mixer that keeps state any other way without calling attention, and probes a small left-padded
+batch through its own path against the model's own forward, naming the first layer that differs
+(docs/hf_models.md lists what each architecture gets). Arguments
 are checked: `ArgumentError` / `ArgumentTypeError` name the argument, the value and what is allowed.
 """
 from .decoder import Decoder, decode_program

@@ -7,12 +7,19 @@ the config's `head_dim`: MLA's keys and values differ, Gemma 4's layers differ.
 Layout is static: request row r in 1..max_batch owns slots `1 + (r - 1) * max_len + pos`, so the
 table never changes after allocation. Row 0 and slot 0 are the sinks: a padded lane (row 0,
 position 0) writes slot 0 and reads only slot 0.
+
+A hybrid model's recurrent states (`recurrent.StateSpec`: convolution windows, SSM and delta-net
+states) live beside the keys and values in a pool of `1 + max_batch` rows per state: row r is
+request row r's, row 0 the sink (`recurrent.py`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from . import recurrent
+from .recurrent import StateSpec
 
 SINK = 0
 
@@ -29,11 +36,12 @@ class Site:
 
 @dataclass(frozen=True)
 class Shape:
-    """What the cache must hold for one model: its sites, in the order a forward calls them, and
-    the dtype."""
+    """What the cache must hold for one model: its sites, in the order a forward calls them, the
+    dtype, and the recurrent states of its mixers (none for an attention-only model)."""
 
     sites: tuple[Site, ...]
     dtype: torch.dtype
+    states: tuple[StateSpec, ...] = ()
 
     def index(self) -> dict[int, tuple[int, ...]]:
         """layer_idx -> its sites, in call order (`attention.Sites`)."""
@@ -44,7 +52,8 @@ class Shape:
 
 
 class PagedCache:
-    """Keys and values of every layer over `1 + max_batch * max_len` slots, and the slot table."""
+    """Keys and values of every layer over `1 + max_batch * max_len` slots, the slot table, and
+    the recurrent pool: one `[1 + max_batch, *spec.shape]` tensor per recurrent state."""
 
     def __init__(self, shape: Shape, max_batch: int, max_len: int, device):
         self.shape, self.max_batch, self.max_len = shape, max_batch, max_len
@@ -53,9 +62,10 @@ class PagedCache:
         self.kv = [torch.zeros(n_slots, site.n_kv_heads, dim, dtype=shape.dtype, device=device)
                    for site in shape.sites for dim in (site.k_dim, site.v_dim)]
         self.req_to_token = slot_table(max_batch, max_len, device)        # [1 + max_batch, max_len] int32
+        self.recurrent = recurrent.pool(shape.states, max_batch, device)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kv)
+        return sum(t.numel() * t.element_size() for t in [*self.kv, *self.recurrent])
 
 
 def slot_table(max_batch: int, max_len: int, device) -> torch.Tensor:

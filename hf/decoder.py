@@ -1,7 +1,9 @@
 """`Decoder`: an unmodified Hugging Face causal LM decoding through padgraph, greedy or sampled.
 
     prefill   eager, once per `generate`: the left-padded prompts through the model, the
-              registered attention function storing every real token's K/V at its slot
+              registered attention function storing every real token's K/V at its slot; a
+              hybrid model's mixers start from no state and leave theirs in rows 1..n of the
+              recurrent pool
     decode    the padgraph program `hf_decode`: one token per request and call, bucketed by
               requests; the body is the model's own forward with `use_cache=False`, then
               `padgraph.llm.sampling.sample` over the logits with each request's parameters
@@ -9,10 +11,13 @@
 
 The body derives every piece of attention metadata (slot written, keys read) from the padded
 view: a padded lane (input 0, position 0, request row 0) writes the sink slot 0 and reads it only.
+A hybrid model's recurrent mixers get HF's cache API over their lanes' rows of the recurrent pool
+(`recurrent.Step`: gathered by request row before the forward, written back after), so a padded
+lane reads and writes only the pool's sink row 0.
 
 `Decoder(...)` refuses what it cannot serve exactly before anything is compiled: a survey of the
-model's attention calls (`support.check_supported`) and a probe that decodes a small ragged batch
-through this path and through the model's own forward (`probe.check_decode`).
+model's attention calls and recurrent states (`support.check_served`) and a probe that decodes a
+small ragged batch through this path and through the model's own forward (`probe.check_decode`).
 """
 from __future__ import annotations
 
@@ -31,18 +36,23 @@ from . import arguments, attention, generation
 from .attention import Decode, Prefill, Sites
 from .cache import SINK, PagedCache
 from .probe import Path, check_decode
+from .recurrent import StateSpec, Step, cache_argument
 from .speculative import Eagle, Speculative
 from .errors import UnsupportedModelError
-from .support import (attention_modules, cache_shape, check_supported, device_of, graph_safe_experts, raised_in,
-                      serving)
+from .support import attention_modules, cache_shape, check_served, device_of, graph_safe_experts, raised_in, serving
 
 PROGRAM = "hf_decode"
 
 
-def decode_program(buckets: pg.Buckets) -> pg.Program:
+def decode_program(buckets: pg.Buckets, recurrent: bool = False) -> pg.Program:
     """One new token per request: its id, its position, its request row in the slot table, and
-    its sampling parameters (`padgraph.llm.programs.sampling_inputs`: a padded lane is greedy)."""
+    its sampling parameters (`padgraph.llm.programs.sampling_inputs`: a padded lane is greedy).
+    `recurrent`: a hybrid model's recurrent pool is state too, indexed by the same request row
+    (a padded lane's row 0 is its sink)."""
     bs = pg.Axis("bs")
+    state = {"kv": pg.State(sink=SINK), "req_to_token": pg.State(sink=SINK)}
+    if recurrent:
+        state["recurrent"] = pg.State(sink=SINK)
     return pg.Program(
         PROGRAM,
         inputs={
@@ -52,7 +62,7 @@ def decode_program(buckets: pg.Buckets) -> pg.Program:
             **sampling_inputs(bs),
         },
         outputs={"next_token": pg.Output((bs,), torch.int64)},
-        state={"kv": pg.State(sink=SINK), "req_to_token": pg.State(sink=SINK)},
+        state=state,
         buckets=buckets,
     )
 
@@ -61,20 +71,26 @@ class DecodeBody:
     """The decode program's body: the model's forward over the padded view, then each lane's
     next token drawn at its next position (greedy lanes: the argmax)."""
 
-    def __init__(self, model, sites: Sites, kernel=None, modules=None):
+    def __init__(self, model, sites: Sites, kernel=None, modules=None, states: tuple[StateSpec, ...] = ()):
         """sites: the cache site of each attention call. modules: given, the model's layers are
         compiled regions; each attention module then holds its sites' caches for the call
-        (`attention.bound`), so one graph serves every layer."""
-        self.model, self.sites, self.kernel, self.modules = model, sites, kernel, modules
+        (`attention.bound`), so one graph serves every layer. states: a hybrid model's recurrent
+        states, read from and written back to the view's `recurrent` pool at each lane's row."""
+        self.model, self.sites, self.kernel, self.modules, self.states = model, sites, kernel, modules, states
+        self.cache_arg = cache_argument(model) if states else None
 
     def logits(self, x) -> torch.Tensor:
         """The padded view's next-token logits [bs, vocab]."""
         sites = self.sites.fresh()
         batch = Decode(x.kv, x.req_to_token, x.req_pool_indices, x.positions, sites, self.kernel,
                        bound=self.modules is not None)
+        step = Step.gathered(self.states, x.recurrent, x.req_pool_indices) if self.states else None
         with attention.bound(self.modules, x.kv, sites):
             logits = self.model(input_ids=x.input_ids[:, None], position_ids=x.positions[:, None],
-                                use_cache=False, padgraph_batch=batch).logits         # [bs, 1, vocab]
+                                use_cache=False, padgraph_batch=batch,
+                                **({self.cache_arg: step} if step is not None else {})).logits   # [bs, 1, vocab]
+        if step is not None:
+            step.scatter(x.recurrent, x.req_pool_indices)                          # padded lanes: row 0
         return logits[:, -1]
 
     def __call__(self, x):
@@ -163,17 +179,22 @@ class Decoder:
     and refuse the model unless the logits agree within the dtype's tolerance (`probe.py`).
     `probe=False` skips it (one prefill and 3 decode steps of 3 rows, twice): for a model already
     probed at this dtype and device, where that time or memory matters.
+    Hybrid models (Mamba / Mamba2 SSMs, short convolutions, gated delta nets beside attention, or
+    alone) are served where every recurrent mixer keeps its state through HF's cache API: that
+    state lives in a pool of one row per request (`recurrent.py`), written by the prefill and read
+    and rewritten by each decode step; a request's first forward never reads its row.
     Raises `UnsupportedModelError`, naming the layer and the cause, for a model it cannot serve
-    exactly: a token mixer that keeps state and calls no attention (Mamba, short convolutions,
-    linear attention, ...), an attention keyword it does not apply, a probe whose logits differ;
-    with `draft`, also attention the paged kernels do not compute (soft-cap, short windows, sinks).
+    exactly: a token mixer that keeps state another way and calls no attention (lightning
+    attention, recurrent blocks with state of their own, ...), an attention keyword it does not
+    apply, a probe whose logits differ; with `draft`, also any recurrent mixer and attention the
+    paged kernels do not compute (soft-cap, short windows, sinks).
     Bad arguments raise `ArgumentError` / `ArgumentTypeError` (ContractError family).
     """
 
     def __init__(self, model, *, max_batch: int, max_len: int, backend: str = "cuda", torch_compile=False,
                  buckets=None, draft=None, probe: bool = True, **options):
         max_batch, max_len = check_options(model, max_batch, max_len, backend, torch_compile, draft, probe)
-        calls = check_supported(model)
+        served = check_served(model, recurrent=draft is None)   # a draft's engine keeps no recurrent state
         self.model, self.max_batch, self.max_len = model, max_batch, max_len
         device = device_of(model)
         self.rows = torch.arange(1, max_batch + 1, device=device)                     # [max_batch] request rows
@@ -188,13 +209,13 @@ class Decoder:
             return
         spec = compile_spec(torch_compile, model)
         ladder = pg.Buckets(buckets) if buckets is not None else pg.Buckets.default(max_batch)
-        self.cache = PagedCache(cache_shape(model, calls), max_batch, max_len, device)
+        self.cache = PagedCache(cache_shape(model, served.calls, served.states), max_batch, max_len, device)
         self.sites = Sites(self.cache.shape.index())
         kernel = triton_decode_kernel(backend, device, self.cache.shape.dtype)
         self.probe_error = self.probe(kernel) if probe else None        # largest relative logit error
-        self.program = decode_program(ladder)
-        regional = attention_modules(model, calls) if spec and spec.get("regions") else None
-        self.body = DecodeBody(model, self.sites, kernel, regional)
+        self.program = decode_program(ladder, recurrent=bool(served.states))
+        regional = attention_modules(model, served.calls) if spec and spec.get("regions") else None
+        self.body = DecodeBody(model, self.sites, kernel, regional, served.states)
         self.runner = self.compiled(spec, torch_compile, backend, options)
 
     def compiled(self, spec, torch_compile, backend: str, options: dict):
@@ -217,7 +238,8 @@ class Decoder:
         """`probe.check_decode` over this Decoder's prefill, attention kernel and decode body:
         the largest relative logit error it saw, or UnsupportedModelError."""
         path = Path(prefill=lambda cache, ids, mask, cls: run_prefill(self.model, cache, self.sites, ids, mask, cls),
-                    decode=DecodeBody(self.model, self.sites, kernel).logits, serving=self.serving)
+                    decode=DecodeBody(self.model, self.sites, kernel, states=self.cache.shape.states).logits,
+                    serving=self.serving)
         try:
             return check_decode(self.model, self.cache.shape, path, self.max_len)
         except (RuntimeError, TypeError, ValueError, IndexError, KeyError, AttributeError) as e:
@@ -237,7 +259,10 @@ class Decoder:
                 f"padgraph.llm's engine (decoder.speculative.engine); {what} belongs to the greedy decode program")
 
     def state(self) -> dict:
-        return {"kv": self.cache.kv, "req_to_token": self.cache.req_to_token}
+        state = {"kv": self.cache.kv, "req_to_token": self.cache.req_to_token}
+        if self.cache.shape.states:
+            state["recurrent"] = self.cache.recurrent
+        return state
 
     # ---- the two phases ---------------------------------------------------------------------------
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -319,7 +344,8 @@ class Decoder:
         if self.speculative is not None:
             from padgraph.llm import checks
             return checks.check(self.speculative.engine, trials=trials, seed=seed)
-        state = {"kv": [t.clone() for t in self.cache.kv], "req_to_token": self.cache.req_to_token.clone()}
+        state = {name: [t.clone() for t in v] if isinstance(v, list) else v.clone()
+                 for name, v in self.state().items()}
         with self.serving(), torch.no_grad():
             return pg.check(self.program, self.body, state=state, sample=self.sample, trials=trials, seed=seed)
 
@@ -345,14 +371,21 @@ def lanes_of(params: SamplingParams, seeds: torch.Tensor) -> SamplingLanes:
 
 def run_prefill(model, cache: PagedCache, sites: Sites, input_ids, attention_mask, batch_cls=Prefill):
     """Left-padded prompts [n, P] into request rows 1..n of `cache`, through the model with
-    padgraph's attention (the caller sets it): (last-position logits [n, vocab], the batch)."""
+    padgraph's attention (the caller sets it): (last-position logits [n, vocab], the batch).
+    A hybrid model's mixers start from no state (HF's first forward) and their states replace
+    whatever rows 1..n of the recurrent pool held."""
     valid = attention_mask.bool()                                                      # [n, P]
     positions = (valid.long().cumsum(-1) - 1).clamp(min=0)                             # HF's rule for left pads
     rows = torch.arange(1, input_ids.shape[0] + 1, device=input_ids.device)[:, None]   # [n, 1]
     slots = torch.where(valid, cache.req_to_token[rows, positions].long(), SINK)       # [n, P]
     batch = batch_cls(cache.kv, slots, positions, valid, sites.fresh())
+    states = cache.shape.states
+    step = Step.fresh_rows(states, input_ids.shape[0], input_ids.device) if states else None
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False,
-                   logits_to_keep=1, padgraph_batch=batch).logits                      # [n, 1, vocab]
+                   logits_to_keep=1, padgraph_batch=batch,
+                   **({cache_argument(model): step} if step is not None else {})).logits          # [n, 1, vocab]
+    if step is not None:
+        step.scatter(cache.recurrent, rows[:, 0])
     return logits[:, -1], batch
 
 

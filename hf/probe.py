@@ -160,8 +160,8 @@ def check_decode(model, shape, path: Path, max_len: int) -> float:
                 return worst
             token = ref.argmax(-1)                                                     # [n]
             ids, mask = torch.cat([ids, token[:, None]], 1), torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-            x = SimpleNamespace(kv=cache.kv, req_to_token=cache.req_to_token, req_pool_indices=rows,
-                                positions=lens + t, input_ids=token)
+            x = SimpleNamespace(kv=cache.kv, req_to_token=cache.req_to_token, recurrent=cache.recurrent,
+                                req_pool_indices=rows, positions=lens + t, input_ids=token)
             with path.serving(), ours.on():
                 logits = path.decode(x)
 

@@ -1,13 +1,15 @@
 """Which Hugging Face models padgraph.hf serves, and the cache each needs.
 
-A model is served when every token mixer is an attention module that calls HF's attention
-interface: then padgraph's registered function sees every call's q, k, v. `survey` runs the model
-once with a recording batch and returns each call (its layer, widths, scale, window, soft-cap,
-sinks); the cache is sized from what it saw. A module that keeps state across tokens without
-calling attention (state-space and linear-recurrent mixers, short convolutions, recurrent blocks)
-is refused by what it is, not by its parameter names: a module that takes a cache argument, or
-holds a state-decay `A_log`, and calls no attention below it. The numerical probe
-(`probe.check_decode`) then catches what a survey cannot see.
+A model is served when every token mixer is either an attention module that calls HF's attention
+interface (padgraph's registered function then sees every call's q, k, v) or a recurrent mixer
+that keeps its state only through HF's cache API (`recurrent.Step`). `survey` runs the model once
+with a recording batch and returns each call (its layer, widths, scale, window, soft-cap, sinks);
+`survey_states` runs it once with a recording cache and returns each recurrent state (its layer,
+kind, shape, dtype); the cache is sized from what they saw. A module that keeps state across
+tokens any other way is refused by what it is, not by its parameter names: a module that takes a
+cache argument, or holds a state-decay `A_log`, and neither calls attention below it nor belongs
+to a layer whose state went through the recording cache. The numerical probe
+(`probe.check_decode`) then catches what a survey cannot see (state kept anywhere else).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from . import attention
 from .attention import Layer
 from .cache import Shape, Site
 from .errors import NotBoundError, UnsupportedModelError
+from .recurrent import Recording, StateSpec, cache_argument
 
 # a parameter every state-space mixer HF ships has (the state decay A = -exp(A_log))
 _RECURRENT_PARAM = "A_log"
@@ -97,16 +100,72 @@ def survey(model) -> list[Call]:
 
 def check_supported(model) -> list[Call]:
     """The model's attention calls, or UnsupportedModelError naming the first module padgraph.hf
-    cannot serve and why."""
+    cannot serve with attention alone and why (a recurrent mixer is refused)."""
+    return check_served(model, recurrent=False).calls
+
+
+@dataclass(frozen=True)
+class Served:
+    """What a Decoder serves of a model: its attention calls and its recurrent states."""
+
+    calls: list
+    states: tuple[StateSpec, ...]
+
+
+def check_served(model, recurrent: bool = True) -> Served:
+    """The model's attention calls and (`recurrent`) the states its recurrent mixers keep through
+    HF's cache API, or UnsupportedModelError naming the first module padgraph.hf cannot serve and
+    why. Without a stateful module the survey is the attention-only one, unchanged."""
     name = type(model).__name__
-    if not getattr(model, "_supports_attention_backend", False):   # a state-space mixer is the cause, if any
-        refuse_stateful(model, {m for m in model.modules() if "Attention" in type(m).__name__})
-        raise UnsupportedModelError(
-            f"padgraph.hf.Decoder({name}): the model must support HF's attention interface "
-            f"(_supports_attention_backend = True); {name} runs its own attention code, which no registered "
-            f"attention function sees")
+    interface = getattr(model, "_supports_attention_backend", False)
+    calls = survey_calls(model) if interface else quiet_survey(model)
+    named = {m for m in model.modules() if "Attention" in type(m).__name__}
+    flagged = stateful_modules(model, {c.module for c in calls} if calls else named)
+    states = survey_states(model) if recurrent and flagged else ()
+    kept = {s.layer_idx for s in states} | (cacheless_layers(model) if states else set())
+    mixers = {m for _, m in flagged if getattr(m, "layer_idx", None) in kept}
+    if not interface:
+        if not mixers:          # a state-space mixer is the cause, if any
+            refuse_stateful(model, named, recurrent)
+            raise no_interface(name)
+        calls = survey_calls(model)     # a hybrid that does not declare the interface: is it used?
+        if own_attention(model, calls, mixers):
+            raise no_interface(name)
+    refuse_stateful(model, {c.module for c in calls} | {d for m in mixers for d in m.modules()}, recurrent)
+    if not calls and not mixers:
+        raise UnsupportedModelError(f"padgraph.hf.Decoder({name}): no layer called HF's attention interface")
+    for c in calls:
+        if c.layer_idx is None:
+            raise UnsupportedModelError(f"padgraph.hf.Decoder({name}): attention module {c.path!r} "
+                                        f"({type(c.module).__name__}) has no layer_idx to key its cache by")
+        if c.unknown:
+            raise UnsupportedModelError(
+                f"padgraph.hf.Decoder({name}): layer {c.path!r} passes {list(c.unknown)} to the attention "
+                f"function; padgraph's attention applies scaling, sliding_window, softcap and s_aux only")
+    return Served(calls, states)
+
+
+def no_interface(name: str) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"padgraph.hf.Decoder({name}): the model must support HF's attention interface "
+        f"(_supports_attention_backend = True); {name} runs its own attention code, which no registered "
+        f"attention function sees")
+
+
+def own_attention(model, calls: list[Call], mixers: set) -> bool:
+    """For a hybrid model that does not declare HF's attention interface: whether a module named
+    like attention made no call to it in the survey and holds no caller or served mixer (it runs
+    its own attention)."""
+    served = {c.module for c in calls} | mixers
+    return any("Attention" in type(m).__name__ and not any(c in served for c in m.modules())
+               for m in model.modules())
+
+
+def survey_calls(model) -> list[Call]:
+    """`survey`, its failures as UnsupportedModelError naming the cause."""
+    name = type(model).__name__
     try:
-        calls = survey(model)
+        return survey(model)
     except NotBoundError as e:
         raise UnsupportedModelError(
             f"padgraph.hf.Decoder({name}): an attention layer ran without the keyword arguments the model was "
@@ -117,18 +176,44 @@ def check_supported(model) -> list[Call]:
             f"padgraph.hf.Decoder({name}): the model's forward fails with padgraph's attention function "
             f"({type(e).__name__}: {e}, {raised_in(e)}); it reads something HF builds only for its own attention "
             f"implementations (a 4-D mask, its cache)") from e
-    refuse_stateful(model, {c.module for c in calls})
-    if not calls:
-        raise UnsupportedModelError(f"padgraph.hf.Decoder({name}): no layer called HF's attention interface")
-    for c in calls:
-        if c.layer_idx is None:
-            raise UnsupportedModelError(f"padgraph.hf.Decoder({name}): attention module {c.path!r} "
-                                        f"({type(c.module).__name__}) has no layer_idx to key its cache by")
-        if c.unknown:
-            raise UnsupportedModelError(
-                f"padgraph.hf.Decoder({name}): layer {c.path!r} passes {list(c.unknown)} to the attention "
-                f"function; padgraph's attention applies scaling, sliding_window, softcap and s_aux only")
-    return calls
+
+
+def quiet_survey(model) -> list[Call] | None:
+    """`survey`, or None where the forward fails with padgraph's attention function."""
+    try:
+        return survey(model)
+    except (NotBoundError, RuntimeError, TypeError, ValueError, IndexError, KeyError, AttributeError):
+        return None
+
+
+def survey_states(model) -> tuple[StateSpec, ...]:
+    """The states the model's mixers keep through HF's linear-attention cache API, in call order,
+    from one forward over two tokens with a recording cache; () where that forward fails (the
+    mixers are then refused as stateful, by `refuse_stateful`)."""
+    attention.register()
+    rec, states = Recorder({m: p for p, m in model.named_modules()}, []), Recording()
+    device = device_of(model)
+    try:
+        with serving(model), torch.no_grad():
+            model(input_ids=torch.ones(1, 2, dtype=torch.int64, device=device),
+                  position_ids=torch.arange(2, device=device)[None], use_cache=False, padgraph_batch=rec,
+                  **{cache_argument(model): states})
+    except (RuntimeError, TypeError, ValueError, IndexError, KeyError, AttributeError, NotImplementedError,
+            NotBoundError):
+        return ()
+    return tuple(states.seen)
+
+
+def cacheless_layers(model) -> set[int]:
+    """The layers HF's own cache gives no storage (a DummyLayer: MoE or MLP blocks of a hybrid
+    stack, layers that reuse another's keys): a block there that takes the cache keeps nothing
+    in it. Empty where this transformers has no per-layer cache types."""
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+        types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return set()
+    return {i for i, t in enumerate(types) if t == "dummy"}
 
 
 def raised_in(e: BaseException) -> str:
@@ -142,24 +227,33 @@ def raised_in(e: BaseException) -> str:
     return f"in {code.co_filename.rsplit('/', 1)[-1]}:{code.co_name} line {tb.tb_lineno}"
 
 
-def refuse_stateful(model, callers: set) -> None:
-    """UnsupportedModelError for a module that keeps state across tokens and is not `callers` or
-    above one: it takes a cache argument (`STATE_ARGS`) or holds a state decay `A_log`."""
+def stateful_modules(model, callers: set) -> list[tuple[str, torch.nn.Module]]:
+    """(path, module) of every module with parameters that keeps state across tokens (a cache
+    argument, `STATE_ARGS`, or a state decay `A_log`) and is not `callers` or above one."""
     above = {m for c in callers for m in ancestors(model, c)}
+    return [(path, module) for path, module in model.named_modules()
+            if module not in above and any(True for _ in module.parameters()) and keeps_state(module)]
+
+
+def refuse_stateful(model, callers: set, recurrent: bool = False) -> None:
+    """UnsupportedModelError for a module that keeps state across tokens and is not `callers` or
+    above one. `recurrent`: the message says what a served recurrent mixer needs."""
+    flagged = stateful_modules(model, callers)
     name = type(model).__name__
-    flagged = [(path, module) for path, module in model.named_modules()
-               if module not in above and any(True for _ in module.parameters())
-               and keeps_state(module)]
     inner = [(p, m) for p, m in flagged if not any(q != p and (not p or q.startswith(p + ".")) for q, _ in flagged)]
     if not inner:       # the innermost flagged module: a mixer rather than the layer holding it
         return
     path, module = inner[0]
     args = [a for a in STATE_ARGS if a in forward_args(module)]
     why = f"takes {args} in its forward" if args else f"holds a state decay {_RECURRENT_PARAM}"
+    served = ("attention layers through HF's AttentionInterface, and recurrent mixers that keep their state "
+              "only through HF's cache (get_conv_state / update_conv_state, get_recurrent_state / "
+              "update_recurrent_state)" if recurrent else
+              "attention layers only with a draft head or as a Target (their engine keeps no recurrent state)")
     raise UnsupportedModelError(
         f"padgraph.hf.Decoder({name}): layer {path!r} is a {type(module).__name__}, a token mixer that "
-        f"keeps state across tokens ({why}) and calls no attention; padgraph.hf serves attention "
-        f"layers through HF's AttentionInterface only, and decoding without that state gives other tokens")
+        f"keeps state across tokens ({why}) and calls no attention; padgraph.hf serves {served}, and "
+        f"decoding without that state gives other tokens")
 
 
 def keeps_state(module) -> bool:
@@ -184,10 +278,10 @@ def forward_args(module) -> set[str]:
         return set()
 
 
-def cache_shape(model, calls: list[Call]) -> Shape:
-    """The cache sites the calls write, and the model's dtype."""
+def cache_shape(model, calls: list[Call], states: tuple[StateSpec, ...] = ()) -> Shape:
+    """The cache sites the calls write, the model's dtype, and the recurrent states."""
     sites = tuple(Site(c.layer_idx, c.n_kv_heads, c.k_dim, c.v_dim) for c in calls)
-    return Shape(sites, next(model.parameters()).dtype)
+    return Shape(sites, next(model.parameters()).dtype, states)
 
 
 def attention_modules(model, calls: list[Call] | None = None) -> list:

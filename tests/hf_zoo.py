@@ -36,6 +36,12 @@ EXTRA = {   # model_type -> fields beyond SMALL
     "lfm2": dict(layer_types=["conv", "full_attention"]),
     "minimax": dict(layer_types=["linear_attention", "full_attention"]),
     "qwen3_next": dict(layer_types=["linear_attention", "full_attention"]),
+    "qwen3_5_text": dict(layer_types=["linear_attention", "full_attention"]),
+    "qwen3_5_moe_text": dict(layer_types=["linear_attention", "full_attention"]),
+    "kimi_linear": dict(layer_types=["linear_attention", "full_attention"], linear_head_dim=16, linear_num_heads=4),
+    "bailing_hybrid": dict(layer_group_size=2),        # a linear-attention layer, then a full one
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    "zamba2": dict(layers_block_type=["mamba", "hybrid"]),
     "recurrent_gemma": dict(block_types=["recurrent", "attention"], lru_width=64, attention_window_size=WINDOW),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=WINDOW),

@@ -28,14 +28,15 @@ SSM = {   # class name -> config name, tiny config kwargs
 
 
 @pytest.mark.parametrize("cls_name", list(SSM))
-def test_ssm_model_raises_at_decoder(cls_name):
+def test_ssm_model_raises_at_decoder_with_a_draft(cls_name):
+    """Served without a draft (tests/test_hf_hybrid.py); a draft head's engine keeps no recurrent state."""
     cfg_name, kwargs = SSM[cls_name]
     if not hasattr(transformers, cls_name):
         pytest.skip(f"{cls_name} is not in transformers {transformers.__version__}")
     torch.manual_seed(0)
     model = getattr(transformers, cls_name)(getattr(transformers, cfg_name)(**kwargs)).eval()
     with pytest.raises(pghf.UnsupportedModelError, match="Mixer") as err:
-        pghf.Decoder(model, max_batch=2, max_len=16, backend="reference")
+        pghf.Decoder(model, max_batch=2, max_len=16, backend="reference", draft=pghf.Eagle())
     assert isinstance(err.value, pg.ContractError) and cls_name in str(err.value)
 
 

@@ -75,7 +75,7 @@ def test_probe_can_be_skipped_and_still_refuses_by_survey():
     model.model.layers[1].mlp = TokenShift(model.model.layers[1].mlp)
     pghf.Decoder(model, max_batch=2, max_len=32, backend="reference", probe=False)   # the user's call
     with pytest.raises(pghf.UnsupportedModelError, match="keeps state"):
-        pghf.Decoder(hf_zoo.build_type("lfm2"), max_batch=2, max_len=32, backend="reference", probe=False)
+        pghf.Decoder(hf_zoo.build_type("minimax"), max_batch=2, max_len=32, backend="reference", probe=False)
 
 
 # ---- arguments ---------------------------------------------------------------------------------

@@ -33,8 +33,9 @@ DOC = Path(__file__).parents[1] / "docs" / "hf_models.md"
 NEW, MAX_LEN, ROWS = 10, 32, (1, 3, 5)
 REPRESENTATIVE = [      # one per mechanism: plain, sinks, two calls a layer, MLA, per-layer widths, fused
     "llama", "gpt_oss", "diffllama", "deepseek_v3", "gemma4_text", "gpt2",     # q/k/v; chunked and dynamic masks,
-    "llama4_text", "doge", "lfm2", "nemotron", "mamba", "qwen3_next"]           # short convs, kwargs not passed on,
-#                                                                                 SSMs, gated delta nets
+    "llama4_text", "doge", "lfm2", "nemotron", "mamba", "qwen3_next",          # short convs, kwargs not passed on,
+    "bamba", "minimax"]                                                          # SSMs, gated delta nets, an SSM
+#                                                   beside attention, state kept outside HF's cache API (refused)
 CAUSES = {   # a refusal's short cause -> the words of padgraph's message that say it
     "state kept across tokens": "keeps state across tokens",
     "model's own mask": "HF's attention mask",
@@ -151,9 +152,10 @@ def write_doc() -> None:
         "`tests/test_hf_zoo.py` checks each row. Each architecture is a tiny random model built from its config "
         f"(`tests/hf_zoo.py`): **served** means `padgraph.hf.Decoder` gives `model.generate(do_sample=False)`'s "
         f"tokens at batch sizes 1, 3 and 5 with left padding, {NEW} new tokens past prompts of 3 to 12, beyond "
-        "sliding windows, attention chunks and convolution kernels of 4; **refused** means `Decoder(...)` raised "
-        "`UnsupportedModelError` with the cause shown; **not built** means this sweep's tiny config is not valid "
-        "for the architecture (not judged).",
+        "sliding windows, attention chunks and convolution kernels of 3 and 4 (a hybrid's recurrent mixers, "
+        "SSMs, short convolutions and gated delta nets, keep their state in the Decoder's pool of one row per "
+        "request); **refused** means `Decoder(...)` raised `UnsupportedModelError` with the cause shown; "
+        "**not built** means this sweep's tiny config is not valid for the architecture (not judged).",
         "",
         f"{len(served)} served, {len(refused)} refused, {len(outcomes) - len(served) - len(refused)} not built "
         f"of {len(outcomes)}.",

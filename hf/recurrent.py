@@ -1,0 +1,189 @@
+"""Recurrent state of hybrid models: the convolution windows and SSM / delta-net states HF's
+mixers keep across tokens, held in padgraph's slot pool and handed to the mixers as the cache
+object they expect.
+
+transformers' hybrid mixers (Mamba, Mamba2, Bamba, Jamba, FalconH1, GraniteMoeHybrid, NemotronH,
+LFM2's short convolutions, Qwen3-Next's gated delta net, ...) read and write their state only
+through their cache's linear-attention API: `get_conv_state` / `update_conv_state` (a causal
+convolution's last `kernel` inputs, `[C, kernel]` a request) and `get_recurrent_state` /
+`update_recurrent_state` (the SSM or delta-rule state), per `(layer_idx, state_idx)`. `Step` is
+that API over batch-ordered tensors: the forward that runs the mixers gets one `Step` as its
+`cache`, HF's own code computes and writes the states exactly as under `generate`, and the caller
+moves the rows between the pool and the `Step`:
+
+    prefill   `Step.fresh`: zero rows, no previous state (HF's first forward: the conv window is
+              the left-padded prompt's last `kernel` inputs, the scan starts from zero); the rows
+              it leaves are copied into the requests' slots (`scatter`)
+    decode    `Step.gathered`: each lane's slot row read from the pool (`index_select`), updated
+              in place by the mixers' single-token paths, written back to the same slots
+              (`index_copy_`): fixed shapes per bucket, device indices, no host sync
+
+The pool (`pool`) holds one tensor per state, `[1 + max_batch, *shape]`: slot 0 is the sink, a
+padded lane's (request row 0) read and write; request row r owns slot r, the same row the paged
+KV cache's slot table gives it. A request's first forward (its prefill) never reads its slot: the
+old occupant's state is overwritten whole, never read into arithmetic.
+
+Attention layers that receive the `Step` (HF passes one cache to every layer) see a cache that
+stores nothing: `update` hands keys and values back, padgraph's attention function keeps them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+CONV, RECURRENT = "conv", "recurrent"
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One recurrent state of one layer: `kind` conv (`shape[-1]` is the kernel) or recurrent,
+    HF's `state_idx` within the layer, its per-request shape and dtype."""
+
+    layer_idx: int
+    kind: str
+    state_idx: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def key(self) -> tuple[int, str, int]:
+        return self.layer_idx, self.kind, self.state_idx
+
+
+class Step:
+    """HF's linear-attention cache API over batch-ordered rows `[b, *spec.shape]`, one per spec,
+    for one forward. `fresh`: the forward is the requests' first (prefill): no previous state is
+    read, and a conv window shorter than its kernel is left-padded with zeros, as HF's first
+    forward does. Otherwise each state is read and rewritten in place."""
+
+    is_compileable = False          # HF's mask builders: no static-cache shortcut
+
+    def __init__(self, specs: tuple[StateSpec, ...], rows: list[torch.Tensor], fresh: bool):
+        self.specs, self.rows, self.fresh = specs, rows, fresh
+        self.at = {s.key: i for i, s in enumerate(specs)}
+
+    @classmethod
+    def fresh_rows(cls, specs: tuple[StateSpec, ...], n: int, device) -> "Step":
+        """Zero rows for n requests' first forward."""
+        return cls(specs, [torch.zeros(n, *s.shape, dtype=s.dtype, device=device) for s in specs], fresh=True)
+
+    @classmethod
+    def gathered(cls, specs: tuple[StateSpec, ...], pool: list[torch.Tensor], slots: torch.Tensor) -> "Step":
+        """The slots' rows of the pool (slots [b] int64 on the pool's device), for a continuing forward."""
+        return cls(specs, [t.index_select(0, slots) for t in pool], fresh=False)
+
+    def scatter(self, pool: list[torch.Tensor], slots: torch.Tensor) -> None:
+        """Each row back into its slot of the pool (slots [b]; padded lanes: the sink)."""
+        for t, r in zip(pool, self.rows):
+            t.index_copy_(0, slots, r)
+
+    def _row(self, layer_idx: int, kind: str, state_idx: int) -> torch.Tensor:
+        return self.rows[self.at[(layer_idx, kind, state_idx)]]
+
+    # ---- HF's Cache API, the part its recurrent mixers call -----------------------------------------
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
+        return None if self.fresh else self._row(layer_idx, CONV, state_idx)
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                          conv_kernel_size: int | None = None, **kwargs) -> torch.Tensor:
+        """conv_states [b, C, t] the new inputs -> [b, C, max(t, kernel)] (fresh) or [b, C, kernel + t]:
+        the window the causal convolution reads; its last `kernel` columns are kept."""
+        row = self._row(layer_idx, CONV, state_idx)                                    # [b, C, kernel]
+        kernel = row.shape[-1]
+        if self.fresh:
+            full = conv_states
+            if full.shape[-1] < kernel:
+                full = torch.nn.functional.pad(full, (kernel - full.shape[-1], 0), value=0)
+        else:
+            full = torch.cat([row, conv_states], dim=-1)
+        row.copy_(full[..., -kernel:])
+        return full
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
+        return None if self.fresh else self._row(layer_idx, RECURRENT, state_idx)
+
+    def update_recurrent_state(self, recurrent_states, layer_idx: int, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        row = self._row(layer_idx, RECURRENT, state_idx)
+        last = recurrent_states if isinstance(recurrent_states, torch.Tensor) else recurrent_states[-1]
+        row.copy_(last)
+        return row
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return not self.fresh
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        return 0            # no rollback: only the last state is kept
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        """HF counts decoded tokens here; padgraph's positions come from the program's inputs."""
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """An attention layer's keys and values, handed back: padgraph's attention stores them."""
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._prefill_only("get_seq_length", 0)
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self._prefill_only("get_query_offset", 0)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self._prefill_only("get_mask_sizes", (query_length, 0))
+
+    def _prefill_only(self, what: str, value):
+        """What HF's cache counts from the tokens it has seen: nothing before a first forward;
+        after it, padgraph passes positions and masks itself and keeps no count."""
+        if not self.fresh:
+            raise NotImplementedError(f"padgraph.hf's recurrent cache keeps no token count: the model called "
+                                      f"cache.{what} in a decode step")
+        return value
+
+
+class Recording(Step):
+    """A fresh `Step` that makes each state's row on first use and records its spec: which
+    layers keep state through HF's cache API, with which shapes (`survey` in support.py)."""
+
+    def __init__(self):
+        super().__init__((), [], fresh=True)
+        self.seen: list[StateSpec] = []
+
+    def _make(self, spec: StateSpec, b: int, device) -> None:
+        if spec.key not in self.at:
+            self.at[spec.key] = len(self.rows)
+            self.rows.append(torch.zeros(b, *spec.shape, dtype=spec.dtype, device=device))
+            self.seen.append(spec)
+
+    def update_conv_state(self, conv_states, layer_idx, state_idx=0, conv_kernel_size=None, **kwargs):
+        if conv_kernel_size is None:
+            raise NotImplementedError(f"layer {layer_idx} updates a conv state without its kernel size "
+                                      f"(conv_kernel_size): its window cannot be sized ahead")
+        spec = StateSpec(layer_idx, CONV, state_idx, (*conv_states.shape[1:-1], int(conv_kernel_size)),
+                         conv_states.dtype)
+        self._make(spec, conv_states.shape[0], conv_states.device)
+        return super().update_conv_state(conv_states, layer_idx, state_idx, conv_kernel_size, **kwargs)
+
+    def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, **kwargs):
+        last = recurrent_states if isinstance(recurrent_states, torch.Tensor) else recurrent_states[-1]
+        self._make(StateSpec(layer_idx, RECURRENT, state_idx, tuple(last.shape[1:]), last.dtype),
+                   last.shape[0], last.device)
+        return super().update_recurrent_state(recurrent_states, layer_idx, state_idx, **kwargs)
+
+
+def pool(specs: tuple[StateSpec, ...], max_batch: int, device) -> list[torch.Tensor]:
+    """One zeroed tensor per spec, `[1 + max_batch, *spec.shape]`: slot 0 the sink, slot r request row r."""
+    return [torch.zeros(1 + max_batch, *s.shape, dtype=s.dtype, device=device) for s in specs]
+
+
+def cache_argument(model) -> str:
+    """The keyword through which the model's forward takes its cache: transformers 5's `cache`,
+    else `past_key_values`."""
+    import inspect
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "cache"
+    return "cache" if "cache" in params else "past_key_values"

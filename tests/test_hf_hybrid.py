@@ -1,0 +1,155 @@
+"""padgraph.hf on hybrid models: recurrent mixers (Mamba2-style SSMs, Mamba1, short convolutions,
+gated delta nets) beside attention, or alone, decode through `Decoder` to the very tokens of HF's
+own `generate(do_sample=False)`: tiny random fp32 models (`hf_zoo`), bs 1, 3 and 5, left-padded
+prompts of 3 to 12 tokens and 10 new ones (past every convolution kernel).
+
+Their states live in the Decoder's recurrent pool, one row per request (row 0 the sink):
+  - a padded lane writes only the sink row, found by `pg.check` (`state-write`) when it does not;
+  - a row no lane of a call owns is left bitwise unchanged; a reused row's old state (even nan)
+    is never read by the next request's prefill;
+  - a mixer whose state the pool does not keep is refused by the probe, naming the decode step;
+  - a mixer that keeps state outside HF's cache API stays refused, naming the layer.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import padgraph.hf as pghf  # noqa: E402
+from padgraph.hf import recurrent  # noqa: E402
+
+import hf_zoo  # noqa: E402
+from test_hf_models import MAX_LEN, NEW, prompts  # noqa: E402
+
+# most used first: Mamba2-style SSMs (alone, beside attention, in parallel with it, with MoE),
+# short convolutions, gated delta nets, Mamba1
+SERVED = ["mamba2", "bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "lfm2", "qwen3_next",
+          "qwen3_5_text", "jamba", "mamba"]
+CHECKED = {"bamba", "lfm2", "qwen3_next"}       # pg.check of the decode body too (one per mixer kind)
+
+
+def model_of(model_type: str):
+    if model_type not in transformers.CONFIG_MAPPING:
+        pytest.skip(f"{model_type} is not in transformers {transformers.__version__}")
+    return hf_zoo.build_type(model_type)
+
+
+def assert_generates_like_hf(model, dec, sizes, seed: int = 0, device="cpu"):
+    for n in sizes:
+        ids, mask = (t.to(device) for t in prompts(n, seed=seed + n))
+        with torch.no_grad():
+            ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
+        ours = dec.generate(ids, attention_mask=mask, max_new_tokens=NEW)
+        assert ours.tolist() == ref.tolist(), f"{type(model).__name__} bs {n}: tokens differ from HF's generate"
+
+
+@pytest.mark.parametrize("model_type", SERVED)
+def test_tokens_equal_hf_generate(model_type):
+    model = model_of(model_type)
+    dec = pghf.Decoder(model, max_batch=5, max_len=MAX_LEN, backend="reference")
+    assert dec.cache.shape.states, f"{model_type}: served without recurrent state"
+    assert_generates_like_hf(model, dec, (1, 3, 5))
+    if model_type in CHECKED:
+        assert dec.check(trials=2).ok, dec.check(trials=2)
+
+
+def test_kinds_and_shapes_of_the_states():
+    """The pool holds what HF's own cache holds, per request: LFM2's conv window [hidden, L_cache]
+    on its conv layer only; Bamba's conv window and SSM state on its Mamba layer only."""
+    lfm2 = pghf.Decoder(model_of("lfm2"), max_batch=2, max_len=16, backend="reference", probe=False)
+    cfg = lfm2.model.config
+    assert [(s.layer_idx, s.kind, s.shape) for s in lfm2.cache.shape.states] == [
+        (0, "conv", (cfg.hidden_size, cfg.conv_L_cache))]
+    bamba = pghf.Decoder(model_of("bamba"), max_batch=2, max_len=16, backend="reference", probe=False)
+    assert [(s.layer_idx, s.kind) for s in bamba.cache.shape.states] == [(0, "conv"), (0, "recurrent")]
+    assert [t.shape[0] for t in bamba.cache.recurrent] == [3, 3]          # the sink and two request rows
+
+
+def test_slot_reuse_reads_no_old_state_and_leaves_other_rows():
+    """Three generate calls on one Decoder: each request row is reused. The second call's
+    prefill overwrites rows 1..3 whatever they hold (nan here), rows 4..5 (no request of the
+    call) stay bitwise as the first call left them, and every call gives HF's tokens."""
+    model = model_of("bamba")
+    dec = pghf.Decoder(model, max_batch=5, max_len=MAX_LEN, backend="reference")
+    assert_generates_like_hf(model, dec, (5,), seed=40)
+    for t in dec.cache.recurrent:
+        t[1:4] = float("nan")                                          # a released row may hold anything
+    kept = [t[4:].clone() for t in dec.cache.recurrent]
+    assert_generates_like_hf(model, dec, (3,), seed=50)
+    for t, before in zip(dec.cache.recurrent, kept):
+        assert torch.equal(t[4:], before), "a row no request of the call owns was written"
+        assert bool(torch.isfinite(t[1:4]).all()), "a reused row still holds its old state"
+    assert_generates_like_hf(model, dec, (1,), seed=60)
+
+
+def test_padded_lanes_write_only_the_sink_row():
+    """A decode step of 3 requests in a bucket of 4: the padded lane's write lands in row 0 only;
+    `pg.check` reports a pad index moved off the sink as a state-write."""
+    model = model_of("lfm2")
+    dec = pghf.Decoder(model, max_batch=5, max_len=MAX_LEN, buckets=(1, 2, 4, 5), backend="reference")
+    ids, mask = prompts(5, seed=7)
+    token, lens = dec.prefill(ids, mask)
+    rows = [t[4:].clone() for t in dec.cache.recurrent]
+    dec.step(token[:3], lens[:3])
+    assert all(torch.equal(t[4:], r) for t, r in zip(dec.cache.recurrent, rows)), "a padded lane wrote a live row"
+
+    real = recurrent.Step.scatter
+    try:
+        recurrent.Step.scatter = lambda self, pool, slots: real(self, pool, slots.clamp(min=1))
+        result = dec.check(trials=2)
+    finally:
+        recurrent.Step.scatter = real
+    assert not result.ok and "state-write" in str(result), str(result)
+
+
+def test_probe_refuses_a_recurrent_state_the_pool_drops(monkeypatch):
+    """A gated delta net whose state is not kept (the pool's write dropped): the prefill agrees,
+    the first decode step does not, and the probe names the layer."""
+    monkeypatch.setattr(recurrent.Step, "update_recurrent_state",
+                        lambda self, states, layer_idx, state_idx=0, **kw: states)
+    with pytest.raises(pghf.UnsupportedModelError, match=r"decode step 1.*model\.layers\.0 is the first"):
+        pghf.Decoder(model_of("qwen3_next"), max_batch=3, max_len=MAX_LEN, backend="reference")
+
+
+@pytest.mark.parametrize("model_type, layer", [("minimax", "model.layers.0.self_attn"),
+                                               ("recurrent_gemma", "model.layers.0.temporal_block")])
+def test_state_kept_outside_the_cache_is_refused_naming_the_layer(model_type, layer):
+    """Lightning attention (its own cache methods) and RecurrentGemma's recurrent block (state it
+    keeps itself) keep no state through HF's conv / recurrent cache API: refused, named."""
+    with pytest.raises(pghf.UnsupportedModelError, match="keeps state across tokens") as err:
+        pghf.Decoder(model_of(model_type), max_batch=2, max_len=MAX_LEN, backend="reference")
+    assert repr(layer) in str(err.value), str(err.value)
+
+
+# ---- CUDA graphs (GPU only) ---------------------------------------------------------------------
+CUDA_SERVED = ["mamba2", "bamba", "nemotron_h", "lfm2", "qwen3_next", "jamba"]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("model_type", CUDA_SERVED)
+@pytest.mark.parametrize("torch_compile", [False, True], ids=["eager", "compiled"])
+def test_cuda_tokens_equal_hf_generate(model_type, torch_compile):
+    """backend="cuda": the decode step (pool gather, HF's mixers, write-back) captured in CUDA
+    graphs, eager or with the decoder layers compiled as regions: HF generate's tokens."""
+    if torch_compile and model_type not in ("bamba", "qwen3_next"):
+        pytest.skip("compiled: one SSM hybrid, one gated delta net hybrid (each has a conv window)")
+    model = model_of(model_type).cuda()
+    dec = pghf.Decoder(model, max_batch=5, max_len=MAX_LEN, backend="cuda", torch_compile=torch_compile)
+    assert_generates_like_hf(model, dec, (1, 3, 5), device="cuda")
+
+
+@pytest.mark.cuda
+def test_cuda_slot_reuse():
+    """On CUDA graphs: a second and third call reuse request rows (the first poisoned with nan)
+    and leave the rows they do not own as they were."""
+    model = model_of("qwen3_next").cuda()
+    dec = pghf.Decoder(model, max_batch=5, max_len=MAX_LEN, backend="cuda")
+    assert_generates_like_hf(model, dec, (5,), seed=40, device="cuda")
+    for t in dec.cache.recurrent:
+        t[1:4] = float("nan")
+    kept = [t[4:].clone() for t in dec.cache.recurrent]
+    assert_generates_like_hf(model, dec, (3,), seed=50, device="cuda")
+    assert all(torch.equal(t[4:], k) for t, k in zip(dec.cache.recurrent, kept))
+    assert_generates_like_hf(model, dec, (1,), seed=60, device="cuda")
