@@ -15,7 +15,10 @@ from typing import Any
 from torch import Tensor
 
 # a runner's state name -> the attribute models read on `batch.kv`
-CACHE_NAMES = {"k_cache": "k", "v_cache": "v", "latent_cache": "latent"}
+CACHE_NAMES = {"k_cache": "k", "v_cache": "v", "latent_cache": "latent",
+               # a hybrid target's recurrent pools and a verify's per-node states
+               "conv_state": "conv", "ssm_state": "ssm", "tree_conv": "tree_conv",
+               "tree_ssm": "tree_ssm"}
 
 
 class Caches:

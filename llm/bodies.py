@@ -125,6 +125,9 @@ def verify_body(target, spec: SpecConfig, rule: str = "draws"):
     `SPEC_RULES`), committed to the KV; draft-extend's inputs."""
     k, steps = spec.num_draft_tokens, spec.steps
     greedy, full, accept = verify_ids(target), verify_logits(target), SPEC_RULES[rule]
+    # a hybrid target's recurrent layers leave each tree node's state; commit_tree keeps the
+    # accepted path's last one as the request's
+    commit_tree = getattr(target, "commit_tree", None)
 
     def body(x):
         bs = x.bucket
@@ -138,6 +141,8 @@ def verify_body(target, spec: SpecConfig, rule: str = "draws"):
         acc_len, acc_idx, out_tokens = ops.verify_greedy(
             x.input_ids.view(bs, k), x.tree_mask, predict, x.req_to_token,
             x.req_pool_indices, x.seq_lens, steps)
+        if commit_tree is not None:      # the path's last node (acc_idx repeats it past acc_len)
+            commit_tree(batch, acc_idx[:, -1])
         ids, pos, loc, hid, qo, new_lens = ops.pack_draft_extend(
             acc_len, acc_idx, out_tokens, hidden, x.seq_lens, x.req_to_token,
             x.req_pool_indices, x.extent("bs"))

@@ -115,10 +115,28 @@ class RowAllocator(_FreeList):
     kind = "row"
 
 
-def new_cache(target, n_layers: int, n_slots: int, max_context: int, n_req_rows: int):
-    """The target's paged cache: its own `new_cache` (e.g. a latent cache), else K/V pools."""
+def new_cache(target, n_layers: int, n_slots: int, max_context: int, n_req_rows: int,
+              tree_nodes: int = 0):
+    """The target's paged cache: a hybrid target's K/V and recurrent pools (its
+    `new_hybrid_cache`, with room for the per-node recurrent states of a verify of `tree_nodes`
+    nodes a request; 0: no verify), its own `new_cache` (e.g. a latent cache), else K/V pools."""
+    if hasattr(target, "new_hybrid_cache"):
+        return target.new_hybrid_cache(n_slots, max_context, n_req_rows, tree_nodes)
     if hasattr(target, "new_cache"):
         return target.new_cache(n_layers, n_slots, max_context, n_req_rows)
+    return _kv_pools(target, n_layers, n_slots, max_context, n_req_rows)
+
+
+def new_draft_cache(target, n_slots: int):
+    """The draft head's one-layer cache (its req_to_token is unused: the runners bind the
+    target's). The head's layer is of the target's kind (`new_cache` of one layer), except for a
+    hybrid target, whose head is an attention layer (`EagleHead`): K/V pools."""
+    if hasattr(target, "new_hybrid_cache"):
+        return _kv_pools(target, 1, n_slots, 2, FIRST)
+    return new_cache(target, 1, n_slots, 2, FIRST)
+
+
+def _kv_pools(target, n_layers: int, n_slots: int, max_context: int, n_req_rows: int) -> KVCache:
     cfg, p = target.cfg, target.lm_head.weight
     return KVCache(n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim, max_context, n_req_rows,
                    p.dtype, p.device)

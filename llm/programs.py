@@ -226,13 +226,17 @@ def _state_decl(cache_names) -> dict[str, pg.State]:
 
 
 def programs(cfg, spec: SpecConfig, hidden_dtype, buckets=None,
-             cache_names=("k_cache", "v_cache"), sampling: bool = False) -> dict[str, pg.Program]:
+             cache_names=("k_cache", "v_cache"), sampling: bool = False,
+             draft_cache_names=None) -> dict[str, pg.Program]:
     """The four EAGLE runner programs (decode, verify, draft, draft-extend) with this model's
-    outputs and cache state names; sampling: decode and verify take the requests' sampling
-    parameters (the draft proposes its top-k whatever they are, so it takes none)."""
+    outputs and cache state names (the draft head's `draft_cache_names`, default the target's:
+    a hybrid target's recurrent pools are not the head's); sampling: decode and verify take the
+    requests' sampling parameters (the draft proposes its top-k whatever they are, so it takes
+    none)."""
     H, k, S, topk = cfg.hidden_size, spec.num_draft_tokens, spec.steps, spec.topk
     O = pg.Output
     state = _state_decl(cache_names)
+    draft_state = state if draft_cache_names is None else _state_decl(draft_cache_names)
     return {
         "decode": decode_program(lambda a: {
             "next_token": O((a.bs,), torch.int64), "top2_gap": O((a.bs,), torch.float32)},
@@ -253,12 +257,13 @@ def programs(cfg, spec: SpecConfig, hidden_dtype, buckets=None,
             "depth": O((a.bs, k), torch.int64),
             "verify_input_ids": O((a.bs * k,), torch.int64),
             "verify_positions": O((a.bs * k,), torch.int64),
-            "verify_out_cache_loc": O((a.bs * k,), torch.int64)}, buckets=buckets, state=state),
+            "verify_out_cache_loc": O((a.bs * k,), torch.int64)}, buckets=buckets,
+            state=draft_state),
         "draft_extend": draft_extend_program(S, H, hidden_dtype, lambda a: {
             "topk_p": O((a.bs, topk), torch.float32), "topk_index": O((a.bs, topk), torch.int64),
             "next_hidden": O((a.bs, H), hidden_dtype),
             "draft_out_cache_loc": O((a.bs * (S * topk),), torch.int64)}, buckets=buckets,
-            state=state),
+            state=draft_state),
     }
 
 

@@ -10,6 +10,9 @@ Per-request KV: a request owns one req_to_token row and, from admission, the slo
 budget (prompt + max_new_tokens + tree scratch), so draft and verify tokens use the slots of the
 positions they occupy; verify commits the accepted path by permuting the row (no KV copies).
 Draft position p holds (token p+1, target hidden p), so the draft cache is one position behind.
+A hybrid target's cache also holds recurrent pools, one row per request row: a request's
+recurrent state lives at its req_to_token row from admission to release
+(`padgraph.llm.models.hybrid`); the draft head keeps K/V pools only.
 
 Sampling: decode and verify take each request's sampling lanes (`SamplingLanes`, carried in the
 loop state beside its rows), and `first_tokens` draws a prefill's first tokens with the same
@@ -23,7 +26,7 @@ from padgraph.backends.triton import eagle as ops
 from .batch import RawView
 from .bodies import bodies, decode_body, draft_prefill_body, draw, extend_body
 from .config import SpecConfig, WorkerOptions
-from .kv import FIRST, RowAllocator, SlotAllocator, cache_state, new_cache
+from .kv import FIRST, RowAllocator, SlotAllocator, cache_state, new_cache, new_draft_cache
 from .programs import draft_prefill_runner_program, extend_prefill_program, programs
 from .state import GreedyState, PrefillBatch, SamplingLanes, SpecState, pack_prompts
 from .timing import PhaseClock, Readback
@@ -49,8 +52,10 @@ class Worker:
         self.sampling = o.sampling
         self.margin, self.overlap_margin = spec.margin, spec.overlap_margin   # SpecConfig says why
         n_slots = o.max_bs * o.max_context + FIRST   # each request reserves at most max_context
-        self.kv = new_cache(target, target.cfg.n_layers, n_slots, o.max_context, o.max_bs + FIRST)
-        self.dkv = new_cache(target, 1, n_slots, 2, FIRST)   # the head's layer; rows: self.kv's
+        tree_nodes = spec.num_draft_tokens if head is not None else 0   # a verify's, per request
+        self.kv = new_cache(target, target.cfg.n_layers, n_slots, o.max_context, o.max_bs + FIRST,
+                            tree_nodes)
+        self.dkv = new_draft_cache(target, n_slots)   # the head's layer; rows: self.kv's
         self.slots, self.rows = SlotAllocator(n_slots), RowAllocator(o.max_bs + FIRST)
         self.prefill_mode = o.prefill
         self.draft_prefill_mode = o.draft_prefill if head is not None else "eager"
@@ -67,7 +72,7 @@ class Worker:
         dtype, max_tokens = target.lm_head.weight.dtype, o.prefill_tokens or o.max_bs * o.max_context
         names, draft_names = tuple(cache_state(self.kv)), tuple(cache_state(self.dkv))
         progs = programs(target.cfg, spec, dtype, o.buckets or pg.Buckets.default(o.max_bs),
-                         cache_names=names, sampling=o.sampling)
+                         cache_names=names, sampling=o.sampling, draft_cache_names=draft_names)
         fns = (bodies(target, head, spec, o.spec_sampling) if head is not None
                else {"decode": decode_body(target)})
         if self.prefill_mode == "runner":
