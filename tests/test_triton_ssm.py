@@ -204,6 +204,25 @@ def test_ssm_kernels_split_head_dim_into_blocks_with_a_partial_last_one(monkeypa
         _assert_pool(got, pool, slot[:3], ref[slot[:3]], f"scan tile={tile} {method}")
 
 
+def test_strided_slot_columns_read_each_lanes_own_slot():
+    """A slot column of a 2-d table (stride > 1, e.g. a tree's node column) gives the same rows as
+    its contiguous copy: the kernels read lane b's slot at its index b, never past the column."""
+    n_heads, head_dim, d_state, n = 2, 7, 16, 4
+    p = _ssm_params(n_heads, head_dim, d_state, 1, n, seed=3)
+    table = torch.stack([_slots(n, 0, seed=5), _slots(n, 0, seed=6)], 1)      # [n, 2]: column 0 strided
+    pool = _pool((N_SLOTS, n_heads, head_dim, d_state), seed=4)
+    got, want = pool.clone(), pool.clone()
+    y = ssm_decode_update(got, table[:, 0], impl="triton", **p)
+    y_want = ssm_decode_update(want, table[:, 0].contiguous(), impl="triton", **p)
+    assert torch.equal(got, want) and torch.equal(y, y_want)
+    x, w = torch.randn(n, 11), torch.randn(11, 3)
+    conv = _pool((N_SLOTS, 11, 2), seed=7)
+    got, want = conv.clone(), conv.clone()
+    out = conv_state_update(got, table[:, 0], x, w, impl="triton")
+    assert torch.equal(out, conv_state_update(want, table[:, 0].contiguous(), x, w, impl="triton"))
+    assert torch.equal(got, want)
+
+
 # ---- conv window --------------------------------------------------------------------------------
 CONV_SIZES = [(3, 2, 1, 0), (11, 3, 3, 2), (37, 4, 5, 3), (16, 4, 1, 4)]   # d, k, raw lanes, padded lanes
 

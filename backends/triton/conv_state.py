@@ -210,7 +210,7 @@ def conv_state_update(conv_state, slot, x, weight, bias=None, activation=None, i
         return out
     meta = _common(conv_state, x, weight, bias, activation)
     _conv_decode_kernel[(x.shape[0], triton.cdiv(x.shape[1], meta["BLOCK_D"]))](
-        conv_state, slot, x, weight, bias if bias is not None else weight, out,
+        conv_state, slot.contiguous(), x, weight, bias if bias is not None else weight, out,   # slot: read at ptr + lane
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), x.stride(0),
         weight.stride(0), weight.stride(1), out.stride(0), x.shape[1], **meta)
     return out
@@ -231,7 +231,7 @@ def conv_state_prefill(conv_state, slot, cu_seqlens, has_initial_state, x, weigh
         return out
     meta = _common(conv_state, x, weight, bias, activation)
     _conv_prefill_kernel[(n_seq, triton.cdiv(x.shape[1], meta["BLOCK_D"]))](
-        conv_state, slot, cu_seqlens, has_initial_state.view(torch.int8), x, weight,
+        conv_state, slot.contiguous(), cu_seqlens.contiguous(), has_initial_state.contiguous().view(torch.int8), x, weight,
         bias if bias is not None else weight, out,
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), x.stride(0),
         weight.stride(0), weight.stride(1), out.stride(0), x.shape[1], BLOCK_T=16, **meta)

@@ -341,6 +341,7 @@ def _launch(kernel, n_rows, blocks, state, index_args, q, k, v, g, beta, o, use_
     """The launch every op shares: grid (n_rows, n_v_heads, dv blocks)."""
     _, n_v_heads, dk, dv = state.shape
     grid = (n_rows, n_v_heads, triton.cdiv(dv, blocks["BLOCK_V"]))
+    index_args = tuple(t.contiguous() for t in index_args)   # read at ptr + lane: no stride
     kernel[grid](
         state, *index_args, q, k, v, g, beta, o,
         state.stride(0), state.stride(1), state.stride(2), q.stride(0), q.stride(1), k.stride(0), k.stride(1),

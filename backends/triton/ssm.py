@@ -308,6 +308,7 @@ def _launch(kernel, grid, blocks, state, index_args, x, dt, A, B, C, D, z, dt_bi
     """The launch every op shares: optional tensors replaced by A or x (never read: their flag is off)."""
     _, n_heads, head_dim, d_state = state.shape
     zz = z if z is not None else x
+    index_args = tuple(t.contiguous() for t in index_args)   # read at ptr + lane: no stride
     kernel[grid(blocks["BLOCK_P"])](
         state, *index_args, x, dt, A, B, C, D if D is not None else A, zz,
         dt_bias if dt_bias is not None else A, y,
