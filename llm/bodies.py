@@ -49,7 +49,15 @@ def next_tokens(logits, x, positions, per: int = 1):
 
 
 def decode_body(target):
+    """One token per request: drawn with the view's sampling lanes, or (a greedy-only program)
+    the argmax, through the target's `forward_decode_greedy` where it has one (a fused tail
+    takes the argmax in its lm_head kernel and writes no logits)."""
+    greedy = getattr(target, "forward_decode_greedy", None)
+
     def body(x):
+        if greedy is not None and not samples(x):
+            ids, gap, _ = greedy(x.input_ids, x.positions, Batch.from_view(x))
+            return {"next_token": ids, "top2_gap": gap}
         logits, _ = target.forward_decode(x.input_ids, x.positions, Batch.from_view(x))
         top2 = logits.topk(2, dim=-1).values                         # [bs, 2]
         return {"next_token": next_tokens(logits, x, x.positions + 1),
