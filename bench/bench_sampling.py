@@ -5,10 +5,12 @@
 
 Each case draws one token a row from bf16 logits [bs, 128256], timed as CUDA-graph replays
 (`triton.testing.do_bench` medians): torch's argmax (what greedy decode runs), `sample` with
-temperature 0 (greedy through the sampler), temperature only, top-p and top-k + top-p on sharp
-logits (a narrow nucleus: settled on the chunk candidates) and top-p on flat logits (a nucleus
-of thousands of tokens: the one-program-a-row fallback). Every case is first checked against the
-torch reference, token for token. Writes sampling.md / sampling.json to $OUT.
+temperature 0 (greedy through the sampler), temperature only, then the filters on sharp logits
+(a trained model's shape: the nucleus is a few tokens) and on flat ones (a random model's:
+top-p 0.9 keeps about 60 % of the vocabulary, top-k 5000 then top-p, min-p beside top-p).
+Every case is first checked against the torch reference, token for token. The kernels run a
+fixed number of passes; the second table gives the most any row of the case used (the
+rest of the passes find nothing to do). Writes sampling.md / sampling.json to $OUT.
 """
 from __future__ import annotations
 
@@ -24,31 +26,45 @@ import torch  # noqa: E402
 
 from bench.common import env_info, out_dir  # noqa: E402
 from bench.gpu_timing import bench_us, graph_of  # noqa: E402
+from padgraph.backends.triton import sampling as kernels  # noqa: E402
 from padgraph.llm.sampling import PURPOSE_DECODE, sample  # noqa: E402
 
-CASES = {   # name: (logit scale, temperature, top_k, top_p)
-    "sample greedy": (4.0, 0.0, 0, 1.0),
-    "temperature 0.7": (4.0, 0.7, 0, 1.0),
-    "top-p 0.9 (sharp)": (8.0, 0.7, 0, 0.9),
-    "top-k 50 + top-p 0.95 (sharp)": (8.0, 1.0, 50, 0.95),
-    "top-p 0.9 (flat)": (1.0, 1.0, 0, 0.9),
+CASES = {   # name: (logit scale, temperature, top_k, top_p, min_p)
+    "sample greedy": (4.0, 0.0, 0, 1.0, 0.0),
+    "temperature 0.7": (4.0, 0.7, 0, 1.0, 0.0),
+    "top-p 0.9 (sharp)": (8.0, 0.7, 0, 0.9, 0.0),
+    "top-k 50 + top-p 0.95 (sharp)": (8.0, 1.0, 50, 0.95, 0.0),
+    "top-p 0.9 (flat)": (1.0, 1.0, 0, 0.9, 0.0),
+    "top-p 0.99 (flat)": (1.0, 1.0, 0, 0.99, 0.0),
+    "top-k 5000 + top-p 0.9 (flat)": (1.0, 1.0, 5000, 0.9, 0.0),
+    "min-p 0.01 + top-p 0.9 (flat)": (1.0, 1.0, 0, 0.9, 0.01),
 }
 
 
-def lanes(bs, temperature, top_k, top_p, device):
+def lanes(bs, temperature, top_k, top_p, min_p, device):
     return (torch.full((bs,), temperature, device=device),
             torch.full((bs,), top_k, dtype=torch.int32, device=device),
-            torch.full((bs,), top_p, device=device), torch.zeros(bs, device=device),
+            torch.full((bs,), top_p, device=device), torch.full((bs,), min_p, device=device),
             torch.arange(bs, device=device) + 7, torch.full((bs,), 100, device=device))
 
 
-def run_case(logits, scale, temperature, top_k, top_p) -> float:
+def run_case(logits, scale, temperature, top_k, top_p, min_p) -> tuple[float, int]:
+    """(µs a call, the most select passes a row used)."""
     x = (logits * scale).to(torch.bfloat16)
-    args = lanes(x.shape[0], temperature, top_k, top_p, x.device)
-    got = sample(x, *args, PURPOSE_DECODE)
+    args = lanes(x.shape[0], temperature, top_k, top_p, min_p, x.device)
+    stages = kernels.sample_stages(x, *args, PURPOSE_DECODE)
     want = sample(x, *args, PURPOSE_DECODE, impl="torch")
-    assert torch.equal(got, want), "the kernels and the torch reference disagree"
-    return bench_us(graph_of(lambda: sample(x, *args, PURPOSE_DECODE)))
+    assert torch.equal(sample(x, *args, PURPOSE_DECODE), want), \
+        "the kernels and the torch reference disagree"
+    assert torch.equal(stages.tokens, want), "the kernels and the torch reference disagree"
+    passes = int(stages.passes.max())
+    return bench_us(graph_of(lambda: sample(x, *args, PURPOSE_DECODE))), passes
+
+
+def table(title, names, rows, key, fmt):
+    return [title, "", "| bs | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|",
+            *("| %d | " % r["bs"] + " | ".join(fmt(r[key][n]) for n in names) + " |"
+              for r in rows), ""]
 
 
 def main():
@@ -61,18 +77,20 @@ def main():
     for bs in sizes:
         logits = torch.randn(bs, V, generator=torch.Generator().manual_seed(bs)).to(device)
         x = (logits * 4).to(torch.bfloat16)
-        row = {"bs": bs, "argmax": bench_us(graph_of(lambda: x.argmax(-1)))}
+        row = {"bs": bs, "us": {"argmax": bench_us(graph_of(lambda: x.argmax(-1)))},
+               "passes": {}}
         for name, case in CASES.items():
-            row[name] = run_case(logits, *case)
+            row["us"][name], row["passes"][name] = run_case(logits, *case)
         rows.append(row)
         print(row, flush=True)
-    names = ["argmax", *CASES]
     md = ["# Sampling: µs a call, [bs, V] bf16 logits, V = %d" % V, "",
-          f"`{json.dumps(env_info())}`", "",
-          "| bs | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
-    md += ["| %d | " % r["bs"] + " | ".join(f"{r[n]:.1f}" for n in names) + " |" for r in rows]
+          f"`{json.dumps(env_info())}`", ""]
+    md += table("µs a call (CUDA-graph replay, median):", ["argmax", *CASES], rows, "us",
+                lambda v: f"{v:.1f}")
+    md += table(f"Select passes with work, of {kernels.PASSES} (the most any row used):",
+                list(CASES), rows, "passes", str)
     out = out_dir()
-    (out / "sampling.md").write_text("\n".join(md) + "\n")
+    (out / "sampling.md").write_text("\n".join(md))
     (out / "sampling.json").write_text(json.dumps({"env": env_info(), "rows": rows}, indent=1))
     print("\n".join(md))
 

@@ -9,29 +9,44 @@ exp, whose last bit differs between implementations), every threshold compares i
 (`random_bits`, splitmix64's finaliser over the key words) is int64 arithmetic with wrap-around
 multiplies and logical shifts written as masked arithmetic shifts, the same in both.
 
-Six launches a call, each row finding its own way through them (one batch mixes greedy,
-temperature-only and filtered rows):
+The thresholds are keys: key = the fp32 bits of |d|, d = x - max(x) <= 0, monotone (a smaller
+key is a larger d, ties share a key). top-k keeps the keys up to the k-th smallest; top-p keeps
+the keys up to K, the smallest key whose kept-by-top-k keys at or below it weigh at least
+top_p * their total (the reference's prefix rule, in fp64). Both are found by narrowing a
+bracket of keys with counts and integer weights summed over chunks, so they are exact.
 
-1. `_chunk_max_kernel`, grid (n, C chunks of CHUNK logits): each chunk's share of torch's
-   argmax (greedy rows) and of max(x), x = l * (1 / temperature).
-2. `_chunk_cand_kernel`, grid (n, C), rows with top-k or top-p: the chunk's CANDIDATES smallest
-   keys (key = the fp32 bits of |d|, d = x - max: monotone, larger d first) with their weights,
-   and the chunk's total weight.
-3. `_threshold_kernel`, grid (n,): tau, the smallest of the chunks' last candidate keys; every
-   key below tau is a candidate, so a top-k or top-p threshold below tau is found exactly on
-   the candidates (a bisection in registers). A row whose threshold is not below tau (a wide
-   nucleus) is marked for step 6.
-4. `_chunk_weight_kernel`, grid (n, C): each chunk's kept weight (threshold and min-p applied).
-5. `_finish_kernel`, grid (n,): greedy rows take the argmax; sampled rows r = floor(u * Z /
-   2**62), the chunk whose cumulative kept weight passes r, the index in it.
-6. `_sample_kernel`, grid (n,), only the marked rows: one program a row, in BLOCK-wide passes
-   over the whole row: the maximum; the k-th largest d as a bisection over the keys, each pass
-   counting the keys at or below a pivot and moving the bracket to the nearest keys present (at
-   most ~31 passes); top-p by the same bisection on the weight above a key; the kept weight and
-   a scan for the drawn index. Exact but slow at a 128k vocabulary (tens of passes on one SM).
+1 + PASSES launches a call, whatever the logits hold; each row finds its own way through them
+(one batch mixes greedy, temperature-only and filtered rows):
 
-There is no host work and no sync: graph-safe. The kernels are launched with fp contraction
-off, so a*b+c is never an FMA and the fp32 steps round as torch's do.
+1. `_chunk_max_kernel`, grid (n, C chunks of CHUNK logits): each chunk's share of torch's argmax
+   (greedy rows) and of max(x), x = l * (1 / temperature); it also clears the row's counters.
+2. `_select_kernel`, PASSES launches, grid (G row groups, C): program (g, c) does chunk c of
+   rows g, g + G, ... In each pass a row is in one mode; every program of the row does its
+   chunk's share, and the last one to finish (a per-row counter, acq_rel) reads the chunks'
+   shares and sets the row's next mode:
+   - greedy (first launch only): torch's argmax from the chunk shares.
+   - K_HIST, top-k's key by radix select: a 256-bin count histogram per chunk of one 8-bit
+     digit of the keys in the bracket, the bin where the count reaches k becomes the bracket.
+   - K_GATHER: at most CAP keys lie at or below the bracket: they are gathered, top-k's key and
+     then top-p's are found among them in registers.
+   - P_SPLIT, top-p's key: the bracket is split into 16 intervals (on the first split a fixed
+     table, fine where a flat row's nucleus ends: |d| in [1, 2), quarters of [2, 8), halves of
+     [8, 16); then 16 equal parts); each chunk sums, below each interval's end, the count and
+     the weight of its keys; the interval where the weight reaches top_p * total becomes the
+     bracket, narrowed to the keys present.
+   - P_GATHER: a bracket of at most CAP keys: gathered, top-p's key found among them.
+   - P_HIST: a bracket at most 256 keys wide: a count per key, its weight count * fixed_exp.
+   - WEIGHTS: each chunk's kept weight (threshold and min-p applied); the last program draws:
+     r = floor(u * Z / 2**62), the chunk whose cumulative kept weight passes r, the index in it.
+   A chunk with no key in the new bracket skips the next pass. Top-k takes at most 4 passes
+   (31 bits), top-p at most 7 (the table's intervals span at most 2**28 keys, five equal splits
+   leave 256), the draw 1: PASSES = 12. A pass whose rows are all done costs its programs one
+   load each (a wave of about four programs an SM).
+
+There is no host work and no sync: graph-safe. The result does not depend on the order in
+which chunks finish (integer sums, the gathered keys searched as a set). The kernels are
+launched with fp contraction off, so a*b+c is never an FMA and the fp32 steps round as torch's
+do.
 """
 from __future__ import annotations
 
@@ -44,8 +59,8 @@ import triton.language as tl
 from .kv import resolve_impl
 
 __all__ = ["PURPOSE_DECODE", "PURPOSE_ACCEPT", "PURPOSE_RESIDUAL", "PURPOSE_DRAFT",
-           "FIXED_ONE", "V_MAX", "random_bits", "fixed_exp", "mulhi62", "sample_triton",
-           "chunk_stages", "Stages", "resolve_impl"]
+           "FIXED_ONE", "V_MAX", "PASSES", "random_bits", "fixed_exp", "mulhi62",
+           "sample_triton", "sample_stages", "Stages", "resolve_impl"]
 
 # The stream's purposes: a token drawn for the same (seed, position) for another reason reads
 # other bits.
@@ -210,83 +225,10 @@ def _d_key(l_ptr, offs, V, inv_t, m, pinf):
 
 
 @triton.jit
-def _argmax_pass(l_ptr, V, inv_t, BLOCK: tl.constexpr):
-    """torch's argmax of the raw row (first NaN, else first maximum) and the max of
-    x = l * inv_t with NaN as -inf. Per-lane running values, one reduction at the end."""
-    offs0 = tl.arange(0, BLOCK)
-    best_v = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_i = tl.full([BLOCK], V, tl.int32)
-    nan_i = tl.full([BLOCK], V, tl.int32)
-    m = tl.full([BLOCK], float("-inf"), tl.float32)
-    for start in range(0, V, BLOCK):
-        offs = start + offs0
-        valid = offs < V
-        l = tl.load(l_ptr + offs, mask=valid, other=float("-inf")).to(tl.float32)
-        isnan = (l != l) & valid
-        nan_i = tl.minimum(nan_i, tl.where(isnan, offs, V))
-        take = (l > best_v) | ((l == best_v) & valid & (best_i == V))
-        best_i = tl.where(take & ~isnan, offs, best_i)
-        best_v = tl.where(take & ~isnan, l, best_v)
-        x = l * inv_t
-        m = tl.maximum(m, tl.where(x != x, float("-inf"), x))
-    top = tl.max(best_v, axis=0)
-    first = tl.min(tl.where((best_v == top) & (best_i < V), best_i, V), axis=0)
-    first = tl.where(first == V, 0, first)              # an all -inf row: index 0, as torch
-    first_nan = tl.min(nan_i, axis=0)
-    return tl.where(first_nan < V, first_nan, first), tl.max(m, axis=0)
-
-
-@triton.jit
-def _count_pass(l_ptr, V, inv_t, m, pinf, K, KMAX, WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
-    """Over keys <= KMAX: the count (or the weight, WEIGHT) of keys <= K, the largest key
-    <= K (-1 where none) and the smallest key > K (KEY_INF_K + 1 where none)."""
-    offs0 = tl.arange(0, BLOCK)
-    acc = tl.zeros([BLOCK], dtype=tl.int64)
-    a = tl.full([BLOCK], -1, tl.int32)
-    b = tl.full([BLOCK], KEY_INF_K + 1, tl.int32)
-    for start in range(0, V, BLOCK):
-        d, key, valid = _d_key(l_ptr, start + offs0, V, inv_t, m, pinf)
-        live = valid & (key <= KMAX)
-        le = live & (key <= K)
-        if WEIGHT:
-            acc += tl.where(le, _fixed_exp_t(d), 0)
-        else:
-            acc += le.to(tl.int64)
-        a = tl.maximum(a, tl.where(le, key, -1))
-        b = tl.minimum(b, tl.where(live & (key > K), key, KEY_INF_K + 1))
-    return tl.sum(acc, axis=0), tl.max(a, axis=0), tl.min(b, axis=0)
-
-
-@triton.jit
-def _top_k_key(l_ptr, V, inv_t, m, pinf, k, BLOCK: tl.constexpr):
-    """The key of the k-th largest d (KEY_INF_K when it lies below D_MIN_K: every weight stays)."""
-    c, a, b = _count_pass(l_ptr, V, inv_t, m, pinf, KEY_CUT_K, KEY_INF_K, False, BLOCK)
-    lo = tl.zeros([], dtype=tl.int32)
-    hi = tl.where(c >= k, a, KEY_INF_K)
-    done = c < k
-    while (lo < hi) & (done == 0):
-        K = lo + (hi - lo) // 2
-        c, a, b = _count_pass(l_ptr, V, inv_t, m, pinf, K, KEY_INF_K, False, BLOCK)
-        hi = tl.where(c >= k, a, hi)
-        lo = tl.where(c >= k, lo, b)
-    return hi
-
-
-@triton.jit
-def _top_p_key(l_ptr, V, inv_t, m, pinf, top_p, kk, BLOCK: tl.constexpr):
-    """The largest key <= kk whose strictly-smaller keys weigh < top_p * the weight of keys
-    <= kk (the smallest d top-p keeps)."""
-    zk, a, b = _count_pass(l_ptr, V, inv_t, m, pinf, kk, kk, True, BLOCK)
-    thr = zk.to(tl.float64) * top_p.to(tl.float64)
-    lo = tl.zeros([], dtype=tl.int32)
-    hi = a                                             # the largest key present <= kk
-    while lo < hi:
-        K = lo + (hi - lo) // 2
-        below, a, b = _count_pass(l_ptr, V, inv_t, m, pinf, K, hi, True, BLOCK)
-        ok = below.to(tl.float64) < thr                # the keys < b weigh `below`
-        lo = tl.where(ok, b, lo)
-        hi = tl.where(ok, hi, a)
-    return lo
+def _key_weight(key):
+    """fixed_exp of the d a key stands for (d = minus the fp32 with bits key: key 0 is -0.0,
+    which weighs as 0.0 does)."""
+    return _fixed_exp_t(-(key.to(tl.float32, bitcast=True)))
 
 
 @triton.jit
@@ -298,69 +240,42 @@ def _weights(l_ptr, offs, V, inv_t, m, pinf, kf, min_w):
 
 
 @triton.jit
-def _draw(l_ptr, V, inv_t, m, pinf, kf, min_w, u62, BLOCK: tl.constexpr):
-    """The first index whose cumulative kept weight exceeds floor(u62 * Z / 2**62)."""
-    offs0 = tl.arange(0, BLOCK)
-    zv = tl.zeros([BLOCK], dtype=tl.int64)
-    for start in range(0, V, BLOCK):
-        zv += _weights(l_ptr, start + offs0, V, inv_t, m, pinf, kf, min_w)
-    r = _mulhi62_t(u62, tl.sum(zv, axis=0))
-    acc = tl.zeros([], dtype=tl.int64)
-    token = tl.zeros([], dtype=tl.int64) + V - 1
-    start = 0
-    found = 0
-    while (start < V) & (found == 0):
-        offs = start + offs0
-        cum = acc + tl.cumsum(_weights(l_ptr, offs, V, inv_t, m, pinf, kf, min_w), 0)
-        hit = tl.min(tl.where((cum > r) & (offs < V), offs, V), axis=0)
-        found = (hit < V).to(tl.int32)
-        token = tl.where(hit < V, hit, token)
-        acc = tl.max(cum, axis=0)
-        start += BLOCK
-    return token
+def _kth_key(key, live, k):
+    """The smallest key v with count(live keys <= v) >= k, a live one: a bisection over the
+    keys between the smallest and the largest live one (a reduction a step)."""
+    lo = tl.min(tl.where(live, key, KEY_INF_K + 1), axis=0)
+    hi = tl.max(tl.where(live, key, -1), axis=0)
+    while lo < hi:
+        K = lo + (hi - lo) // 2
+        reached = tl.sum((live & (key <= K)).to(tl.int32), axis=0) >= k
+        hi = tl.where(reached, K, hi)
+        lo = tl.where(reached, lo, K + 1)
+    return lo
 
 
 @triton.jit
-def _filtered(k, top_p, V):
-    """Whether a row needs a threshold search (top-k or top-p on)."""
-    return ((k > 0) & (k < V)) | (top_p < 1)
+def _mass_key(key, w, live, thr, base):
+    """The smallest key K with base + the weight of the live keys <= K >= thr (in fp64): top-p's
+    key, a live one, when base < thr <= base + their total. Bisection as `_kth_key`."""
+    lo = tl.min(tl.where(live, key, KEY_INF_K + 1), axis=0)
+    hi = tl.max(tl.where(live, key, -1), axis=0)
+    while lo < hi:
+        K = lo + (hi - lo) // 2
+        below = base + tl.sum(tl.where(live & (key <= K), w, 0), axis=0)
+        reached = below.to(tl.float64) >= thr
+        hi = tl.where(reached, K, hi)
+        lo = tl.where(reached, lo, K + 1)
+    return lo
 
 
-@triton.jit
-def _sample_kernel(L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, Kf, Out, V, purpose,
-                   FALLBACK_ONLY: tl.constexpr, BLOCK: tl.constexpr):
-    """One program a row, every pass over the whole row. FALLBACK_ONLY: only the rows whose
-    thresholds the candidates could not settle (Kf < 0); the chunked kernels do the others."""
-    row = tl.program_id(0)
-    l_ptr = L + row.to(tl.int64) * stride_l
-    temp = tl.load(Temp + row)
-    k = tl.load(TopK + row)
-    top_p = tl.load(TopP + row)
-    if (not FALLBACK_ONLY) | (tl.load(Kf + row) < 0):
-        inv_t = tl.math.div_rn(1.0, tl.where(temp > 0, temp, 1.0))
-        greedy, m = _argmax_pass(l_ptr, V, inv_t, BLOCK)
-        token = greedy.to(tl.int64)
-        if (temp > 0) & (m > float("-inf")):
-            pinf = m == float("inf")
-            m = tl.where(pinf, 0.0, m)
-            kk = tl.full([], KEY_INF_K, tl.int32)
-            if (k > 0) & (k < V):
-                kk = _top_k_key(l_ptr, V, inv_t, m, pinf, k, BLOCK)
-            if top_p < 1:
-                kk = _top_p_key(l_ptr, V, inv_t, m, pinf, top_p, kk, BLOCK)
-            min_w = tl.load(MinP + row).to(tl.float64) * 1099511627776.0     # min_p * 2**40
-            bits = _random_bits_t(tl.load(Seed + row), tl.load(Pos + row), purpose, 0)
-            token = _draw(l_ptr, V, inv_t, m, pinf, kk, min_w, _lsr_t(bits, 2), BLOCK)
-        tl.store(Out + row, token)
-
-
-# --------------------------------------------------- the chunked path (no threshold search)
+# ------------------------------------------------------------------------ the chunk maxima
 
 @triton.jit
-def _chunk_max_kernel(L, stride_l, Temp, PartV, PartI, PartNan, PartM, V, C,
-                      CHUNK: tl.constexpr):
+def _chunk_max_kernel(L, stride_l, Temp, PartV, PartI, PartNan, PartM, Count, Arrive, V, C, S,
+                      CHUNK: tl.constexpr, SP: tl.constexpr):
     """Grid (n, C). Chunk c's share of torch's argmax (its largest non-NaN logit, the first
-    index holding it, its first NaN) and of max(l * inv_t) with NaN as -inf."""
+    index holding it, its first NaN) and of max(l * inv_t) with NaN as -inf. Chunk 0 clears
+    the row's gather and arrival counters of the select passes."""
     row = tl.program_id(0)
     c = tl.program_id(1)
     offs = c * CHUNK + tl.arange(0, CHUNK)
@@ -377,6 +292,10 @@ def _chunk_max_kernel(L, stride_l, Temp, PartV, PartI, PartNan, PartM, V, C,
     tl.store(PartI + base, tl.min(tl.where((lv == best) & valid & ~isnan, offs, V), axis=0))
     tl.store(PartNan + base, tl.min(tl.where(isnan, offs, V), axis=0))
     tl.store(PartM + base, tl.max(tl.where(x != x, float("-inf"), x), axis=0))
+    if c == 0:
+        ss = tl.arange(0, SP)
+        tl.store(Count + row * S + ss, 0, mask=ss < S)
+        tl.store(Arrive + row * S + ss, 0, mask=ss < S)
 
 
 @triton.jit
@@ -388,218 +307,521 @@ def _row_max(PartM, row, C, CP: tl.constexpr):
 
 
 @triton.jit
-def _chunk_cand_kernel(L, stride_l, Temp, TopK, TopP, PartM, PartZ, CandKey, CandW, V, C,
-                       M: tl.constexpr, CHUNK: tl.constexpr, CP: tl.constexpr):
-    """Grid (n, C), rows with top-k or top-p: chunk c's M smallest keys (largest d; ties by
-    index; KEY_INF + 1 past the chunk's end) with their weights, and the chunk's weight."""
-    row = tl.program_id(0)
-    c = tl.program_id(1)
-    temp = tl.load(Temp + row)
-    m, pinf = _row_max(PartM, row, C, CP)
-    if (temp > 0) & _filtered(tl.load(TopK + row), tl.load(TopP + row), V) & \
-            (m > float("-inf")):
-        offs = c * CHUNK + tl.arange(0, CHUNK)
-        d, key, valid = _d_key(L + row.to(tl.int64) * stride_l, offs, V,
-                               tl.math.div_rn(1.0, temp), m, pinf)
-        w = tl.where(valid, _fixed_exp_t(d), 0)
-        tl.store(PartZ + row * C + c, tl.sum(w, axis=0))
-        key = tl.where(valid, key, KEY_INF_K + 1)
-        base = (row * C + c) * M
-        for j in tl.static_range(M):
-            v = tl.min(key, axis=0)
-            i = tl.min(tl.where(key == v, offs, V + CHUNK), axis=0)
-            tl.store(CandKey + base + j, v)
-            tl.store(CandW + base + j, tl.sum(tl.where((offs == i) & (key == v), w, 0), axis=0))
-            key = tl.where(offs == i, KEY_INF_K + 1, key)
+def _greedy_token(PartV, PartI, PartNan, row, C, V, CP: tl.constexpr):
+    """torch's argmax of the raw row (the first NaN, else the first maximum) from the chunks'
+    shares."""
+    cs = tl.arange(0, CP)
+    ok = cs < C
+    pv = tl.load(PartV + row * C + cs, mask=ok, other=float("-inf"))
+    pi = tl.load(PartI + row * C + cs, mask=ok, other=V)
+    first = tl.min(tl.where(ok & (pv == tl.max(pv, axis=0)), pi, V), axis=0)
+    first = tl.where(first == V, 0, first)               # an all -inf row: index 0, as torch
+    first_nan = tl.min(tl.load(PartNan + row * C + cs, mask=ok, other=V), axis=0)
+    return tl.where(first_nan < V, first_nan, first).to(tl.int64)
+
+
+# ----------------------------------------------------------------------- the select passes
+
+# A row's mode in one select pass (GREEDY only in the first), and its bit in the row's trace.
+MODES = ("done", "weights", "k_hist", "k_gather", "p_split", "p_gather", "p_hist", "greedy")
+DONE_K = tl.constexpr(0)
+WEIGHTS_K = tl.constexpr(1)
+K_HIST_K = tl.constexpr(2)
+K_GATHER_K = tl.constexpr(3)
+P_SPLIT_K = tl.constexpr(4)
+P_GATHER_K = tl.constexpr(5)
+P_HIST_K = tl.constexpr(6)
+GREEDY_K = tl.constexpr(7)
+WEIGHTS_BIT = tl.constexpr(1 << 1)
+K_HIST_BIT = tl.constexpr(1 << 2)
+K_GATHER_BIT = tl.constexpr(1 << 3)
+P_SPLIT_BIT = tl.constexpr(1 << 4)
+P_GATHER_BIT = tl.constexpr(1 << 5)
+P_HIST_BIT = tl.constexpr(1 << 6)
+GREEDY_BIT = tl.constexpr(1 << 7)
+PASS_ONE = tl.constexpr(1 << 16)    # the trace counts the passes a row took above its mode bits
+NSTATE_K = tl.constexpr(16)     # int64 fields a row: mode, lo, hi, shift, fresh, base, zk, kf,
+                                # sel, trace (see `_set_state`)
 
 
 @triton.jit
-def _threshold_kernel(Temp, TopK, TopP, PartM, PartZ, CandKey, CandW, Kf, V, C,
-                      M: tl.constexpr, CP: tl.constexpr, CM: tl.constexpr):
-    """Grid (n,). The key threshold of rows with top-k or top-p from the candidates: every key
-    below tau (the smallest of the chunks' M-th keys) is a candidate, so a threshold below tau
-    is exact; Kf = -1 where it is not below tau (the one-program kernel settles the row).
-    KEY_INF for the other rows."""
-    row = tl.program_id(0)
+def _set_state(st, mode, lo, hi, shift, fresh, base, zk, kf, sel, trace):
+    """The row's state for the next pass: its mode; the bracket of keys [lo, hi]; K_HIST's digit
+    shift; whether P_SPLIT splits by the fixed table (fresh); base, the count (top-k) or weight
+    (top-p) of the keys below lo; zk, the weight top-p's fraction is of; kf, the final key
+    threshold; sel, the interval or bin of the last pass the bracket came from (-1: none); trace,
+    the modes visited (1 << mode each) plus PASS_ONE for each pass taken."""
+    tl.store(st + 0, mode)
+    tl.store(st + 1, lo)
+    tl.store(st + 2, hi)
+    tl.store(st + 3, shift)
+    tl.store(st + 4, fresh)
+    tl.store(st + 5, base)
+    tl.store(st + 6, zk)
+    tl.store(st + 7, kf)
+    tl.store(st + 8, sel)
+    tl.store(st + 9, trace)
+
+
+@triton.jit
+def _resolve(st, kf, zk, trace):
+    """The row's key threshold is kf: next the kept weights and the draw."""
+    _set_state(st, WEIGHTS_K, 0, 0, 0, 0, 0, zk, kf, -1, trace | WEIGHTS_BIT)
+
+
+@triton.jit
+def _first_mode(temp, k, top_p, m, V):
+    """A row's first mode: greedy (temperature 0, or no logit with mass), top-k's search, top-p's,
+    or straight to the weights."""
+    sampled = (temp > 0) & (m > float("-inf"))
+    top_k = (k > 0) & (k < V)
+    mode = tl.where(top_k, K_HIST_K, tl.where(top_p < 1, P_SPLIT_K, WEIGHTS_K))
+    return tl.where(sampled, mode, GREEDY_K)
+
+
+@triton.jit
+def _split_bound(i, lo, hi, fresh):
+    """Boundary i (int64, 0..16) of the 16 intervals [bound(i), bound(i + 1)) that split the
+    keys [lo, hi]. fresh (lo = 0): a fixed table in units of 2**21 keys (a quarter of an octave
+    of |d|): |d| below 2**-95, 2**-63, 2**-31 and 1 in four wide intervals (at most 2**28 keys
+    each), then [1, 2), quarters of [2, 4) and [4, 8), halves of [8, 16), and [16, 28]. Else
+    16 equal parts (the last ones possibly empty)."""
+    top = hi + 1
+    t = tl.where(i <= 3, 128 * i, tl.where(i == 4, 508, tl.where(i <= 12, 507 + i, 494 + 2 * i)))
+    table = tl.where(i == 0, lo, tl.where(i >= 16, top, tl.minimum(t.to(tl.int64) << 21, top)))
+    width = top - lo
+    even = lo + tl.minimum(i * ((width + 15) // 16), width)
+    return tl.where(fresh != 0, table, even)
+
+
+@triton.jit
+def _arrive(Arrive, row, s, S, C):
+    """Whether this program is the row's last to finish the pass (its writes, and every other
+    program's, are then visible to it)."""
+    tl.debug_barrier()
+    return tl.atomic_add(Arrive + row * S + s, 1, sem="acq_rel", scope="gpu") == C - 1
+
+
+@triton.jit
+def _gather(Buf, Count, row, s, S, key, act, CAP: tl.constexpr):
+    """Appends the keys where act to the row's buffer (in the order chunks arrive: the buffer
+    is searched as a set)."""
+    flags = act.to(tl.int32)
+    n = tl.sum(flags, axis=0)
+    if n > 0:
+        at = tl.atomic_add(Count + row * S + s, n, sem="relaxed", scope="gpu")
+        pos = at + tl.cumsum(flags, axis=0) - 1
+        tl.store(Buf + row.to(tl.int64) * CAP + pos, key, mask=act & (pos < CAP))
+
+
+@triton.jit
+def _gathered(Buf, Count, row, s, S, CAP: tl.constexpr):
+    """(keys [CAP], live [CAP]) the row's gather of this pass left, read by its last program."""
+    n = tl.atomic_add(Count + row * S + s, 0, sem="acquire", scope="gpu")
+    idx = tl.arange(0, CAP)
+    live = idx < n
+    key = tl.load(Buf + row.to(tl.int64) * CAP + idx, mask=live, other=KEY_INF_K,
+                  cache_modifier=".cg")
+    return key, live
+
+
+@triton.jit
+def _idle_bin(HistPart, row, c, C, sel):
+    """Whether chunk c had no key in bin sel of the last K_HIST pass (sel < 0: unknown)."""
+    j = tl.maximum(sel, 0)
+    return (sel >= 0) & (tl.load(HistPart + (row * C + c) * 256 + j) == 0)
+
+
+@triton.jit
+def _idle_interval(CntPart, row, c, C, sel):
+    """Whether chunk c had no key in interval sel of the last P_SPLIT pass (sel < 0: unknown)."""
+    p = CntPart + (row * C + c) * 16
+    below = tl.where(sel > 0, tl.load(p + tl.maximum(sel - 1, 0)), 0)
+    return (sel >= 0) & (tl.load(p + tl.maximum(sel, 0)) - below == 0)
+
+
+@triton.jit
+def _split_chunk(l_ptr, first, V, inv_t, m, pinf, lo, hi, fresh, CHUNK: tl.constexpr,
+                 SUB: tl.constexpr):
+    """Over the chunk's keys in [lo, hi] that can weigh (key < KEY_CUT): for each interval end
+    of `_split_bound`, the count [16] and the weight [16] of those below it; their smallest
+    and largest key."""
+    tl.static_assert(CHUNK // SUB <= 8)
+    ends = _split_bound(tl.arange(0, 16).to(tl.int64) + 1, lo, hi, fresh).to(tl.int32)
+    acc = tl.zeros([16, SUB], dtype=tl.int64)         # count << 44 + weight: a thread adds at
+    kmin = tl.full([SUB], KEY_INF_K + 1, tl.int32)     # most 8 weights <= 2**40
+    kmax = tl.full([SUB], -1, tl.int32)
+    for start in tl.range(0, CHUNK, SUB, num_stages=1, loop_unroll_factor=1):
+        d, key, valid = _d_key(l_ptr, first + start + tl.arange(0, SUB), V, inv_t, m, pinf)
+        act = valid & (key >= lo) & (key <= hi) & (key < KEY_CUT_K)
+        counted = tl.where(act, key, 0x7FFFFFFF)         # past every end when not counted
+        packed = _fixed_exp_t(d) + (1 << 44)
+        acc += tl.where(counted[None, :] < ends[:, None], packed[None, :], 0)  # [16, SUB]
+        kmin = tl.minimum(kmin, tl.where(act, key, KEY_INF_K + 1))
+        kmax = tl.maximum(kmax, tl.where(act, key, -1))
+    cnt = tl.sum((acc >> 44).to(tl.int32), axis=1)
+    mass = tl.sum(acc & ((1 << 44) - 1), axis=1)
+    return cnt, mass, tl.min(kmin, axis=0), tl.max(kmax, axis=0)
+
+
+@triton.jit
+def _chunk_share(mode, l_ptr, row, c, V, C, S, s, inv_t, m, pinf, lo, hi, shift, fresh, kf,
+                 sel, min_w, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count,
+                 CHUNK: tl.constexpr, SUB: tl.constexpr, CAP: tl.constexpr):
+    """Chunk c's share of the row's pass in `mode` (written to the chunk's slots)."""
+    first = c * CHUNK
+    offs = first + tl.arange(0, CHUNK)
+    slot = row * C + c
+    bins = tl.arange(0, 256)
+    if mode == WEIGHTS_K:
+        z = tl.sum(_weights(l_ptr, offs, V, inv_t, m, pinf, kf.to(tl.int32), min_w), axis=0)
+        tl.store(ZPart + slot, z)
+    elif (mode == K_HIST_K) | (mode == P_HIST_K):
+        h = tl.zeros([256], dtype=tl.int32)
+        if mode == K_HIST_K:
+            idle = _idle_bin(HistPart, row, c, C, sel)
+        else:
+            idle = _idle_interval(CntPart, row, c, C, sel)
+        if idle == 0:
+            d, key, valid = _d_key(l_ptr, offs, V, inv_t, m, pinf)
+            act = valid & (key >= lo) & (key <= hi) & ((mode == K_HIST_K) | (key < KEY_CUT_K))
+            h = tl.histogram(tl.where(act, (key - lo) >> shift, 0).to(tl.int32), 256, mask=act)
+        tl.store(HistPart + slot * 256 + bins, h)
+    elif mode == P_SPLIT_K:
+        j = tl.arange(0, 16)
+        cnt = tl.zeros([16], dtype=tl.int32)
+        mass = tl.zeros([16], dtype=tl.int64)
+        kmin = tl.full([], KEY_INF_K + 1, tl.int32)
+        kmax = tl.full([], -1, tl.int32)
+        if _idle_interval(CntPart, row, c, C, sel) == 0:
+            cnt, mass, kmin, kmax = _split_chunk(l_ptr, first, V, inv_t, m, pinf, lo, hi, fresh,
+                                                 CHUNK, SUB)
+        tl.store(CntPart + slot * 16 + j, cnt)
+        tl.store(MassPart + slot * 16 + j, mass)
+        tl.store(BoundPart + slot * 2, kmin)
+        tl.store(BoundPart + slot * 2 + 1, kmax)
+    elif mode == K_GATHER_K:
+        d, key, valid = _d_key(l_ptr, offs, V, inv_t, m, pinf)
+        _gather(Buf, Count, row, s, S, key, valid & (key <= hi), CAP)
+    elif mode == P_GATHER_K:
+        if _idle_interval(CntPart, row, c, C, sel) == 0:
+            d, key, valid = _d_key(l_ptr, offs, V, inv_t, m, pinf)
+            act = valid & (key >= lo) & (key <= hi) & (key < KEY_CUT_K)
+            _gather(Buf, Count, row, s, S, key, act, CAP)
+
+
+@triton.jit
+def _sum_hist(HistPart, row, C, CP: tl.constexpr):
+    """[256] int64: the row's chunk histograms summed (16 chunks a load)."""
+    b = tl.arange(0, 256)
+    total = tl.zeros([256], dtype=tl.int64)
+    for c0 in range(0, CP, 16):
+        cs = c0 + tl.arange(0, 16)
+        tile = tl.load(HistPart + (row * C + cs[:, None]) * 256 + b[None, :],
+                       mask=(cs < C)[:, None], other=0, cache_modifier=".cg")
+        total += tl.sum(tile, axis=0).to(tl.int64)
+    return total
+
+
+@triton.jit
+def _row_k_hist(st, HistPart, row, C, k, top_p, lo, hi, shift, base, trace,
+                CP: tl.constexpr, CAP: tl.constexpr):
+    """Top-k's radix step: the bin where the count of keys reaches k becomes the bracket. The
+    key is found when the bracket is one key (or holds only keys that weigh 0: every such key
+    keeps the same weights); a bracket with at most CAP keys at or below it is gathered."""
+    h = _sum_hist(HistPart, row, C, CP)
+    cum = base + tl.cumsum(h, axis=0)
+    b = tl.arange(0, 256)
+    j = tl.min(tl.where(cum >= k, b, 256), axis=0)
+    upto = tl.sum(tl.where(b == j, cum, 0), axis=0)          # keys <= the new bracket's end
+    below = upto - tl.sum(tl.where(b == j, h, 0), axis=0)
+    lo2 = lo + (j.to(tl.int64) << shift)
+    hi2 = tl.minimum(hi, lo2 + (tl.full([], 1, tl.int64) << shift) - 1)
+    found = (lo2 == hi2) | (lo2 >= KEY_CUT_K)
+    if found & ((top_p < 1) == 0):                    # top-p off (NaN too, as the reference)
+        _resolve(st, hi2, 0, trace)
+    elif upto <= CAP:
+        _set_state(st, K_GATHER_K, 0, hi2, 0, 0, 0, 0, KEY_INF_K, -1,
+                   trace | K_GATHER_BIT)
+    elif found:
+        _set_state(st, P_SPLIT_K, 0, tl.minimum(hi2, KEY_CUT_K), 0, 1, 0, 0, KEY_INF_K, -1,
+                   trace | P_SPLIT_BIT)
+    else:
+        _set_state(st, K_HIST_K, lo2, hi2, tl.maximum(shift - 8, 0), 0, below, 0, KEY_INF_K,
+                   j, trace | K_HIST_BIT)
+
+
+@triton.jit
+def _row_k_gather(st, Buf, Count, row, s, S, k, top_p, trace, CAP: tl.constexpr):
+    """Every key at or below the bracket was gathered: top-k's key is the k-th smallest, and
+    top-p's is found among the keys up to it."""
+    key, live = _gathered(Buf, Count, row, s, S, CAP)
+    kf = _kth_key(key, live, k)
+    zk = tl.zeros([], dtype=tl.int64)
+    if top_p < 1:
+        w = tl.where(live, _key_weight(key), 0)
+        keep = live & (key <= kf)
+        zk = tl.sum(tl.where(keep, w, 0), axis=0)
+        thr = zk.to(tl.float64) * top_p.to(tl.float64)
+        kf = tl.where(thr > 0, _mass_key(key, w, keep, thr, 0), 0)
+    _resolve(st, kf, zk, trace)
+
+
+@triton.jit
+def _row_p_split(st, CntPart, MassPart, BoundPart, row, C, top_p, lo, hi, fresh, base, zk,
+                 trace, CP: tl.constexpr, CAP: tl.constexpr):
+    """Top-p's step: the interval where base + the weight below its end first reaches top_p *
+    zk (zk: the first split's total) becomes the bracket, narrowed to the keys present; the
+    next pass gathers it (at most CAP keys), counts its keys one by one (at most 256 wide) or
+    splits it again."""
+    j = tl.arange(0, 16)
+    cs = tl.arange(0, CP)
+    live = cs < C
+    at = (row * C + cs[:, None]) * 16 + j[None, :]
+    cnt = tl.sum(tl.load(CntPart + at, mask=live[:, None], other=0, cache_modifier=".cg"),
+                 axis=0)
+    mass = tl.sum(tl.load(MassPart + at, mask=live[:, None], other=0, cache_modifier=".cg"),
+                  axis=0)
+    bmin = tl.min(tl.load(BoundPart + (row * C + cs) * 2, mask=live, other=KEY_INF_K + 1,
+                          cache_modifier=".cg"), axis=0)
+    bmax = tl.max(tl.load(BoundPart + (row * C + cs) * 2 + 1, mask=live, other=-1,
+                          cache_modifier=".cg"), axis=0)
+    zk = tl.where(fresh != 0, tl.sum(tl.where(j == 15, mass, 0), axis=0), zk)
+    thr = zk.to(tl.float64) * top_p.to(tl.float64)
+    js = tl.min(tl.where((base + mass).to(tl.float64) >= thr, j, 15), axis=0)
+    base2 = base + tl.sum(tl.where(j == js - 1, mass, 0), axis=0)
+    n_in = tl.sum(tl.where(j == js, cnt, 0) - tl.where(j == js - 1, cnt, 0), axis=0)
+    lo2 = tl.maximum(_split_bound(js.to(tl.int64), lo, hi, fresh), bmin)
+    hi2 = tl.minimum(_split_bound(js.to(tl.int64) + 1, lo, hi, fresh) - 1, bmax)
+    if thr <= 0:
+        _resolve(st, 0, zk, trace)                       # top_p <= 0: the top key alone
+    elif lo2 >= hi2:
+        _resolve(st, lo2, zk, trace)
+    elif n_in <= CAP:
+        _set_state(st, P_GATHER_K, lo2, hi2, 0, 0, base2, zk, KEY_INF_K, js,
+                   trace | P_GATHER_BIT)
+    elif hi2 - lo2 < 256:
+        _set_state(st, P_HIST_K, lo2, hi2, 0, 0, base2, zk, KEY_INF_K, js,
+                   trace | P_HIST_BIT)
+    else:
+        _set_state(st, P_SPLIT_K, lo2, hi2, 0, 0, base2, zk, KEY_INF_K, js,
+                   trace | P_SPLIT_BIT)
+
+
+@triton.jit
+def _row_p_gather(st, Buf, Count, row, s, S, top_p, base, zk, trace, CAP: tl.constexpr):
+    """The bracket's keys were gathered: top-p's key among them."""
+    key, live = _gathered(Buf, Count, row, s, S, CAP)
+    w = tl.where(live, _key_weight(key), 0)
+    thr = zk.to(tl.float64) * top_p.to(tl.float64)
+    _resolve(st, _mass_key(key, w, live, thr, base), zk, trace)
+
+
+@triton.jit
+def _row_p_hist(st, HistPart, row, C, top_p, lo, base, zk, trace, CP: tl.constexpr):
+    """A count per key of the bracket: its weight is count * fixed_exp(key), exact; top-p's key
+    is the first where base + the weight up to it reaches top_p * zk."""
+    h = _sum_hist(HistPart, row, C, CP)
+    b = tl.arange(0, 256)
+    key = tl.minimum(lo + b, KEY_CUT_K).to(tl.int32)
+    cum = base + tl.cumsum(h * _key_weight(key), axis=0)
+    thr = zk.to(tl.float64) * top_p.to(tl.float64)
+    j = tl.min(tl.where(cum.to(tl.float64) >= thr, b, 255), axis=0)
+    _resolve(st, lo + j, zk, trace)
+
+
+@triton.jit
+def _row_draw(l_ptr, ZPart, row, C, V, inv_t, m, pinf, kf, min_w, u62, CHUNK: tl.constexpr,
+              CP: tl.constexpr):
+    """r = floor(u62 * Z / 2**62); the chunk whose cumulative kept weight passes r, then the
+    first index in it whose cumulative kept weight does."""
+    cs = tl.arange(0, CP)
+    ok = cs < C
+    z = tl.load(ZPart + row * C + cs, mask=ok, other=0, cache_modifier=".cg")
+    cum = tl.cumsum(z, axis=0)
+    r = _mulhi62_t(u62, tl.sum(z, axis=0))
+    j = tl.min(tl.where(ok & (cum > r), cs, C), axis=0)
+    below = tl.sum(tl.where(cs == j, cum - z, 0), axis=0)
+    offs = j * CHUNK + tl.arange(0, CHUNK)
+    w = _weights(l_ptr, offs, V, inv_t, m, pinf, kf, min_w)
+    hit = tl.min(tl.where((below + tl.cumsum(w, axis=0) > r) & (offs < V), offs, V), axis=0)
+    return tl.where(hit < V, hit, V - 1).to(tl.int64)
+
+
+@triton.jit
+def _row_state(st, mode, FIRST: tl.constexpr):
+    """(lo, hi, shift, fresh, base, zk, kf, sel, trace), `_set_state`'s fields: as the first pass
+    starts a row in `mode`, else as the last pass left them."""
+    if FIRST:
+        lo = tl.zeros([], dtype=tl.int64)
+        hi = tl.where(mode == K_HIST_K, KEY_INF_K, KEY_CUT_K).to(tl.int64)
+        shift = tl.full([], 23, tl.int64)
+        fresh = tl.full([], 1, tl.int64)
+        base = tl.zeros([], dtype=tl.int64)
+        zk = tl.zeros([], dtype=tl.int64)
+        kf = tl.full([], KEY_INF_K, tl.int64)
+        sel = tl.full([], -1, tl.int64)
+        trace = tl.full([], 1, tl.int64) << mode.to(tl.int64)
+    else:
+        lo = tl.load(st + 1)
+        hi = tl.load(st + 2)
+        shift = tl.load(st + 3)
+        fresh = tl.load(st + 4)
+        base = tl.load(st + 5)
+        zk = tl.load(st + 6)
+        kf = tl.load(st + 7)
+        sel = tl.load(st + 8)
+        trace = tl.load(st + 9)
+    return lo, hi, shift, fresh, base, zk, kf, sel, trace
+
+
+@triton.jit(noinline=True)
+def _select_row(row, c, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI, PartNan,
+                PartM, State, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count, Arrive,
+                Out, V, C, S, purpose, s, FIRST: tl.constexpr, CHUNK: tl.constexpr,
+                SUB: tl.constexpr, CP: tl.constexpr, CAP: tl.constexpr):
+    """Chunk c's part of the row's pass in the row's mode; the row's last program to finish
+    moves the row to its next mode (module doc)."""
+    row = tl.to_tensor(row)                           # the interpreter's loops give ints
+    st = State + row * NSTATE_K
+    m, pinf = _row_max(PartM, row, C, CP)
     temp = tl.load(Temp + row)
     k = tl.load(TopK + row)
     top_p = tl.load(TopP + row)
-    kf = tl.full([], KEY_INF_K, tl.int32)
-    m, pinf = _row_max(PartM, row, C, CP)
-    if (temp > 0) & _filtered(k, top_p, V) & (m > float("-inf")):
-        e = tl.arange(0, CM)
-        ok = e < C * M
-        key = tl.load(CandKey + row * C * M + e, mask=ok, other=KEY_INF_K + 1)
-        w = tl.load(CandW + row * C * M + e, mask=ok, other=0)
-        tau = tl.min(tl.where(ok & (e % M == M - 1), key, KEY_INF_K + 1), axis=0)
-        exact = key < tau
-        if (k > 0) & (k < V):
-            kf = tl.where(tl.sum(exact.to(tl.int32), axis=0) >= k,
-                          _kth_key(key, exact, k), -1)
-        if (top_p < 1) & (kf >= 0):
-            cs = tl.arange(0, CP)
-            z_all = tl.sum(tl.load(PartZ + row * C + cs, mask=cs < C, other=0), axis=0)
-            zk = tl.where(kf == KEY_INF_K, z_all, tl.sum(tl.where(exact & (key <= kf), w, 0),
-                                                         axis=0))
-            thr = zk.to(tl.float64) * top_p.to(tl.float64)
-            settled = tl.sum(tl.where(exact, w, 0), axis=0).to(tl.float64) >= thr
-            kf = tl.where(settled, _mass_key(key, w, exact & (key <= kf), thr), -1)
-    tl.store(Kf + row, kf)
+    if FIRST:
+        mode = _first_mode(temp, k, top_p, m, V)
+    else:
+        mode = tl.load(st).to(tl.int32)
+    if mode == GREEDY_K:
+        if c == 0:
+            tl.store(Out + row, _greedy_token(PartV, PartI, PartNan, row, C, V, CP))
+            _set_state(st, DONE_K, 0, 0, 0, 0, 0, 0, KEY_INF_K, -1, GREEDY_BIT + PASS_ONE)
+    elif mode != DONE_K:
+        lo, hi, shift, fresh, base, zk, kf, sel, trace = _row_state(st, mode, FIRST)
+        l_ptr = L + row.to(tl.int64) * stride_l
+        inv_t = tl.math.div_rn(1.0, tl.where(temp > 0, temp, 1.0))
+        min_w = tl.load(MinP + row).to(tl.float64) * 1099511627776.0        # min_p * 2**40
+        _chunk_share(mode, l_ptr, row, c, V, C, S, s, inv_t, m, pinf, lo, hi, shift, fresh, kf,
+                     sel, min_w, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count,
+                     CHUNK, SUB, CAP)
+        if _arrive(Arrive, row, s, S, C):
+            trace += PASS_ONE
+            if mode == WEIGHTS_K:
+                bits = _random_bits_t(tl.load(Seed + row), tl.load(Pos + row), purpose, 0)
+                tl.store(Out + row, _row_draw(l_ptr, ZPart, row, C, V, inv_t, m, pinf,
+                                              kf.to(tl.int32), min_w, _lsr_t(bits, 2),
+                                              CHUNK, CP))
+                _set_state(st, DONE_K, 0, 0, 0, 0, 0, zk, kf, -1, trace)
+            elif mode == K_HIST_K:
+                _row_k_hist(st, HistPart, row, C, k, top_p, lo, hi, shift, base, trace, CP, CAP)
+            elif mode == K_GATHER_K:
+                _row_k_gather(st, Buf, Count, row, s, S, k, top_p, trace, CAP)
+            elif mode == P_SPLIT_K:
+                _row_p_split(st, CntPart, MassPart, BoundPart, row, C, top_p, lo, hi, fresh,
+                             base, zk, trace, CP, CAP)
+            elif mode == P_GATHER_K:
+                _row_p_gather(st, Buf, Count, row, s, S, top_p, base, zk, trace, CAP)
+            else:
+                _row_p_hist(st, HistPart, row, C, top_p, lo, base, zk, trace, CP)
 
 
-@triton.jit
-def _kth_key(key, live, k):
-    """The smallest key v of the live entries with count(key <= v) >= k (bisection with the
-    bracket moved to keys present, as `_top_k_key`, on registers)."""
-    lo = tl.zeros([], dtype=tl.int32)
-    hi = tl.max(tl.where(live, key, -1), axis=0)
-    while lo < hi:
-        K = lo + (hi - lo) // 2
-        le = live & (key <= K)
-        c = tl.sum(le.to(tl.int32), axis=0)
-        a = tl.max(tl.where(le, key, -1), axis=0)
-        b = tl.min(tl.where(live & (key > K), key, KEY_INF_K + 1), axis=0)
-        hi = tl.where(c >= k, a, hi)
-        lo = tl.where(c >= k, lo, b)
-    return hi
-
-
-@triton.jit
-def _mass_key(key, w, live, thr):
-    """The largest live key whose strictly-smaller live keys weigh < thr (as `_top_p_key`)."""
-    lo = tl.zeros([], dtype=tl.int32)
-    hi = tl.max(tl.where(live, key, -1), axis=0)
-    while lo < hi:
-        K = lo + (hi - lo) // 2
-        le = live & (key <= K)
-        below = tl.sum(tl.where(le, w, 0), axis=0)
-        a = tl.max(tl.where(le, key, -1), axis=0)
-        b = tl.min(tl.where(live & (key > K), key, KEY_INF_K + 1), axis=0)
-        ok = below.to(tl.float64) < thr
-        lo = tl.where(ok, b, lo)
-        hi = tl.where(ok, hi, a)
-    return lo
-
-
-@triton.jit
-def _chunk_weight_kernel(L, stride_l, Temp, MinP, PartM, PartZ, Kf, V, C,
-                         CHUNK: tl.constexpr, CP: tl.constexpr):
-    """Grid (n, C). The kept weight of chunk c of a sampled row settled here (Kf >= 0)."""
-    row = tl.program_id(0)
+@triton.jit(do_not_specialize=["n", "s"])
+def _select_kernel(L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI, PartNan,
+                   PartM, State, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count,
+                   Arrive, Out, n, V, C, S, purpose, s, FIRST: tl.constexpr,
+                   CHUNK: tl.constexpr, SUB: tl.constexpr, CP: tl.constexpr,
+                   CAP: tl.constexpr):
+    """Grid (G, C), pass s of S: program (g, c) does chunk c of rows g, g + G, ...; it returns
+    at once when all of them are done (one load for up to 16 rows)."""
+    g = tl.program_id(0)
+    G = tl.num_programs(0)
     c = tl.program_id(1)
-    temp = tl.load(Temp + row)
-    kf = tl.load(Kf + row)
-    z = tl.zeros([], dtype=tl.int64)
-    if (temp > 0) & (kf >= 0):
-        m, pinf = _row_max(PartM, row, C, CP)
-        if m > float("-inf"):
-            min_w = tl.load(MinP + row).to(tl.float64) * 1099511627776.0
-            z = tl.sum(_weights(L + row.to(tl.int64) * stride_l, c * CHUNK +
-                                tl.arange(0, CHUNK), V, tl.math.div_rn(1.0, temp), m, pinf,
-                                kf, min_w), axis=0)
-    tl.store(PartZ + row * C + c, z)
+    busy = FIRST
+    if not FIRST:
+        for r0 in tl.range(g, n, 16 * G, num_stages=1):
+            rows = r0 + G * tl.arange(0, 16)
+            modes = tl.load(State + rows * NSTATE_K, mask=rows < n, other=0)
+            busy = busy | (tl.max(modes, axis=0) > 0)
+    if busy:
+        for row in tl.range(g, n, G, num_stages=1):
+            _select_row(row, c, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI,
+                        PartNan, PartM, State, HistPart, CntPart, MassPart, BoundPart, ZPart,
+                        Buf, Count, Arrive, Out, V, C, S, purpose, s, FIRST, CHUNK, SUB, CP,
+                        CAP)
 
 
-@triton.jit
-def _finish_kernel(L, stride_l, Temp, MinP, Seed, Pos, Kf, PartV, PartI, PartNan,
-                   PartM, PartZ, Out, V, C, purpose, CHUNK: tl.constexpr, CP: tl.constexpr):
-    """Grid (n,), the rows settled here (greedy, massless, Kf >= 0). Greedy and massless rows:
-    torch's argmax from the chunks' shares. Sampled rows: r from the stream, the chunk whose
-    cumulative kept weight passes it, then the index within that chunk."""
-    row = tl.program_id(0)
-    temp = tl.load(Temp + row)
-    kf = tl.load(Kf + row)
-    if (temp <= 0) | (kf >= 0):
-        cs = tl.arange(0, CP)
-        ok = cs < C
-        pv = tl.load(PartV + row * C + cs, mask=ok, other=float("-inf"))
-        pi = tl.load(PartI + row * C + cs, mask=ok, other=V)
-        first = tl.min(tl.where(ok & (pv == tl.max(pv, axis=0)), pi, V), axis=0)
-        first = tl.where(first == V, 0, first)           # an all -inf row: index 0, as torch
-        first_nan = tl.min(tl.load(PartNan + row * C + cs, mask=ok, other=V), axis=0)
-        token = tl.where(first_nan < V, first_nan, first).to(tl.int64)
-        m, pinf = _row_max(PartM, row, C, CP)
-        if (temp > 0) & (m > float("-inf")):
-            z = tl.load(PartZ + row * C + cs, mask=ok, other=0)
-            cum = tl.cumsum(z, 0)
-            bits = _random_bits_t(tl.load(Seed + row), tl.load(Pos + row), purpose, 0)
-            r = _mulhi62_t(_lsr_t(bits, 2), tl.sum(z, axis=0))
-            j = tl.min(tl.where(ok & (cum > r), cs, C), axis=0)
-            below = tl.sum(tl.where(cs == j, cum - z, 0), axis=0)
-            offs = j * CHUNK + tl.arange(0, CHUNK)
-            min_w = tl.load(MinP + row).to(tl.float64) * 1099511627776.0
-            w = _weights(L + row.to(tl.int64) * stride_l, offs, V, tl.math.div_rn(1.0, temp), m,
-                         pinf, kf, min_w)
-            hit = tl.min(tl.where((below + tl.cumsum(w, 0) > r) & (offs < V), offs, V), axis=0)
-            token = tl.where(hit < V, hit, V - 1).to(tl.int64)
-        tl.store(Out + row, token)
-
-
-BLOCK = 1024
-NUM_WARPS = 8
+PASSES = 12         # top-k <= 4 passes, top-p <= 7, the draw 1 (module doc)
 CHUNK = 2048
+CAP = 4096          # keys a row may gather
+SUB = 256           # keys a P_SPLIT step holds at once ([SUB, 16] sums)
 CHUNK_WARPS = 4
-CANDIDATES = 16     # keys a chunk keeps for the threshold search: with 63 chunks (a 128k
-                    # vocabulary) every key below ~the 500th largest is a candidate
+SELECT_WARPS = 8
+SELECT_REGS = 128   # two programs an SM (ptxas fits the select pass without spilling)
+STATE_FIELDS = ("mode", "lo", "hi", "shift", "fresh", "base", "zk", "kf", "sel", "trace")
 
 
 class Stages(NamedTuple):
-    """What the chunked kernels leave for the draws: each chunk's share of the argmax and of the
-    maximum, its kept weight, and each row's key threshold (KEY_INF: none; -1: left to the
-    one-program kernel)."""
-    part_v: torch.Tensor      # [n, C] fp32 the chunk's largest non-NaN logit
-    part_i: torch.Tensor      # [n, C] int32 its first index
-    part_nan: torch.Tensor    # [n, C] int32 the chunk's first NaN (V: none)
-    part_m: torch.Tensor      # [n, C] fp32 the chunk's max of l / temperature
-    part_z: torch.Tensor      # [n, C] int64 the chunk's kept weight
-    kf: torch.Tensor          # [n] int32
+    """What the kernels leave for a call: the tokens, and each row's final state (for tests):
+    kf its key threshold (KEY_INF: none), mode (0, done, once every pass ran), the modes it
+    went through (bit 1 << i for MODES[i]) and the number of passes it took."""
+    tokens: torch.Tensor      # [n] int64
+    kf: torch.Tensor          # [n] int64
+    mode: torch.Tensor        # [n] int64
+    modes: torch.Tensor       # [n] int64
+    passes: torch.Tensor      # [n] int64
 
 
-def chunk_stages(x, lanes, chunk: int = CHUNK, candidates: int = CANDIDATES) -> Stages:
-    """The first four launches of `sample_triton` on contiguous-row logits x [n, V] and the
-    lanes (temperature, top_k, top_p, min_p) [n]."""
-    temp, k, tp, mp = lanes
+def row_groups(n: int, C: int, device) -> int:
+    """G, the row groups a select pass runs over (grid (G, C)): every row on CPU; on a GPU
+    about four programs an SM, so that a pass whose rows are all done costs one wave of
+    programs that each make one load."""
+    if device.type != "cuda":
+        return max(n, 1)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(n, triton.cdiv(4 * sms, C)))
+
+
+def sample_stages(logits, temperature, top_k, top_p, min_p, seed, position, purpose: int,
+                  chunk: int = CHUNK, cap: int = CAP, groups: int | None = None) -> Stages:
+    """`sample_triton`'s launches and the rows' final state. chunk and cap: powers of two;
+    groups: the row groups of a select pass (`row_groups` if None)."""
+    x = logits if logits.stride(1) == 1 else logits.contiguous()
     n, V = x.shape
-    C, M = triton.cdiv(V, chunk), candidates
+    lanes = [t.contiguous() for t in (temperature, top_k, top_p, min_p, seed, position)]
+    C = triton.cdiv(V, chunk)
     CP = triton.next_power_of_2(C)
-    dev = x.device
-    st = Stages(*(torch.empty(n, C, dtype=t, device=dev) for t in (
-        torch.float32, torch.int32, torch.int32, torch.float32, torch.int64)),
-        torch.empty(n, dtype=torch.int32, device=dev))
-    cand_key = torch.empty(n, C, M, dtype=torch.int32, device=dev)
-    cand_w = torch.empty(n, C, M, dtype=torch.int64, device=dev)
-    opts = dict(num_warps=CHUNK_WARPS, enable_fp_fusion=False)
-    rows = x, x.stride(0)
-    _chunk_max_kernel[(n, C)](*rows, temp, st.part_v, st.part_i, st.part_nan, st.part_m, V, C,
-                              CHUNK=chunk, **opts)
-    _chunk_cand_kernel[(n, C)](*rows, temp, k, tp, st.part_m, st.part_z, cand_key, cand_w, V, C,
-                               M=M, CHUNK=chunk, CP=CP, **opts)
-    _threshold_kernel[(n,)](temp, k, tp, st.part_m, st.part_z, cand_key, cand_w, st.kf, V, C,
-                            M=M, CP=CP, CM=triton.next_power_of_2(C * M), **opts)
-    _chunk_weight_kernel[(n, C)](*rows, temp, mp, st.part_m, st.part_z, st.kf, V, C,
-                                 CHUNK=chunk, CP=CP, **opts)
-    return st
+
+    def buf(*shape, dtype):
+        return torch.empty(*shape, dtype=dtype, device=x.device)
+
+    parts = (buf(n, C, dtype=torch.float32), buf(n, C, dtype=torch.int32),
+             buf(n, C, dtype=torch.int32), buf(n, C, dtype=torch.float32))
+    state = buf(n, NSTATE_K.value, dtype=torch.int64)
+    work = (buf(n, C, 256, dtype=torch.int32), buf(n, C, 16, dtype=torch.int32),
+            buf(n, C, 16, dtype=torch.int64), buf(n, C, 2, dtype=torch.int32),
+            buf(n, C, dtype=torch.int64), buf(n, cap, dtype=torch.int32))
+    count, arrive = buf(n, PASSES, dtype=torch.int32), buf(n, PASSES, dtype=torch.int32)
+    out = buf(n, dtype=torch.int64)
+    if n:
+        _chunk_max_kernel[(n, C)](x, x.stride(0), lanes[0], *parts, count, arrive, V, C, PASSES,
+                                  CHUNK=chunk, SP=triton.next_power_of_2(PASSES),
+                                  num_warps=CHUNK_WARPS, enable_fp_fusion=False)
+    G = groups or row_groups(n, C, x.device)
+    for s in range(PASSES if n else 0):
+        _select_kernel[(G, C)](x, x.stride(0), *lanes, *parts, state, *work, count, arrive, out,
+                               n, V, C, PASSES, purpose, s, FIRST=s == 0, CHUNK=chunk,
+                               SUB=max(min(chunk, SUB), chunk // 8), CP=CP, CAP=cap,
+                               num_warps=SELECT_WARPS, maxnreg=SELECT_REGS,
+                               enable_fp_fusion=False)
+    trace = state[:, STATE_FIELDS.index("trace")]
+    return Stages(out, state[:, STATE_FIELDS.index("kf")], state[:, STATE_FIELDS.index("mode")],
+                  trace & (PASS_ONE.value - 1), trace // PASS_ONE.value)
 
 
 def sample_triton(logits, temperature, top_k, top_p, min_p, seed, position, purpose: int,
-                  block: int = BLOCK, chunk: int = CHUNK, candidates: int = CANDIDATES
-                  ) -> torch.Tensor:
+                  chunk: int = CHUNK, cap: int = CAP) -> torch.Tensor:
     """`padgraph.llm.sampling.sample` in Triton, the same tokens bit for bit (arguments as
-    there, checked there). Six launches, no host work (see the module doc): `chunk_stages`,
-    the draws, and the one-program kernel for the rows whose threshold the candidates could
-    not settle."""
-    x = logits if logits.stride(1) == 1 else logits.contiguous()
-    n, V = x.shape
-    out = torch.empty(n, dtype=torch.int64, device=x.device)
-    if not n:
-        return out
-    lanes = [t.contiguous() for t in (temperature, top_k, top_p, min_p, seed, position)]
-    st = chunk_stages(x, lanes[:4], chunk, candidates)
-    C = st.part_v.shape[1]
-    _finish_kernel[(n,)](x, x.stride(0), lanes[0], lanes[3], lanes[4], lanes[5], st.kf,
-                         st.part_v, st.part_i, st.part_nan, st.part_m, st.part_z, out, V, C,
-                         purpose, CHUNK=chunk, CP=triton.next_power_of_2(C),
-                         num_warps=CHUNK_WARPS, enable_fp_fusion=False)
-    _sample_kernel[(n,)](x, x.stride(0), *lanes, st.kf, out, V, purpose, FALLBACK_ONLY=True,
-                         BLOCK=block, num_warps=NUM_WARPS, enable_fp_fusion=False)
-    return out
+    there, checked there). 1 + PASSES launches whatever the logits hold, no host work (module
+    doc). chunk: logits a program reads; cap: keys a row may gather; powers of two."""
+    return sample_stages(logits, temperature, top_k, top_p, min_p, seed, position, purpose,
+                         chunk, cap).tokens
