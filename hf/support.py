@@ -121,7 +121,7 @@ def check_served(model, recurrent: bool = True) -> Served:
     calls = survey_calls(model) if interface else quiet_survey(model)
     named = {m for m in model.modules() if "Attention" in type(m).__name__}
     flagged = stateful_modules(model, {c.module for c in calls} if calls else named)
-    states = survey_states(model) if recurrent and flagged else ()
+    states = survey_states(model) if recurrent and flagged and linear_cache_api() else ()
     kept = {s.layer_idx for s in states} | (cacheless_layers(model) if states else set())
     mixers = {m for _, m in flagged if getattr(m, "layer_idx", None) in kept}
     if not interface:
@@ -235,6 +235,14 @@ def stateful_modules(model, callers: set) -> list[tuple[str, torch.nn.Module]]:
             if module not in above and any(True for _ in module.parameters()) and keeps_state(module)]
 
 
+def linear_cache_api() -> bool:
+    """Whether this transformers' `Cache` has the linear-attention interface its hybrid mixers
+    keep their state through (older versions index the cache's own layers instead)."""
+    from transformers.cache_utils import Cache
+    return all(hasattr(Cache, n) for n in ("get_conv_state", "update_conv_state", "get_recurrent_state",
+                                            "update_recurrent_state"))
+
+
 def refuse_stateful(model, callers: set, recurrent: bool = False) -> None:
     """UnsupportedModelError for a module that keeps state across tokens and is not `callers` or
     above one. `recurrent`: the message says what a served recurrent mixer needs."""
@@ -248,7 +256,9 @@ def refuse_stateful(model, callers: set, recurrent: bool = False) -> None:
     why = f"takes {args} in its forward" if args else f"holds a state decay {_RECURRENT_PARAM}"
     served = ("attention layers through HF's AttentionInterface, and recurrent mixers that keep their state "
               "only through HF's cache (get_conv_state / update_conv_state, get_recurrent_state / "
-              "update_recurrent_state)" if recurrent else
+              "update_recurrent_state)" + ("" if linear_cache_api() else
+                                          f", which transformers {transformers_version()}'s Cache does not have")
+              if recurrent else
               "attention layers only with a draft head or as a Target (their engine keeps no recurrent state)")
     raise UnsupportedModelError(
         f"padgraph.hf.Decoder({name}): layer {path!r} is a {type(module).__name__}, a token mixer that "
@@ -307,3 +317,8 @@ def graph_safe_experts(device: torch.device) -> str | None:
     except ImportError:
         return None
     return "batched_mm" if "batched_mm" in ALL_EXPERTS_FUNCTIONS else None
+
+
+def transformers_version() -> str:
+    import transformers
+    return transformers.__version__

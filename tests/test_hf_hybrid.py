@@ -18,13 +18,16 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import padgraph.hf as pghf  # noqa: E402
-from padgraph.hf import recurrent  # noqa: E402
+from padgraph.hf import recurrent, support  # noqa: E402
 
 import hf_zoo  # noqa: E402
 from test_hf_models import MAX_LEN, NEW, prompts  # noqa: E402
 
 # most used first: Mamba2-style SSMs (alone, beside attention, in parallel with it, with MoE),
 # short convolutions, gated delta nets, Mamba1
+needs_api = pytest.mark.skipif(not support.linear_cache_api(), reason=(
+    f"transformers {transformers.__version__}'s Cache has no linear-attention interface: hybrids are refused"))
+
 SERVED = ["mamba2", "bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "lfm2", "qwen3_next",
           "qwen3_5_text", "jamba", "mamba"]
 CHECKED = {"bamba", "lfm2", "qwen3_next"}       # pg.check of the decode body too (one per mixer kind)
@@ -46,6 +49,7 @@ def assert_generates_like_hf(model, dec, sizes, seed: int = 0, device="cpu"):
 
 
 @pytest.mark.parametrize("model_type", SERVED)
+@needs_api
 def test_tokens_equal_hf_generate(model_type):
     model = model_of(model_type)
     dec = pghf.Decoder(model, max_batch=5, max_len=MAX_LEN, backend="reference")
@@ -55,6 +59,7 @@ def test_tokens_equal_hf_generate(model_type):
         assert dec.check(trials=2).ok, dec.check(trials=2)
 
 
+@needs_api
 def test_kinds_and_shapes_of_the_states():
     """The pool holds what HF's own cache holds, per request: LFM2's conv window [hidden, L_cache]
     on its conv layer only; Bamba's conv window and SSM state on its Mamba layer only."""
@@ -67,6 +72,7 @@ def test_kinds_and_shapes_of_the_states():
     assert [t.shape[0] for t in bamba.cache.recurrent] == [3, 3]          # the sink and two request rows
 
 
+@needs_api
 def test_slot_reuse_reads_no_old_state_and_leaves_other_rows():
     """Three generate calls on one Decoder: each request row is reused. The second call's
     prefill overwrites rows 1..3 whatever they hold (nan here), rows 4..5 (no request of the
@@ -84,6 +90,7 @@ def test_slot_reuse_reads_no_old_state_and_leaves_other_rows():
     assert_generates_like_hf(model, dec, (1,), seed=60)
 
 
+@needs_api
 def test_padded_lanes_write_only_the_sink_row():
     """A decode step of 3 requests in a bucket of 4: the padded lane's write lands in row 0 only;
     `pg.check` reports a pad index moved off the sink as a state-write."""
@@ -104,6 +111,7 @@ def test_padded_lanes_write_only_the_sink_row():
     assert not result.ok and "state-write" in str(result), str(result)
 
 
+@needs_api
 def test_probe_refuses_a_recurrent_state_the_pool_drops(monkeypatch):
     """A gated delta net whose state is not kept (the pool's write dropped): the prefill agrees,
     the first decode step does not, and the probe names the layer."""
@@ -130,6 +138,7 @@ CUDA_SERVED = ["mamba2", "bamba", "nemotron_h", "lfm2", "qwen3_next", "jamba"]
 @pytest.mark.cuda
 @pytest.mark.parametrize("model_type", CUDA_SERVED)
 @pytest.mark.parametrize("torch_compile", [False, True], ids=["eager", "compiled"])
+@needs_api
 def test_cuda_tokens_equal_hf_generate(model_type, torch_compile):
     """backend="cuda": the decode step (pool gather, HF's mixers, write-back) captured in CUDA
     graphs, eager or with the decoder layers compiled as regions: HF generate's tokens."""
@@ -141,6 +150,7 @@ def test_cuda_tokens_equal_hf_generate(model_type, torch_compile):
 
 
 @pytest.mark.cuda
+@needs_api
 def test_cuda_slot_reuse():
     """On CUDA graphs: a second and third call reuse request rows (the first poisoned with nan)
     and leave the rows they do not own as they were."""

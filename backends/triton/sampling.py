@@ -682,7 +682,7 @@ def _select_row(row, c, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, P
                 SUB: tl.constexpr, CP: tl.constexpr, CAP: tl.constexpr):
     """Chunk c's part of the row's pass in the row's mode; the row's last program to finish
     moves the row to its next mode (module doc)."""
-    row = tl.to_tensor(row)                           # the interpreter's loops give ints
+    row = tl.cast(row, tl.int32)                      # the interpreter's loops give ints
     st = State + row * NSTATE_K
     m, pinf = _row_max(PartM, row, C, CP)
     temp = tl.load(Temp + row)
