@@ -84,13 +84,14 @@ def stage_breakdown(runner, raw, calls):
     ext = runner.plan.extents(raw, runner.device)
     bucket = runner.plan.bucket_for(ext)
     g = runner._graphs[bucket]
+    replay = getattr(g, "replay", g.graph.replay)       # as the call replays it (bound once where the tree does)
     return {
         "validate+extents": host_us(lambda: runner.plan.extents(raw, runner.device, True), calls),
         "state guard": host_us(runner.state.check, calls),
         "aliasing check": host_us(lambda: runner._check_aliasing(raw), calls),
         "bucket lookup": host_us(lambda: runner.plan.bucket_for(ext), calls),
         "srcs + extents + H2D copy (+ its fence)": host_us(lambda: runner.pack.block.send(raw, ext), calls),
-        "graph.replay": host_us(g.graph.replay, calls),
+        "graph.replay": host_us(replay, calls),
         "slice outputs (cached views)": host_us(lambda: runner._finish_cached(g.outputs, ext, bucket), calls),
         "lend outputs (lifetimes enforced)": host_us(lambda: runner._lend(runner._finish_cached(g.outputs, ext, bucket)), calls),
         "whole call": host_us(lambda: runner(**raw), calls),

@@ -39,9 +39,10 @@ class LentOutputs(Outputs):
     (`out.y`, `out["y"]`, values(), items(), get(), `{**out}`, dict(out)) goes through __getitem__."""
 
     def __init__(self, views: Mapping, lease):
-        super().__init__(views)
-        self.__dict__[_PROGRAM] = lease.program
-        self.__dict__["<lease>"] = lease
+        dict.update(self, views)                  # as dict's __init__, without super()'s lookup
+        attrs = self.__dict__
+        attrs[_PROGRAM] = lease.program
+        attrs["<lease>"] = lease
 
     def __getitem__(self, name):
         t = dict.__getitem__(self, name)          # raises __missing__'s error for an unknown name

@@ -5,6 +5,7 @@ Everything here is host-side and device-free: a Plan can be built and inspected 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from dataclasses import dataclass
 from typing import Mapping
@@ -33,6 +34,14 @@ class _InputCheck:
     alike: int | None = None
 
 
+class OnDevice(dict):
+    """Extents (axis -> raw extent) of a call whose every input is a plain tensor on the device
+    `Plan.extents` was given: what its fast path returns, so a backend need not ask each input
+    again where it lives. Any other extents (a plain dict) promise nothing about the inputs."""
+
+    __slots__ = ()
+
+
 def _min_bucket_table(caps: list[int]) -> list[int]:
     """table[n] = index of the first bucket whose capacity holds n (caps are non-decreasing)."""
     table, i = [], 0
@@ -53,8 +62,12 @@ class Plan:
         self.bucket_axis = self.axes[0].name
         self._checks = _link_same_shapes([_input_check(n, s) for n, s in program.inputs.items()])
         self._names = frozenset(program.inputs)
+        self._n_names = len(self._names)
         self._tensors_of = values_at([c.name for c in self._checks])     # raw -> its tensors, in check order
-        self._fast = tuple((c.dtype, c.alike, c.rank, c.fixed, c.moving) for c in self._checks)
+        # the fast path, one function per program (with a device to match, and without one),
+        # written on its first call: a Plan only asked for shapes never pays for it
+        self._fast_on = functools.partial(_first_fast, self, True)
+        self._fast_any = functools.partial(_first_fast, self, False)
         # axis name -> [raw extent -> bucket index]; O(1) lookup on the call path.
         self._tables = {a.name: _min_bucket_table([a.cap(b) for b in self.buckets]) for a in self.axes}
         self._affine = {a.name: a.capacity for a in self.axes}
@@ -87,39 +100,25 @@ class Plan:
     # ---- validation and extents ---------------------------------------------------------
     def extents(self, raw: Mapping[str, object], device: torch.device | None = None,
                 allow_host: bool = False) -> dict[str, int]:
-        """Check raw inputs against the declaration and infer one raw extent per axis."""
-        if raw.keys() != self._names:
-            self._bad_names(raw)
-        ext = self._extents_fast(self._tensors_of(raw), device)
+        """Check raw inputs against the declaration and infer one raw extent per axis (as
+        `OnDevice` when every input is a plain tensor on `device`)."""
+        if len(raw) != self._n_names or type(raw) is not dict:     # a dict of the right size: its keys below
+            if raw.keys() != self._names:
+                self._bad_names(raw)
+        try:
+            tensors = self._tensors_of(raw)
+        except KeyError:                # a name missing: an unknown one took its place
+            if raw.keys() != self._names:
+                self._bad_names(raw)
+            raise
+        ext = (self._fast_on if device is not None else self._fast_any)(tensors, device)
         return ext if ext is not None else self._extents_each(raw, device, allow_host)
 
     def _extents_fast(self, tensors: tuple, device) -> dict[str, int] | None:
-        """The extents where every input is a plain tensor of its dtype on `device` with a shape
-        the declaration accepts; None for anything else (`_extents_each` then raises, or accepts
-        a host input or another call's output). An input declared like an earlier one only has
-        its shape compared with that one's: both accept the same shapes and give the same extents."""
-        ext: dict[str, int] = {}
-        shapes = []               # of the inputs declared like no earlier one, in order
-        for (dtype, alike, rank, fixed, moving), t in zip(self._fast, tensors):
-            if type(t) is not torch.Tensor or t.dtype is not dtype or (device is not None and t.device != device):
-                return None
-            shp = t.shape
-            if alike is not None:
-                if shp != shapes[alike]:
-                    return None
-                continue
-            shapes.append(shp)
-            if len(shp) != rank:
-                return None
-            for d, size in fixed:
-                if shp[d] != size:
-                    return None
-            for d, axis, scale, offset in moving:
-                m = shp[d] - offset
-                n = m // scale
-                if n < 0 or n * scale != m or ext.setdefault(axis, n) != n:
-                    return None
-        return ext if ext.get(self.bucket_axis, 0) >= 1 else None
+        """The extents where every input is a plain tensor of its dtype on `device` (any device
+        when None) with a shape the declaration accepts; None for anything else (`_extents_each`
+        then raises, or accepts a host input or another call's output). See `_fast_extents`."""
+        return (self._fast_on if device is not None else self._fast_any)(tensors, device)
 
     def _extents_each(self, raw: Mapping[str, object], device, allow_host: bool) -> dict[str, int]:
         """Every input checked on its own: the extents, or the error rule 2 names for the first
@@ -236,6 +235,70 @@ def _link_same_shapes(checks: list[_InputCheck]) -> tuple[_InputCheck, ...]:
         out.append(dataclasses.replace(c, alike=firsts.get(key)))
         firsts.setdefault(key, len(firsts))
     return tuple(out)
+
+
+def _first_fast(plan: Plan, on_device: bool, tensors: tuple, device) -> dict[str, int] | None:
+    """The fast path's first call: write its function, keep it on the plan, call it."""
+    fast = _fast_extents(plan._checks, plan.bucket_axis, on_device)
+    setattr(plan, "_fast_on" if on_device else "_fast_any", fast)
+    return fast(tensors, device)
+
+
+def _fast_extents(checks: tuple[_InputCheck, ...], bucket_axis: str, on_device: bool):
+    """`fast(tensors, device) -> extents or None`: the per-input checks of `_extents_each` for
+    calls that pass them, written out for this program's inputs as straight-line code (no loop,
+    no unpacking of check records: the call path's largest Python cost). An input declared like
+    an earlier one only has its shape compared with that one's: both accept the same shapes and
+    give the same extents. None for anything else, the per-input path then decides; the extents
+    come in the per-input path's key order (the first input that carries each axis), as
+    `OnDevice` where every input was checked on `device` (`on_device`)."""
+    env = {"Tensor": torch.Tensor, "OnDevice": OnDevice, "new": dict.__new__}
+    lines = ["def fast(tensors, device):"]
+    if checks:
+        lines.append(f"    {''.join(f't{i}, ' for i in range(len(checks)))}= tensors")
+    leaders = []                        # input number of each input declared like no earlier one
+    axes: dict[str, str] = {}           # axis -> the local holding its extent
+    for i, c in enumerate(checks):
+        env[f"D{i}"] = c.dtype
+        test = f"type(t{i}) is not Tensor or t{i}.dtype is not D{i}" + (f" or t{i}.device != device" if on_device else "")
+        if c.alike is not None:         # declared like an earlier input: the same shape
+            lines.append(f"    if {test} or t{i}.shape != s{leaders[c.alike]}:\n        return None")
+        else:
+            leaders.append(i)
+            lines += [f"    if {test}:\n        return None", f"    s{i} = t{i}.shape"]
+            lines += _shape_lines(f"s{i}", c, axes)
+    if bucket_axis not in axes:         # no input carries the bucketed axis: the per-input path
+        lines.append("    return None")
+    else:
+        lines.append(f"    if {axes[bucket_axis]} < 1:\n        return None")
+        if on_device:                   # every input checked on `device`: extents that say so
+            lines += ["    ext = new(OnDevice)", *(f"    ext[{a!r}] = {n}" for a, n in axes.items()), "    return ext"]
+        else:
+            lines.append("    return {" + ", ".join(f"{a!r}: {n}" for a, n in axes.items()) + "}")
+    exec("\n".join(lines), env)        # noqa: S102 (source built above from the declaration only)
+    return env["fast"]
+
+
+def _shape_lines(shp: str, c: _InputCheck, axes: dict[str, str]) -> list[str]:
+    """Lines checking shape `shp` (a local) against input `c`'s declaration, each padded dim's
+    extent into a local; `axes` (axis -> the local of its first extent) gains the new axes.
+    Sizes are validated ints (pg.Input, pg.Axis), written as int literals."""
+    lines = [f"    if len({shp}) != {c.rank}:\n        return None"]
+    lines += [f"    if {shp}[{d}] != {int(size)}:\n        return None" for d, size in c.fixed]
+    for d, axis, scale, offset in c.moving:
+        n, scale, offset = f"n_{shp}_{d}", int(scale), int(offset)
+        if scale == 1 and offset == 0:
+            lines.append(f"    {n} = {shp}[{d}]")
+        elif scale == 1:
+            lines.append(f"    {n} = {shp}[{d}] - {offset}\n    if {n} < 0:\n        return None")
+        else:                           # n with scale * n + offset == the dim, n >= 0 (rule 2.3)
+            lines.append(f"    m = {shp}[{d}] - {offset}\n    {n} = m // {scale}")
+            lines.append(f"    if {n} < 0 or {n} * {scale} != m:\n        return None")
+        if axis in axes:                # every dim on one axis gives the same extent
+            lines.append(f"    if {n} != {axes[axis]}:\n        return None")
+        else:
+            axes[axis] = n
+    return lines
 
 
 def values_at(names: list[str]):

@@ -26,6 +26,9 @@ from .plan import Plan
 from .program import Program, padded_dims
 from .state import BoundState
 
+_get_ident = threading.get_ident
+_grad_enabled = torch.is_grad_enabled
+_set_grad = torch._C._set_grad_enabled
 
 
 class Runner:
@@ -117,17 +120,19 @@ class Runner:
         past the device extent (clamped into [0, bound]) hold pads, `x.extent` returns it, and
         output lanes past it hold the output's pad. The cuda backend reads it on the device only.
         """
-        me = threading.get_ident()
+        me = _get_ident()
         if self._owner == me:
             raise ContractRuntimeError(
                 f"{where(self.program.name)}: a runner must not be called from inside its own call (its prepare "
                 f"hook or body), got a re-entrant call: the inner call would overwrite the outer call's staged "
                 f"inputs. Use a second runner, or call after the outer call returns")
-        grad = torch.is_grad_enabled()  # rule 10.5: inference only, outputs never require grad
-        with self._lock:                # rule 4.4: calls from several threads run one at a time
+        grad = _grad_enabled()          # rule 10.5: inference only, outputs never require grad
+        lock = self._lock               # rule 4.4: calls from several threads run one at a time
+        lock.acquire()                  # (acquire/release: half the cost of `with lock`)
+        try:
             self._owner = me
             if grad:
-                torch._C._set_grad_enabled(False)     # torch.no_grad() without its context-manager cost
+                _set_grad(False)        # torch.no_grad() without its context-manager cost
             pinned = self.device
             before = self.stats.compile_counts() if self._compiled else None
             try:
@@ -137,14 +142,15 @@ class Runner:
                 if before is not None:   # compiles count with the next call that returns
                     self._deferred = self.stats.defer_compiles(before, self._deferred)
                 raise
-            finally:
-                self._owner = None
-                if grad:
-                    torch._C._set_grad_enabled(True)
             if self._deferred is not None:
                 self.stats.add_compiles(self._deferred)
                 self._deferred = None
             return out
+        finally:
+            self._owner = None
+            if grad:
+                _set_grad(True)
+            lock.release()
 
     def _call(self, raw, extents) -> Outputs:
         if type(raw) is not dict and not isinstance(raw, Mapping):    # dict: the common case, no ABC check
@@ -155,28 +161,35 @@ class Runner:
         device = self.device
         if device is None or (device.index is None and device.type != "cpu"):
             device = self._resolve_device(raw, device)
+        plan = self.plan
         try:
-            ext = self.plan.extents(raw, device, self.allow_host_inputs)
+            ext = plan.extents(raw, device, self.allow_host_inputs)
         except LentInput:               # another call's output as an input: a plain alias of it
             raw = {n: unlend(t) for n, t in raw.items()}      # (raises when it is stale)
-            ext = self.plan.extents(raw, device, self.allow_host_inputs)
+            ext = plan.extents(raw, device, self.allow_host_inputs)
         dev = (self._device_extents(extents, device) or None) if extents is not None else None   # {}: none
-        self.state.check()          # first: a moved state's old range means nothing to aliasing
-        self._check_aliasing(raw)
+        if self.state.values:           # no bound state: nothing to guard, nothing to alias
+            self.state.check()          # first: a moved state's old range means nothing to aliasing
+            self._check_aliasing(raw)
         self.device = device        # only once the call is valid: a rejected call pins nothing
-        bucket = self.plan.bucket_for(ext)
+        bucket = plan.bucket_for(ext)
         if bucket is None:
             outs = self._overflow(raw, ext, dev)
             self._next_lease()      # it ran: the previous call's outputs are now stale (rule 6.2)
             return self._finish(outs, ext)
         if self._shadow is not None and self._shadow.sampled(bucket):
             outs = self._shadowed(bucket, raw, ext, dev)
+        elif dev:
+            outs = self._run_device(bucket, raw, ext, dev)
         else:
-            outs = self._run_device(bucket, raw, ext, dev) if dev else self._run(bucket, raw, ext)
-        self._next_lease()
-        self.stats.record(bucket, ext[self.plan.bucket_axis])
-        if self.cache_output_views and not self.copy_outputs:
-            return self._lend(self._finish_cached(outs, ext, bucket))
+            outs = self._run(bucket, raw, ext)
+        lease = self._lease         # _next_lease(), inline: end the last call's lease, open this call's
+        lease.alive = False
+        self._lease = lease = Lease(lease.program, lease.call + 1)
+        self.stats.record(bucket, ext[plan.bucket_axis])
+        if self.cache_output_views and not self.copy_outputs:      # the bucket's sliced views, lent
+            views = self._views.get((bucket, *ext.values())) or self._finish_cached(outs, ext, bucket)
+            return LentOutputs(views, lease)
         return self._finish(outs, ext)
 
     def _shadowed(self, bucket: int, raw, ext, dev):

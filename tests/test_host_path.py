@@ -18,6 +18,7 @@ import ctypes
 import shutil
 import subprocess
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -25,7 +26,7 @@ from hypothesis import strategies as st
 
 import padgraph as pg
 from padgraph.axes import as_affine
-from padgraph.plan import Plan
+from padgraph.plan import OnDevice, Plan
 
 # ---- Plan.extents: fast path == per-input checks ------------------------------------------------
 
@@ -142,6 +143,22 @@ def test_the_fast_path_serves_valid_calls_with_the_per_input_extents():
         plan.extents(raw)
 
 
+def test_only_extents_checked_against_a_device_say_the_inputs_live_there():
+    """`OnDevice` extents let the cuda staging skip asking each input where it lives: only the
+    fast path with a device returns them, never the per-input path (which may admit host inputs)."""
+    program = pg.Program("where", inputs={"a": pg.Input((bs,), torch.int64, pad=0), "b": pg.Input((bs, 2), torch.float32, pad=0)},
+                         outputs={"o": pg.Output((bs,), torch.float32)}, buckets=pg.Buckets([4, 8]))
+    plan = Plan(program)
+    raw = {"a": torch.arange(3), "b": torch.ones(3, 2)}
+    cpu = torch.device("cpu")
+    assert type(plan.extents(raw, cpu)) is OnDevice and plan.extents(raw, cpu) == {"bs": 3}
+    assert type(plan.extents(raw)) is dict                     # no device to check against
+    assert type(plan._extents_each(raw, cpu, False)) is dict
+    raw["b"] = torch.nn.Parameter(raw["b"], requires_grad=False)      # admitted by the per-input path only
+    assert type(plan.extents(raw, cpu)) is dict and plan.extents(raw, cpu) == {"bs": 3}
+    assert type(plan.extents(raw, torch.device("meta"), allow_host=True)) is dict
+
+
 # ---- the pinned ring: no slot rewritten while a queued copy reads it ----------------------------
 
 class FakeGPU:
@@ -238,6 +255,33 @@ def test_a_gpu_far_behind_grows_the_ring_and_a_stream_change_fences_the_open_gro
     records = gpu.records
     ring.send(ring.acquire(), 64)       # the group open on stream 0 gets its own fence on stream 0
     assert gpu.records == records + 1 and gpu.queues[0][-1][0] == "event"
+
+
+def test_the_block_stages_host_inputs_unless_the_extents_say_they_are_on_the_device(monkeypatch):
+    """CPU tensors stand for device ones here: with plain extents they are host inputs (staged into
+    the slot, read from the device block), with `OnDevice` extents the kernel reads them in place."""
+    from padgraph.backends.cuda import staging
+    monkeypatch.setattr(staging, "_pinned", lambda nbytes: torch.zeros(nbytes, dtype=torch.uint8))
+    monkeypatch.setattr(staging, "copier", lambda device, prefer="cudart": FakeGPU())
+    program = pg.Program("staged", inputs={"a": pg.Input((bs,), torch.int64, pad=0), "b": pg.Input((bs, 2), torch.float32, pad=0)},
+                         outputs={"o": pg.Output((bs,), torch.float32)}, buckets=pg.Buckets([4, 8]))
+    plan = Plan(program)
+    block = staging.CallBlock(plan, torch.device("cpu"), ["a", "b"])
+    raw = {"a": torch.arange(5), "b": torch.arange(10.).view(5, 2)}
+    for ext, in_place in [({"bs": 5}, False), (plan.extents(raw, torch.device("cpu")), True), ({"bs": 5}, False)]:
+        slot = block.ring.slots[block.ring._turn]
+        block.send(raw, ext)
+        srcs = slot.raw[:16].view(np.int64).tolist()
+        bounds = slot.raw[block.ext_off: block.ext_off + 8].view(np.int32).tolist()
+        if in_place:
+            assert srcs == [raw["a"].data_ptr(), raw["b"].data_ptr()]
+        else:
+            assert srcs == [block._dev_base + block.staging[n] for n in "ab"]
+            for n in "ab":
+                off = block.staging[n]
+                nbytes = raw[n].numel() * raw[n].element_size()
+                assert slot.raw[off: off + nbytes].tobytes() == raw[n].numpy().tobytes()
+        assert bounds == [5, 5]
 
 
 # ---- RuntimeCopier against a stand-in runtime ---------------------------------------------------

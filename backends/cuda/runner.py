@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from dataclasses import dataclass
-from typing import Any, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -33,6 +33,26 @@ class _Bucket:
     graph: torch.cuda.CUDAGraph
     view: PaddedView
     outputs: Mapping[str, torch.Tensor]
+    replay: Callable[[], None] = field(init=False)      # graph.replay, bound once
+
+    def __post_init__(self):
+        self.replay = _replay_of(self.graph)
+
+
+def _replay_of(graph) -> Callable[[], None]:
+    """graph.replay, bound once. Where torch's Python `replay` does nothing but check an
+    input-liveness tracker that is off (it runs only after `capture_begin(check_input_liveness=True)`,
+    which padgraph never passes) before the C++ replay, that C++ replay: one frame less a call."""
+    base = getattr(torch._C, "_CUDAGraph", None)
+    wrapper = getattr(type(graph).replay, "__code__", None)
+    if (base is not None and isinstance(graph, base) and getattr(graph, "_tracker", None) is None
+            and wrapper is not None and set(wrapper.co_names) <= _TRACKER_ONLY):
+        return base.replay.__get__(graph)
+    return graph.replay
+
+
+# every name torch's CUDAGraph.replay reads when it only checks the tracker, then replays
+_TRACKER_ONLY = frozenset({"_tracker", "check_alive", "pool", "super", "replay"})
 
 
 def _no_hook(x) -> None:
@@ -195,8 +215,8 @@ class CudaGraphRunner(Runner):
         g = self._graphs[bucket]
         self.pack.per_call(bucket, raw, ext, dev)
         self._hook(g.view)
-        self._end_lease()           # the replay rewrites the outputs lent so far
-        g.graph.replay()
+        self._lease.alive = False   # _end_lease(): the replay rewrites the outputs lent so far
+        g.replay()
         return g.outputs
 
     def _run_device(self, bucket, raw, ext, dev):

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from padgraph import pack as P
-from padgraph.plan import Plan, values_at
+from padgraph.plan import OnDevice, Plan, values_at
 from padgraph.program import padded_dims
 
 from ..triton import pack as tpack
@@ -79,11 +79,12 @@ class _Slot:
     """One pinned copy of the per-call block; `seq`: the call whose copy last read it (0: none);
     `send(nbytes)`: queue the copy of its first bytes into the device block (bound once)."""
 
-    __slots__ = ("host", "raw", "seq", "send")
+    __slots__ = ("host", "raw", "bytes", "seq", "send")
 
     def __init__(self, nbytes: int, device_buf: torch.Tensor, copier):
         self.host = _pinned(nbytes)
-        self.raw = self.host.numpy()              # the block's bytes, written by CallBlock._write
+        self.raw = self.host.numpy()              # the block's bytes: host inputs staged into them
+        self.bytes = memoryview(self.raw)         # the same, for CallBlock._write (packs faster)
         self.seq = 0
         self.send = copier.bind(device_buf, self.host)
 
@@ -131,13 +132,12 @@ class _Ring:
     def send(self, slot: _Slot, nbytes: int) -> None:
         """Queue the copy of the slot's first `nbytes`; fence the open group when it is full."""
         stream = slot.send(nbytes)
-        if self._open is not None and stream != self._open:
+        if stream != self._open and self._open is not None:
             self._fence()                           # the open group's copies are on another stream
-        self._seq += 1
-        slot.seq = self._seq
+        slot.seq = self._seq = self._seq + 1
         self._open = stream
-        self._n_open += 1
-        if self._n_open >= self.batch:
+        self._n_open = n_open = self._n_open + 1
+        if n_open >= self.batch:
             self._fence()
 
     def _fence(self) -> None:
@@ -202,19 +202,24 @@ class CallBlock:
 
     # ---- one call -------------------------------------------------------------------------------
     def send(self, raw, ext) -> None:
-        """Write srcs, extents and host inputs into a free slot; one async copy to the device."""
+        """Write srcs, extents and host inputs into a free slot; one async copy to the device.
+        Extents given as `OnDevice` (validation saw every input on the device) spare asking each
+        input where it lives."""
         slot = self.ring.acquire()
-        self.keep = []            # this call's dense copies of strided device inputs (see below)
+        if self.keep:
+            self.keep = []        # this call's dense copies of strided device inputs (see below)
         jobs = self._jobs_of(raw)                 # the kernel jobs' tensors, in job order
-        # validation admits inputs on the runner's device or (host inputs) the CPU only
-        if any(map(_IS_CPU, jobs)) or not all(map(_CONTIGUOUS, jobs)) \
-                or (self.others and any(map(_IS_CPU, self._others_of(raw)))):
+        if (type(ext) is not OnDevice and self._on_host(raw, jobs)) or not all(map(_CONTIGUOUS, jobs)):
             srcs, used = self._sources(slot, raw)
         else:                     # every input dense on the device: the kernel reads it in place
             srcs, used = map(_DATA_PTR, jobs), self.header
         bounds = self._bounds_of(ext)
-        self._write(slot.raw, 0, *srcs, *bounds, *bounds)   # device extents default to the host ones
+        self._write(slot.bytes, 0, *srcs, *bounds, *bounds)   # device extents default to the host ones
         self.ring.send(slot, used)
+
+    def _on_host(self, raw, jobs) -> bool:
+        """Whether an input is on the host (validation admits the runner's device or the CPU only)."""
+        return any(map(_IS_CPU, jobs)) or bool(self.others and any(map(_IS_CPU, self._others_of(raw))))
 
     def _sources(self, slot: _Slot, raw) -> tuple[list[int], int]:
         """Each job's source address, host inputs staged into the slot; and the bytes to copy."""
@@ -303,7 +308,10 @@ class Pack:
         # torch ops write the extents the body reads (x.extent).
         launch = self._launch if self.block.n_jobs else (lambda bucket: self.block.effective())
         self.in_graph = launch if strategy == "in-graph" else _nothing
-        self._after_send = launch if strategy != "in-graph" else _nothing
+        self._launch_after_send = launch if strategy != "in-graph" else _nothing
+        # what a call runs after the copy, outside the graph: nothing where the graph does it all
+        eager = strategy != "in-graph" or any(self.torch_entries.values())
+        self._after_send = self._eager_pack if eager else _nothing_after
         # device extents without a host sync: the kernel clamps them; torch ops would need the value
         device_axes = {a.name for a in plan.axes if a.device_extent}
         nd_axes = {af.axis.name for e in last.entries if e.name not in kernel
@@ -333,7 +341,12 @@ class Pack:
         self.block.send(raw, ext)
         if dev:
             self.block.send_device_extents(dev)
-        self._after_send(bucket)
+        self._after_send(bucket, raw, ext)
+
+    def _eager_pack(self, bucket: int, raw, ext) -> None:
+        """After the copy, outside the graph: the kernel (eager, torch strategies) and torch ops
+        for the inputs the kernel does not pack."""
+        self._launch_after_send(bucket)
         torch_entries = self.torch_entries[bucket]
         if torch_entries:
             views = self.static.views(bucket)
@@ -348,4 +361,8 @@ class Pack:
 
 
 def _nothing(bucket: int) -> None:
+    return None
+
+
+def _nothing_after(bucket: int, raw, ext) -> None:
     return None
