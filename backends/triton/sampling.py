@@ -119,7 +119,10 @@ def random_bits(seed, position, purpose, index=0) -> torch.Tensor:
     seed = torch.as_tensor(seed, dtype=torch.int64)
     h = _mix64(seed + GAMMA)
     for word in (position, purpose, index):
-        h = _mix64((h ^ torch.as_tensor(word, dtype=torch.int64, device=h.device)) + GAMMA)
+        # a Python int goes in as a scalar operand: a tensor of it would be a host-to-device copy
+        # (refused inside CUDA graph capture)
+        w = word.to(h.device, torch.int64) if isinstance(word, torch.Tensor) else _i64(int(word))
+        h = _mix64((h ^ w) + GAMMA)
     return h
 
 
