@@ -74,7 +74,7 @@ OPTIONS = {"splits": "down_splits", "warps": "num_warps", "bn": "block_n", "half
            "tcbn": "tc_block_n", "tchalf": "tc_half_n", "tcffn": "tc_ffn_n", "tck": "tc_block_k",
            "tcprojk": "tc_proj_block_k", "tcstages": "tc_stages", "tcwarps": "tc_warps",
            "tailv": "tail_block_v"}
-FLAGS = {"pdl": {"pdl": True}, "reduce": {"fold_max_m": 0}, "rows": {"tc_min_rows": fd.MAX_M + 1},
+FLAGS = {"pdl": {"pdl": True, "tc_pdl": True}, "reduce": {"fold_max_m": 0}, "rows": {"tc_min_rows": fd.MAX_M + 1},
          "tc": {"tc_min_rows": 1}, "logits": {}}
 NEAR_TIE = 0.05         # a differing token with the current path's top-2 gap under it is a tie
 

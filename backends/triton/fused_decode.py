@@ -87,6 +87,10 @@ class FusedDecodePolicy:
     """How the fused kernels launch (defaults: no register spills at the 1B shape, sm_90).
     pdl: programmatic dependent launch where the GPU and Triton have it (sm_90+, Triton >= 3.4),
     else plain launches; `PADGRAPH_PDL=0` in the environment turns it off everywhere.
+    tc_pdl: PDL for the tensor-core kernels of steps of tc_min_rows rows or more too (with pdl);
+    off by default: on an H100 at the 1B shape those steps ran 5 % slower with it (1730 against
+    1648 µs at 4 rows, 1845 against 1765 at 16), where one-row steps ran 3 % faster (1204
+    against 1248 µs; results/fused_decode.md).
     max_rows: the most decode rows the fused path takes (`takes`; at most MAX_M).
     tc_min_rows: from this many rows up, the tensor-core kernels run (`decode_layer_tc`); below
     it, the one-row kernels (`decode_layer`).
@@ -115,6 +119,7 @@ class FusedDecodePolicy:
     read the same weight bytes with ~16x2 flops a weight on the tensor cores, so they are
     expected to stay near the weight-streaming floor up to MAX_M rows: max_rows covers them."""
     pdl: bool = True
+    tc_pdl: bool = False
     max_rows: int = 16
     tc_min_rows: int = 2
     down_splits: int = 4
@@ -161,11 +166,12 @@ def _launch(policy: FusedDecodePolicy, device: torch.device) -> dict:
                 **({"launch_pdl": True} if pdl else {}))
 
 
-def launch_tc(policy: FusedDecodePolicy, device: torch.device) -> dict:
+def launch_tc(policy: FusedDecodePolicy, device: torch.device, one_row: bool = False) -> dict:
     """The launch options of a tensor-core kernel call (the K loop's BK, stages, warps, PDL, and
     F32: the dot's operands upcast on the CPU interpreter, whose `tl.dot` reads bf16 storage as
     integers; exact there, since a bf16 / fp16 product fits fp32). Refuses a policy the kernels
-    cannot compile."""
+    cannot compile. one_row: a step below tc_min_rows (the tail's lm_head), PDL as `pdl` says;
+    otherwise only with `tc_pdl` too."""
     for field in ("tc_block_n", "tc_ffn_n", "tc_block_k", "tc_proj_block_k", "tail_block_v"):
         if not (_pow2(getattr(policy, field)) and getattr(policy, field) >= 16):
             _refuse(field, getattr(policy, field), "a power of two >= 16 (a tl.dot side)")
@@ -174,7 +180,7 @@ def launch_tc(policy: FusedDecodePolicy, device: torch.device) -> dict:
             _refuse(field, getattr(policy, field), "a power of two")
     if policy.tc_stages < 1:
         _refuse("tc_stages", policy.tc_stages, ">= 1")
-    pdl = _pdl_on(policy, device)
+    pdl = _pdl_on(policy, device) and (one_row or policy.tc_pdl)
     return dict(PDL=pdl, F32=device.type == "cpu", BK=policy.tc_block_k,
                 num_warps=policy.tc_warps, num_stages=policy.tc_stages,
                 **({"launch_pdl": True} if pdl else {}))

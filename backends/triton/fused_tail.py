@@ -170,7 +170,7 @@ def lm_head_tail(x, ssq, norm_w, eps: float, weight, *, logits: bool,
                                           "top-2 gap)", v))
     if not kernel:
         return lm_head_tail_reference(x, norm_w, eps, weight, logits=logits)
-    opts = fd.launch_tc(policy, x.device)
+    opts = fd.launch_tc(policy, x.device, one_row=m < policy.tc_min_rows)
     block_v = policy.tail_block_v
     c = triton.cdiv(v, block_v)
     hidden = torch.empty(m, h, dtype=x.dtype, device=x.device)
