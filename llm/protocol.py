@@ -7,6 +7,14 @@ Optional on a target: `forward_verify_hidden(input_ids, positions, batch) -> hid
 `new_cache(n_layers, n_slots, max_context, n_req_rows)` returning its own cache (an object with
 `req_to_token` and `state()`, the bound tensors by state name); without it the worker allocates
 K/V pools of `cfg` (`n_kv_heads`, `head_dim`).
+
+A target with recurrent layers (`padgraph.llm.models.hybrid`) adds
+`new_hybrid_cache(n_slots, max_context, n_req_rows, tree_nodes)`: its K/V and recurrent pools
+(sink row 0, a request's recurrent row its request row) and room for the state after each of a
+verify's `tree_nodes` nodes a request; and `commit_tree(batch, last_node)`, which the verify body
+calls with each request's accepted path's last node [bs] so its row holds the state after the
+accepted tokens (on the device, no sync). `forward_decode_greedy(input_ids, positions, batch) ->
+(ids, top-2 gap, hidden)` is taken by greedy-only decode programs where present.
 """
 from __future__ import annotations
 
