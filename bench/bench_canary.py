@@ -26,10 +26,8 @@ import statistics
 import torch
 
 import padgraph as pg
-from bench.bench_runner import MAX_BS, MAX_CTX, Step, canary_program, decode_program, make_batch, next_tokens
+from bench.bench_runner import build_step, canary_program, decode_program, make_batch, next_tokens
 from bench.common import env_info, out_dir
-from padgraph.llm.kv import KVCache
-from padgraph.llm.models.llama import LlamaConfig, LlamaModel
 
 
 def block_us(fn, raw: dict, n: int) -> float:
@@ -63,14 +61,8 @@ def main() -> None:
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     device = torch.device("cuda")
-    torch.manual_seed(0)
-    cfg = LlamaConfig.tiny() if args.tiny else LlamaConfig.llama_1b()
-    model = LlamaModel(cfg).to(device, torch.bfloat16).eval()
-    kv = KVCache(cfg.n_layers, MAX_BS * MAX_CTX + 2, cfg.n_kv_heads, cfg.head_dim, MAX_CTX, MAX_BS + 2,
-                 torch.bfloat16, device)
-    for t in kv.k + kv.v:
-        t.normal_()                                     # never time on zeros
-    step, program = Step(model, kv), decode_program()
+    cfg, model, kv, step = build_step(args.tiny, device)
+    program = decode_program()
     gen = torch.Generator().manual_seed(0)
     rows = []
     with torch.inference_mode():

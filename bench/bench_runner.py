@@ -211,6 +211,20 @@ def build_variants(names, step, program, device, pg_compile=True):
     return variants, setup
 
 
+def build_step(tiny: bool, device) -> tuple:
+    """(cfg, model, kv, step): the bf16 Llama-1B-shaped model (tiny: `LlamaConfig.tiny`), seed 0,
+    and its cache filled with random values (never time on zeros): slot 0 / row 0 sinks, then the
+    requests' slots and rows, then one spare (padgraph+canary's)."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig.tiny() if tiny else LlamaConfig.llama_1b()
+    model = LlamaModel(cfg).to(device, torch.bfloat16).eval()
+    kv = KVCache(cfg.n_layers, MAX_BS * MAX_CTX + 2, cfg.n_kv_heads, cfg.head_dim, MAX_CTX, MAX_BS + 2,
+                 torch.bfloat16, device)
+    for t in kv.k + kv.v:
+        t.normal_()
+    return cfg, model, kv, Step(model, kv)
+
+
 def static_addresses(kv: KVCache) -> None:
     """Tell dynamo the cache tensors never move, as HF's StaticCache does for its layers.
 
@@ -240,16 +254,8 @@ def main() -> None:
     if args.profile is not None and args.profile not in names:
         ap.error(f"--profile {args.profile!r} must be one of --variants {names}")
     device = torch.device("cuda")
-    torch.manual_seed(0)
-    cfg = LlamaConfig.tiny() if args.tiny else LlamaConfig.llama_1b()
-    model = LlamaModel(cfg).to(device, torch.bfloat16).eval()
-    # slot 0 / row 0 sinks, then the requests' slots and rows, then one spare (padgraph+canary's)
-    kv = KVCache(cfg.n_layers, MAX_BS * MAX_CTX + 2, cfg.n_kv_heads, cfg.head_dim, MAX_CTX, MAX_BS + 2,
-                 torch.bfloat16, device)
-    for t in kv.k + kv.v:
-        t.normal_()                                     # never time on zeros
+    cfg, model, kv, step = build_step(args.tiny, device)
     static_addresses(kv)                                # as torch.compile users set a cache up
-    step = Step(model, kv)
     program = decode_program()
     bw = copy_bandwidth(device)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())   # all, stored

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
+import torch
 from torch import Tensor
 
 from .batch import Batch
@@ -67,6 +68,20 @@ def last_tokens(qo_indptr: Tensor) -> Tensor:
     """[bs] int64 row of each request's last token in a packed extend (a request without
     tokens, a padded one, gives the row before its start, clamped to 0)."""
     return (qo_indptr[1:] - 1).clamp_min(0).long()
+
+
+def dense_forward(model, input_ids: Tensor, last_only: bool = False):
+    """A target's cacheless forward, the oracle its paged forwards are checked against:
+    [B, T] tokens -> (logits [B, T, V] fp32, or [B, V] of the last position with last_only;
+    hidden [B, T, H]). Needs the model's `embed`, `layers` (each with
+    `forward_dense(x, positions, rope)`), `rope`, `norm` and `logits`."""
+    B, T = input_ids.shape
+    positions = torch.arange(T, device=input_ids.device).expand(B, T)
+    x = model.embed(input_ids)
+    for layer in model.layers:
+        x = layer.forward_dense(x, positions, model.rope)
+    hidden = model.norm(x)
+    return model.logits(hidden[:, -1] if last_only else hidden), hidden
 
 
 class PagedForwards:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..batch import Batch
-from ..paged import AttnPlan, PagedForwards
+from ..paged import AttnPlan, PagedForwards, dense_forward
 from .llama import MLP, RMSNorm, Rotary, init_weights
 
 
@@ -353,10 +353,4 @@ class DeepSeekModel(PagedForwards, nn.Module):
     def forward_dense(self, input_ids: Tensor, last_only: bool = False):
         """[B, T] → (logits [B, T, V] (or [B, V] with last_only), hidden [B, T, hidden]),
         non-absorbed MLA, no cache."""
-        B, T = input_ids.shape
-        positions = torch.arange(T, device=input_ids.device).expand(B, T)
-        x = self.embed(input_ids)
-        for layer in self.layers:
-            x = layer.forward_dense(x, positions, self.rope)
-        hidden = self.norm(x)
-        return self.logits(hidden[:, -1] if last_only else hidden), hidden
+        return dense_forward(self, input_ids, last_only)

@@ -64,7 +64,7 @@ from padgraph.backends.triton.ssm import ssm_chunked_scan, ssm_decode_update
 
 from ..batch import Batch
 from ..kv import KVCache
-from ..paged import AttnPlan, PagedForwards, decode_batch, extend_batch, tree_batch
+from ..paged import AttnPlan, PagedForwards, decode_batch, dense_forward, extend_batch, tree_batch
 from .llama import MLP, DecoderLayer, RMSNorm, Rotary
 
 LAYER_KINDS = ("A", "M")    # attention, Mamba2
@@ -441,13 +441,7 @@ class HybridModel(PagedForwards, nn.Module):
         """[B, T] -> (logits [B, T, V] fp32, hidden [B, T, H]) from zero state: plain causal
         attention and the recurrence token by token, no cache. last_only: logits [B, V] of the
         last position."""
-        B, T = input_ids.shape
-        positions = torch.arange(T, device=input_ids.device).expand(B, T)
-        x = self.embed(input_ids)
-        for layer in self.layers:
-            x = layer.forward_dense(x, positions, self.rope)
-        hidden = self.norm(x)
-        return self.logits(hidden[:, -1] if last_only else hidden), hidden
+        return dense_forward(self, input_ids, last_only)
 
 
 def _with(attn: AttnPlan, recurrent: RecurrentPlan) -> HybridPlan:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..batch import Batch
-from ..paged import (AttendFn, AttnPlan, PagedForwards, decode_batch, extend_batch, last_tokens,  # noqa: F401
+from ..paged import (AttendFn, AttnPlan, PagedForwards, decode_batch, dense_forward, extend_batch, last_tokens,  # noqa: F401
                      store_kv, tree_batch)
 
 
@@ -241,10 +241,4 @@ class LlamaModel(PagedForwards, nn.Module):
         last_only: logits of the last position only ([B, V]); the lm_head is most of a small
         model's FLOPs, so greedy generation without a cache should not pay it at every position.
         """
-        B, T = input_ids.shape
-        positions = torch.arange(T, device=input_ids.device).expand(B, T)
-        x = self.embed(input_ids)
-        for layer in self.layers:
-            x = layer.forward_dense(x, positions, self.rope)
-        hidden = self.norm(x)
-        return self.logits(hidden[:, -1] if last_only else hidden), hidden
+        return dense_forward(self, input_ids, last_only)
