@@ -187,6 +187,9 @@ class FakeGPU:
             return self.stream
         return send
 
+    def current_stream(self):
+        return self.stream
+
     def record(self, event, stream):
         self.records += 1
         self.pending[event] = self.pending.get(event, 0) + 1
@@ -284,6 +287,46 @@ def test_the_block_stages_host_inputs_unless_the_extents_say_they_are_on_the_dev
         assert bounds == [5, 5]
 
 
+def test_the_block_is_sent_again_only_when_sources_bounds_or_stream_change(monkeypatch):
+    """Device inputs at the addresses, bounds and stream of the last send: the device block already
+    holds them, so no copy is queued. Anything else (a new address, a new bound, another stream, a
+    host input, a device extent written after the send) sends it again."""
+    from padgraph.backends.cuda import staging
+    gpu = FakeGPU()
+    monkeypatch.setattr(staging, "_pinned", lambda nbytes: torch.zeros(nbytes, dtype=torch.uint8))
+    monkeypatch.setattr(staging, "copier", lambda device, prefer="cudart": gpu)
+    program = pg.Program("memo", inputs={"a": pg.Input((bs,), torch.int64, pad=0), "b": pg.Input((bs, 2), torch.float32, pad=0)},
+                         outputs={"o": pg.Output((bs,), torch.float32)}, buckets=pg.Buckets([4, 8]))
+    plan = Plan(program)
+    block = staging.CallBlock(plan, torch.device("cpu"), ["a", "b"])
+    raw = {"a": torch.arange(5), "b": torch.arange(10.).view(5, 2)}
+    on_device = plan.extents(raw, torch.device("cpu"))          # OnDevice: CPU tensors stand for device ones
+    other = {"a": raw["a"].clone(), "b": raw["b"]}
+    shorter = {"a": raw["a"][:3], "b": raw["b"][:3]}
+
+    def copies(raw, ext, dev=None):
+        before = gpu.copies
+        block.send(raw, ext)
+        if dev is not None:
+            block.send_device_extents(dev)
+        return gpu.copies - before
+
+    assert copies(raw, on_device) == 1
+    assert copies(raw, on_device) == 0 and copies(raw, on_device) == 0
+    assert copies(other, plan.extents(other, torch.device("cpu"))) == 1        # a new address
+    assert copies(raw, on_device) == 1
+    assert copies(shorter, plan.extents(shorter, torch.device("cpu"))) == 1    # a new bound (same addresses)
+    assert copies(raw, on_device) == 1
+    gpu.stream = 1
+    assert copies(raw, on_device) == 1 and copies(raw, on_device) == 0          # another stream
+    assert copies(raw, {"bs": 5}) == 1                                          # host inputs: staged
+    assert copies(raw, on_device) == 1
+    assert copies(raw, on_device, dev={}) == 0                                  # device extents written ...
+    assert copies(raw, on_device) == 1                                          # ... so the next call sends
+    slot = block.ring.slots[(block.ring._turn - 1) % len(block.ring.slots)]
+    assert slot.raw[:16].view(np.int64).tolist() == [raw["a"].data_ptr(), raw["b"].data_ptr()]
+
+
 # ---- RuntimeCopier against a stand-in runtime ---------------------------------------------------
 
 FAKE_CUDART = r"""
@@ -344,6 +387,33 @@ def test_the_untyped_runtime_calls_pass_every_argument_at_full_width(fake_runtim
     ctypes.c_int.in_dll(c, "memcpy_status").value = 700
     with pytest.raises(RuntimeError, match="cudaMemcpyAsync failed: an illegal memory access"):
         send(8)
+
+
+@pytest.mark.cuda
+def test_a_call_that_sends_no_copy_reads_its_inputs_current_values():
+    """The same input tensors call after call (no copy of the block): each replay reads what the
+    tensors hold now, through bucket changes, device extents and another stream."""
+    n = pg.Axis("n")
+    program = pg.Program("memo_gpu", inputs={"a": pg.Input((n,), torch.int64, pad=0),
+                                             "b": pg.Input((n, 2), torch.float32, pad=0)},
+                         outputs={"o": pg.Output((n,), torch.float32, pad=0)}, buckets=pg.Buckets([4, 8]))
+    runner = pg.compile(program, lambda x: {"o": x.a.float() + x.b.sum(-1)}, backend="cuda")
+    a, b = torch.arange(7, device="cuda"), torch.ones(7, 2, device="cuda")
+    for i in range(4):
+        a.add_(1)
+        b.mul_(2)
+        k = 7 if i % 2 == 0 else 3
+        out = runner(a=a[:k], b=b[:k]).o
+        assert torch.equal(out, a[:k].float() + b[:k].sum(-1))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        a.add_(5)
+        out = runner(a=a, b=b).o.clone()
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(out, a.float() + b.sum(-1))
+    a.add_(1)
+    assert torch.equal(runner(a=a, b=b).o, a.float() + b.sum(-1))
 
 
 # ---- on a GPU: the fast path writes the per-input path's block ----------------------------------

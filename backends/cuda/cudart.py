@@ -96,6 +96,10 @@ class RuntimeCopier:
 
         return send
 
+    def current_stream(self) -> int:
+        """The raw handle of the stream a `send` now would queue on."""
+        return torch._C._cuda_getCurrentRawStream(self.index)
+
     def record(self, event, stream: int) -> None:
         """Record `event` on `stream` (a raw handle `send` returned)."""
         self._check(self.lib.cudaEventRecord(event, stream), "cudaEventRecord")
@@ -148,6 +152,9 @@ class TorchCopier:
 
         views: dict[int, tuple] = {}
         return send
+
+    def current_stream(self) -> int:
+        return torch._C._cuda_getCurrentRawStream(self.index)
 
     def record(self, event, stream: int) -> None:
         torch._C._CudaEventBase.record(event, self._streams[stream])

@@ -194,6 +194,11 @@ class CallBlock:
         self._dev_base = self.device_buf.data_ptr()
         self._jobs_of, self._others_of = values_at(jobs), values_at(self.others)
         self._bounds_of = values_at(self.axes)
+        # (sources, bounds, stream) of the block on the device when it was sent from device inputs
+        # alone (no host input staged, no device extent written after it): a call with the same
+        # three finds the block it needs in place, and queues no copy. The graph reads the block
+        # on that stream, after that copy; `all_pad` and device extents, which write it, forget it.
+        self.sent = None
 
     @property
     def slots(self) -> list[_Slot]:
@@ -205,15 +210,21 @@ class CallBlock:
         """Write srcs, extents and host inputs into a free slot; one async copy to the device.
         Extents given as `OnDevice` (validation saw every input on the device) spare asking each
         input where it lives."""
-        slot = self.ring.acquire()
         if self.keep:
             self.keep = []        # this call's dense copies of strided device inputs (see below)
         jobs = self._jobs_of(raw)                 # the kernel jobs' tensors, in job order
+        bounds = self._bounds_of(ext)
         if (type(ext) is not OnDevice and self._on_host(raw, jobs)) or not all(map(_CONTIGUOUS, jobs)):
+            self.sent = None
+            slot = self.ring.acquire()
             srcs, used = self._sources(slot, raw)
         else:                     # every input dense on the device: the kernel reads it in place
-            srcs, used = map(_DATA_PTR, jobs), self.header
-        bounds = self._bounds_of(ext)
+            sent = (tuple(map(_DATA_PTR, jobs)), bounds, self.copier.current_stream())
+            if sent == self.sent:
+                return            # the device block already holds these bytes, sent on this stream
+            self.sent = sent
+            slot = self.ring.acquire()
+            srcs, used = sent[0], self.header
         self._write(slot.bytes, 0, *srcs, *bounds, *bounds)   # device extents default to the host ones
         self.ring.send(slot, used)
 
@@ -240,6 +251,7 @@ class CallBlock:
 
     def send_device_extents(self, dev) -> None:
         """After send: each device extent (0-d int32 on the device) into its slot, device to device."""
+        self.sent = None          # the block on the device now differs from the one sent
         for axis, t in dev.items():
             self.copier.copy_d2d(self.device_dev[self._axis_index[axis]], t)
 
@@ -327,6 +339,7 @@ class Pack:
         views = self.static.views(bucket)
         for e in self.plan.pack_table(bucket).entries:
             P.all_pad(e, views[e.name])
+        self.block.sent = None
         self.block.device_ext.zero_()
         self.block.device_dev.zero_()
         self.block.eff.zero_()
