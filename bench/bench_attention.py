@@ -53,7 +53,8 @@ from padgraph.backends.triton.attention import (  # noqa: E402
     decode_attention, decode_attention_reference, extend_attention, extend_attention_reference,
     tree_verify_attention, tree_verify_attention_reference)
 from padgraph.backends.triton.attention_decode import (  # noqa: E402
-    choose_fold, choose_num_splits, sm_count, split_kv_attention)
+    SplitPolicy, choose_fold, choose_num_splits, sm_count, split_kv_attention)
+from padgraph.backends.triton.attention_meta import PagedMeta  # noqa: E402
 
 from bench.attention_config import *  # noqa: E402,F401,F403 (the shapes and sweeps of this benchmark)
 
@@ -122,8 +123,9 @@ class PagedCase:
             return lambda: extend_attention(*args, self.qo_indptr, impl=self.impl)
         if self.kind == "verify":
             return lambda: tree_verify_attention(*args, self.tree, impl=self.impl)
-        if knobs:
-            return lambda: split_kv_attention(*args, None, 1, HEAD_DIM ** -0.5, **knobs)
+        if knobs:  # `SplitPolicy` fields: the decode launcher under that policy
+            meta, policy = PagedMeta.decode(*args[3:]), SplitPolicy(**knobs)
+            return lambda: split_kv_attention(*args[:3], meta, HEAD_DIM ** -0.5, policy)
         return lambda: decode_attention(*args, impl=self.impl)
 
     def reference(self, pick):

@@ -42,8 +42,9 @@ from bench.bench_attention import (bench_us, best_sdpa_backend, copy_bandwidth, 
                              random_tree_masks, rel_err)
 from padgraph.backends.triton.attention_mla import (  # noqa: E402
     mla_decode_attention, mla_extend_attention, mla_sm_scale, mla_tree_verify_attention)
+from padgraph.backends.triton.attention_meta import PagedMeta  # noqa: E402
 from padgraph.backends.triton.attention_mla_decode import (  # noqa: E402
-    CAUSAL, DECODE, TREE, mla_paged_attention, plan_mla)
+    MlaPolicy, MlaShape, mla_paged_attention, plan_mla)
 
 KV_LORA_RANK, ROPE, NOPE = 512, 64, 128
 SM_SCALE = mla_sm_scale(NOPE, ROPE)
@@ -116,15 +117,27 @@ class LatentCase:
     def paged(self):
         return (self.q, self.latent, self.req_to_token, self.rows, self.seq_lens)
 
+    def meta(self) -> PagedMeta:
+        """The case's paged metadata (decode, tree verify or causal extend)."""
+        paged = (self.req_to_token, self.rows, self.seq_lens)
+        if self.kind == "verify":
+            return PagedMeta.tree(*paged, self.tree)
+        if self.kind == "extend":
+            return PagedMeta.causal(*paged, self.qo_indptr)
+        return PagedMeta.decode(*paged)
+
+    def shape(self) -> MlaShape:
+        """What `plan_mla` decides the case's launch from."""
+        return MlaShape.of(self.q, self.meta(), self.r)
+
     def ours(self, impl=None, **knobs):
+        """The public function of the case's kind, or with `knobs` (`MlaPolicy` fields) the
+        kernel launcher under that policy."""
         args, impl = self.paged(), impl or self.impl
         if knobs:
-            mode = dict(decode=DECODE, verify=TREE, extend=CAUSAL)[self.kind]
-            if self.kind == "verify":
-                knobs.update(num_q=self.n_q, tree_mask=self.tree)
-            elif self.kind == "extend":
-                knobs.update(qo_indptr=self.qo_indptr)
-            return lambda: mla_paged_attention(*args, self.r, SM_SCALE, mode, **knobs)
+            meta, policy = self.meta(), MlaPolicy(**knobs)
+            return lambda: mla_paged_attention(self.q, self.latent, meta, self.r, SM_SCALE,
+                                               policy)
         if self.kind == "extend":
             return lambda: mla_extend_attention(*args, self.qo_indptr, self.r, SM_SCALE,
                                                 impl=impl)
@@ -157,7 +170,7 @@ def best_sdpa(case, ref):
 
 
 def time_case(spec: LatentSpec, copy_bw, gen, device, impl, keys_major=False) -> dict:
-    bs, ctx, n_heads, kind = spec.bs, spec.ctx, spec.n_heads, spec.kind
+    bs, ctx, kind = spec.bs, spec.ctx, spec.kind
     case = LatentCase(spec, gen, device, impl=impl)
     out = case.ours()()
     pick = sorted({0, bs - 1})
@@ -165,14 +178,12 @@ def time_case(spec: LatentSpec, copy_bw, gen, device, impl, keys_major=False) ->
     ref = case.ours(impl="torch")()  # the absorbed torch path (the tests check it vs non-absorbed)
     err = rel_err(out[rows], ref[rows])
     sdpa_fn, backend = best_sdpa(case, out)
-    mode = dict(decode=DECODE, verify=TREE, extend=CAUSAL)[kind]
-    plan = plan_mla(case.q.shape[0], n_heads, case.width, bs, ctx, case.r, mode, case.n_q,
-                    device)  # what the policy launches (splits from shapes only)
-    row = dict(kind=kind, bs=bs, ctx=ctx, splits=plan["num_splits"], row_blocks=plan["n_blocks"],
-               fold=plan["num_splits"] == 1 or plan["fold"],
-               kernel="keys" if plan["keys_major"] else "rows",
-               tile="{BLOCK_N}/{num_stages}/{num_warps}".format(**plan["blocks"])
-               + (" split" if plan["blocks"].get("SPLIT_C") else ""),
+    plan = plan_mla(case.shape())  # what the policy launches (splits from shapes only)
+    row = dict(kind=kind, bs=bs, ctx=ctx, splits=plan.num_splits, row_blocks=plan.n_blocks,
+               fold=plan.num_splits == 1 or plan.fold,
+               kernel="keys" if plan.keys_major else "rows",
+               tile="{BLOCK_N}/{num_stages}/{num_warps}".format(**plan.blocks)
+               + (" split" if plan.blocks.get("SPLIT_C") else ""),
                err=err, ok=err < 1e-2, sdpa_backend=backend)
     row["us"] = bench_us(graph_of(case.ours()))
     row["sdpa_us"] = bench_us(graph_of(sdpa_fn)) if sdpa_fn is not None else None
@@ -198,7 +209,7 @@ def sweep_case(bs, ctx, n_heads, gen, device, tiles, widths, aheads=(1,)) -> dic
     contexts <= 1024) x fold (x how many tiles ahead the slot indices load: `aheads`), graph µs."""
     case = LatentCase(LatentSpec(bs, ctx, n_heads, "decode", *widths), gen, device)
     ref = case.ours()()
-    policy = plan_mla(bs, n_heads, case.width, bs, ctx, case.r, DECODE, 1, device)["num_splits"]
+    policy = plan_mla(case.shape()).num_splits
     results = []
     counts = {max(1, policy // 2), policy, policy * 2}
     if ctx <= 1024:             # short contexts: the policy's splits leave most SMs idle

@@ -38,8 +38,8 @@ def main():
     parser.add_argument("what", choices=("mla", "mla-sdpa", "decode", "decode-sdpa"))
     parser.add_argument("bs", type=int)
     parser.add_argument("ctx", type=int)
-    parser.add_argument("--knobs", default="", help="mla_paged_attention / split_kv_attention "
-                                                   "keyword arguments, e.g. num_splits=16")
+    parser.add_argument("--knobs", default="", help="fields of the launch policy (MlaPolicy / "
+                                                   "SplitPolicy), e.g. num_splits=16")
     parser.add_argument("--calls", type=int, default=4)
     args = parser.parse_args()
     device = torch.device("cuda")

@@ -11,7 +11,9 @@ from attention_cases import random_tree_masks
 from padgraph.backends.triton.attention import (
     decode_attention, decode_attention_reference, extend_attention, extend_attention_reference,
     tree_verify_attention, tree_verify_attention_reference)
-from padgraph.backends.triton.attention_decode import _split_kv_kernel, split_kv_attention
+from padgraph.backends.triton.attention_decode import (SplitPolicy, _split_kv_kernel,
+                                                       split_kv_attention)
+from padgraph.backends.triton.attention_meta import PagedMeta
 from padgraph.backends.triton.attention_split import _COUNTERS, _merge_kernel
 from padgraph.backends.triton.store import store_kv, store_kv_reference
 
@@ -105,8 +107,9 @@ def test_decode_merge_folded_or_separate_vs_fp64(fold):
     ref = decode_attention_reference(q.double(), *cache.f64(), cache.req_to_token, rows,
                                      seq_lens)
     for _ in range(3):  # the counters must come back zeroed after every launch
-        out = split_kv_attention(q, cache.k, cache.v, cache.req_to_token, rows, seq_lens, None,
-                                 1, HEAD_DIM ** -0.5, 40, fold=fold)
+        meta = PagedMeta.decode(cache.req_to_token, rows, seq_lens)
+        out = split_kv_attention(q, cache.k, cache.v, meta, HEAD_DIM ** -0.5,
+                                 SplitPolicy(num_splits=40, fold=fold))
         assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-2
     assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
 

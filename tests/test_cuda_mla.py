@@ -12,8 +12,9 @@ from attention_cases import random_tree_masks
 from padgraph.backends.triton.attention_mla import (
     absorb_query, mla_decode_attention, mla_extend_attention, mla_reference, mla_sm_scale,
     mla_tree_verify_attention, project_output, store_latent)
-from padgraph.backends.triton.attention_mla_decode import (
-    CAUSAL, DECODE, TREE, _mla_kernel, mla_paged_attention)
+from padgraph.backends.triton.attention_meta import PagedMeta
+from padgraph.backends.triton.attention_mla_decode import (MlaPolicy, _mla_kernel,
+                                                           mla_paged_attention)
 from padgraph.backends.triton.attention_split import _COUNTERS
 
 pytestmark = pytest.mark.cuda
@@ -104,9 +105,9 @@ def test_mla_decode_merge_folded_or_separate_vs_fp64(n_heads, fold):
     q_nope, q_rope, q_latent = cache.queries(len(lens))
     ref = cache.reference(q_nope, q_rope, rows, seq_lens)
     for _ in range(3):  # the counters must come back zeroed after every launch
-        o_latent = mla_paged_attention(q_latent, cache.latent, cache.req_to_token, rows,
-                                       seq_lens, KV_LORA_RANK, SM_SCALE, DECODE, num_splits=6,
-                                       fold=fold)
+        meta = PagedMeta.decode(cache.req_to_token, rows, seq_lens)
+        o_latent = mla_paged_attention(q_latent, cache.latent, meta, KV_LORA_RANK, SM_SCALE,
+                                       MlaPolicy(num_splits=6, fold=fold))
         assert torch.isfinite(o_latent).all()
         assert rel_err(cache.output(o_latent), ref) < 1e-2
     assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
@@ -288,24 +289,23 @@ def test_mla_kernel_forms_vs_fp64(mode, form):
     cache = Latent(n_slots=16384, n_rows=8, max_context=8192)
     rows, seq_lens = cache.requests(lens)
     n_q = {"decode": 1, "tree": k, "causal": 5}[mode]
-    kw, ref_kw = {}, {}
+    paged = (cache.req_to_token, rows, seq_lens)
+    meta, ref_kw = PagedMeta.decode(*paged), {}
     if mode == "tree":
         masks = random_tree_masks(len(lens), k, torch.Generator().manual_seed(3)).to(DEVICE)
-        kw, ref_kw = dict(num_q=k, tree_mask=masks), dict(tree_mask=masks)
+        meta, ref_kw = PagedMeta.tree(*paged, masks), dict(tree_mask=masks)
     n_tok = len(lens) * n_q
     if mode == "causal":  # 5 new tokens a request (1 for the length-1 and padded lanes)
         new = [1 if n in (1, PAD) else n_q for n in lens]
         qo = torch.tensor([0] + new, device=DEVICE).cumsum(0).int()
-        kw, ref_kw, n_tok = dict(qo_indptr=qo), dict(qo_indptr=qo), sum(new)
+        meta, ref_kw, n_tok = PagedMeta.causal(*paged, qo), dict(qo_indptr=qo), sum(new)
     q_nope, q_rope, q_latent = cache.queries(n_tok)
-    mode_id = {"decode": DECODE, "tree": TREE, "causal": CAUSAL}[mode]
     ref = cache.reference(q_nope, q_rope, rows, seq_lens, **ref_kw)
     for splits, fold in ((None, None), (5, True), (5, False)):
         if mode == "causal" and fold is False:
             continue  # a causal extend merges folded only
-        o_latent = mla_paged_attention(q_latent, cache.latent, cache.req_to_token, rows,
-                                       seq_lens, KV_LORA_RANK, SM_SCALE, mode_id,
-                                       num_splits=splits, fold=fold, **form, **kw)
+        o_latent = mla_paged_attention(q_latent, cache.latent, meta, KV_LORA_RANK, SM_SCALE,
+                                       MlaPolicy(num_splits=splits, fold=fold, **form))
         assert torch.isfinite(o_latent).all()
         err = rel_err(cache.output(o_latent), ref)
         assert err < 1e-2, f"{splits=} {fold=}: {err=}"

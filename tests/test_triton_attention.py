@@ -15,7 +15,9 @@ from attention_cases import K_DRAFT, merge_case, merge_reference, n_used_of, tre
 from padgraph.backends.triton.attention import (
     choose_num_splits, decode_attention, decode_attention_reference, extend_attention,
     extend_attention_reference, tree_verify_attention, tree_verify_attention_reference)
-from padgraph.backends.triton.attention_decode import choose_fold, split_kv_attention
+from padgraph.backends.triton.attention_decode import (SplitPolicy, choose_fold,
+                                                       split_kv_attention)
+from padgraph.backends.triton.attention_meta import CAUSAL, DECODE, TREE, PagedMeta
 from padgraph.backends.triton.attention_extend import choose_extend_splits
 from padgraph.backends.triton.attention_split import (
     _COUNTERS, FOLD_MAX_BYTES_TUNED, launch_merge, merge_partials, merge_unroll, partials,
@@ -126,8 +128,8 @@ def test_decode_merge_folded_or_separate(fold):
     ref = decode_attention_reference(q, unpoisoned(k_cache), unpoisoned(v_cache), r2t, rows,
                                      lens)
     for _ in range(2):
-        out = split_kv_attention(q, k_cache, v_cache, r2t, rows, lens, None, 1, 64 ** -0.5, 3,
-                                 fold=fold)
+        out = split_kv_attention(q, k_cache, v_cache, PagedMeta.decode(r2t, rows, lens),
+                                 64 ** -0.5, SplitPolicy(num_splits=3, fold=fold))
         assert torch.isfinite(out[real]).all()
         assert_close(out[real], ref[real], torch.float32)
     assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
@@ -194,6 +196,47 @@ def test_decode_checks_shapes():
     with pytest.raises(ValueError, match="one dtype"):
         decode_attention(rand_q(2, 4, 64, torch.bfloat16), k_cache, v_cache, r2t, rows, lens,
                          impl="triton")
+
+
+def test_paged_meta_checks_what_its_mode_needs():
+    """Each mode's constructor takes its own metadata; a value missing it, carrying another
+    mode's, or with the wrong num_q, bs or dtype is refused when built, not at launch."""
+    _, _, r2t, rows, lens = make_paged([5, PAD, 3], 64)
+    mask, indptr = tree_masks(3, pad_rows=[1]), torch.tensor([0, 2, 2, 3], dtype=torch.int32)
+    assert (PagedMeta.decode(r2t, rows, lens).mode, PagedMeta.decode(r2t, rows, lens).num_q) \
+        == (DECODE, 1)
+    tree = PagedMeta.tree(r2t, rows, lens, mask)
+    assert (tree.mode, tree.num_q, tree.bs, tree.max_context) == (TREE, K_DRAFT, 3, MAX_CONTEXT)
+    assert PagedMeta.causal(r2t, rows, lens, indptr).mode == CAUSAL
+    with pytest.raises(ValueError, match="tree_mask must be \\[bs, k, k\\] bool"):
+        PagedMeta.tree(r2t, rows, lens, mask.int())
+    with pytest.raises(ValueError, match=r"tree_mask.*shape must be \[bs=3, k, k\]"):
+        PagedMeta.tree(r2t, rows, lens, mask[:2])
+    with pytest.raises(ValueError, match=r"qo_indptr must be \[bs\+1=4\]"):
+        PagedMeta.causal(r2t, rows, lens, indptr[:3])
+    with pytest.raises(ValueError, match="tree_mask.*given in tree mode only, got None"):
+        PagedMeta(r2t, rows, lens, TREE, K_DRAFT)
+    with pytest.raises(ValueError, match="qo_indptr.*given in causal mode only, got a tensor"):
+        PagedMeta(r2t, rows, lens, qo_indptr=indptr)
+    with pytest.raises(ValueError, match="num_q in tree mode must be 4, got 2"):
+        PagedMeta(r2t, rows, lens, TREE, 2, tree_mask=mask)
+    with pytest.raises(ValueError, match="num_q in decode mode must be 1, got 2"):
+        PagedMeta(r2t, rows, lens, DECODE, 2)
+    with pytest.raises(ValueError, match=r"'seq_lens': shape must be \[bs=3\], got \(2,\)"):
+        PagedMeta.decode(r2t, rows, lens[:2])
+    with pytest.raises(TypeError, match="'req_pool_indices': dtype must be int32 or int64"):
+        PagedMeta.decode(r2t, rows.float(), lens)
+    with pytest.raises(ValueError, match="mode must be"):
+        PagedMeta(r2t, rows, lens, 3)
+
+
+def test_split_kv_policy_and_mode_are_checked():
+    k_cache, v_cache, r2t, rows, lens = make_paged([5, 3], 64)
+    with pytest.raises(ValueError, match="num_splits must be in 1 .. 256; got 0"):
+        SplitPolicy(num_splits=0)
+    causal = PagedMeta.causal(r2t, rows, lens, torch.tensor([0, 1, 2], dtype=torch.int32))
+    with pytest.raises(ValueError, match="decode and tree metadata; got causal"):
+        split_kv_attention(rand_q(2, 4, 64), k_cache, v_cache, causal, 0.125)
 
 
 # ----------------------------------------------------------------------------- merge
@@ -268,8 +311,8 @@ def test_decode_many_splits(num_splits, fold):
     real = [i for i, n in enumerate(MANY_SPLIT_LENS) if n is not PAD]
     ref = decode_attention_reference(q, unpoisoned(k_cache), unpoisoned(v_cache), r2t, rows,
                                      lens)
-    out = split_kv_attention(q, k_cache, v_cache, r2t, rows, lens, None, 1, 64 ** -0.5,
-                             num_splits, block_n=16, fold=fold)
+    out = split_kv_attention(q, k_cache, v_cache, PagedMeta.decode(r2t, rows, lens), 64 ** -0.5,
+                             SplitPolicy(num_splits=num_splits, block_n=16, fold=fold))
     assert torch.isfinite(out[real]).all()
     assert_close(out[real], ref[real], torch.float32)
     assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())

@@ -13,9 +13,10 @@ from attention_cases import K_DRAFT, tree_masks
 from padgraph.backends.triton.attention_mla import (
     absorb_query, mla_decode_attention, mla_extend_attention, mla_reference, mla_sm_scale,
     mla_tree_verify_attention, project_output, store_latent)
+from padgraph.backends.triton.attention_meta import PagedMeta
 from padgraph.backends.triton.attention_mla_decode import (
-    CAUSAL, DECODE, TREE, choose_mla_extend_splits, choose_mla_splits, mla_blocks,
-    mla_paged_attention)
+    CAUSAL, DECODE, TREE, MlaPolicy, MlaShape, choose_mla_extend_splits, choose_mla_splits,
+    mla_blocks, mla_paged_attention)
 from padgraph.backends.triton.attention_split import _COUNTERS
 
 N_HEADS, NOPE, V_DIM = 4, 16, 24
@@ -70,6 +71,15 @@ class MLACase:
 
     def paged(self):
         return self.latent, self.req_to_token, self.rows, self.seq_lens
+
+    def meta(self, tree_mask=None, qo_indptr=None) -> PagedMeta:
+        """The requests' metadata: decode, tree (tree_mask) or causal extend (qo_indptr)."""
+        paged = (self.req_to_token, self.rows, self.seq_lens)
+        if tree_mask is not None:
+            return PagedMeta.tree(*paged, tree_mask)
+        if qo_indptr is not None:
+            return PagedMeta.causal(*paged, qo_indptr)
+        return PagedMeta.decode(*paged)
 
     def reference(self, q_nope, q_rope, **kw):
         """Non-absorbed MLA on the unpoisoned cache, in fp64."""
@@ -143,49 +153,51 @@ def test_mla_plan_picks_the_kernel_from_shapes(monkeypatch):
 
     def plan(mode, bs, ctx, num_q=1, n_tok=None, **knobs):
         n_tok = bs * num_q if n_tok is None else n_tok
-        return am.plan_mla(n_tok, 16, 576, bs, ctx, 512, mode, num_q, gpu, **knobs)
+        return am.plan_mla(MlaShape(n_tok, 16, 576, bs, ctx, 512, mode, num_q, gpu),
+                           MlaPolicy(**knobs))
 
     for bs, ctx, splits, fold in ((1, 8192, 128, False), (8, 8192, 33, False),
                                   (32, 8192, 8, True), (32, 32768, 8, True), (16, 256, 4, True)):
         p = plan(DECODE, bs, ctx)
-        assert not p["keys_major"] and p["n_blocks"] == 1
-        assert p["blocks"]["SPLIT_C"] and p["blocks"]["BLOCK_N"] == 32
-        assert p["blocks"]["num_stages"] == 3 and p["blocks"]["num_warps"] == 4
-        assert (p["num_splits"], p["fold"]) == (splits, fold), (bs, ctx, p)
+        assert not p.keys_major and p.n_blocks == 1
+        assert p.blocks["SPLIT_C"] and p.blocks["BLOCK_N"] == 32
+        assert p.blocks["num_stages"] == 3 and p.blocks["num_warps"] == 4
+        assert (p.num_splits, p.fold) == (splits, fold), (bs, ctx, p)
     # a tile knob starts from the base tile: 2 stages, no c_kv halves unless asked for
     p = plan(DECODE, 32, 8192, block_n=64, num_warps=8)
-    assert not p["blocks"]["SPLIT_C"] and p["blocks"]["num_stages"] == 2
-    assert p["num_splits"] == 9
+    assert not p.blocks["SPLIT_C"] and p.blocks["num_stages"] == 2
+    assert p.num_splits == 9
     p = plan(DECODE, 32, 8192, block_n=32, num_warps=4, num_stages=3, split_c=True)
-    assert p["blocks"]["SPLIT_C"] and p["blocks"]["num_stages"] == 3
+    assert p.blocks["SPLIT_C"] and p.blocks["num_stages"] == 3
     with pytest.raises(ValueError, match="split_c"):
         plan(DECODE, 1, 8192, keys_major=True, split_c=True)
     p = plan(TREE, 32, 1024, num_q=8)  # 128 rows: 32 a program over two warp groups
-    assert p["keys_major"] and p["blocks"]["BLOCK_H"] == 32 and p["n_blocks"] == 4
-    assert p["blocks"]["num_warps"] == 8 and p["num_splits"] == 1
-    assert "SPLIT_C" not in p["blocks"] and p["blocks"]["num_stages"] == 2
-    assert not plan(TREE, 1, 4096, num_q=8)["keys_major"]
-    assert plan(CAUSAL, 32, 1024, n_tok=6 * 32)["keys_major"]
-    assert not plan(CAUSAL, 8, 1024, n_tok=6 * 8)["keys_major"]
+    assert p.keys_major and p.blocks["BLOCK_H"] == 32 and p.n_blocks == 4
+    assert p.blocks["num_warps"] == 8 and p.num_splits == 1
+    assert "SPLIT_C" not in p.blocks and p.blocks["num_stages"] == 2
+    assert not plan(TREE, 1, 4096, num_q=8).keys_major
+    assert plan(CAUSAL, 32, 1024, n_tok=6 * 32).keys_major
+    assert not plan(CAUSAL, 8, 1024, n_tok=6 * 8).keys_major
     # a tile knob keeps the row-major kernel unless keys_major is asked for
-    assert not plan(TREE, 32, 1024, num_q=8, block_n=16)["keys_major"]
+    assert not plan(TREE, 32, 1024, num_q=8, block_n=16).keys_major
     p = plan(DECODE, 32, 8192, keys_major=True)  # one program an SM, folded up to 8 splits
-    assert p["keys_major"] and p["num_splits"] == 4 and p["fold"]
+    assert p.keys_major and p.num_splits == 4 and p.fold
     # 99 KB of shared memory (sm_86 / sm_89): the decode tile at 2 stages
     smem["optin"] = 99 << 10
-    assert plan(DECODE, 8, 8192)["blocks"]["num_stages"] == 2
+    assert plan(DECODE, 8, 8192).blocks["num_stages"] == 2
     # no warp-group MMAs (sm_80) or no GPU: the row-major kernel everywhere
     monkeypatch.setattr(am.torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert not plan(TREE, 32, 1024, num_q=8)["keys_major"]
+    assert not plan(TREE, 32, 1024, num_q=8).keys_major
     assert not am.choose_keys_major(TREE, 32, 1024, torch.device("cpu"))
-    assert plan(DECODE, 8, 8192)["blocks"]["SPLIT_C"]
+    assert plan(DECODE, 8, 8192).blocks["SPLIT_C"]
 
 
-def test_mla_slots_ahead_is_checked():
-    case = MLACase([10], 48, 16)
-    q_latent = case.queries(1)[2]
-    with pytest.raises(ValueError, match="slots_ahead"):
-        mla_paged_attention(q_latent, *case.paged(), 48, case.sm_scale, DECODE, slots_ahead=2)
+def test_mla_policy_is_checked():
+    with pytest.raises(ValueError, match="policy.slots_ahead must be 0 or 1, got 2"):
+        MlaPolicy(slots_ahead=2)
+    with pytest.raises(ValueError, match=r"policy.num_splits must be in 1 \.\. 256, got 0"):
+        MlaPolicy(num_splits=0)
+    assert MlaPolicy(block_h=32).tile_knob and not MlaPolicy(num_splits=3).tile_knob
 
 
 # ----------------------------------------------------------------------------- decode
@@ -212,7 +224,8 @@ def test_many_requests_decode_matches_non_absorbed(knobs):
     lens = ([70, PAD, 1, 64, 65, 33] * 6)[:32]
     case = MLACase(lens, 96, 32)
     q_nope, q_rope, q_latent = case.queries(len(lens))
-    o_latent = mla_paged_attention(q_latent, *case.paged(), 96, case.sm_scale, DECODE, **knobs)
+    o_latent = mla_paged_attention(q_latent, case.latent, case.meta(), 96, case.sm_scale,
+                                   MlaPolicy(**knobs))
     assert_close(case.output(o_latent), case.reference(q_nope, q_rope))
 
 
@@ -238,8 +251,8 @@ def test_decode_merge_folded_or_separate(fold):
     real = [i for i, n in enumerate(DECODE_LENS) if n is not PAD]
     ref = case.reference(q_nope, q_rope)
     for _ in range(2):  # a second launch reuses the counters
-        o_latent = mla_paged_attention(q_latent, *case.paged(), 48, case.sm_scale, DECODE,
-                                       num_splits=3, fold=fold)
+        o_latent = mla_paged_attention(q_latent, case.latent, case.meta(), 48, case.sm_scale,
+                                       MlaPolicy(num_splits=3, fold=fold))
         assert torch.isfinite(o_latent[real]).all()
         assert_close(case.output(o_latent)[real], ref[real])
     assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
@@ -256,8 +269,8 @@ def test_decode_many_splits(kv_lora_rank, rope_dim, fold):
     case = MLACase(MANY_SPLIT_LENS, kv_lora_rank, rope_dim, poison=True)
     q_nope, q_rope, q_latent = case.queries(len(MANY_SPLIT_LENS))
     real = [i for i, n in enumerate(MANY_SPLIT_LENS) if n is not PAD]
-    o_latent = mla_paged_attention(q_latent, *case.paged(), kv_lora_rank, case.sm_scale, DECODE,
-                                   num_splits=37, fold=fold, block_n=16)
+    o_latent = mla_paged_attention(q_latent, case.latent, case.meta(), kv_lora_rank,
+                                   case.sm_scale, MlaPolicy(num_splits=37, fold=fold, block_n=16))
     assert torch.isfinite(o_latent[real]).all()
     assert_close(case.output(o_latent)[real], case.reference(q_nope, q_rope)[real])
     assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
@@ -319,9 +332,9 @@ def test_extend_matches_non_absorbed(kv_lora_rank, rope_dim, num_splits):
         o_latent = mla_extend_attention(q_latent, latent, r2t, rows, seq_lens, qo_indptr,
                                         kv_lora_rank, case.sm_scale, impl="triton")
     else:
-        o_latent = mla_paged_attention(q_latent, latent, r2t, rows, seq_lens, kv_lora_rank,
-                                       case.sm_scale, CAUSAL, qo_indptr=qo_indptr,
-                                       num_splits=num_splits)
+        o_latent = mla_paged_attention(q_latent, latent, case.meta(qo_indptr=qo_indptr),
+                                       kv_lora_rank, case.sm_scale,
+                                       MlaPolicy(num_splits=num_splits))
     assert torch.isfinite(o_latent).all()
     assert o_latent[-N_PAD_TOKENS:].abs().sum() == 0  # padding tokens give 0
     assert_close(case.output(o_latent), case.reference(q_nope, q_rope, qo_indptr=qo_indptr))
@@ -334,9 +347,8 @@ def test_extend_many_splits():
     qo_indptr = torch.zeros(len(reqs) + 1, dtype=torch.int32)
     qo_indptr[1:] = torch.cumsum(torch.tensor([m for _, m in reqs]), 0)
     q_nope, q_rope, q_latent = case.queries(int(qo_indptr[-1]) + N_PAD_TOKENS)
-    latent, r2t, rows, seq_lens = case.paged()
-    o_latent = mla_paged_attention(q_latent, latent, r2t, rows, seq_lens, 48, case.sm_scale,
-                                   CAUSAL, qo_indptr=qo_indptr, num_splits=9, block_n=16)
+    o_latent = mla_paged_attention(q_latent, case.latent, case.meta(qo_indptr=qo_indptr), 48,
+                                   case.sm_scale, MlaPolicy(num_splits=9, block_n=16))
     assert torch.isfinite(o_latent).all()
     assert o_latent[-N_PAD_TOKENS:].abs().sum() == 0
     assert_close(case.output(o_latent), case.reference(q_nope, q_rope, qo_indptr=qo_indptr))
@@ -418,7 +430,8 @@ def test_kernel_forms_give_the_same_outputs(mode):
     # slots
     if mode == "causal":
         case, qo_indptr, (q_nope, q_rope, q_latent) = extend_case(48, 16, poison=True)
-        kw, ref = dict(qo_indptr=qo_indptr), case.reference(q_nope, q_rope, qo_indptr=qo_indptr)
+        kw = dict(qo_indptr=qo_indptr)
+        ref = case.reference(q_nope, q_rope, qo_indptr=qo_indptr)
         real = slice(None)
     else:
         lens = MANY_SPLIT_LENS if mode == "decode" else VERIFY_LENS
@@ -429,13 +442,14 @@ def test_kernel_forms_give_the_same_outputs(mode):
         kw = {}
         if mode == "tree":
             mask = tree_masks(len(lens), pad_rows=[1])
-            kw = dict(num_q=K_DRAFT, tree_mask=mask)
+            kw = dict(tree_mask=mask)
             ref = case.reference(q_nope, q_rope, tree_mask=mask)
         else:
             ref = case.reference(q_nope, q_rope)
-    mode_id = {"decode": DECODE, "tree": TREE, "causal": CAUSAL}[mode]
-    outs = [mla_paged_attention(q_latent, *case.paged(), 48, case.sm_scale, mode_id,
-                                num_splits=3, block_n=16, **form, **kw) for form in FORMS]
+    meta = case.meta(**kw)
+    assert meta.mode == {"decode": DECODE, "tree": TREE, "causal": CAUSAL}[mode]
+    outs = [mla_paged_attention(q_latent, case.latent, meta, 48, case.sm_scale,
+                                MlaPolicy(num_splits=3, block_n=16, **form)) for form in FORMS]
     for o in outs:
         assert torch.isfinite(o[real]).all()
         assert_close(case.output(o)[real], ref[real])

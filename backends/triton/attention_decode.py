@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import einops
 import torch
 import triton
 import triton.language as tl
 
+from .attention_meta import DECODE, MODE_NAMES, TREE, PagedMeta, check_tree_mask
 from .attention_split import (aligned, finish_split, launch_merge, merge_unroll, partials,
                               should_fold, split_len, tickets, tile_slots)
 from .kv import resolve_impl
@@ -292,21 +294,11 @@ def check_paged_args(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
 
 def check_tree_args(q, tree_mask, what: str = "q") -> tuple[int, int]:
     """tree_mask [bs, k, k] bool and q's bs * k request-major rows; returns (bs, k)."""
-    if tree_mask.dim() != 3 or tree_mask.shape[1] != tree_mask.shape[2] \
-            or tree_mask.dtype != torch.bool:
-        raise ValueError(f"tree_mask must be [bs, k, k] bool; got {tuple(tree_mask.shape)} "
-                         f"{tree_mask.dtype}")
-    bs, k = tree_mask.shape[:2]
+    bs, k = check_tree_mask(tree_mask)
     if q.shape[0] != bs * k:
         raise ValueError(f"{what} must have bs * k = {bs} * {k} = {bs * k} rows (request-major); "
                          f"got {q.shape[0]}")
     return bs, k
-
-
-def check_qo_indptr(qo_indptr, bs: int) -> None:
-    if tuple(qo_indptr.shape) != (bs + 1,) or qo_indptr.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"qo_indptr must be [bs+1={bs + 1}] int32/int64; "
-                         f"got {tuple(qo_indptr.shape)} {qo_indptr.dtype}")
 
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -320,30 +312,46 @@ def check_kernel_dtypes(q, k_cache, v_cache):
                          f"(impl='torch' accepts mixed dtypes and float64)")
 
 
-def split_kv_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-                       tree_mask, num_q: int, sm_scale: float, num_splits: int | None,
-                       block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                       fold: bool | None = None):
-    """Launch the split-KV kernel (merge folded in, or + the merge kernel):
-    q [bs * num_q, n_q_heads, head_dim] -> o [bs * num_q, n_q_heads, v_head_dim].
+@dataclass(frozen=True)
+class SplitPolicy:
+    """How `split_kv_attention` launches. num_splits / fold None: chosen from shapes
+    (`choose_num_splits`, `choose_fold`); block_n None: `kernel_blocks`' tile; num_warps and
+    num_stages: the kernel's. Benchmarks set knobs to sweep them."""
+    num_splits: int | None = None
+    fold: bool | None = None
+    block_n: int | None = None
+    num_warps: int = 4
+    num_stages: int = 2
 
-    block_n / num_warps / num_stages / fold are tuning knobs for benchmarks; the defaults are the
-    policy (`choose_num_splits`, `choose_fold`), decided from shapes only.
-    """
+    def __post_init__(self):
+        if self.num_splits is not None and not 1 <= self.num_splits <= 2 * MAX_SPLITS:
+            raise ValueError(f"num_splits must be in 1 .. {2 * MAX_SPLITS}; "
+                             f"got {self.num_splits}")
+
+
+def split_kv_attention(q, k_cache, v_cache, meta: PagedMeta, sm_scale: float,
+                       policy: SplitPolicy = SplitPolicy()):
+    """Launch the split-KV kernel (merge folded in, or + the merge kernel) for a DECODE or TREE
+    `meta`: q [bs * num_q, n_q_heads, head_dim] -> o [bs * num_q, n_q_heads, v_head_dim]
+    (callers check shapes). `policy`'s unset knobs are decided from shapes only."""
     check_kernel_dtypes(q, k_cache, v_cache)
+    if meta.mode not in (DECODE, TREE):
+        raise ValueError(f"split_kv_attention runs decode and tree metadata; got "
+                         f"{MODE_NAMES[meta.mode]} (extend_attention runs causal)")
+    num_q, tree_mask = meta.num_q, meta.tree_mask
     n_rows, n_q_heads, head_dim = q.shape
     bs, n_kv_heads, v_head_dim = n_rows // num_q, k_cache.shape[1], v_cache.shape[2]
     group = n_q_heads // n_kv_heads
+    num_splits, fold = policy.num_splits, policy.fold
     if num_splits is None:
-        num_splits = choose_num_splits(bs, n_kv_heads, req_to_token.shape[1], sm_count(q.device),
+        num_splits = choose_num_splits(bs, n_kv_heads, meta.max_context, sm_count(q.device),
                                        num_q)
-    if not 1 <= num_splits <= 2 * MAX_SPLITS:
-        raise ValueError(f"num_splits must be in 1 .. {2 * MAX_SPLITS}; got {num_splits}")
     if fold is None:
         fold = choose_fold(num_splits, num_q, group, v_head_dim)
-    blocks = kernel_blocks(head_dim, v_head_dim, num_q * group, block_n)
+    blocks = kernel_blocks(head_dim, v_head_dim, num_q * group, policy.block_n)
     # the kernels index 1-d metadata with unit stride (a no-op for the dense tensors runners pass)
-    req_pool_indices, seq_lens = req_pool_indices.contiguous(), seq_lens.contiguous()
+    req_pool_indices, seq_lens = meta.req_pool_indices.contiguous(), meta.seq_lens.contiguous()
+    req_to_token = meta.req_to_token
     o = q.new_empty(n_rows, n_q_heads, v_head_dim)
     if n_rows == 0:
         return o
@@ -355,6 +363,7 @@ def split_kv_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_
     fold = fold and num_splits > 1
     counters, fold = tickets(q.device, bs * n_kv_heads if fold else 0, fold)
     tree = tree_mask.contiguous().view(torch.uint8) if tree_mask is not None else req_pool_indices
+    num_warps = policy.num_warps
     _split_kv_kernel[(bs, n_kv_heads, num_splits)](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, tree, o, mid_o, mid_lse,
         counters, sm_scale,
@@ -364,7 +373,7 @@ def split_kv_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_
         mid_lse.stride(0), mid_lse.stride(1),
         head_dim, v_head_dim, num_splits, int(fold),
         GROUP=group, NUM_Q=num_q, HAS_TREE=tree_mask is not None,
-        UPCAST=upcast_dots(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        UPCAST=upcast_dots(q.dtype), num_warps=num_warps, num_stages=policy.num_stages,
         MERGE_UNROLL=merge_unroll(blocks["BLOCK_M"], blocks["BLOCK_DV"], num_warps), **blocks,
     )
     if num_splits > 1 and not fold:
@@ -386,5 +395,5 @@ def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
             == "torch":
         return decode_attention_reference(q, k_cache, v_cache, req_to_token, req_pool_indices,
                                           seq_lens, sm_scale)
-    return split_kv_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-                              None, 1, sm_scale, num_splits)
+    meta = PagedMeta.decode(req_to_token, req_pool_indices, seq_lens)
+    return split_kv_attention(q, k_cache, v_cache, meta, sm_scale, SplitPolicy(num_splits))

@@ -23,9 +23,9 @@ import triton
 import triton.language as tl
 
 from .attention_decode import (MAX_SPLITS, MIN_SPLIT_TOKENS, PROGRAMS_PER_SM, attend_reference,
-                               check_kernel_dtypes, check_paged_args, check_qo_indptr,
-                               default_sm_scale,
+                               check_kernel_dtypes, check_paged_args, default_sm_scale,
                                gather_kv, mma, sm_count, upcast_dots)
+from .attention_meta import check_qo_indptr
 from .attention_split import (aligned, finish_split, merge_unroll, partials, should_fold,
                               split_len, tickets)
 from .kv import resolve_impl

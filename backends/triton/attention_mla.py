@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import torch
 
-from .attention_decode import (acc_dtype, check_paged_args, check_qo_indptr, check_tree_args,
+from .attention_decode import (acc_dtype, check_paged_args, check_tree_args,
                                decode_attention_reference)
 from .attention_extend import extend_attention_reference
-from .attention_mla_decode import CAUSAL, DECODE, TREE, mla_paged_attention
+from .attention_meta import PagedMeta, check_qo_indptr
+from .attention_mla_decode import MlaPolicy, mla_paged_attention
 from .attention_verify import tree_verify_attention_reference
 from .compile_ops import opaque_under_compile
 from .kv import resolve_impl
@@ -123,8 +124,9 @@ def mla_decode_attention(q_latent, latent_cache, req_to_token, req_pool_indices,
                     seq_lens) == "torch":
         return decode_attention_reference(q_latent, k_cache, v_cache, req_to_token,
                                           req_pool_indices, seq_lens, sm_scale)
-    return mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, seq_lens,
-                               kv_lora_rank, sm_scale, DECODE, num_splits=num_splits)
+    meta = PagedMeta.decode(req_to_token, req_pool_indices, seq_lens)
+    return mla_paged_attention(q_latent, latent_cache, meta, kv_lora_rank, sm_scale,
+                               MlaPolicy(num_splits=num_splits))
 
 
 @opaque_under_compile
@@ -133,16 +135,16 @@ def mla_tree_verify_attention(q_latent, latent_cache, req_to_token, req_pool_ind
     """Absorbed MLA draft-tree verify: q_latent [bs * k, n_heads, r + rope] (request-major),
     tree_mask [bs, k, k] bool -> o_latent [bs * k, n_heads, r]. Semantics: `attention_verify`."""
     check_latent_args(q_latent, latent_cache, kv_lora_rank)
-    bs, k = check_tree_args(q_latent, tree_mask, "q_latent")
+    bs, _ = check_tree_args(q_latent, tree_mask, "q_latent")
     k_cache, v_cache = latent_kv(latent_cache, kv_lora_rank)
     check_paged_args(q_latent, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, bs)
     if resolve_impl(impl, q_latent, latent_cache, req_to_token, req_pool_indices, seq_lens,
                     tree_mask) == "torch":
         return tree_verify_attention_reference(q_latent, k_cache, v_cache, req_to_token,
                                                req_pool_indices, seq_lens, tree_mask, sm_scale)
-    return mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, seq_lens,
-                               kv_lora_rank, sm_scale, TREE, num_q=k,
-                               tree_mask=tree_mask.contiguous(), num_splits=num_splits)
+    meta = PagedMeta.tree(req_to_token, req_pool_indices, seq_lens, tree_mask.contiguous())
+    return mla_paged_attention(q_latent, latent_cache, meta, kv_lora_rank, sm_scale,
+                               MlaPolicy(num_splits=num_splits))
 
 
 @opaque_under_compile
@@ -159,8 +161,8 @@ def mla_extend_attention(q_latent, latent_cache, req_to_token, req_pool_indices,
                     qo_indptr) == "torch":
         return extend_attention_reference(q_latent, k_cache, v_cache, req_to_token,
                                           req_pool_indices, seq_lens, qo_indptr, sm_scale)
-    return mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, seq_lens,
-                               kv_lora_rank, sm_scale, CAUSAL, qo_indptr=qo_indptr)
+    meta = PagedMeta.causal(req_to_token, req_pool_indices, seq_lens, qo_indptr)
+    return mla_paged_attention(q_latent, latent_cache, meta, kv_lora_rank, sm_scale)
 
 
 def store_latent(latent_cache, loc, c_kv, k_rope, impl: str = "auto") -> None:

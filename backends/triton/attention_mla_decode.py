@@ -24,15 +24,19 @@ merge (a row block's splits follow its own causal range).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
+from padgraph.errors import ContractValueError, mismatch
+
 from .attention_decode import check_kernel_dtypes, mma, sm_count, upcast_dots
+from .attention_meta import CAUSAL, DECODE, TREE, PagedMeta
 from .attention_split import (aligned, finish_split, launch_merge, merge_unroll, partials,
                               should_fold, split_len, tickets, tile_slots)
 
-DECODE, TREE, CAUSAL = 0, 1, 2  # MODE: who sees what (all < seq_len; tree tail; causal)
 PROGRAMS_PER_SM = 2  # an MLA program keeps ~72 KB of tiles in flight: 2 per SM saturate HBM
 MAX_SPLITS = 64
 # Splits >= MIN_SPLIT_TOKENS of the cache width (256 -> 128, 4 tiles of 32, not measured). The cap
@@ -387,94 +391,162 @@ def choose_mla_extend_splits(bs: int, n_tok: int, n_heads: int, block_h: int,
     return splits
 
 
-def plan_mla(n_tok: int, n_heads: int, width: int, bs: int, max_context: int,
-             kv_lora_rank: int, mode: int, num_q: int, device: torch.device,
-             num_splits: int | None = None, fold: bool | None = None,
-             block_n: int | None = None, num_warps: int | None = None,
-             keys_major: bool | None = None, block_h: int | None = None,
-             num_stages: int | None = None, split_c: bool | None = None) -> dict:
-    """What `mla_paged_attention` launches, from shapes only (knobs as there): keys_major (the
-    kernel), blocks (tile constexprs, SPLIT_C for the row-major kernel, num_warps, num_stages),
-    n_blocks (row blocks a request), num_splits and fold (before the capture-time fallbacks of
-    a causal extend). A tile knob (block_n, num_warps, block_h) starts from the row-major
-    kernel's base tile (`mla_blocks`, 2 stages, no SPLIT_C), not from DECODE_TILE."""
-    rows = n_heads * (num_q if mode != CAUSAL else 2)
-    tile_knob = block_n is not None or num_warps is not None or block_h is not None
-    if keys_major is None:
-        keys_major = not tile_knob and choose_keys_major(mode, bs, max_context, device)
-    blocks = dict(mla_blocks(kv_lora_rank, width - kv_lora_rank, rows), num_stages=2)
+@dataclass(frozen=True)
+class MlaPolicy:
+    """How `mla_paged_attention` launches: each knob None is decided by `plan_mla` from shapes
+    (the policy); benchmarks set knobs to sweep them.
+
+    num_splits: splits of a request's positions (1 .. 4 * MAX_SPLITS). fold: merge the splits
+    in the last split to finish (True) or in the merge kernel (False); a causal extend always
+    folds. block_n / block_h / num_warps / num_stages: the tile (latent rows an iteration,
+    (query, head) rows a program, warps, pipeline stages); a tile knob starts from the
+    row-major kernel's base tile (`mla_blocks`, 2 stages, no SPLIT_C), not from DECODE_TILE,
+    and keeps the row-major kernel unless keys_major is set. keys_major: `_mla_keys_major_kernel`
+    (None: `choose_keys_major`). split_c: the row-major kernel with c_kv as two column halves,
+    so that its QK product runs as independent MMA chains (DECODE_TILE's choice).
+    slots_ahead: a tile's slot indices are loaded one tile ahead (1) or in the loop (0)."""
+    num_splits: int | None = None
+    fold: bool | None = None
+    block_n: int | None = None
+    block_h: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    keys_major: bool | None = None
+    split_c: bool | None = None
+    slots_ahead: int = 1
+
+    def __post_init__(self):
+        if self.slots_ahead not in (0, 1):
+            raise ContractValueError(mismatch("mla_paged_attention", None, "policy.slots_ahead",
+                                              "0 or 1", self.slots_ahead))
+        if self.num_splits is not None and not 1 <= self.num_splits <= 4 * MAX_SPLITS:
+            raise ContractValueError(mismatch("mla_paged_attention", None, "policy.num_splits",
+                                              f"in 1 .. {4 * MAX_SPLITS}", self.num_splits))
+
+    @property
+    def tile_knob(self) -> bool:
+        """Whether a tile knob (block_n, num_warps, block_h) is set."""
+        return any(k is not None for k in (self.block_n, self.num_warps, self.block_h))
+
+
+@dataclass(frozen=True)
+class MlaShape:
+    """What `plan_mla` decides from, shapes only: n_tok query tokens of n_heads heads over
+    latent rows of width = kv_lora_rank + rope_dim columns; bs requests in rows of max_context
+    positions; mode and num_q as in `PagedMeta`; the device the kernel runs on."""
+    n_tok: int
+    n_heads: int
+    width: int
+    bs: int
+    max_context: int
+    kv_lora_rank: int
+    mode: int
+    num_q: int
+    device: torch.device
+
+    @classmethod
+    def of(cls, q_latent, meta: PagedMeta, kv_lora_rank: int) -> "MlaShape":
+        """The shape of a call: q_latent [n_tok, n_heads, width] over `meta`'s requests."""
+        n_tok, n_heads, width = q_latent.shape
+        return cls(n_tok, n_heads, width, meta.bs, meta.max_context, kv_lora_rank, meta.mode,
+                   meta.num_q, q_latent.device)
+
+    @property
+    def rows(self) -> int:
+        """(query, head) rows of a request (CAUSAL: counted as 2 queries, a short extend)."""
+        return self.n_heads * (self.num_q if self.mode != CAUSAL else 2)
+
+
+@dataclass(frozen=True)
+class MlaPlan:
+    """What `mla_paged_attention` launches: keys_major (the kernel), blocks (tile constexprs,
+    SPLIT_C for the row-major kernel, num_warps, num_stages), n_blocks (row blocks a request),
+    num_splits and fold (before the capture-time fallbacks of a causal extend)."""
+    keys_major: bool
+    blocks: dict
+    n_blocks: int
+    num_splits: int
+    fold: bool
+
+
+def mla_tile(shape: MlaShape, policy: MlaPolicy, keys_major: bool) -> dict:
+    """The tile of `plan_mla`: the base tile (`mla_blocks`, 2 stages), the keys-major tile, or
+    DECODE_TILE at a decode without tile knobs; then the policy's tile knobs."""
+    blocks = dict(mla_blocks(shape.kv_lora_rank, shape.width - shape.kv_lora_rank, shape.rows),
+                  num_stages=2)
     if not keys_major:
         blocks["SPLIT_C"] = False
     if keys_major:
-        blocks.update(KEYS_MAJOR_TILE if rows < 32 else KEYS_MAJOR_MANY_ROWS)
-    if block_h is not None:
-        blocks["BLOCK_H"] = block_h
-    block_h = blocks["BLOCK_H"]
-    # CAUSAL: enough row blocks for the longest possible request (all n_tok tokens)
-    n_blocks = triton.cdiv((num_q if mode != CAUSAL else n_tok) * n_heads, block_h)
-    decode_tile = not keys_major and mode == DECODE and not tile_knob
-    if decode_tile:
+        blocks.update(KEYS_MAJOR_TILE if shape.rows < 32 else KEYS_MAJOR_MANY_ROWS)
+    if policy.block_h is not None:
+        blocks["BLOCK_H"] = policy.block_h
+    if decode_tile(shape, policy, keys_major):
         blocks.update(DECODE_TILE, SPLIT_C=blocks["BLOCK_C"] >= 32)
-        blocks["num_stages"] = decode_stages(blocks, device)
-    if block_n is not None:
-        blocks["BLOCK_N"] = block_n
-    if num_warps is not None:
-        blocks["num_warps"] = num_warps
-    if num_stages is not None:
-        blocks["num_stages"] = num_stages
-    if split_c is not None:
-        if split_c and (keys_major or blocks["BLOCK_C"] < 32):
+        blocks["num_stages"] = decode_stages(blocks, shape.device)
+    for knob, key in (("block_n", "BLOCK_N"), ("num_warps", "num_warps"),
+                      ("num_stages", "num_stages")):
+        if getattr(policy, knob) is not None:
+            blocks[key] = getattr(policy, knob)
+    if policy.split_c is not None:
+        if policy.split_c and (keys_major or blocks["BLOCK_C"] < 32):
             raise ValueError("split_c needs the row-major kernel and a latent of >= 17 columns")
         if not keys_major:
-            blocks["SPLIT_C"] = split_c
-    if num_splits is None and mode == CAUSAL:
-        num_splits = choose_mla_extend_splits(bs, n_tok, n_heads, block_h, max_context,
-                                              kv_lora_rank, width, sm_count(device))
+            blocks["SPLIT_C"] = policy.split_c
+    return blocks
+
+
+def decode_tile(shape: MlaShape, policy: MlaPolicy, keys_major: bool) -> bool:
+    """Whether the launch takes DECODE_TILE: the row-major kernel at a decode, no tile knob."""
+    return not keys_major and shape.mode == DECODE and not policy.tile_knob
+
+
+def plan_mla(shape: MlaShape, policy: MlaPolicy = MlaPolicy()) -> MlaPlan:
+    """What `mla_paged_attention` launches for `shape` under `policy`: its knobs where set,
+    else the choices made from shapes only (`choose_keys_major`, `mla_tile`,
+    `choose_mla_splits` / `choose_mla_extend_splits`, `should_fold`)."""
+    keys_major = policy.keys_major
+    if keys_major is None:
+        keys_major = not policy.tile_knob and choose_keys_major(shape.mode, shape.bs,
+                                                                 shape.max_context, shape.device)
+    blocks = mla_tile(shape, policy, keys_major)
+    block_h = blocks["BLOCK_H"]
+    # CAUSAL: enough row blocks for the longest possible request (all n_tok tokens)
+    n_blocks = triton.cdiv((shape.num_q if shape.mode != CAUSAL else shape.n_tok)
+                           * shape.n_heads, block_h)
+    on_decode_tile = decode_tile(shape, policy, keys_major)
+    num_splits = policy.num_splits
+    if num_splits is None and shape.mode == CAUSAL:
+        num_splits = choose_mla_extend_splits(shape.bs, shape.n_tok, shape.n_heads, block_h,
+                                              shape.max_context, shape.kv_lora_rank,
+                                              shape.width, sm_count(shape.device))
     elif num_splits is None:
-        num_splits = choose_mla_splits(bs, n_blocks, max_context, sm_count(device), keys_major,
-                                       decode_tile)
-    if not 1 <= num_splits <= 4 * MAX_SPLITS:
-        raise ValueError(f"num_splits must be in 1 .. {4 * MAX_SPLITS}; got {num_splits}")
-    if mode == CAUSAL:  # a causal block's splits depend on its range: only the folded merge
+        num_splits = choose_mla_splits(shape.bs, n_blocks, shape.max_context,
+                                       sm_count(shape.device), keys_major, on_decode_tile)
+    fold = policy.fold
+    if shape.mode == CAUSAL:  # a causal block's splits depend on its range: only the folded merge
         fold = True
     elif fold is None:
-        limit = (DECODE_FOLD_MAX_BYTES if decode_tile
+        limit = (DECODE_FOLD_MAX_BYTES if on_decode_tile
                  else KEYS_MAJOR_FOLD_MAX_BYTES if keys_major else None)
-        fold = should_fold(num_splits, min(block_h, rows), kv_lora_rank, limit)
-    return dict(keys_major=keys_major, blocks=blocks, n_blocks=n_blocks, num_splits=num_splits,
-                fold=fold and num_splits > 1)
+        fold = should_fold(num_splits, min(block_h, shape.rows), shape.kv_lora_rank, limit)
+    return MlaPlan(keys_major, blocks, n_blocks, num_splits, fold and num_splits > 1)
 
 
-def mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, seq_lens,
-                        kv_lora_rank: int, sm_scale: float, mode: int, num_q: int = 1,
-                        tree_mask=None, qo_indptr=None, num_splits: int | None = None,
-                        fold: bool | None = None, block_n: int | None = None,
-                        num_warps: int | None = None, num_stages: int | None = None,
-                        slots_ahead: int = 1, keys_major: bool | None = None,
-                        block_h: int | None = None, split_c: bool | None = None):
+def mla_paged_attention(q_latent, latent_cache, meta: PagedMeta, kv_lora_rank: int,
+                        sm_scale: float, policy: MlaPolicy = MlaPolicy()):
     """Launch the MLA kernel: q_latent [n, H, r + rope] -> o_latent [n, H, r] (callers check
-    shapes). DECODE / TREE: n = bs * num_q, request-major; CAUSAL: packed by qo_indptr, padding
-    tokens give 0. block_n / block_h / num_warps / num_stages / fold / slots_ahead / keys_major:
-    benchmark knobs (slots_ahead: a tile's slot indices are loaded one tile ahead (1) or in the
-    loop (0); keys_major: `_mla_keys_major_kernel`, None = `choose_keys_major` unless a tile knob
-    is given; split_c: the row-major kernel with c_kv as two column halves, so that its QK
-    product runs as independent MMA chains, DECODE_TILE's choice); `plan_mla` decides the rest
-    from shapes."""
+    shapes). meta DECODE / TREE: n = bs * num_q, request-major; CAUSAL: packed by qo_indptr,
+    padding tokens give 0. `plan_mla` decides what `policy` leaves unset, from shapes."""
     check_kernel_dtypes(q_latent, latent_cache, latent_cache)
-    if slots_ahead not in (0, 1):
-        raise ValueError(f"slots_ahead must be 0 or 1; got {slots_ahead}")
     n_tok, n_heads, width = q_latent.shape
-    bs = req_pool_indices.shape[0]
-    plan = plan_mla(n_tok, n_heads, width, bs, req_to_token.shape[1], kv_lora_rank, mode, num_q,
-                    q_latent.device, num_splits, fold, block_n, num_warps, keys_major, block_h,
-                    num_stages, split_c)
-    keys_major, blocks, n_blocks = plan["keys_major"], plan["blocks"], plan["n_blocks"]
-    num_splits, fold, block_h = plan["num_splits"], plan["fold"], blocks["BLOCK_H"]
+    bs, mode = meta.bs, meta.mode
+    plan = plan_mla(MlaShape.of(q_latent, meta, kv_lora_rank), policy)
+    blocks, n_blocks, num_splits = plan.blocks, plan.n_blocks, plan.num_splits
     alloc = torch.zeros if mode == CAUSAL else torch.empty  # CAUSAL: padding tokens stay 0
     o = alloc(n_tok, n_heads, kv_lora_rank, dtype=q_latent.dtype, device=q_latent.device)
     if n_tok == 0 or bs == 0:
         return o
-    counters, fold = tickets(q_latent.device, bs * n_blocks if fold else 0, fold)
+    counters, fold = tickets(q_latent.device, bs * n_blocks if plan.fold else 0, plan.fold)
     if mode == CAUSAL and num_splits > 1 and not fold:  # no zeroed counters yet (in a capture)
         num_splits = 1
     if num_splits > 1:
@@ -482,10 +554,12 @@ def mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, 
     else:  # every request is finished by its only program
         mid_o, mid_lse = partials(1, 1, 1, 1, q_latent.device)
     # the kernel indexes 1-d metadata with unit stride (a no-op for dense tensors)
-    req_pool_indices, seq_lens = req_pool_indices.contiguous(), seq_lens.contiguous()
-    tree = tree_mask.contiguous().view(torch.uint8) if tree_mask is not None else req_pool_indices
-    indptr = qo_indptr.contiguous() if qo_indptr is not None else req_pool_indices
-    kernel = _mla_keys_major_kernel if keys_major else _mla_kernel
+    req_to_token = meta.req_to_token
+    req_pool_indices, seq_lens = meta.req_pool_indices.contiguous(), meta.seq_lens.contiguous()
+    tree = (meta.tree_mask.contiguous().view(torch.uint8) if meta.tree_mask is not None
+            else req_pool_indices)
+    indptr = meta.qo_indptr.contiguous() if meta.qo_indptr is not None else req_pool_indices
+    kernel = _mla_keys_major_kernel if plan.keys_major else _mla_kernel
     kernel[(n_blocks, bs, num_splits)](
         q_latent, latent_cache, req_to_token, req_pool_indices, seq_lens, indptr, tree, o,
         mid_o, mid_lse, counters, sm_scale,
@@ -493,10 +567,10 @@ def mla_paged_attention(q_latent, latent_cache, req_to_token, req_pool_indices, 
         o.stride(0), o.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         n_heads, kv_lora_rank, width - kv_lora_rank, num_splits, int(fold),
-        NUM_Q=num_q if mode != CAUSAL else 1, MODE=mode, UPCAST=upcast_dots(q_latent.dtype),
-        MERGE_UNROLL=merge_unroll(block_h, blocks["BLOCK_C"], blocks["num_warps"]),
-        SLOTS_AHEAD=slots_ahead, **blocks,
+        NUM_Q=meta.num_q, MODE=mode, UPCAST=upcast_dots(q_latent.dtype),
+        MERGE_UNROLL=merge_unroll(blocks["BLOCK_H"], blocks["BLOCK_C"], blocks["num_warps"]),
+        SLOTS_AHEAD=policy.slots_ahead, **blocks,
     )
     if num_splits > 1 and not fold:
-        launch_merge(mid_o, mid_lse, seq_lens, o, num_q, num_splits, blocks["BLOCK_N"])
+        launch_merge(mid_o, mid_lse, seq_lens, o, meta.num_q, num_splits, blocks["BLOCK_N"])
     return o

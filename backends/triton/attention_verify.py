@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from .attention_decode import (attend_reference, check_paged_args, check_tree_args,
+from .attention_decode import (SplitPolicy, attend_reference, check_paged_args, check_tree_args,
                                default_sm_scale, gather_kv, split_kv_attention)
+from .attention_meta import PagedMeta
 from .kv import resolve_impl
 
 
@@ -46,12 +47,12 @@ def tree_verify_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, s
                           tree_mask, sm_scale=None, num_splits=None, impl="auto"):
     """Draft-tree attention: q [bs * k, n_q_heads, head_dim] (request-major), tree_mask
     [bs, k, k] bool -> [bs * k, n_q_heads, v_head_dim]."""
-    bs, k = check_tree_args(q, tree_mask)
+    bs, _ = check_tree_args(q, tree_mask)
     check_paged_args(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, bs)
     sm_scale = default_sm_scale(q.shape[-1], sm_scale)
     if resolve_impl(impl, q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                     tree_mask) == "torch":
         return tree_verify_attention_reference(q, k_cache, v_cache, req_to_token,
                                                req_pool_indices, seq_lens, tree_mask, sm_scale)
-    return split_kv_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-                              tree_mask.contiguous(), k, sm_scale, num_splits)
+    meta = PagedMeta.tree(req_to_token, req_pool_indices, seq_lens, tree_mask.contiguous())
+    return split_kv_attention(q, k_cache, v_cache, meta, sm_scale, SplitPolicy(num_splits))
