@@ -150,10 +150,9 @@ def main():
     target, head, dinfo = setup(MODELS[MODEL][0], "cuda", **distill_overrides(os.environ))
     head.set_draft_lm_head(DRAFT_LM_HEAD[MODEL])        # as the main job (eagle.py) runs it
     buckets = pg.Buckets.default(max(BATCHES))
-    # prompts < 40, + output + tree margin + the overlap round's steps + 1 positions (200 as
-    # before at the default spec, more for deeper trees)
-    max_context = max(40 + NEW_TOKENS + 32, 40 + NEW_TOKENS + spec.steps + 2
-                      + max(spec.num_draft_tokens, spec.steps * spec.topk))
+    # prompts < 40, + output + the spec's reservation with the overlap round (200 as before at
+    # the default spec, more for deeper trees)
+    max_context = max(40 + NEW_TOKENS + 32, spec.reservation(40 + NEW_TOKENS, overlap=True))
     kw = dict(max_bs=max(BATCHES), max_context=max_context, buckets=buckets, overlap=OVERLAP)
     workers = {
         "greedy_graphs": Engine(target, head, spec, backend="cuda", prefill=PREFILL, **kw),

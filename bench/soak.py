@@ -43,16 +43,16 @@ def wave(vocab: int, n: int, gen: torch.Generator, max_prompt: int, max_new: int
 
 
 def runner_calls(engine) -> int:
-    return sum(sum(r.stats.calls.values()) + r.stats.eager_fallbacks for r in engine._runners.values())
+    return sum(sum(r.stats.calls.values()) + r.stats.eager_fallbacks for r in engine.worker._runners.values())
 
 
 def shadow_counts(engine) -> tuple[int, int]:
-    rs = engine._runners.values()
+    rs = engine.worker._runners.values()
     return sum(r.stats.shadow_calls for r in rs), sum(r.stats.shadow_mismatches for r in rs)
 
 
 def captures(engine) -> int:
-    return sum(len(r.stats.capture) for r in engine._runners.values())
+    return sum(len(r.stats.capture) for r in engine.worker._runners.values())
 
 
 def soak(args, dtype: torch.dtype, exact: bool) -> dict:
@@ -83,7 +83,7 @@ def soak(args, dtype: torch.dtype, exact: bool) -> dict:
             caps.append(captures(engine))
         print(f"wave {waves}: {runner_calls(engine)} runner calls", flush=True)
     hits = []
-    for name, r in engine._runners.items():
+    for name, r in engine.worker._runners.items():
         try:
             r.canary_check()
         except pg.CanaryError as e:
@@ -95,7 +95,7 @@ def soak(args, dtype: torch.dtype, exact: bool) -> dict:
     res = {"dtype": str(dtype).removeprefix("torch."), "shadow_exact": exact, "shadow_rtol": rtol,
            "calls": runner_calls(engine), "waves": waves, "seconds": time.perf_counter() - t0,
            "shadow_every": args.every, "shadow_verified": verified, "shadow_mismatches": mismatches,
-           "canary_rows": sum(len(r._canary) for r in engine._runners.values() if r._canary is not None),
+           "canary_rows": sum(len(r._canary) for r in engine.worker._runners.values() if r._canary is not None),
            "canary_hits": hits, "memory_after_first_wave": mem[0] if mem else None,
            "memory_growth_bytes": growth, "memory_per_wave": mem, "graphs_captured_per_wave": caps,
            "steady_from_wave": settled + 1, "memory_growth_after_last_capture_bytes": steady,

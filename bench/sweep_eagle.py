@@ -99,11 +99,10 @@ def main(argv=None):
     batches = {1: [prompts_for(1, vocab, seed=1000 + i) for i in range(n_single)],
                sizes[1]: [prompts_for(sizes[1], vocab, seed=1000 * sizes[1])]}
     buckets = pg.Buckets(list(sizes))
-    deepest = max(trees, key=lambda t: t[0] + max(t[2], t[0] * t[1]))
+    deepest = max(trees, key=lambda t: SpecConfig(*t).reservation(0, overlap=True))
 
     def worker(spec, greedy=False):
-        max_context = 40 + new + 32 + spec.steps + 2 + max(spec.num_draft_tokens,
-                                                          spec.steps * spec.topk)
+        max_context = spec.reservation(40 + new + 32, overlap=True)
         kw = dict(max_bs=sizes[1], max_context=max_context, buckets=buckets, backend=backend)
         if gpu:
             kw["prefill"] = "runner"          # as bench_eagle and the main job on a GPU

@@ -197,7 +197,7 @@ def main():
     args = parse_args()
     gpu = torch.cuda.is_available()
     w, prompts, news, lm_head = build_engine(args, gpu)
-    spec, params = w.spec, SamplingParams(temperature=args.temperature)   # seeds: the engine's
+    spec, params = w.worker.spec, SamplingParams(temperature=args.temperature)   # seeds: the engine's
     with torch.no_grad():
         # compile (GPU: capture) and JIT outside the timed runs: the full batch and bs=1
         for gen in (w.generate_spec, w.generate_greedy):
@@ -212,7 +212,7 @@ def main():
           f"draft lm_head {lm_head}: {ss.tokens} tokens in {ss.seconds:.2f}s, "
           f"{ss.rounds} rounds launched")
     print(f"{plain}: {gs.tokens} tokens in {gs.seconds:.2f}s, {gs.rounds} steps launched")
-    entropy = None if params.greedy else mean_entropy(w.target, greedy, params)
+    entropy = None if params.greedy else mean_entropy(w.worker.target, greedy, params)
     if entropy is not None:
         print(f"sampling at temperature {params.temperature} ({args.spec_sampling}): the target's "
               f"mean next-token entropy there {entropy:.2f} nats")

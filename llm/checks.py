@@ -64,10 +64,10 @@ def _call(w, name: str) -> Callable[[torch.Generator], dict]:
     runner moves nothing, so `check` hands them to a reference runner on the state's device)."""
     rt, V, H = w.kv.req_to_token.cpu(), w.target.cfg.vocab_size, w.target.cfg.hidden_size
     k, S, topk = w.spec.num_draft_tokens, w.spec.steps, w.spec.topk
-    top = w.max_context - max(k, S * topk) - 1          # the last sequence length a round fits after
+    top = w.max_context - w.spec.margin                 # the last sequence length a round fits after
     if top <= S + 2:
         raise pg.ContractValueError(f"padgraph.llm.checks: max_context {w.max_context} leaves no room for a "
-                                    f"round of {max(k, S * topk)} tree positions after {S + 2} tokens")
+                                    f"round of {w.spec.tree_positions} tree positions after {S + 2} tokens")
 
     def sample(gen: torch.Generator) -> dict:
         bs, rows = _requests(gen, w)
@@ -121,7 +121,7 @@ def own_slots(w, seed: int = 0) -> None:
     slot shared, the sink slot 0 and the canary slot 1 in none), as admissions would."""
     rt = w.kv.req_to_token
     n_rows, width = rt.shape[0] - FIRST, rt.shape[1]
-    perm = torch.randperm(w.slots.n - FIRST, generator=torch.Generator().manual_seed(seed))[: n_rows * width]
+    perm = torch.randperm(w.n_slots - FIRST, generator=torch.Generator().manual_seed(seed))[: n_rows * width]
     rt[FIRST:] = (perm.int().view(n_rows, width) + FIRST).to(rt.device)
 
 

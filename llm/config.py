@@ -38,13 +38,18 @@ class SpecConfig:
         return self.steps + 1
 
     @property
+    def tree_positions(self) -> int:
+        """Positions from seq_len on that one round writes: verify's k tree tokens or the
+        draft's steps * topk nodes, whichever are more."""
+        return max(self.num_draft_tokens, self.steps * self.topk)
+
+    @property
     def margin(self) -> int:
         """Positions a request reserves past prompt + max_new_tokens. A round that starts at
-        seq_len s touches positions < s + margin - 1 (verify's k tree tokens, the draft's
-        steps * topk nodes). A request still running after a round has emitted
-        seq_len - prompt + 1 < max_new_tokens tokens, so real rounds start at
-        s <= prompt + max_new - 2, inside `prompt + max_new + margin`."""
-        return max(self.num_draft_tokens, self.steps * self.topk) + 1
+        seq_len s touches positions < s + tree_positions = s + margin - 1. A request still
+        running after a round has emitted seq_len - prompt + 1 < max_new_tokens tokens, so real
+        rounds start at s <= prompt + max_new - 2, inside `prompt + max_new + margin`."""
+        return self.tree_positions + 1
 
     @property
     def overlap_margin(self) -> int:
@@ -53,15 +58,21 @@ class SpecConfig:
         writes position prompt + max_new - 1: inside `margin` anyway.)"""
         return self.steps + 1
 
+    def reservation(self, n_tokens: int, overlap: bool = False) -> int:
+        """Positions a request of n_tokens (prompt + max_new_tokens) may touch: n_tokens +
+        `margin`, + `overlap_margin` where an overlapped loop may run a round past its end."""
+        return n_tokens + self.margin + (self.overlap_margin if overlap else 0)
+
 
 @dataclass(frozen=True)
 class WorkerOptions:
-    """How a `Worker` serves (the keywords `Worker(...)` takes besides the backend).
+    """How an `Engine` and its `Worker` serve (the keywords `Engine(...)` and `Worker(...)` take
+    besides the backend).
 
     max_bs: requests running at once (the graphs' largest bucket, default ladder up to it).
     max_context bounds prompt + max_new_tokens + the tree margin per request (checked at
-    admission); with overlap the worker reserves `overlap_margin` more positions where they fit.
-    overlap: queue round N+1 before reading round N back (`Engine._loop`); False runs the plain
+    admission); with overlap a request reserves `overlap_margin` more positions where they fit.
+    overlap: queue round N+1 before reading round N back (`Engine`'s loop); False runs the plain
     loop (read back, then queue the next). tail_sync (with overlap): read the round in flight
     back before queuing the next when it may finish every running request, so a batch's end runs
     no round discarded whole. torch_compile: compile the decoder layers inside the runners; None:

@@ -6,7 +6,8 @@ every call, broadcasts the raw scheduled batch (a `Step`: host tensors) to the o
 CPU (gloo) group; they `follow`. Every rank then calls its runner with identical raw inputs, so
 every rank's bucket is the same pure function of the same extents (`Plan.bucket_for`), with no
 device-side agreement and no host sync on the followers. `padgraph.distributed.agree` checks that
-premise on every call when asked. Under EAGLE (`TPEngine`) every rank runs the whole loop itself.
+premise on every call when asked. Under EAGLE every rank runs the whole loop itself: an `Engine`
+on a `TPWorker`.
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ from .kv import FIRST, KVCache, RowAllocator, SlotAllocator, new_cache
 from .models.llama_tp import LlamaTP
 from .programs import programs
 from .requests import Request
-from .scheduler import Engine
 from .timing import to_host
+from .worker import Worker
 
 
 @dataclass
@@ -171,15 +172,17 @@ def follow(shard: Shard, cpu_group) -> None:
             return
 
 
-class TPEngine(Engine):
-    """The `Engine` on one rank of an EAGLE run: the target is this rank's LlamaTP
-    shard (verify is tensor-parallel), the draft head is replicated (its embedding and logits go
-    through the target's vocab-parallel collectives, its one layer runs whole on every rank).
+class TPWorker(Worker):
+    """The `Worker` of one rank of an EAGLE run, served by an `Engine` (`Engine.on(worker)`):
+    the target is this rank's LlamaTP shard (verify is tensor-parallel), the draft head is
+    replicated (its embedding and logits go through the target's vocab-parallel collectives,
+    its one layer runs whole on every rank, so its cache holds every KV head).
 
     Here every rank runs the whole loop itself, SGLang's way: rank 0 broadcasts the requests
     once; the loop is then deterministic, since every rank reads the same gathered logits and
     the same all-reduced hidden states, so every call's raw inputs (device tensors that one
-    runner hands the next) are equal on every rank without being sent. `agree` checks it."""
+    runner hands the next) are equal on every rank without being sent. `agree` checks it
+    (check_ranks: `pgd.agree`'s enabled) on every runner."""
 
     def __init__(self, target: LlamaTP, head, spec: SpecConfig, cpu_group=None,
                  check_ranks: bool | None = None, **kw):
@@ -194,8 +197,3 @@ class TPEngine(Engine):
             self._runners[name] = pgd.agree(super().runner(name), self.cpu_group,
                                             enabled=self.check_ranks)
         return self._runners[name]
-
-
-def spec_margin(spec: SpecConfig) -> int:
-    """What the engine reserves per request past prompt + output (`SpecConfig.margin`)."""
-    return spec.margin

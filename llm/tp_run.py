@@ -25,7 +25,7 @@ from .models.llama_tp import LlamaTP, TPGroup
 from .presets import workload
 from .requests import Request
 from .scheduler import Engine
-from .tp import Shard, TPEngine, drive, follow, spec_margin, top2_decode_body
+from .tp import Shard, TPWorker, drive, follow, top2_decode_body
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,7 @@ def run_single(setup: Setup, prompts, max_new_tokens) -> list[Request]:
     """The same requests through an `Engine`: the full model in this process."""
     target = full_model(setup, setup.device)
     w = Engine(target, None, SpecConfig(), backend=setup.backend, max_bs=setup.max_bs,
-               max_context=setup.max_context + spec_margin(SpecConfig()),
+               max_context=SpecConfig().reservation(setup.max_context),
                buckets=pg.Buckets(list(setup.buckets)), torch_compile=False)
     with torch.no_grad():
         reqs, _ = w.generate_greedy(prompts, max_new_tokens)
@@ -185,17 +185,17 @@ def run_eagle(target: LlamaTP, setup: Setup, cpu_group, prompts, max_new_tokens)
     """EAGLE over this rank's shard with a replicated (untrained) head; rank 0's requests."""
     head = EagleHead(target).to(target.lm_head.weight.device, setup.dtype)
     prompts, max_new_tokens = pgd.broadcast((prompts, max_new_tokens), cpu_group)
-    w = TPEngine(target, head, EAGLE_SPEC, cpu_group, setup.check_ranks or None,
-                 backend=setup.backend, max_bs=setup.max_bs,
-                 max_context=setup.max_context + spec_margin(EAGLE_SPEC),
-                 buckets=pg.Buckets(list(setup.buckets)),
-                 compile_options={"progress": False} if setup.backend == "cuda" else None,
-                 # eager layers: the ranks' collectives have not run under torch.compile (nor
-                 # on two GPUs at all); the single-process reference above stays eager too
-                 torch_compile=False)
+    worker = TPWorker(target, head, EAGLE_SPEC, cpu_group, setup.check_ranks or None,
+                      backend=setup.backend, max_bs=setup.max_bs,
+                      max_context=EAGLE_SPEC.reservation(setup.max_context),
+                      buckets=pg.Buckets(list(setup.buckets)),
+                      compile_options={"progress": False} if setup.backend == "cuda" else None,
+                      # eager layers: the ranks' collectives have not run under torch.compile
+                      # (nor on two GPUs at all); the single-process reference stays eager too
+                      torch_compile=False)
     with torch.no_grad():
-        reqs, stats = w.generate_spec(prompts, max_new_tokens)
-    calls = {name: dict(r.stats.calls) for name, r in w._runners.items()}
+        reqs, stats = Engine.on(worker).generate_spec(prompts, max_new_tokens)
+    calls = {name: dict(r.stats.calls) for name, r in worker._runners.items()}
     return {"outputs": [(r.output, r.gaps) for r in reqs], "rounds": stats.rounds,
             "accept_len": stats.accept_len, "calls": calls}
 

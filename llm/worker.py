@@ -1,10 +1,12 @@
 """The worker: the runner programs of one target and draft head, compiled on first use, and
 the rounds they run (prefill, draft prefill, an EAGLE round, a decode step).
 
-It owns the paged caches and their allocators; which requests run, and when, is the scheduler's
-(`padgraph.llm.scheduler.Engine`). Every round is a few runner calls (backend "cuda" on a GPU,
-"reference" on the CPU) and queues its results' `Readback` without a host synchronisation, so
-the scheduler can queue the next round before reading this one.
+It owns the paged caches (`n_rows` req_to_token rows, `n_slots` KV slots); which request holds
+which row and slots is the request pool's (`padgraph.llm.admission.RequestPool`), and which
+requests run, and when, the engine's (`padgraph.llm.scheduler.Engine`, which holds a worker).
+Every round is a few runner calls (backend "cuda" on a GPU, "reference" on the CPU) and queues
+its results' `Readback` without a host synchronisation, so the engine can queue the next round
+before reading this one.
 
 Per-request KV: a request owns one req_to_token row and, from admission, the slots for its whole
 budget (prompt + max_new_tokens + tree scratch), so draft and verify tokens use the slots of the
@@ -26,7 +28,7 @@ from padgraph.backends.triton import eagle as ops
 from .batch import RawView
 from .bodies import bodies, decode_body, draft_prefill_body, draw, extend_body
 from .config import SpecConfig, WorkerOptions
-from .kv import FIRST, RowAllocator, SlotAllocator, cache_state, new_cache, new_draft_cache
+from .kv import FIRST, cache_state, new_cache, new_draft_cache
 from .programs import draft_prefill_runner_program, extend_prefill_program, programs
 from .state import GreedyState, PrefillBatch, SamplingLanes, SpecState, pack_prompts
 from .timing import PhaseClock, Readback
@@ -39,31 +41,36 @@ class Worker:
 
     backend: "cuda" | "reference"; runners are compiled on first use and kept, so repeated
     calls replay the same graphs. `options` are `WorkerOptions`' fields (max_bs, max_context,
-    overlap, prefill, ...). The H200 Llama main job's draft phase fell from 1.98 to 1.52 ms a
-    round with draft_compile="whole"; it has not been run on a GPU for the DeepSeek MTP head,
-    hence not the default.
+    prefill, ...), kept as one value (`opts`); the scheduling ones (overlap, tail_sync, eos_id,
+    seed) are the engine's and the request pool's to read. The H200 Llama main job's draft phase
+    fell from 1.98 to 1.52 ms a round with draft_compile="whole"; it has not been run on a GPU for
+    the DeepSeek MTP head, hence not the default.
     """
 
     def __init__(self, target, head, spec: SpecConfig, *, backend: str = "reference", **options):
-        o = WorkerOptions(**options)
+        o = self.opts = WorkerOptions(**options)
         self.target, self.head, self.spec, self.backend = target, head, spec, backend
-        self.max_bs, self.max_context, self.eos_id = o.max_bs, o.max_context, o.eos_id
-        self.overlap, self.tail_sync, self.seed = o.overlap, o.tail_sync, o.seed
-        self.sampling = o.sampling
-        self.margin, self.overlap_margin = spec.margin, spec.overlap_margin   # SpecConfig says why
-        n_slots = o.max_bs * o.max_context + FIRST   # each request reserves at most max_context
+        self.n_slots = o.max_bs * o.max_context + FIRST   # each request reserves at most max_context
+        self.n_rows = o.max_bs + FIRST
         tree_nodes = spec.num_draft_tokens if head is not None else 0   # a verify's, per request
-        self.kv = new_cache(target, target.cfg.n_layers, n_slots, o.max_context, o.max_bs + FIRST,
+        self.kv = new_cache(target, target.cfg.n_layers, self.n_slots, o.max_context, self.n_rows,
                             tree_nodes)
-        self.dkv = new_draft_cache(target, n_slots)   # the head's layer; rows: self.kv's
-        self.slots, self.rows = SlotAllocator(n_slots), RowAllocator(o.max_bs + FIRST)
+        self.dkv = new_draft_cache(target, self.n_slots)   # the head's layer; rows: self.kv's
         self.prefill_mode = o.prefill
         self.draft_prefill_mode = o.draft_prefill if head is not None else "eager"
         self.programs, self.bodies = self._declare(o)
-        self.compile_options = o.compile_options or {}
         self.torch_compile = backend == "cuda" if o.torch_compile is None else o.torch_compile
-        self.draft_compile = o.draft_compile
         self._runners: dict = {}
+
+    @property
+    def max_bs(self) -> int:
+        """Requests running at once: the most rows a round runs."""
+        return self.opts.max_bs
+
+    @property
+    def max_context(self) -> int:
+        """Positions per request row (prompt + output + the reservation's margins)."""
+        return self.opts.max_context
 
     def _declare(self, o: WorkerOptions) -> tuple[dict, dict]:
         """The runner programs and their bodies: decode (and the EAGLE three with a head), plus
@@ -95,9 +102,9 @@ class Worker:
         layer for draft / draft-extend — so each layer kind compiles once for the whole ladder
         and inductor's fused kernels (norms, RoPE, activations) replace eager's small ones;
         draft_compile="whole": the draft and draft-extend bodies compiled whole."""
-        opts = dict(self.compile_options)
+        opts = dict(self.opts.compile_options or {})
         if self.torch_compile and "torch_compile" not in opts:
-            if name in ("draft", "draft_extend") and self.draft_compile == "whole":
+            if name in ("draft", "draft_extend") and self.opts.draft_compile == "whole":
                 opts["torch_compile"] = {"fullgraph": True}
             else:
                 layers = self.target.layers if name in _TARGET_RUNNERS else [self.head.layer]
@@ -154,9 +161,14 @@ class Worker:
                          sampling=lanes)
 
     # ---- rounds ------------------------------------------------------------------------
+    def lanes(self, reqs) -> SamplingLanes:
+        """The requests' sampling lanes on the worker's device (no host sync)."""
+        return SamplingLanes.of([r.params for r in reqs], [r.seed for r in reqs],
+                                self.kv.req_to_token.device)
+
     def lane_inputs(self, lanes: SamplingLanes) -> dict:
         """The sampling inputs of decode and verify (none where the worker does not sample)."""
-        return lanes.inputs() if self.sampling else {}
+        return lanes.inputs() if self.opts.sampling else {}
 
     def spec_round(self, st: SpecState, clock: PhaseClock):
         """Queue draft → verify → draft-extend for the batch in `st` and start the readback of

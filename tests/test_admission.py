@@ -11,7 +11,7 @@ import torch
 from padgraph.llm import admission, timing
 from padgraph.llm.models.eagle_head import EagleHead
 from padgraph.llm.models.llama import LlamaConfig, LlamaModel
-from padgraph.llm import Engine, SpecConfig
+from padgraph.llm import Engine, RequestPool, SpecConfig, Worker
 from test_eagle_e2e import assert_released
 
 import padgraph as pg
@@ -55,11 +55,11 @@ def alone(models):
 
 
 def track_in_flight(monkeypatch, step_name: str) -> list:
-    """Patch Engine.<step_name> (spec_round / decode_step) and Readback.wait so the returned
+    """Patch Worker.<step_name> (spec_round / decode_step) and Readback.wait so the returned
     list holds the readbacks of rounds queued and not yet read back, each with `.rows`, the
     req_to_token rows its round uses."""
     in_flight: list = []
-    orig_step, orig_wait = getattr(Engine, step_name), timing.Readback.wait
+    orig_step, orig_wait = getattr(Worker, step_name), timing.Readback.wait
 
     def step(self, st, clock):
         nxt, rb = orig_step(self, st, clock)
@@ -72,7 +72,7 @@ def track_in_flight(monkeypatch, step_name: str) -> list:
         in_flight[:] = [rb for rb in in_flight if rb is not self]
         return out
 
-    monkeypatch.setattr(Engine, step_name, step)
+    monkeypatch.setattr(Worker, step_name, step)
     monkeypatch.setattr(timing.Readback, "wait", wait)
     return in_flight
 
@@ -108,7 +108,7 @@ def test_admitted_rows_are_never_in_flight(models, monkeypatch, tail_sync):
     w = _worker(target, head, True, tail_sync=tail_sync)
     in_flight = track_in_flight(monkeypatch, "spec_round")
     checked = []
-    orig_admit = Engine._admit
+    orig_admit = RequestPool.admit
 
     def admit(self, prompts, news, rids=None, params=None):
         reqs = orig_admit(self, prompts, news, rids, params)
@@ -117,7 +117,7 @@ def test_admitted_rows_are_never_in_flight(models, monkeypatch, tail_sync):
         checked.append(len(busy))
         return reqs
 
-    monkeypatch.setattr(Engine, "_admit", admit)
+    monkeypatch.setattr(RequestPool, "admit", admit)
     reqs, st = _run(w, "spec", prompts, news)
     assert st.prefills > 2 and all(r.done for r in reqs)
     assert sum(1 for b in checked if b) >= 2      # admissions while a round was in flight
@@ -152,7 +152,7 @@ def test_admissions_read_first_tokens_late_and_eos_there_releases_after_the_roun
     in_flight = track_in_flight(monkeypatch, "spec_round" if mode == "spec" else "decode_step")
     deferred: list = []
     released_while_busy = []
-    orig_release, orig_read = Engine.release, admission.Refill.read_first
+    orig_release, orig_read = RequestPool.release, admission.Refill.read_first
 
     def release(self, req):
         busy = set().union(*(rb.rows for rb in in_flight)) if in_flight else set()
@@ -166,7 +166,7 @@ def test_admissions_read_first_tokens_late_and_eos_there_releases_after_the_roun
         deferred.extend(r.rid for r in done)
         return done
 
-    monkeypatch.setattr(Engine, "release", release)
+    monkeypatch.setattr(RequestPool, "release", release)
     monkeypatch.setattr(admission.Refill, "read_first", read_first)
     reqs, st = _run(w, mode, prompts, news)
     assert [r.output for r in reqs] == want

@@ -164,13 +164,13 @@ def test_canary_rows_are_never_drawn():
 def test_the_standard_decode_runner_has_no_finding_without_sample():
     """padgraph.llm's own decode program and body (KV pools and a page table with sink 0): no
     finding without sample=, where draws in 0..3 reported dozens."""
-    from padgraph.llm import Engine, SpecConfig, checks
+    from padgraph.llm import SpecConfig, Worker, checks
     from padgraph.llm.models.eagle_head import EagleHead
     from padgraph.llm.models.llama import LlamaConfig, LlamaModel
 
     torch.manual_seed(0)
     target = LlamaModel(LlamaConfig.tiny()).eval()
-    w = Engine(target, EagleHead(target).eval(), SpecConfig(steps=3, topk=2, num_draft_tokens=5), max_bs=8,
+    w = Worker(target, EagleHead(target).eval(), SpecConfig(steps=3, topk=2, num_draft_tokens=5), max_bs=8,
                max_context=48, buckets=B)
     checks.own_slots(w)                                      # every row but 0 owns 48 slots
     program, body = w.programs["decode"], w.bodies["decode"]

@@ -60,7 +60,7 @@ def test_bf16_cuda_deepseek_spec_matches_greedy_up_to_ties(oracle):
     assert len(ties) <= 2
     if oracle:
         assert stats.accept_len >= 0.7 * (spec.steps + 1)
-    assert w.slots.all_free and w.rows.all_free
+    assert w.pool.slots.all_free and w.pool.rows.all_free
 
 
 @pytest.mark.parametrize("draft_compile", ["regions", "whole"])

@@ -71,7 +71,7 @@ def test_bf16_cuda_spec_matches_greedy_up_to_ties(oracle):
     assert len(ties) <= 2
     if oracle:
         assert stats.accept_len >= 0.8 * (spec.steps + 1)
-    assert w.slots.all_free and w.rows.all_free
+    assert w.pool.slots.all_free and w.pool.rows.all_free
     # phases from CUDA events: the stream's timeline between the two synchronisations
     assert list(stats.phases) == ["prefill", "draft", "verify", "draft_extend", "host"]
     assert all(t > 0 for t in stats.phases.values()), stats.phases
@@ -105,5 +105,5 @@ def test_cuda_continuous_admission_matches_greedy_up_to_ties(overlap):
             print(f"\n{mode} overlap={overlap}: exact {exact}, ties {ties}, other {real}")
             assert not real, (mode, real)
             assert len(ties) <= 2
-            assert narrow.slots.all_free
-            assert narrow.rows.all_free
+            assert narrow.pool.slots.all_free
+            assert narrow.pool.rows.all_free

@@ -43,9 +43,9 @@ def one_thread():
 
 
 def assert_released(w):
-    assert w.slots.all_free
-    assert w.rows.all_free
-    assert not w.kv.req_to_token[FIRST:].any()
+    assert w.pool.slots.all_free
+    assert w.pool.rows.all_free
+    assert not w.worker.kv.req_to_token[FIRST:].any()
 
 
 def test_paged_forwards_match_dense():
@@ -55,7 +55,7 @@ def test_paged_forwards_match_dense():
     ps = [[3, 9, 4, 1, 7], [5, 2, 8]]
     with torch.no_grad():
         reqs = w.admit(ps, [4, 4])
-        logits, hidden, b = w.prefill(reqs)
+        logits, hidden, b = w.worker.prefill(reqs)
         for r, p in enumerate(ps):
             dl, dh = target.forward_dense(torch.tensor([p]))
             torch.testing.assert_close(logits[r], dl[0, -1], rtol=1e-4, atol=1e-4)
@@ -73,7 +73,7 @@ def test_random_draft_exact_and_released():
         assert len(g.output) == g.max_new_tokens
     assert stats.accept_len < 1.5          # a random head accepts almost nothing
     assert_released(w)
-    verify = w.runner("verify")
+    verify = w.worker.runner("verify")
     assert sum(verify.stats.padded_lanes.values()) > 0   # odd raw sizes were padded
 
 

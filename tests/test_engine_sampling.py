@@ -71,8 +71,8 @@ def _on(dev, pair):
 
 
 def _released(w):
-    return (w.slots.all_free and w.rows.all_free
-            and not w.kv.req_to_token[FIRST:].any())
+    return (w.pool.slots.all_free and w.pool.rows.all_free
+            and not w.worker.kv.req_to_token[FIRST:].any())
 
 
 # ---------------------------------------------------------------- greedy stays greedy
@@ -211,7 +211,7 @@ def test_a_greedy_only_engine_keeps_todays_programs_and_refuses_sampling(models)
     engine's greedy tokens, and a request with temperature > 0 is refused before admission."""
     target, head = models["random"]
     greedy_only, sampling = _engine(target, head, sampling=False), _engine(target, head)
-    assert "temperature" not in greedy_only.programs["verify"].inputs
+    assert "temperature" not in greedy_only.worker.programs["verify"].inputs
     ps, news = _prompts(target.cfg.vocab_size), [n for _, n in LENS]
     for mode in ("spec", "greedy"):
         assert _serve(greedy_only, mode, ps, news, None) == _serve(sampling, mode, ps, news, None)
@@ -260,7 +260,7 @@ def test_padded_lanes_read_their_declared_pads(models, backend):
     (temperature 0, top_k 0, top_p 1, min_p 0, seed 0) on lane 3, not the earlier call's."""
     dev = "cuda" if backend == "cuda" else "cpu"
     target, head = _on(dev, models["random"])
-    w = _engine(target, head, backend=backend, buckets=(4,))
+    w = _engine(target, head, backend=backend, buckets=(4,)).worker
     checks.own_slots(w)
     seen = []
     decode = llm_bodies.decode_body(target)
@@ -285,7 +285,7 @@ def test_parameters_at_capture_never_reach_live_calls(models, backend):
     then serve others: each call's tokens equal the body run eagerly on the raw call."""
     dev = "cuda" if backend == "cuda" else "cpu"
     target, head = _on(dev, models["random"])
-    w = _engine(target, head, backend=backend)
+    w = _engine(target, head, backend=backend).worker
     checks.own_slots(w)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -313,7 +313,7 @@ def test_check_flags_raw_lanes_that_read_padded_parameters(models):
     a raw lane's token depend on the bucket: `pg.check` reports pad leakage on `next_token`.
     The correct body passes (`test_runners.test_check_runner_programs`)."""
     target, head = models["random"]
-    w = _engine(target, head)
+    w = _engine(target, head).worker
 
     def batch_temperature(x):
         logits, _ = target.forward_decode(x.input_ids, x.positions, llm_bodies.Batch.from_view(x))
@@ -350,7 +350,7 @@ def test_shadow_flags_a_body_that_samples_from_the_global_generator(models):
     numbers, so the shadow reports the call (a keyed stream, as `sample` uses, re-draws the
     same)."""
     target, head = models["random"]
-    w = _engine(target, head)
+    w = _engine(target, head).worker
     checks.own_slots(w)
 
     def global_generator(x):

@@ -60,10 +60,10 @@ def test_prefill_runner_equals_eager_prefill(kind):
     eager, runner = _worker(target, head, "eager"), _worker(target, head, "runner")
     for mode in ("spec", "greedy"):
         _same(_run(runner, mode, prompts, news), _run(eager, mode, prompts, news))
-    st = runner.runner("prefill").stats
+    st = runner.worker.runner("prefill").stats
     n_tok = sum(n for n, _ in LENS)                   # 35 packed tokens: bucket 48
     assert dict(st.calls) == {48: 2} and st.padded_lanes[48] > 0 and st.eager_fallbacks == 0
-    assert "prefill" not in eager._runners and n_tok == 35
+    assert "prefill" not in eager.worker._runners and n_tok == 35
     # a smaller batch lands in a smaller bucket of the same runner
     _same(_run(runner, "greedy", prompts[:2], news[:2]), _run(eager, "greedy", prompts[:2], news[:2]))
     assert st.calls[16] == 1
@@ -76,10 +76,10 @@ def test_batch_past_the_prefill_ladder_runs_the_overflow_policy():
     target, head = _models("llama")
     prompts, news = _prompts(target.cfg.vocab_size), [m for _, m in LENS]
     small = _worker(target, head, "runner", prefill_tokens=24)
-    assert list(small.programs["prefill"].buckets) == [16, 24]
+    assert list(small.worker.programs["prefill"].buckets) == [16, 24]
     _same(_run(small, "greedy", prompts, news), _run(_worker(target, head, "eager"), "greedy",
                                                      prompts, news))
-    assert small.runner("prefill").stats.eager_fallbacks == 1
+    assert small.worker.runner("prefill").stats.eager_fallbacks == 1
 
 
 def test_compiled_prefill_runner_gives_the_eager_tokens():
@@ -89,12 +89,12 @@ def test_compiled_prefill_runner_gives_the_eager_tokens():
     target, head = _models("llama")
     prompts, news = _prompts(target.cfg.vocab_size), [m for _, m in LENS]
     compiled = _worker(target, head, "runner", torch_compile=True)
-    assert "regions" in compiled.options("prefill")["torch_compile"]
+    assert "regions" in compiled.worker.options("prefill")["torch_compile"]
     eager = _worker(target, head, "eager")
     for p, n in ((prompts, news), (prompts[:2], news[:2])):      # buckets 48, then 16
         (ra, _), (rb, _) = _run(compiled, "greedy", p, n), _run(eager, "greedy", p, n)
         assert [r.output for r in ra] == [r.output for r in rb]
-    st = compiled.runner("prefill").stats
+    st = compiled.worker.runner("prefill").stats
     assert st.compiles >= 1 and st.calls[48] == st.calls[16] == 1
 
 
@@ -118,7 +118,7 @@ def test_cuda_prefill_runner_gives_the_eager_prefill_tokens(kind):
         for p, n in ((prompts, news), (prompts[:2], news[:2])):
             (ra, _), (rb, _) = _run(runner, mode, p, n), _run(eager, mode, p, n)
             assert [r.output for r in ra] == [r.output for r in rb], (kind, mode, len(p))
-    st = runner.runner("prefill").stats
+    st = runner.worker.runner("prefill").stats
     assert st.calls[48] == 2 and st.calls[16] == 2 and st.eager_fallbacks == 0
 
 
@@ -135,19 +135,19 @@ def test_draft_prefill_runner_equals_eager_draft_prefill(kind):
     for prefill in ("runner", "eager"):
         runner = _worker(target, head, prefill, draft_prefill="runner")
         _same(_run(runner, "spec", prompts, news), _run(eager, "spec", prompts, news))
-        st = runner.runner("draft_prefill").stats
+        st = runner.worker.runner("draft_prefill").stats
         assert dict(st.calls) == {48: 1} and st.padded_lanes[48] > 0 and st.eager_fallbacks == 0
-        assert "draft_prefill" not in eager._runners
+        assert "draft_prefill" not in eager.worker._runners
         assert_released(runner)
     # the first draft state itself, request by request
-    reqs = runner._admit(prompts[:3], news[:3])
+    reqs = runner.admit(prompts[:3], news[:3])
     with torch.no_grad():
-        logits, hidden, b = runner.prefill(reqs)
+        logits, hidden, b = runner.worker.prefill(reqs)
         first = logits.argmax(-1)
-        got = runner.draft_prefill(first, hidden, b)
-        runner.draft_prefill_mode = "eager"
-        want = runner.draft_prefill(first, hidden, b)
-        runner.draft_prefill_mode = "runner"
+        got = runner.worker.draft_prefill(first, hidden, b)
+        runner.worker.draft_prefill_mode = "eager"
+        want = runner.worker.draft_prefill(first, hidden, b)
+        runner.worker.draft_prefill_mode = "runner"
     for f in ("topk_p", "topk_index", "hidden", "draft_loc"):
         torch.testing.assert_close(getattr(got, f), getattr(want, f), rtol=1e-5, atol=1e-5)
     for r in reqs:
@@ -158,7 +158,7 @@ def test_draft_prefill_runner_equals_eager_draft_prefill(kind):
     ref = Engine(target, head, SPEC, max_bs=3, max_context=48, prefill="runner",
                  buckets=pg.Buckets([1, 2, 3]))
     _same(_run(small, "spec", prompts, news), _run(ref, "spec", prompts, news))
-    assert sum(small.runner("draft_prefill").stats.calls.values()) >= 3
+    assert sum(small.worker.runner("draft_prefill").stats.calls.values()) >= 3
     with pytest.raises(ValueError, match="draft_prefill must be"):
         _worker(target, head, "runner", draft_prefill="graphs")
 
@@ -177,7 +177,7 @@ def test_cuda_draft_prefill_runner_gives_the_eager_tokens(kind):
     for p, n in ((prompts, news), (prompts[:2], news[:2])):
         (ra, _), (rb, _) = _run(runner, "spec", p, n), _run(eager, "spec", p, n)
         assert [r.output for r in ra] == [r.output for r in rb], (kind, len(p))
-    st = runner.runner("draft_prefill").stats
+    st = runner.worker.runner("draft_prefill").stats
     assert st.calls[48] == 1 and st.calls[16] == 1 and st.eager_fallbacks == 0
 
 
@@ -188,12 +188,12 @@ def test_compiled_draft_prefill_runner_gives_the_eager_tokens():
     target, head = _models("llama")
     prompts, news = _prompts(target.cfg.vocab_size), [m for _, m in LENS]
     compiled = _worker(target, head, "runner", torch_compile=True, draft_prefill="runner")
-    opts = compiled.options("draft_prefill")["torch_compile"]
+    opts = compiled.worker.options("draft_prefill")["torch_compile"]
     assert opts["regions"] == [head.layer]
     eager = _worker(target, head, "runner")
     (ra, _), (rb, _) = _run(compiled, "spec", prompts, news), _run(eager, "spec", prompts, news)
     assert [r.output for r in ra] == [r.output for r in rb]
-    assert compiled.runner("draft_prefill").stats.compiles >= 1
+    assert compiled.worker.runner("draft_prefill").stats.compiles >= 1
 
 
 def test_shifted_prompts_against_a_loop():

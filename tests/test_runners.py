@@ -12,7 +12,7 @@ from padgraph.llm.programs import (decode_program, draft_extend_program, draft_p
 
 from padgraph.llm.models.eagle_head import EagleHead
 from padgraph.llm.models.llama import LlamaConfig, LlamaModel
-from padgraph.llm import Engine, SpecConfig, checks
+from padgraph.llm import SpecConfig, Worker, checks
 from padgraph.llm.programs import SAMPLING_INPUTS, prefill_buckets
 
 
@@ -90,7 +90,7 @@ def worker():
     torch.manual_seed(0)
     target = LlamaModel(LlamaConfig.tiny()).eval()
     head = EagleHead(target).eval()
-    w = Engine(target, head, SPEC, max_bs=8, max_context=48, buckets=pg.Buckets([1, 2, 4, 8]),
+    w = Worker(target, head, SPEC, max_bs=8, max_context=48, buckets=pg.Buckets([1, 2, 4, 8]),
                prefill="runner", draft_prefill="runner")
     checks.own_slots(w)                                      # every row but 0 owns 48 slots
     return w

@@ -13,7 +13,7 @@ import torch
 from padgraph.llm import timing
 from padgraph.llm.models.eagle_head import EagleHead
 from padgraph.llm.models.llama import LlamaConfig, LlamaModel
-from padgraph.llm import Engine, SpecConfig
+from padgraph.llm import Engine, RequestPool, SpecConfig, Worker
 from test_eagle_e2e import assert_released
 
 import padgraph as pg
@@ -169,15 +169,14 @@ def test_late_retirement_stays_in_bounds_and_releases_after_readback(models, mon
     round that used it has been read back, and no later round uses it."""
     target, head = models["oracle"]
     prompts, news = _prompts(target.cfg.vocab_size), [m for _, m in LENS]
-    w0 = _worker(target, head, True)
-    tight = max(len(p) + n for p, n in zip(prompts, news)) + w0.margin + w0.overlap_margin
+    tight = SPEC.reservation(max(len(p) + n for p, n in zip(prompts, news)), overlap=True)
     w = _worker(target, head, True, max_context=tight)
     calls = {"draft": [], "verify": []}
     for name, log in calls.items():
-        w._runners[name] = _Recorder(w.runner(name), log)
+        w.worker._runners[name] = _Recorder(w.worker.runner(name), log)
     launched, reads, released = [], [0], []
-    orig_round, orig_wait, orig_release = Engine.spec_round, timing.Readback.wait, \
-        Engine.release
+    orig_round, orig_wait, orig_release = Worker.spec_round, timing.Readback.wait, \
+        RequestPool.release
 
     def spec_round(self, st, clock):
         launched.append(set(st.rows.tolist()))
@@ -191,9 +190,9 @@ def test_late_retirement_stays_in_bounds_and_releases_after_readback(models, mon
         released.append((req.row, reads[0], len(launched)))
         return orig_release(self, req)
 
-    monkeypatch.setattr(Engine, "spec_round", spec_round)
+    monkeypatch.setattr(Worker, "spec_round", spec_round)
     monkeypatch.setattr(timing.Readback, "wait", wait)
-    monkeypatch.setattr(Engine, "release", release)
+    monkeypatch.setattr(RequestPool, "release", release)
     with warnings.catch_warnings():
         warnings.simplefilter("error")                # it fits: overlap stays on
         on = _run(w, "spec", prompts, news)
@@ -215,8 +214,7 @@ def test_late_retirement_stays_in_bounds_and_releases_after_readback(models, mon
 def test_overlap_off_where_the_extra_round_does_not_fit(models):
     target, head = models["oracle"]
     prompts, news = _prompts(target.cfg.vocab_size), [m for _, m in LENS]
-    w0 = _worker(target, head, True)
-    fits = max(len(p) + n for p, n in zip(prompts, news)) + w0.margin   # no room for it
+    fits = SPEC.reservation(max(len(p) + n for p, n in zip(prompts, news)))   # no room for it
     w = _worker(target, head, True, max_context=fits)
     with pytest.warns(UserWarning, match="overlap off for this run"):
         on = _run(w, "spec", prompts, news)
@@ -281,7 +279,7 @@ def test_cuda_overlapped_rounds_never_sync(monkeypatch):
         assert len(waits) - n0 == stats.rounds + 1    # one wait per round launched + admission
         assert stats.discarded <= 3                   # at most one per request that ran rounds
         assert [r.output for r in reqs] == [r.output for r in warm[mode][0]], mode
-    assert w.slots.all_free and w.rows.all_free
+    assert w.pool.slots.all_free and w.pool.rows.all_free
 
 
 @pytest.mark.cuda
@@ -309,7 +307,7 @@ def test_cuda_continuous_admission_never_syncs(monkeypatch):
         assert stats.overlap and stats.prefills >= 3, (mode, stats)
         assert stats.rounds < len(waits) - n0 <= stats.rounds + stats.prefills
         assert [r.output for r in reqs] == [r.output for r in warm[mode][0]], mode
-    assert w.slots.all_free and w.rows.all_free
+    assert w.pool.slots.all_free and w.pool.rows.all_free
 
 
 def test_compiled_layers_give_the_eager_tokens(models):
@@ -319,11 +317,11 @@ def test_compiled_layers_give_the_eager_tokens(models):
     prompts, news = _prompts(target.cfg.vocab_size), [n for _, n in LENS]
     eager = _worker(target, head, True)
     compiled = _worker(target, head, True, torch_compile=True)
-    assert "torch_compile" in compiled.options("draft") and "torch_compile" not in eager.options("draft")
+    assert "torch_compile" in compiled.worker.options("draft") and "torch_compile" not in eager.worker.options("draft")
     for mode in ("spec", "greedy"):
         (ra, _), (rb, _) = _run(compiled, mode, prompts, news), _run(eager, mode, prompts, news)
         assert [r.output for r in ra] == [r.output for r in rb], mode
-    for name, runner in compiled._runners.items():
+    for name, runner in compiled.worker._runners.items():
         assert runner.stats.compiles >= 1, name
 
 
@@ -338,12 +336,12 @@ def test_whole_draft_bodies_compile_fullgraph_and_give_the_eager_tokens(models):
     prompts, news = _prompts(target.cfg.vocab_size, lens), [n for _, n in lens]
     eager = _worker(target, head, True, spec=spec)
     whole = _worker(target, head, True, spec=spec, torch_compile=True, draft_compile="whole")
-    assert "regions" not in whole.options("draft")["torch_compile"]
-    assert "regions" in whole.options("verify")["torch_compile"]
+    assert "regions" not in whole.worker.options("draft")["torch_compile"]
+    assert "regions" in whole.worker.options("verify")["torch_compile"]
     (ra, _), (rb, _) = _run(whole, "spec", prompts, news), _run(eager, "spec", prompts, news)
     assert [r.output for r in ra] == [r.output for r in rb]
     for name in ("draft", "draft_extend"):
-        assert whole._runners[name].stats.compiles >= 1, name
+        assert whole.worker._runners[name].stats.compiles >= 1, name
     with pytest.raises(ValueError, match="draft_compile"):
         _worker(target, head, True, draft_compile="all")
 
@@ -367,4 +365,4 @@ def test_fp8_draft_lm_head_in_whole_compiled_draft_bodies(mode, no_compile_cache
     greedy, _ = _run(eager, "greedy", prompts, news)
     assert [r.output for r in ra] == [r.output for r in rb] == [r.output for r in greedy]
     assert sa.accept_len > 1.5                 # an oracle head still accepts through fp8 logits
-    assert whole._runners["draft"].stats.compiles >= 1
+    assert whole.worker._runners["draft"].stats.compiles >= 1

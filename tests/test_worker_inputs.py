@@ -32,8 +32,8 @@ def _worker(spec=SpecConfig(3, 2, 5), **kw):
 
 
 def _released(w):
-    return (w.slots.all_free and w.rows.all_free
-            and not w.kv.req_to_token[FIRST:].any())
+    return (w.pool.slots.all_free and w.pool.rows.all_free
+            and not w.worker.kv.req_to_token[FIRST:].any())
 
 
 def _run(w, mode, prompts, news):
@@ -92,18 +92,18 @@ def test_a_call_failing_after_admission_gives_everything_back(mode, overlap, mon
     prompts, news = _prompts(3, 5, 4, 6, 2), [7, 3, 9, 4, 6]
     w = _worker(overlap=overlap)
     name = "spec_round" if mode == "spec" else "decode_step"
-    real, calls = getattr(w, name), []
+    real, calls = getattr(w.worker, name), []
 
     def failing(*a, **kw):
         calls.append(1)
         if len(calls) == 3:
             raise KeyboardInterrupt("stop")
         return real(*a, **kw)
-    monkeypatch.setattr(w, name, failing)
+    monkeypatch.setattr(w.worker, name, failing)
     with pytest.raises(KeyboardInterrupt):
         _run(w, mode, prompts, news)
     assert _released(w)
-    monkeypatch.setattr(w, name, real)
+    monkeypatch.setattr(w.worker, name, real)
     again, _ = _run(w, mode, prompts, news)
     fresh, _ = _run(_worker(overlap=overlap), mode, prompts, news)
     assert [r.output for r in again] == [r.output for r in fresh]
