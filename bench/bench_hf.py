@@ -8,7 +8,8 @@ padgraph.hf against HF's own ways, in one process on the same weights.
   hf-compiled   torch.compile(model.forward, mode="reduce-overhead", fullgraph=True, dynamic=False)
                 + StaticCache, every cache tensor marked a static address (keys, values and the
                 write counters), so inductor's cudagraphs are not skipped for "mutated inputs"
-  padgraph      padgraph.hf.Decoder, HF's eager forward inside padgraph's CUDA graphs
+  padgraph      padgraph.hf.Decoder: padgraph.llm's engine over the model, HF's eager forward inside
+                its decode program's CUDA graphs
   pg+compile    the same with torch_compile=True: the decoder layers compiled as regions (one
                 graph they all share), with the final norm and the rotary embedding, size-obliviously
   pg+whole      torch_compile="whole": the whole forward, one size-oblivious trace for the ladder
@@ -18,9 +19,12 @@ For hf-auto and hf-compiled every "skipping cudagraphs" reason torch logs is pri
 count of torch's `counters["inductor"]["cudagraph_skips"]` kept: a peer whose graphs were skipped
 is VOID in the table (its time is a host-bound path, not a compiled graph).
 
-Per batch size (1, 4, 16, 64; prompts of CTX random tokens): ms per decode step (median over
-ITERS steps, CUDA events; each step writes the next position), and the first STEPS greedy tokens
-against hf-eager's (rows equal; bf16 near-ties of a random model may differ). Warm-up: padgraph's
+Per batch size (1, 4, 16, 64; prompts of CTX random tokens): ms per decode step (HF's static-cache
+peers: median over ITERS steps, CUDA events, each step writing the next position; hf-auto and
+padgraph, whose loops are their generate calls: the difference of two generate lengths over the
+difference of their tokens, so padgraph's step is its engine's round, host bookkeeping included),
+and the first STEPS greedy tokens against hf-eager's (rows equal; bf16 near-ties of a random model
+may differ). --profile lists the step kernels of the peers timed step by step. Warm-up: padgraph's
 `Decoder(...)` for the whole ladder against the calls that compiled and recorded HF's graphs.
 Writes bench_hf_<model>.md and .json to $OUT (or results/local).
 
@@ -239,12 +243,14 @@ def run_hf_auto(model, ids, clock: Clock):
 
 
 def run_padgraph(dec, ids, clock: Clock):
-    """padgraph.hf.Decoder: its eager prefill, then one decode call per step."""
-    tok, lens = dec.prefill(ids, torch.ones_like(ids))
-    pos = lens[None, :] + torch.arange(HEADROOM, device=ids.device)[:, None]          # [HEADROOM, bs], made once
-    toks, _ = greedy(lambda t, i: dec.step(t, pos[i]), tok, clock)
-    timed = lambda i: dec.step(toks[:, -1], pos[STEPS + i])                          # noqa: E731
-    return Run(toks, clock.median_ms(timed, ITERS), 0.0, timed=timed)
+    """padgraph.hf.Decoder: generate (the engine's prefill, then one decode round a token); a
+    step is the difference of two generate lengths over the difference of their tokens."""
+    def gen(n):
+        return dec.generate(ids, torch.ones_like(ids), max_new_tokens=n)[:, ids.shape[1]:]
+    toks, warm = clock.seconds(lambda: gen(STEPS))
+    _, short = clock.seconds(lambda: gen(STEPS))
+    _, long = clock.seconds(lambda: gen(STEPS + ITERS))
+    return Run(toks, (long - short) * 1e3 / ITERS, warm)
 
 
 def kernel_profile(timed, steps: int = 20, top: int = 25) -> list[str]:
@@ -277,10 +283,10 @@ def run_variant(name, model, prompts, clock, results, backend):
     if name in PG_COMPILE:
         dec, secs = clock.seconds(lambda: pghf.Decoder(model, max_batch=max(prompts), max_len=CTX + HEADROOM,
                                                        backend=backend, torch_compile=PG_COMPILE[name]))
-        st = dec.runner.stats
-        results["warmup"][name] = {"seconds": secs, "ladder": list(dec.program.buckets),
+        st, ladder = dec.worker.runner("decode").stats, list(dec.worker.programs["decode"].buckets)
+        results["warmup"][name] = {"seconds": secs, "ladder": ladder,
                                    "compiles": st.compiles, "compile_seconds": st.compile_seconds}
-        print(f"{name}: Decoder(...) {secs:.1f} s for the ladder {list(dec.program.buckets)} "
+        print(f"{name}: Decoder(...) {secs:.1f} s for the ladder {ladder} "
               f"({st.compiles} compiles, {st.compile_seconds:.1f} s of it compiling)", flush=True)
     warm_total, skip_total, reasons = 0.0, 0, []
     for bs, ids in prompts.items():

@@ -89,7 +89,7 @@ def main() -> None:
             "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "none (cpu)",
             "model": f"{args.model}{' (tiny)' if args.tiny else ''}", "ctx": CTX, "new_tokens": NEW,
             "warmup_s": {"greedy": t_greedy, "eagle (distillation included)": t_eagle},
-            "distill": eagle.speculative.distilled}
+            "distill": eagle.distilled}
     lines = [f"# bench_hf_eagle — {info['date']}, {info['gpu']}, torch {info['torch']}, "
              f"transformers {info['transformers']}", f"command: `{info['command']}`; {info['model']}; prompts of "
              f"{CTX} tokens, {NEW} new; warm-up s: {t_greedy:.1f} greedy, {t_eagle:.1f} EAGLE (distillation "

@@ -11,9 +11,10 @@ tokens, so their layers attend within the window as HF's do. `Decoder(...)` firs
     python examples/hf_generate.py [--model llama|qwen3|gemma3|mistral] [--torch-compile] [--eagle]
                                    [--temperature 0.8] [--top-p 0.9]
 
---eagle decodes speculatively: an EAGLE head is distilled from the model at `Decoder(...)` and
-padgraph.llm's draft / verify programs run over the model's layers; the greedy tokens stay its greedy
-ones and sampled ones follow its sampling distribution (speculative sampling).
+Either way the Decoder serves the model through padgraph.llm's engine (its admission, sampler and
+stop tokens). --eagle decodes speculatively: an EAGLE head is distilled from the model at
+`Decoder(...)` and padgraph.llm's draft / verify programs run over the model's layers; the greedy
+tokens stay its greedy ones and sampled ones follow its sampling distribution (speculative sampling).
 (Gemma3's soft-caps and the short windows of this example's Mistral are refused with --eagle:
 padgraph.llm's paged kernels attend to every key of a request.)
 """
@@ -85,7 +86,7 @@ def main() -> None:
         ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=args.new)
     same = int((out == ref).all(1).sum())
     how = (f"EAGLE, {dec.last_stats.accepted / dec.last_stats.request_rounds:.2f} tokens per request-round"
-           if args.eagle else f"ladder {list(dec.program.buckets)}")
+           if args.eagle else f"decode ladder {list(dec.worker.programs['decode'].buckets)}")
     print(f"{args.model} on {'cuda' if gpu else 'cpu'}: Decoder ready in {ready:.1f} s ({how}); "
           f"{ids.shape[0]} prompts of lengths {mask.sum(1).tolist()}"
           + (f", sliding window {WINDOW}" if args.model in ("mistral", "gemma3") else ""))

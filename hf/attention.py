@@ -4,9 +4,9 @@ HF's attention modules compute q, k, v (RoPE applied) and hand them to the regis
 with the layer's own `scaling`, `sliding_window`, `softcap` and learned sink logits (`s_aux`,
 gpt-oss); the model runs with
 `use_cache=False`, so HF keeps no cache of its own. padgraph's per-call metadata rides in the
-model's `**kwargs` as `padgraph_batch`, a `Prefill` or a `Decode`, built by the body from
-padgraph's padded view. The function stores k and v into the paged cache at the batch's slots and
-attends over it. Each attention *call* of a forward owns a cache site (`cache.Shape`): a layer
+model's `**kwargs` as `padgraph_batch`, a `Prefill` or a `Decode`, built by the `Target`'s
+forwards from padgraph.llm's `Batch`. The function stores k and v into the paged cache at the
+batch's slots and attends over it. Each attention *call* of a forward owns a cache site (`cache.Shape`): a layer
 that calls attention twice (DiffLlama) has two, found by counting the calls of a `layer_idx`
 within one forward (`Sites`); a site's keys and values have their own widths (MLA: k 192, v 128).
 
@@ -68,7 +68,8 @@ class Sites:
 class Prefill:
     """Left-padded prompts, run eagerly: every token's K/V is stored, attention is over the prompt."""
 
-    kv: list                    # [k0, v0, k1, v1, ...] per site, each [slots, kv_heads, k_dim / v_dim]
+    k: list                     # per site [slots, kv_heads, k_dim]
+    v: list                     # per site [slots, kv_heads, v_dim]
     slots: torch.Tensor         # [n, P] int64: the slot each token writes (left pads: sink 0)
     positions: torch.Tensor     # [n, P] int64: the token's position in its request
     valid: torch.Tensor         # [n, P] bool: False on left pads
@@ -77,7 +78,7 @@ class Prefill:
     def attend(self, module, q, k, v, layer: Layer):
         """q [n, h, P, d], k [n, kv_heads, P, d], v [n, kv_heads, P, dv] -> [n, P, h, dv]."""
         site = self.sites.site(module)
-        store(self.kv[2 * site], self.kv[2 * site + 1], self.slots.reshape(-1), k, v)
+        store(self.k[site], self.v[site], self.slots.reshape(-1), k, v)
         visible = self.visible(layer)                                                  # [n, P, P]
         own = torch.eye(visible.shape[-1], dtype=torch.bool, device=q.device)          # a left pad sees itself
         return attend(q, k, v, visible | own, layer)                                   # (no all-masked row: no NaN)
@@ -92,19 +93,19 @@ class Prefill:
 
 @dataclass
 class Decode:
-    """One new token per request over the paged cache (the decode program's padded view)."""
+    """One new token per request over the paged cache (a decode program's padded view: a padded
+    lane has row 0, position 0, slot 0 and length 1)."""
 
-    kv: list                    # [k0, v0, k1, v1, ...] per site, each [slots, kv_heads, k_dim / v_dim]
-    req_to_token: torch.Tensor  # [rows, max_len] int32
+    k: list                     # per site [slots, kv_heads, k_dim]
+    v: list                     # per site [slots, kv_heads, v_dim]
+    req_to_token: torch.Tensor  # [rows, max_context] int32
     rows: torch.Tensor          # [bs] int64: the request's row (padded lanes: 0)
     positions: torch.Tensor     # [bs] int64: the new token's position (padded lanes: 0)
+    out_cache_loc: torch.Tensor  # [bs] int64: the slot it writes (padded lanes: 0)
+    seq_lens: torch.Tensor      # [bs] int32: keys it reads, itself included (padded lanes: 1)
     sites: Sites
     kernel: object = None       # Triton paged decode attention, or None for the torch path
     bound: bool = False         # each attention module holds its sites' (k_cache, v_cache): see `bound`
-
-    def __post_init__(self):    # once per forward, for every layer
-        self.out_cache_loc = self.req_to_token[self.rows, self.positions].long()        # [bs]: padded -> slot 0
-        self.seq_lens = (self.positions + 1).to(torch.int32)                           # [bs]: padded -> 1
 
     def attend(self, module, q, k, v, layer: Layer):
         """q [bs, h, 1, d], k [bs, kv_heads, 1, d], v [bs, kv_heads, 1, dv] -> [bs, 1, h, dv]."""
@@ -124,7 +125,7 @@ class Decode:
             pairs = getattr(module, BOUND_KV)      # its length, not layer_idx: no guard on which layer
             return pairs[0] if len(pairs) == 1 else pairs[self.sites.call(module)]
         site = self.sites.site(module)
-        return self.kv[2 * site], self.kv[2 * site + 1]
+        return self.k[site], self.v[site]
 
     def gathered(self, q, k_cache, v_cache, seq_lens, layer: Layer):
         """The torch path: each lane's row of the cache, masked to its length and window."""
@@ -186,11 +187,11 @@ def attend(q, k, v, visible, layer: Layer):
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The function registered as attn_implementation "padgraph": (attn_output [b, q, h, d], None).
     HF's layers pass `sliding_window`, `softcap` and `s_aux` where they have them; padgraph's
-    Decoder passes `padgraph_batch` (where this call's K/V go and what its queries read). A batch
+    Target passes `padgraph_batch` (where this call's K/V go and what its queries read). A batch
     with an `observe` method (the Decoder's probe) also sees HF's mask and every keyword."""
     padgraph_batch = kwargs.get("padgraph_batch")
     if padgraph_batch is None:
-        raise NotBoundError(f"attention implementation {NAME!r} ran outside a padgraph.hf Decoder call "
+        raise NotBoundError(f"attention implementation {NAME!r} ran outside a padgraph.hf Target's forward "
                             f"(layer {type(module).__name__} {getattr(module, 'layer_idx', '?')}): "
                             f"padgraph_batch must be passed, got none")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
@@ -202,15 +203,15 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
 
 
 @contextlib.contextmanager
-def bound(modules, kv: list, sites: Sites):
+def bound(modules, k: list, v: list, sites: Sites):
     """For a decode whose layers are compiled regions: every attention module holds its sites'
-    (k_cache, v_cache) pairs of `kv` for the call (`batch.bound` tells `attend` to read them there).
-    `modules` None: nothing to bind."""
+    (k_cache, v_cache) pairs of `k` / `v` for the call (`batch.bound` tells `attend` to read them
+    there). `modules` None: nothing to bind."""
     if modules is None:
         yield
         return
     for m in modules:
-        setattr(m, BOUND_KV, tuple((kv[2 * s], kv[2 * s + 1]) for s in sites.index[m.layer_idx]))
+        setattr(m, BOUND_KV, tuple((k[s], v[s]) for s in sites.index[m.layer_idx]))
     try:
         yield
     finally:

@@ -1,16 +1,19 @@
-"""The paged KV cache padgraph.hf owns: per attention site (one attention call of a forward:
-a layer, or each call of a layer that calls attention twice) `[slots, kv_heads, k_dim]` keys and
-`[slots, kv_heads, v_dim]` values, and an SGLang-style `req_to_token[row, pos] -> slot` table.
-The widths are the ones the model's layers hand the attention function (`support.survey`), not
-the config's `head_dim`: MLA's keys and values differ, Gemma 4's layers differ.
-
-Layout is static: request row r in 1..max_batch owns slots `1 + (r - 1) * max_len + pos`, so the
-table never changes after allocation. Row 0 and slot 0 are the sinks: a padded lane (row 0,
-position 0) writes slot 0 and reads only slot 0.
+"""The paged cache of a `padgraph.hf.Target`, in padgraph.llm's layout: per attention site (one
+attention call of a forward: a layer, or each call of a layer that calls attention twice)
+`k[site] [n_slots, kv_heads, k_dim]` keys and `v[site] [n_slots, kv_heads, v_dim]` values, and
+padgraph.llm's `req_to_token [n_req_rows, max_context]` table, which its engine's admission
+writes. The widths are the ones the model's layers hand the attention function
+(`support.survey`), not the config's `head_dim`: MLA's keys and values differ, Gemma 4's layers
+differ.
 
 A hybrid model's recurrent states (`recurrent.StateSpec`: convolution windows, SSM and delta-net
-states) live beside the keys and values in a pool of `1 + max_batch` rows per state: row r is
-request row r's, row 0 the sink (`recurrent.py`).
+states) live beside them in pools of one row per request row, `[n_req_rows, *spec.shape]`: row r
+is request row r's, row 0 the sink padded lanes read and write (`recurrent.py`). The engine's
+programs bind the convolution windows as `conv_state` and the other recurrent states as
+`ssm_state` (padgraph.llm's names for a recurrent pool).
+
+Slot 0 and request row 0 are the sinks, slot 1 and row 1 padgraph.llm's canaries: a padded lane
+(row 0, position 0) writes slot 0 and reads only slot 0.
 """
 from __future__ import annotations
 
@@ -18,8 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import recurrent
-from .recurrent import StateSpec
+from .recurrent import CONV, StateSpec
 
 SINK = 0
 
@@ -52,24 +54,38 @@ class Shape:
 
 
 class PagedCache:
-    """Keys and values of every layer over `1 + max_batch * max_len` slots, the slot table, and
-    the recurrent pool: one `[1 + max_batch, *spec.shape]` tensor per recurrent state."""
+    """Keys and values of every site over `n_slots` slots, the slot table, and the recurrent
+    pools (`conv`: the convolution windows, `ssm`: the other recurrent states, each in the order
+    of `shape.states`). Storage is fixed after construction (graphs bind it)."""
 
-    def __init__(self, shape: Shape, max_batch: int, max_len: int, device):
-        self.shape, self.max_batch, self.max_len = shape, max_batch, max_len
-        n_slots = 1 + max_batch * max_len
-        # [k0, v0, k1, v1, ...] per site: one flat list, bound as one pytree state
-        self.kv = [torch.zeros(n_slots, site.n_kv_heads, dim, dtype=shape.dtype, device=device)
-                   for site in shape.sites for dim in (site.k_dim, site.v_dim)]
-        self.req_to_token = slot_table(max_batch, max_len, device)        # [1 + max_batch, max_len] int32
-        self.recurrent = recurrent.pool(shape.states, max_batch, device)
+    def __init__(self, shape: Shape, n_slots: int, max_context: int, n_req_rows: int, device):
+        self.shape = shape
+        self.k = [torch.zeros(n_slots, s.n_kv_heads, s.k_dim, dtype=shape.dtype, device=device)
+                  for s in shape.sites]
+        self.v = [torch.zeros(n_slots, s.n_kv_heads, s.v_dim, dtype=shape.dtype, device=device)
+                  for s in shape.sites]
+        self.req_to_token = torch.zeros(n_req_rows, max_context, dtype=torch.int32, device=device)
+        pools = [torch.zeros(n_req_rows, *s.shape, dtype=s.dtype, device=device) for s in shape.states]
+        self.conv = [p for p, s in zip(pools, shape.states) if s.kind == CONV]
+        self.ssm = [p for p, s in zip(pools, shape.states) if s.kind != CONV]
+
+    @property
+    def recurrent(self) -> list[torch.Tensor]:
+        """Every recurrent pool, in the order of `shape.states`."""
+        return pools_of(self.shape.states, self)
+
+    def state(self) -> dict:
+        """The bound state a runner program declares for it (req_to_token aside): the pools it has."""
+        named = {"k_cache": self.k, "v_cache": self.v, "conv_state": self.conv, "ssm_state": self.ssm}
+        return {name: pools for name, pools in named.items() if pools}
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in [*self.kv, *self.recurrent])
+        return sum(t.numel() * t.element_size() for t in [*self.k, *self.v, *self.conv, *self.ssm,
+                                                          self.req_to_token])
 
 
-def slot_table(max_batch: int, max_len: int, device) -> torch.Tensor:
-    """req_to_token [1 + max_batch, max_len] int32: row 0 all sink, row r >= 1 contiguous slots."""
-    pos = torch.arange(max_len, dtype=torch.int32)
-    rows = torch.arange(max_batch, dtype=torch.int32)[:, None] * max_len + 1 + pos   # [max_batch, max_len]
-    return torch.cat([torch.zeros(1, max_len, dtype=torch.int32), rows]).to(device)
+def pools_of(states: tuple[StateSpec, ...], kv) -> list[torch.Tensor]:
+    """The recurrent pools of `kv` (a `PagedCache` or a runner's bound caches: `conv`, `ssm`) in
+    the order of `states`."""
+    by_kind = {CONV: iter(getattr(kv, "conv", ())), "other": iter(getattr(kv, "ssm", ()))}
+    return [next(by_kind[CONV if s.kind == CONV else "other"]) for s in states]

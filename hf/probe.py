@@ -1,8 +1,9 @@
 """The Decoder's probe: before a `Decoder` serves a model, a small left-padded batch (3 ragged
-rows) is prefilled and decoded a few steps through padgraph's own path (the attention function,
-cache layout and decode body it serves with, run eagerly) and through the model's own forward
-(full recompute, HF's attention and mask, no cache); the logits must agree within the dtype's
-tolerance. Where they do not, `UnsupportedModelError` names the first decoder layer whose output
+rows) is prefilled and decoded a few steps through the path it serves with (its `Target`'s
+`forward_extend` and `forward_decode` over a scratch cache of the Target's own layout, run
+eagerly: the attention function, the cache sites, the recurrent pools) and through the model's
+own forward (full recompute, HF's attention and mask, no cache); the logits must agree within the
+dtype's tolerance. Where they do not, `UnsupportedModelError` names the first decoder layer whose output
 differs (forward hooks on the layers in both runs) and the likely cause: an HF mask that is not
 causal-and-window (chunked, dynamic), or state the layer keeps that no attention call sees.
 
@@ -13,12 +14,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import torch
 
+from padgraph.llm.batch import Batch
+from padgraph.llm.kv import FIRST
+
 from .attention import Layer, Prefill
-from .cache import PagedCache
 from .errors import UnsupportedModelError
 
 ROWS, STEPS, PROMPT = 3, 3, 10
@@ -118,17 +120,6 @@ def hf_masks():
             mapping["padgraph"] = had
 
 
-@dataclass(frozen=True)
-class Path:
-    """padgraph's serving path, as the probe runs it: `prefill(cache, ids, mask, batch_cls)` ->
-    (logits [n, vocab], the prefill batch); `decode(x)` -> logits [n, vocab] (the decode body over
-    a raw view `x`); `serving()` the model's attention set to padgraph's."""
-
-    prefill: object
-    decode: object
-    serving: object
-
-
 def reference_logits(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The model's own last-position logits [n, vocab]: full recompute with HF's mask, positions
     counted over real tokens as HF's generate counts them."""
@@ -137,33 +128,55 @@ def reference_logits(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tens
                  logits_to_keep=1).logits[:, -1]
 
 
-def check_decode(model, shape, path: Path, max_len: int) -> float:
-    """UnsupportedModelError unless padgraph's prefill and decode give the model's own logits
+def scratch(target, n: int, length: int):
+    """A cache of the Target's layout for n requests of `length` positions, request rows FIRST..,
+    each owning its own slots: (cache, rows [n] int64)."""
+    device = target.lm_head.weight.device
+    cache = target.new_cache(target.cfg.n_layers, FIRST + n * length, length, FIRST + n)
+    rows = torch.arange(FIRST, FIRST + n, device=device)
+    cache.req_to_token[rows] = (FIRST + torch.arange(n * length, device=device).view(n, length)).int()
+    return cache, rows
+
+
+def packed(cache, rows, ids, mask) -> tuple[torch.Tensor, torch.Tensor, Batch]:
+    """The left-padded prompts packed as padgraph.llm's prefill packs them: (tokens [n_tok],
+    positions [n_tok], the extend's Batch)."""
+    valid, lens = mask.bool(), mask.sum(-1)
+    positions = torch.cat([torch.arange(int(k), device=ids.device) for k in lens])
+    loc = cache.req_to_token[rows.repeat_interleave(lens), positions].long()
+    qo = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).int()
+    return ids[valid], positions, Batch(cache, cache.req_to_token, rows.int(), lens.int(), loc, qo_indptr=qo)
+
+
+def check_decode(model, target, max_len: int) -> float:
+    """UnsupportedModelError unless the Target's prefill and decode give the model's own logits
     (within `TOLERANCE`) on a ragged left-padded probe batch over several steps; else the largest
     relative error seen."""
-    device = next(model.parameters()).device
+    device = target.lm_head.weight.device
     ids, mask = probe_batch(model.config.get_text_config().vocab_size, max_len, device)
     n, P = ids.shape
     steps = min(STEPS, max_len - P)
-    cache = PagedCache(shape, n, P + steps, device)
-    rows, lens = torch.arange(1, n + 1, device=device), mask.sum(-1)
+    cache, rows = scratch(target, n, P + steps)
+    lens = mask.sum(-1)
     ours, theirs = Taps(decoder_layers(model)[1]), Taps(decoder_layers(model)[1])
+    prefills: list[MaskCheck] = []
     worst = 0.0
     with torch.no_grad():
-        with path.serving(), hf_masks(), ours.on():
-            logits, batch = path.prefill(cache, ids, mask, MaskCheck)
+        with hf_masks(), ours.on():
+            logits, _ = target.forward_extend(*packed(cache, rows, ids, mask),
+                                              prefill_cls=lambda *a: prefills.append(MaskCheck(*a)) or prefills[-1])
         for t in range(steps + 1):
             with theirs.on():
                 ref = reference_logits(model, ids, mask)                               # [n, vocab]
-            worst = max(worst, judge(model, t, logits, ref, ours, theirs, batch.differs, shape.dtype))
+            worst = max(worst, judge(model, t, logits, ref, ours, theirs, prefills[0].differs, target.shape.dtype))
             if t == steps:
                 return worst
             token = ref.argmax(-1)                                                     # [n]
             ids, mask = torch.cat([ids, token[:, None]], 1), torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-            x = SimpleNamespace(kv=cache.kv, req_to_token=cache.req_to_token, recurrent=cache.recurrent,
-                                req_pool_indices=rows, positions=lens + t, input_ids=token)
-            with path.serving(), ours.on():
-                logits = path.decode(x)
+            pos = lens + t
+            batch = Batch(cache, cache.req_to_token, rows.int(), (pos + 1).int(), cache.req_to_token[rows, pos].long())
+            with ours.on():
+                logits, _ = target.forward_decode(token, pos, batch)
 
 
 def judge(model, t: int, logits, ref, ours: Taps, theirs: Taps, mask_differs: str | None, dtype) -> float:

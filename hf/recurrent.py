@@ -1,6 +1,6 @@
 """Recurrent state of hybrid models: the convolution windows and SSM / delta-net states HF's
-mixers keep across tokens, held in padgraph's slot pool and handed to the mixers as the cache
-object they expect.
+mixers keep across tokens, held in the Target's recurrent pools (`cache.PagedCache`) and handed
+to the mixers as the cache object they expect.
 
 transformers' hybrid mixers (Mamba, Mamba2, Bamba, Jamba, FalconH1, GraniteMoeHybrid, NemotronH,
 LFM2's short convolutions, Qwen3-Next's gated delta net, ...) read and write their state only
@@ -18,10 +18,10 @@ moves the rows between the pool and the `Step`:
               in place by the mixers' single-token paths, written back to the same slots
               (`index_copy_`): fixed shapes per bucket, device indices, no host sync
 
-The pool (`pool`) holds one tensor per state, `[1 + max_batch, *shape]`: slot 0 is the sink, a
-padded lane's (request row 0) read and write; request row r owns slot r, the same row the paged
-KV cache's slot table gives it. A request's first forward (its prefill) never reads its slot: the
-old occupant's state is overwritten whole, never read into arithmetic.
+The pools hold one tensor per state, `[n_req_rows, *shape]`, indexed by padgraph.llm's request
+row: row 0 is the sink, a padded lane's (request row 0) read and write; request row r owns row r
+from its admission to its release. A request's first forward (its prefill) never reads its row:
+the old occupant's state is overwritten whole, never read into arithmetic.
 
 Attention layers that receive the `Step` (HF passes one cache to every layer) see a cache that
 stores nothing: `update` hands keys and values back, padgraph's attention function keeps them.
@@ -171,11 +171,6 @@ class Recording(Step):
         self._make(StateSpec(layer_idx, RECURRENT, state_idx, tuple(last.shape[1:]), last.dtype),
                    last.shape[0], last.device)
         return super().update_recurrent_state(recurrent_states, layer_idx, state_idx, **kwargs)
-
-
-def pool(specs: tuple[StateSpec, ...], max_batch: int, device) -> list[torch.Tensor]:
-    """One zeroed tensor per spec, `[1 + max_batch, *spec.shape]`: slot 0 the sink, slot r request row r."""
-    return [torch.zeros(1 + max_batch, *s.shape, dtype=s.dtype, device=device) for s in specs]
 
 
 def cache_argument(model) -> str:

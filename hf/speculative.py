@@ -1,12 +1,12 @@
 """EAGLE speculative decoding of a Hugging Face model: `Decoder(model, ..., draft=Eagle())`.
 
-The model becomes a padgraph.llm target (`Target`), an EAGLE head is built on it and distilled
-from the model's own greedy outputs at `Decoder(...)` (as the main job does), and padgraph.llm's
-engine runs the same programs as the main job: prefill, draft, verify, draft-extend, each a
-padgraph runner. Greedy verification keeps the tokens the model's own greedy decoding gives
-(bf16 near-ties of the top two logits excepted, as for any two kernels); sampled rows go through
-padgraph.llm's exact speculative sampling, so they follow the model's sampling distribution
-whatever the head proposes. A call's end tokens travel with its requests (`stop_token_ids`).
+The model becomes a padgraph.llm target (`Target(model, ..., draft=True)`), an EAGLE head is
+built on it and distilled from the model's own greedy outputs at `Decoder(...)` (as the main job
+does, `head_for`), and padgraph.llm's engine runs the same programs as the main job (`engine.py`):
+prefill, draft, verify, draft-extend, each a padgraph runner. Greedy verification keeps the tokens
+the model's own greedy decoding gives (bf16 near-ties of the top two logits excepted, as for any
+two kernels); sampled rows go through padgraph.llm's exact speculative sampling, so they follow
+the model's sampling distribution whatever the head proposes.
 """
 from __future__ import annotations
 
@@ -17,12 +17,11 @@ from typing import Any, Mapping
 
 import torch
 
-from padgraph.llm import Engine, SpecConfig
+from padgraph.llm import SpecConfig
 from padgraph.llm.distill import DistillOptions, distill
 from padgraph.llm.models import EagleHead
 
 from . import arguments
-from .target import Target
 
 
 @dataclass(frozen=True)
@@ -31,7 +30,7 @@ class Eagle:
 
     spec: the draft tree (steps, top-k, tokens verified per round).
     distill: `padgraph.llm.distill.DistillOptions` fields (corpus, steps, learning rate, ...).
-    head: a trained head over `padgraph.hf.Target(model, max_context)`; None distils one.
+    head: a trained head over `padgraph.hf.Target(model, max_context, draft=True)`; None distils one.
     log: where distillation reports (None: silent).
     """
 
@@ -52,7 +51,7 @@ class Eagle:
             arguments.fail(where, "log", self.log, "None or a callable", arguments.ArgumentTypeError)
         if self.head is not None and not hasattr(self.head, "target"):
             arguments.fail(where, "head", type(self.head).__name__, "None or an EAGLE head built over "
-                           "padgraph.hf.Target(model, max_context)", arguments.ArgumentTypeError)
+                           "padgraph.hf.Target(model, max_context, draft=True)", arguments.ArgumentTypeError)
 
 
 # DistillOptions fields that count something, and the least each may be. steps: OneCycle's
@@ -92,42 +91,13 @@ def frozen(model):
             p.requires_grad_(flag)
 
 
-def context_for(max_len: int, spec: SpecConfig) -> int:
-    """Positions a request may touch: prompt + output, one round's tree, and the extra round an
-    overlapped loop runs past a request's end (`Worker`'s reservation)."""
-    return max_len + spec.margin + spec.overlap_margin
-
-
-class Speculative:
-    """The engine behind a Decoder with a draft head. engine_options: `WorkerOptions` fields
-    (torch_compile, buckets, compile_options, ...)."""
-
-    def __init__(self, model, eagle: Eagle, *, max_batch: int, max_len: int, backend: str, engine_options: dict):
-        self.model, self.max_batch, self.max_len = model, max_batch, max_len
-        context = context_for(max_len, eagle.spec)
-        self.target = Target(model, context) if eagle.head is None else eagle.head.target
-        head = eagle.head
-        self.distilled = None
-        if head is None:
-            head = EagleHead(self.target).to(self.target.lm_head.weight.device)
-            with torch.random.fork_rng(devices=[]), frozen(model):
-                torch.manual_seed(0)
-                self.distilled = distill(self.target, head, log=eagle.log or (lambda *a: None),
-                                         **{"n_check": 0, **eagle.distill})
-        # a call's end tokens travel with its requests (SamplingParams.stop_token_ids): a call may
-        # give other ones than the model's generation config
-        self.engine = Engine(self.target, head, eagle.spec, backend=backend, max_bs=max_batch,
-                             max_context=context, **engine_options)
-
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, plan, seeds: list[int]):
-        """New tokens [n, plan.max_new_tokens] (a row that ended at an end token filled with it) and
-        run stats. plan: `generation.Plan` (every row's sampling parameters and end tokens); seeds:
-        each row's random stream. Sampled rows follow the model's sampling distribution exactly
-        (padgraph.llm's speculative acceptance); greedy rows keep the model's greedy tokens."""
-        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask)]
-        n_new = plan.max_new_tokens
-        params = [dataclasses.replace(plan.params, seed=s, stop_token_ids=plan.eos, max_new_tokens=n_new)
-                  for s in seeds]
-        reqs, stats = self.engine.generate_spec(prompts, [n_new] * len(prompts), sampling=params)
-        rows = [r.output + r.output[-1:] * (n_new - len(r.output)) for r in reqs]   # short: ended early
-        return torch.tensor(rows, dtype=torch.int64, device=input_ids.device), stats
+def head_for(target, eagle: Eagle):
+    """(the EAGLE head over `target`, the distillation's report or None): `eagle.head` where
+    given, else a head distilled from the model's own greedy outputs (seeded, the model frozen)."""
+    if eagle.head is not None:
+        return eagle.head, None
+    head = EagleHead(target).to(target.lm_head.weight.device)
+    with torch.random.fork_rng(devices=[]), frozen(target.hf):
+        torch.manual_seed(0)
+        report = distill(target, head, log=eagle.log or (lambda *a: None), **{"n_check": 0, **eagle.distill})
+    return head, report

@@ -98,12 +98,6 @@ def survey(model) -> list[Call]:
     return rec.calls
 
 
-def check_supported(model) -> list[Call]:
-    """The model's attention calls, or UnsupportedModelError naming the first module padgraph.hf
-    cannot serve with attention alone and why (a recurrent mixer is refused)."""
-    return check_served(model, recurrent=False).calls
-
-
 @dataclass(frozen=True)
 class Served:
     """What a Decoder serves of a model: its attention calls and its recurrent states."""
@@ -259,7 +253,8 @@ def refuse_stateful(model, callers: set, recurrent: bool = False) -> None:
               "update_recurrent_state)" + ("" if linear_cache_api() else
                                           f", which transformers {transformers_version()}'s Cache does not have")
               if recurrent else
-              "attention layers only with a draft head or as a Target (their engine keeps no recurrent state)")
+              "attention layers only with a draft head (padgraph.llm's draft and verify programs keep no "
+              "recurrent state of an HF model)")
     raise UnsupportedModelError(
         f"padgraph.hf.Decoder({name}): layer {path!r} is a {type(module).__name__}, a token mixer that "
         f"keeps state across tokens ({why}) and calls no attention; padgraph.hf serves {served}, and "

@@ -1,51 +1,84 @@
 """`Target`: an unmodified Hugging Face causal LM as a `padgraph.llm` target model.
 
-padgraph.llm's worker runs its programs over any model with the `TargetModel` protocol's paged
-forwards: plain decoding (`Engine(Target(model, n), None, ...)`, the engine's decode program and
-sampler) and EAGLE's (prefill, verify, draft, draft-extend). `Target` gives an HF model those
-forwards: each runs HF's decoder stack with `use_cache=False` and the padgraph attention function registered,
-handing it a `Paged` batch that stores every layer's k / v in padgraph.llm's KV cache at the
-batch's slots and attends with padgraph's paged kernels: decode, a packed extend (`qo_indptr`),
-or a draft tree (`tree_mask`). The final-normed hidden state is what the draft head reads.
+padgraph.llm's engine runs its programs over any model with the `TargetModel` protocol's paged
+forwards: plain decoding (`Engine(Target(model, n, draft=False), None, ...)`: the engine's decode
+program, sampler and stop tokens) and EAGLE's (prefill, verify, draft, draft-extend). `Target`
+gives an HF model those forwards: each runs the model with `use_cache=False` and padgraph's
+attention function registered, handing it a batch (`attention.Prefill`, `attention.Decode`,
+`Paged`) that stores every attention call's k / v in the Target's own cache (`cache.PagedCache`:
+one site per attention call, each of its own widths; a hybrid's recurrent pools) at the slots
+padgraph.llm's admission gave the request, and attends over it:
 
-The paged kernels attend to every key below a request's length with the layer's own scale: a
-layer with a logit soft-cap, or a sliding window shorter than the context, is refused
-(`UnsupportedModelError`) rather than served with other tokens than HF's.
+    decode    one token per request, as a batch [bs, 1] (a hybrid's recurrent mixers see one row
+              per request: `recurrent.Step`, gathered from the pools by request row and written
+              back): padgraph's Triton paged decode kernel where it computes the layer as HF does
+              (on a GPU, at half precision), else the torch path (windows, soft-caps, sinks, ...)
+    extend    the prompts left-padded into one batch [n, P] through the model's forward (HF's
+              first forward: a hybrid's mixers start from no state and leave theirs in the
+              requests' rows), eagerly: the engine's prefill
+    verify    (draft only) a draft tree, packed, through padgraph.llm's paged tree kernel
+
+`draft=False` serves every model `support.check_served` passes: its logits are the causal LM's
+own (soft-capped, scaled, as its forward computes them), and the forwards return no hidden state
+(`hidden` None). `draft=True` (what `Decoder(..., draft=Eagle())` builds, and an EAGLE head needs)
+takes only what padgraph.llm's draft and verify programs compute as HF does: attention layers of
+one width, one call a layer, no soft-cap, no sink logits, no window shorter than the context, no
+recurrent state (`UnsupportedModelError` otherwise); its forwards return the final-normed hidden
+state the head reads, and its logits are the lm_head's.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from padgraph.llm.batch import Batch
-from padgraph.llm.models.llama import LlamaConfig, Rotary
-from padgraph.llm.paged import AttnPlan, PagedForwards, decode_batch, extend_batch, store_kv, tree_batch
+import padgraph as pg
 
-from .attention import Layer, kernel_serves
-from .cache import Shape, Site
+from padgraph.llm.batch import Batch
+from padgraph.llm.kv import FIRST, KVCache
+from padgraph.llm.models.llama import LlamaConfig, Rotary
+from padgraph.llm.paged import AttnPlan, store_kv, tree_batch
+
+from . import attention
+from .attention import Decode, Layer, Prefill, Sites, kernel_serves
+from .cache import PagedCache, Shape, pools_of
 from .errors import UnsupportedModelError
-from .support import check_supported, graph_safe_experts, serving
+from .recurrent import Step, cache_argument
+from .support import attention_modules, cache_shape, check_served, graph_safe_experts, serving
 
 
 @dataclass(frozen=True)
 class Paged:
-    """One forward's attention over padgraph.llm's KV cache (`kv.k[i]`, `kv.v[i]`): the plan
-    padgraph.llm's own models use (`decode_batch`, `extend_batch`, `tree_batch`), at each
-    layer's scale."""
+    """One packed forward's attention over the Target's cache through padgraph.llm's paged
+    kernels (the draft tree: `tree_batch`), at each layer's scale."""
 
     plan: AttnPlan
-    kv: object
+    k: list
+    v: list
+    sites: Sites
 
     def attend(self, module, q, k, v, layer: Layer):
         """q [1, h, n, d], k / v [1, kv_heads, n, d] (n packed tokens) -> [1, n, h, d]."""
-        k_cache, v_cache = self.kv.k[module.layer_idx], self.kv.v[module.layer_idx]
+        site = self.sites.site(module)
+        k_cache, v_cache = self.k[site], self.v[site]
         dtype = q.dtype
         q, k, v = (t[0].transpose(0, 1).to(k_cache.dtype) for t in (q, k, v))      # [n, heads, d]
         store_kv(k_cache, v_cache, self.plan.out_cache_loc, k, v)
         o = self.plan.attend(q.contiguous(), k_cache, v_cache, sm_scale=layer.scaling)   # [n, h, d]
         return o.to(dtype)[None]
+
+
+@dataclass(frozen=True)
+class Widths:
+    """What padgraph.llm's worker and programs read of a target served without a draft head:
+    the vocabulary, the hidden width, and the attention calls a forward makes (`n_layers`, the
+    cache's sites)."""
+
+    vocab_size: int
+    hidden_size: int
+    n_layers: int
 
 
 def refuse_unless_plain(layer: Layer, max_context: int, where: str) -> None:
@@ -59,15 +92,10 @@ def refuse_unless_plain(layer: Layer, max_context: int, where: str) -> None:
             f"a request's length, uncapped, with no sink")
 
 
-def attention_specs(calls) -> dict[int, Layer]:
-    """layer index -> `Layer` as the model's attention modules pass them at run time (a config
-    field such as `sliding_window` is used by some architectures and ignored by others)."""
-    return {c.layer_idx: c.layer for c in calls}
-
-
 def uniform_cache(model, calls) -> Shape:
-    """The one (KV heads, head dim) padgraph.llm's cache holds for every layer, or
-    UnsupportedModelError: its paged kernels take one width for q, k and v, one call per layer."""
+    """The one (KV heads, head dim) a draft head's programs take for every layer, or
+    UnsupportedModelError: padgraph.llm's paged kernels take one width for q, k and v, one call
+    per layer."""
     name = type(model).__name__
     idx = [c.layer_idx for c in calls]
     widths = {(c.n_kv_heads, c.k_dim, c.v_dim) for c in calls}
@@ -78,8 +106,7 @@ def uniform_cache(model, calls) -> Shape:
         raise UnsupportedModelError(f"padgraph.hf.Target({name}): padgraph.llm's paged kernels take one head "
                                     f"width for queries, keys and values in every layer; the model's (KV heads, "
                                     f"k width, v width) are {sorted(widths)}")
-    return Shape(tuple(Site(c.layer_idx, c.n_kv_heads, c.k_dim, c.v_dim) for c in calls),
-                 next(model.parameters()).dtype)
+    return cache_shape(model, calls)
 
 
 def text_config(model):
@@ -97,48 +124,129 @@ def llm_config(model, shape: Shape, max_position: int) -> LlamaConfig:
                        rms_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)), max_position=max_position)
 
 
-class Target(PagedForwards, nn.Module):
-    """An HF causal LM with padgraph.llm's paged forwards (`TargetModel`): `Decoder(...,
-    draft=Eagle())` serves it with EAGLE. `max_context` bounds a request's prompt + output.
-    `cfg` holds the widths; `rope` is a rotary embedding for a draft head's own layer."""
+def draft_shape(model, calls, max_context: int) -> Shape:
+    """The uniform cache of a target that serves a draft head, or UnsupportedModelError for what
+    the draft and verify programs do not compute as HF does."""
+    shape = uniform_cache(model, calls)
+    if getattr(text_config(model), "final_logit_softcapping", None):
+        raise UnsupportedModelError(f"padgraph.hf.Target({type(model).__name__}): soft-capped logits; "
+                                    f"greedy verification over padgraph.llm's logits does not cap")
+    for c in calls:
+        refuse_unless_plain(c.layer, max_context, f"{type(model).__name__} layer {c.layer_idx}")
+    return shape
 
-    def __init__(self, model, max_context: int):
+
+def layer_list(model) -> nn.ModuleList:
+    """The decoder's one ModuleList of layers (empty where it has none or several)."""
+    lists = [c for c in model.get_decoder().children() if isinstance(c, nn.ModuleList)]
+    return lists[0] if len(lists) == 1 else nn.ModuleList()
+
+
+class Target(nn.Module):
+    """An HF causal LM with padgraph.llm's paged forwards (`TargetModel`). `max_context` bounds
+    a request's prompt + output (+ the engine's margins).
+
+    draft: the target serves an EAGLE head (`Decoder(..., draft=Eagle())`): plain attention of
+    one width only, the forwards return the final-normed hidden; `cfg` holds the widths the head
+    takes and `rope` is a rotary embedding for the head's own layer. False: every model the
+    Decoder serves, the causal LM's own logits, no hidden.
+    kernel: the paged decode attention for layers it computes as HF does (`Decoder` picks
+    padgraph's Triton kernel on a GPU at half precision), None for the torch path everywhere.
+    bound: the decode binds each attention module's caches on the module for the call
+    (`attention.bound`), for decoder layers compiled as regions that share one graph."""
+
+    def __init__(self, model, max_context: int, *, draft: bool = True, kernel=None, bound: bool = False):
         super().__init__()
-        calls = check_supported(model)
-        shape = uniform_cache(model, calls)
+        served = check_served(model, recurrent=not draft)
+        shape = (draft_shape(model, served.calls, max_context) if draft
+                 else cache_shape(model, served.calls, served.states))
         cfg = text_config(model)
-        if getattr(cfg, "final_logit_softcapping", None):
-            raise UnsupportedModelError(f"padgraph.hf.Target({type(model).__name__}): soft-capped logits; "
-                                        f"greedy verification over padgraph.llm's logits does not cap")
-        for idx, layer in sorted(attention_specs(calls).items()):
-            refuse_unless_plain(layer, max_context, f"{type(model).__name__} layer {idx}")
-        self.hf = model
+        self.hf, self.draft, self.shape, self.max_context, self.kernel = model, draft, shape, max_context, kernel
+        self.sites = Sites(shape.index())
         self.experts = graph_safe_experts(next(model.parameters()).device)
-        self.max_context = max_context
-        self.cfg = llm_config(model, shape, max_context)
-        self.layers = model.model.layers
+        self.cache_arg = cache_argument(model) if shape.states else None
+        self.bound_modules = attention_modules(model, served.calls) if bound else None
+        self.layers = layer_list(model)
         self.lm_head = model.get_output_embeddings()
         self.embed = model.get_input_embeddings()
-        self.norm = model.model.norm            # the final norm: an EAGLE head's passthrough start copies it
+        if not draft:
+            self.cfg = Widths(cfg.vocab_size, cfg.hidden_size, len(shape.sites))
+            return
+        self.cfg = llm_config(model, shape, max_context)
+        self.norm = model.get_decoder().norm     # the final norm: an EAGLE head's passthrough start copies it
         self.rope = Rotary(self.cfg.head_dim, max_context, self.cfg.rope_theta).to(self.lm_head.weight.device)
 
-    def _decode_batch(self, b: Batch) -> Paged:
-        return Paged(decode_batch(b), b.kv)
+    # ---- caches (padgraph.llm's worker allocates them through these) ------------------------
+    def new_cache(self, n_layers: int, n_slots: int, max_context: int, n_req_rows: int) -> PagedCache:
+        """The Target's cache: one K/V pair per site (`n_layers` of them), recurrent pools."""
+        if n_layers != len(self.shape.sites):
+            raise pg.ContractValueError(f"padgraph.hf.Target.new_cache: n_layers must be the model's "
+                                        f"{len(self.shape.sites)} attention sites, got {n_layers}")
+        return PagedCache(self.shape, n_slots, max_context, n_req_rows, self.lm_head.weight.device)
 
-    def _extend_batch(self, b: Batch) -> Paged:
-        return Paged(extend_batch(b), b.kv)
+    def new_draft_cache(self, n_slots: int) -> KVCache:
+        """The draft head's one-layer K/V pools (an EAGLE head's Llama layer, `cfg`'s widths); a
+        target served without a head: no layer."""
+        w = self.lm_head.weight
+        if not self.draft:
+            return KVCache(0, n_slots, 1, 1, 2, FIRST, w.dtype, w.device)
+        return KVCache(1, n_slots, self.cfg.n_kv_heads, self.cfg.head_dim, 2, FIRST, w.dtype, w.device)
 
-    def _tree_batch(self, b: Batch) -> Paged:
-        return Paged(tree_batch(b), b.kv)
+    # ---- the forwards -----------------------------------------------------------------------
+    def forward_decode(self, input_ids: Tensor, positions: Tensor, batch: Batch):
+        """[bs] tokens -> (logits [bs, V] fp32, hidden [bs, H] or None)."""
+        rows = batch.req_pool_indices.long()
+        sites = self.sites.fresh()
+        attn = Decode(batch.kv.k if self.shape.sites else [], batch.kv.v if self.shape.sites else [],
+                      batch.req_to_token, rows, positions, batch.out_cache_loc, batch.seq_lens, sites,
+                      self.kernel, bound=self.bound_modules is not None)
+        pools = pools_of(self.shape.states, batch.kv)
+        step = Step.gathered(self.shape.states, pools, rows) if pools else None
+        with attention.bound(self.bound_modules, attn.k, attn.v, sites):
+            out = self._forward(input_ids[:, None], positions[:, None], attn, step)    # [bs, 1, V or H]
+        if step is not None:
+            step.scatter(pools, rows)                                                  # padded lanes: row 0
+        # [bs, 1, .] -> [bs, .] as a view: inductor's select of the last position guards on a batch of one
+        return self._logits_hidden(out.flatten(0, 1))
 
-    def _run(self, input_ids: Tensor, positions: Tensor, paged: Paged, kv) -> Tensor:
-        """Packed tokens [n] at positions [n] -> final-normed hidden [n, H]."""
-        with serving(self.hf, self.experts):
-            out = self.hf.model(input_ids=input_ids[None], position_ids=positions[None].long(), use_cache=False,
-                                padgraph_batch=paged)
-        return out.last_hidden_state[0]
+    def forward_extend(self, input_ids: Tensor, positions: Tensor, batch: Batch, prefill_cls=Prefill):
+        """Packed [n_tok] prompts (`batch.qo_indptr`), each from position 0 -> (logits of each
+        request's last token [n, V] fp32, hidden [n_tok, H] or None). Run eagerly: the prompts are
+        left-padded into one batch, whose width is read on the host. prefill_cls: the attention
+        batch (the probe's records HF's masks)."""
+        lens = batch.qo_indptr[1:] - batch.qo_indptr[:-1]                              # [n]
+        n, width = lens.shape[0], int(lens.max())
+        valid = torch.arange(width, device=lens.device)[None, :] >= (width - lens)[:, None]   # [n, P] left pads
+        ids, pos, slots = (torch.zeros(n, width, dtype=torch.int64, device=lens.device).masked_scatter(valid, t.long())
+                           for t in (input_ids, positions, batch.out_cache_loc))     # pads: token 0, position 0, sink
+        kv = batch.kv
+        attn = prefill_cls(kv.k if self.shape.sites else [], kv.v if self.shape.sites else [], slots, pos, valid,
+                           self.sites.fresh())
+        step = Step.fresh_rows(self.shape.states, n, lens.device) if self.shape.states else None
+        out = self._forward(ids, pos, attn, step, attention_mask=valid.long())       # [n, P, V or H]
+        if step is not None:
+            step.scatter(pools_of(self.shape.states, kv), batch.req_pool_indices.long())
+        logits, _ = self._logits_hidden(out[:, -1])
+        return logits, (out[valid] if self.draft else None)
+
+    def forward_extend_hidden(self, input_ids: Tensor, positions: Tensor, batch: Batch) -> Tensor:
+        """`forward_extend`'s hidden [n_tok, H] (a target that serves a draft head)."""
+        self._draft_only("forward_extend_hidden")
+        return self.forward_extend(input_ids, positions, batch)[1]
+
+    def forward_verify(self, input_ids: Tensor, positions: Tensor, batch: Batch):
+        """[bs*k] tree tokens (seq_lens = prefix + k) -> (logits [bs*k, V] fp32, hidden [bs*k, H])."""
+        hidden = self.forward_verify_hidden(input_ids, positions, batch)
+        return self.logits(hidden), hidden
+
+    def forward_verify_hidden(self, input_ids: Tensor, positions: Tensor, batch: Batch) -> Tensor:
+        """`forward_verify`'s hidden [bs*k, H] only (greedy verification takes `greedy_ids` of it)."""
+        self._draft_only("forward_verify")
+        paged = Paged(tree_batch(batch), batch.kv.k, batch.kv.v, self.sites.fresh())
+        return self._forward(input_ids[None], positions[None].long(), paged, None)[0]
 
     def logits(self, hidden: Tensor) -> Tensor:
+        """The lm_head's logits [n, V] fp32 of final hidden states [n, H] (a draft head's target)."""
         return self.lm_head(hidden).float()
 
     def greedy_ids(self, hidden: Tensor) -> Tensor:
@@ -147,5 +255,36 @@ class Target(PagedForwards, nn.Module):
     @torch.no_grad()
     def forward_dense(self, input_ids: Tensor, last_only: bool = False):
         """[B, T] -> (logits, hidden [B, T, H]) through HF's own attention (distillation's corpus)."""
-        hidden = self.hf.model(input_ids=input_ids, use_cache=False).last_hidden_state
+        hidden = self.hf.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
         return self.logits(hidden[:, -1] if last_only else hidden), hidden
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def _forward(self, input_ids: Tensor, position_ids: Tensor, attn, step, **kwargs) -> Tensor:
+        """The model over [b, t] tokens with `attn` as its attention batch and `step` (or None) as
+        its recurrent cache: the causal LM's logits [b, t, V] (draft=False) or the decoder's
+        final hidden [b, t, H] (draft=True)."""
+        if step is not None:
+            kwargs[self.cache_arg] = step
+        with self._serving():
+            if self.draft:
+                return self.hf.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                             padgraph_batch=attn, **kwargs).last_hidden_state
+            return self.hf(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                           padgraph_batch=attn, **kwargs).logits
+
+    def _logits_hidden(self, out: Tensor) -> tuple[Tensor, Tensor | None]:
+        """(fp32 logits, hidden or None) of `_forward`'s rows [n, V or H]."""
+        return (self.logits(out), out) if self.draft else (out.float(), None)
+
+    def _serving(self):
+        """The model's attention set to padgraph's for an eager forward; a traced one (a whole
+        body compiled) runs inside the caller's (`Decoder`'s) setting."""
+        if torch.compiler.is_compiling():
+            return contextlib.nullcontext()
+        return serving(self.hf, self.experts)
+
+    def _draft_only(self, what: str) -> None:
+        if not self.draft:
+            raise pg.ContractRuntimeError(
+                f"padgraph.hf.Target.{what}: this Target serves no draft head (draft=False) and keeps no "
+                f"hidden state; build Target(model, max_context, draft=True) for EAGLE's programs")

@@ -60,8 +60,10 @@ def decode_body(target):
             return {"next_token": ids, "top2_gap": gap}
         logits, _ = target.forward_decode(x.input_ids, x.positions, Batch.from_view(x))
         top2 = logits.topk(2, dim=-1).values                         # [bs, 2]
+        # slices, not selects: inductor's select of a column guards on a batch of one (a graph
+        # of its own for bucket 1 in a size-oblivious trace)
         return {"next_token": next_tokens(logits, x, x.positions + 1),
-                "top2_gap": top2[:, 0] - top2[:, 1]}
+                "top2_gap": (top2[:, :1] - top2[:, 1:]).reshape(-1)}
     return body
 
 

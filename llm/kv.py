@@ -129,8 +129,11 @@ def new_cache(target, n_layers: int, n_slots: int, max_context: int, n_req_rows:
 
 def new_draft_cache(target, n_slots: int):
     """The draft head's one-layer cache (its req_to_token is unused: the runners bind the
-    target's). The head's layer is of the target's kind (`new_cache` of one layer), except for a
-    hybrid target, whose head is an attention layer (`EagleHead`): K/V pools."""
+    target's): the target's `new_draft_cache` where it has one; else the head's layer is of the
+    target's kind (`new_cache` of one layer), except for a hybrid target, whose head is an
+    attention layer (`EagleHead`): K/V pools."""
+    if hasattr(target, "new_draft_cache"):
+        return target.new_draft_cache(n_slots)
     if hasattr(target, "new_hybrid_cache"):
         return _kv_pools(target, 1, n_slots, 2, FIRST)
     return new_cache(target, 1, n_slots, 2, FIRST)

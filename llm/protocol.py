@@ -6,7 +6,10 @@ Optional on a target: `forward_verify_hidden(input_ids, positions, batch) -> hid
 `greedy_ids(hidden) -> ids` (verify without writing [n, V] fp32 logits), and
 `new_cache(n_layers, n_slots, max_context, n_req_rows)` returning its own cache (an object with
 `req_to_token` and `state()`, the bound tensors by state name); without it the worker allocates
-K/V pools of `cfg` (`n_kv_heads`, `head_dim`).
+K/V pools of `cfg` (`n_kv_heads`, `head_dim`). `new_draft_cache(n_slots)` returns the draft
+head's one-layer cache where the head's layer is not of the target's own kind (`padgraph.hf.Target`:
+K/V pools beside its per-call cache). A target served without a draft head may return None for
+`hidden` (nothing reads it).
 
 A target with recurrent layers (`padgraph.llm.models.hybrid`) adds
 `new_hybrid_cache(n_slots, max_context, n_req_rows, tree_nodes)`: its K/V and recurrent pools

@@ -76,14 +76,14 @@ def test_cuda_probe_is_cheap_at_a_1b_shape():
     with torch.device("cuda"):
         model = transformers.LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16).eval()
     dec = pghf.Decoder(model, max_batch=4, max_len=256, backend="cuda", probe=False)
-    dec.probe(dec.body.kernel)                                   # warm (first-call kernel loads)
+    dec.probe()                                                  # warm (first-call kernel loads)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    dec.probe(dec.body.kernel)
+    dec.probe()
     torch.cuda.synchronize()
     took = time.perf_counter() - t0
     assert took < 1.5, f"the probe took {took:.2f} s on a 1B model ({probe.ROWS} rows, {probe.STEPS} steps)"
-    assert dec.probe_error is None and dec.probe(dec.body.kernel) < probe.TOLERANCE[torch.bfloat16]
+    assert dec.probe_error is None and dec.probe() < probe.TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma2", "mixtral"])

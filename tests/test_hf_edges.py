@@ -89,18 +89,29 @@ def test_attention_outside_a_decoder_call_raises():
 
 
 def test_check_catches_padded_lanes_on_a_real_row():
-    """The hazard the sink pads prevent: padded lanes pointed at request row 1 write its slots;
-    `pg.check` on the same body reports state writes outside raw targets and sinks."""
+    """The hazard the sink pads prevent: padded lanes pointed at a request's slot (out_cache_loc
+    padded with slot FIRST, not the sink 0) write a live row of the cache; `pg.check` on the
+    engine's decode body over the Decoder's own cache reports state writes outside raw targets
+    and sinks."""
+    from padgraph.llm import checks
+    from padgraph.llm.kv import FIRST
     dec = pghf.Decoder(build("llama"), max_batch=5, max_len=16, backend="reference")
-    good = dec.program
+    w = dec.worker
+    good = w.programs["decode"]
     bs = good.inputs["positions"].shape[0]
-    inputs = dict(good.inputs, req_pool_indices=pg.Input((bs,), torch.int64, pad=1))
+    inputs = dict(good.inputs, out_cache_loc=pg.Input((bs,), torch.int64, pad=FIRST))
     bad = pg.Program("hf_decode_bad_pad", inputs=inputs, outputs=dict(good.outputs), state=dict(good.state),
                      buckets=good.buckets)
-    state = {"kv": [t.clone() for t in dec.cache.kv], "req_to_token": dec.cache.req_to_token}
-    with dec.serving(), torch.no_grad():
-        result = pg.check(bad, dec.body, state=state, sample=dec.sample, trials=4)
+    saved = w.kv.req_to_token.clone()
+    try:
+        checks.own_slots(w)
+        with dec.serving(), torch.no_grad():
+            result = pg.check(bad, w.bodies["decode"], state=w.state("decode"), sample=checks.sampler(w, "decode"),
+                              trials=4)
+    finally:
+        w.kv.req_to_token.copy_(saved)
     assert {f.kind for f in result.findings} == {"state-write"}, result
+    assert all(r.ok for r in dec.check(trials=2).values())
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
@@ -110,8 +121,8 @@ def test_moe_experts_run_graph_safe_while_serving_and_are_restored(name, monkeyp
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
     if "batched_mm" not in ALL_EXPERTS_FUNCTIONS:
         pytest.skip("this transformers has no batched_mm experts")
-    from padgraph.hf import decoder
-    monkeypatch.setattr(decoder, "graph_safe_experts", lambda device: "batched_mm")
+    from padgraph.hf import target
+    monkeypatch.setattr(target, "graph_safe_experts", lambda device: "batched_mm")
     model = build(name)
     before = model.config._experts_implementation
     seen = []
@@ -142,7 +153,7 @@ def test_torch_compile_whole_traces_the_ladder_once():
     # decomposes with a guard on a batch of one even size-obliviously: bucket 1 compiles its own
     from packaging.version import Version
     most = 1 if Version(transformers.__version__) >= Version("5.25") else 2
-    assert dec.runner.stats.compiles <= most, dec.runner.stats
+    assert dec.worker.runner("decode").stats.compiles <= most, dec.worker.runner("decode").stats
 
 
 def _layers_decoder(name: str, n_layers: int):
@@ -171,7 +182,7 @@ def test_torch_compile_layers_shares_one_graph_among_the_layers(name):
             with torch.no_grad():
                 ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
             assert dec.generate(ids, attention_mask=mask, max_new_tokens=NEW).tolist() == ref.tolist()
-        compiles.append(dec.runner.stats.compiles)
+        compiles.append(dec.worker.runner("decode").stats.compiles)
         assert not [m for m in model.modules() if hasattr(m, pghf.attention.BOUND_KV)]
     assert compiles[0] == compiles[1], f"graphs for 2 and 4 layers: {compiles}"
 

@@ -16,19 +16,22 @@ import padgraph.hf as pghf  # noqa: E402
 from padgraph.hf import generation  # noqa: E402
 from padgraph.llm import Engine, SpecConfig  # noqa: E402
 from sampling_stats import P_MIN, chi_square, one_thread  # noqa: E402,F401
-from test_hf_models import MAX_LEN, NEW, VOCAB, build, prompts  # noqa: E402
+import hf_zoo  # noqa: E402
+from test_hf_models import MAX_LEN, NEW, VOCAB, build, configs, prompts  # noqa: E402
 from test_hf_sampling import PROMPT, SETTINGS, hf_joint, sharpened  # noqa: E402
 
 
 def engine(model, max_bs: int) -> Engine:
     spec = SpecConfig()
-    return Engine(pghf.Target(model, MAX_LEN + spec.margin + spec.overlap_margin), None, spec,
+    return Engine(pghf.Target(model, MAX_LEN + spec.margin + spec.overlap_margin, draft=False), None, spec,
                   backend="reference", max_bs=max_bs, max_context=MAX_LEN + spec.margin + spec.overlap_margin)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "mixtral"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mixtral", "bamba", "deepseek_v3"])
 def test_engine_decodes_an_hf_target_to_hf_greedy_tokens(name):
-    model = build(name)
+    """Attention-only models, a hybrid (its SSM and convolution states in the Target's pools, one
+    row per request row) and MLA (keys wider than values): HF generate's greedy tokens."""
+    model = build(name) if name in configs() else hf_zoo.build_type(name, num_key_value_heads=4)
     eng = engine(model, 5)
     ids, mask = prompts(5, seed=3)
     with torch.no_grad():

@@ -3,10 +3,11 @@ gated delta nets) beside attention, or alone, decode through `Decoder` to the ve
 own `generate(do_sample=False)`: tiny random fp32 models (`hf_zoo`), bs 1, 3 and 5, left-padded
 prompts of 3 to 12 tokens and 10 new ones (past every convolution kernel).
 
-Their states live in the Decoder's recurrent pool, one row per request (row 0 the sink):
+Their states live in the Target's recurrent pools, one row per request row of padgraph.llm's
+engine (row 0 the sink):
   - a padded lane writes only the sink row, found by `pg.check` (`state-write`) when it does not;
-  - a row no lane of a call owns is left bitwise unchanged; a reused row's old state (even nan)
-    is never read by the next request's prefill;
+  - a row no request of a call owns is left bitwise unchanged; a reused row's old state (even
+    nan) is never read by the next request's prefill;
   - a mixer whose state the pool does not keep is refused by the probe, naming the decode step;
   - a mixer that keeps state outside HF's cache API stays refused, naming the layer.
 """
@@ -19,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 import padgraph.hf as pghf  # noqa: E402
 from padgraph.hf import recurrent, support  # noqa: E402
+from padgraph.llm.kv import FIRST  # noqa: E402
 
 import hf_zoo  # noqa: E402
 from test_hf_models import MAX_LEN, NEW, prompts  # noqa: E402
@@ -53,10 +55,10 @@ def assert_generates_like_hf(model, dec, sizes, seed: int = 0, device="cpu"):
 def test_tokens_equal_hf_generate(model_type):
     model = model_of(model_type)
     dec = pghf.Decoder(model, max_batch=5, max_len=MAX_LEN, backend="reference")
-    assert dec.cache.shape.states, f"{model_type}: served without recurrent state"
+    assert dec.target.shape.states, f"{model_type}: served without recurrent state"
     assert_generates_like_hf(model, dec, (1, 3, 5))
     if model_type in CHECKED:
-        assert dec.check(trials=2).ok, dec.check(trials=2)
+        assert all(r.ok for r in dec.check(trials=2).values()), dec.check(trials=2)
 
 
 @needs_api
@@ -65,47 +67,56 @@ def test_kinds_and_shapes_of_the_states():
     on its conv layer only; Bamba's conv window and SSM state on its Mamba layer only."""
     lfm2 = pghf.Decoder(model_of("lfm2"), max_batch=2, max_len=16, backend="reference", probe=False)
     cfg = lfm2.model.config
-    assert [(s.layer_idx, s.kind, s.shape) for s in lfm2.cache.shape.states] == [
+    assert [(s.layer_idx, s.kind, s.shape) for s in lfm2.target.shape.states] == [
         (0, "conv", (cfg.hidden_size, cfg.conv_L_cache))]
     bamba = pghf.Decoder(model_of("bamba"), max_batch=2, max_len=16, backend="reference", probe=False)
-    assert [(s.layer_idx, s.kind) for s in bamba.cache.shape.states] == [(0, "conv"), (0, "recurrent")]
-    assert [t.shape[0] for t in bamba.cache.recurrent] == [3, 3]          # the sink and two request rows
+    assert [(s.layer_idx, s.kind) for s in bamba.target.shape.states] == [(0, "conv"), (0, "recurrent")]
+    assert [t.shape[0] for t in bamba.worker.kv.recurrent] == [FIRST + 2] * 2   # sink, canary, two request rows
+    assert set(bamba.worker.state("decode")) == {"k_cache", "v_cache", "conv_state", "ssm_state", "req_to_token"}
+
+
+def assert_rows_reused(model, dec, device="cpu"):
+    """Three generate calls on one Decoder, each request row reused: before the second and third,
+    every request row of the pools is poisoned with nan. Each call gives HF's tokens (its prefill
+    reads no old state); the rows its requests took are finite after it, and the others still
+    hold the poison bitwise (no lane of the call wrote them)."""
+    assert_generates_like_hf(model, dec, (5,), seed=40, device=device)
+    pools = dec.worker.kv.recurrent
+    for n, seed in ((3, 50), (1, 60)):
+        for t in pools:
+            t[FIRST:] = float("nan")                                   # a released row may hold anything
+        assert_generates_like_hf(model, dec, (n,), seed=seed, device=device)
+        taken = [int(r) for r in range(FIRST, pools[0].shape[0]) if bool(torch.isfinite(pools[0][r]).all())]
+        assert len(taken) == n, f"rows written by a call of {n} requests: {taken}"
+        for t in pools:
+            rest = [r for r in range(FIRST, t.shape[0]) if r not in taken]
+            assert bool(torch.isnan(t[rest]).all()), "a row no request of the call owns was written"
+            assert bool(torch.isfinite(t[taken]).all()), "a reused row still holds its old state"
 
 
 @needs_api
 def test_slot_reuse_reads_no_old_state_and_leaves_other_rows():
-    """Three generate calls on one Decoder: each request row is reused. The second call's
-    prefill overwrites rows 1..3 whatever they hold (nan here), rows 4..5 (no request of the
-    call) stay bitwise as the first call left them, and every call gives HF's tokens."""
     model = model_of("bamba")
-    dec = pghf.Decoder(model, max_batch=5, max_len=MAX_LEN, backend="reference")
-    assert_generates_like_hf(model, dec, (5,), seed=40)
-    for t in dec.cache.recurrent:
-        t[1:4] = float("nan")                                          # a released row may hold anything
-    kept = [t[4:].clone() for t in dec.cache.recurrent]
-    assert_generates_like_hf(model, dec, (3,), seed=50)
-    for t, before in zip(dec.cache.recurrent, kept):
-        assert torch.equal(t[4:], before), "a row no request of the call owns was written"
-        assert bool(torch.isfinite(t[1:4]).all()), "a reused row still holds its old state"
-    assert_generates_like_hf(model, dec, (1,), seed=60)
+    assert_rows_reused(model, pghf.Decoder(model, max_batch=5, max_len=MAX_LEN, backend="reference"))
 
 
 @needs_api
 def test_padded_lanes_write_only_the_sink_row():
-    """A decode step of 3 requests in a bucket of 4: the padded lane's write lands in row 0 only;
-    `pg.check` reports a pad index moved off the sink as a state-write."""
+    """Decode steps of 3 requests in a bucket of 4: the padded lane's writes land in row 0 only
+    (the rows of no request, and the canary row 1, keep their contents); `pg.check` reports a
+    write moved off the sink row as a state-write."""
     model = model_of("lfm2")
     dec = pghf.Decoder(model, max_batch=5, max_len=MAX_LEN, buckets=(1, 2, 4, 5), backend="reference")
-    ids, mask = prompts(5, seed=7)
-    token, lens = dec.prefill(ids, mask)
-    rows = [t[4:].clone() for t in dec.cache.recurrent]
-    dec.step(token[:3], lens[:3])
-    assert all(torch.equal(t[4:], r) for t, r in zip(dec.cache.recurrent, rows)), "a padded lane wrote a live row"
+    pools = dec.worker.kv.recurrent
+    before = [t.clone() for t in pools]
+    assert_generates_like_hf(model, dec, (3,), seed=7)
+    taken = [r for r in range(pools[0].shape[0]) if not torch.equal(pools[0][r], before[0][r])]
+    assert set(taken) <= {0, FIRST, FIRST + 1, FIRST + 2} and len(set(taken) - {0}) == 3, taken
 
     real = recurrent.Step.scatter
     try:
-        recurrent.Step.scatter = lambda self, pool, slots: real(self, pool, slots.clamp(min=1))
-        result = dec.check(trials=2)
+        recurrent.Step.scatter = lambda self, pool, slots: real(self, pool, slots.clamp(min=FIRST))
+        result = dec.check(trials=2)["decode"]
     finally:
         recurrent.Step.scatter = real
     assert not result.ok and "state-write" in str(result), str(result)
@@ -152,14 +163,7 @@ def test_cuda_tokens_equal_hf_generate(model_type, torch_compile):
 @pytest.mark.cuda
 @needs_api
 def test_cuda_slot_reuse():
-    """On CUDA graphs: a second and third call reuse request rows (the first poisoned with nan)
-    and leave the rows they do not own as they were."""
+    """On CUDA graphs: a second and third call reuse request rows (every request row poisoned
+    with nan first) and leave the rows they do not own as they were."""
     model = model_of("qwen3_next").cuda()
-    dec = pghf.Decoder(model, max_batch=5, max_len=MAX_LEN, backend="cuda")
-    assert_generates_like_hf(model, dec, (5,), seed=40, device="cuda")
-    for t in dec.cache.recurrent:
-        t[1:4] = float("nan")
-    kept = [t[4:].clone() for t in dec.cache.recurrent]
-    assert_generates_like_hf(model, dec, (3,), seed=50, device="cuda")
-    assert all(torch.equal(t[4:], k) for t, k in zip(dec.cache.recurrent, kept))
-    assert_generates_like_hf(model, dec, (1,), seed=60, device="cuda")
+    assert_rows_reused(model, pghf.Decoder(model, max_batch=5, max_len=MAX_LEN, backend="cuda"), device="cuda")

@@ -75,7 +75,7 @@ def test_tokens_equal_hf_generate(name):
             ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
         ours = dec.generate(ids, attention_mask=mask, max_new_tokens=NEW)
         assert ours.tolist() == ref.tolist(), f"{name} bs {n}: tokens differ from HF's generate"
-    assert dec.check(trials=2).ok, dec.check(trials=2)
+    assert all(r.ok for r in dec.check(trials=2).values()), dec.check(trials=2)
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral"])
@@ -86,7 +86,7 @@ def test_triton_decode_kernel_path(name):
     kernel = functools.partial(attention_decode.decode_attention, impl="triton")
     model = build(name)
     dec = pghf.Decoder(model, max_batch=3, max_len=MAX_LEN, backend="reference")
-    dec.body.kernel = kernel                       # what backend="cuda" picks on a GPU
+    dec.target.kernel = kernel                       # what backend="cuda" picks on a GPU
     ids, mask = prompts(3, seed=11)
     with torch.no_grad():
         ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6)
@@ -103,7 +103,7 @@ def test_compiled_body_one_graph():
         with torch.no_grad():
             ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6)
         assert dec.generate(ids, attention_mask=mask, max_new_tokens=6).tolist() == ref.tolist()
-    assert dec.runner.stats.compiles >= 1 and dec.runner.stats.recompiles <= 1, dec.runner.stats
+    assert dec.worker.runner("decode").stats.compiles >= 1 and dec.worker.runner("decode").stats.recompiles <= 1, dec.worker.runner("decode").stats
 
 
 @pytest.mark.parametrize("name", list(configs()))
@@ -117,4 +117,4 @@ def test_default_compiled_decoder_gives_hf_tokens(name):
         with torch.no_grad():
             ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
         assert dec.generate(ids, attention_mask=mask, max_new_tokens=NEW).tolist() == ref.tolist(), name
-    assert dec.runner.stats.compiles >= 1, dec.runner.stats
+    assert dec.worker.runner("decode").stats.compiles >= 1, dec.worker.runner("decode").stats

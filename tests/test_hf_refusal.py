@@ -154,16 +154,3 @@ def test_check_arguments():
     dec = pghf.Decoder(build("llama"), max_batch=2, max_len=16, backend="reference", probe=False)
     with pytest.raises(pghf.ArgumentError, match="trials must be an int >= 1, got 0"):
         dec.check(trials=0)
-
-
-def test_prefill_and_step_arguments():
-    dec = pghf.Decoder(build("llama"), max_batch=2, max_len=32, backend="reference", probe=False)
-    ids, mask = prompts(2, seed=3)
-    with pytest.raises(pghf.ArgumentError, match=r"prefill: input_ids must be token ids in \[0, vocab_size=128\)"):
-        dec.prefill(ids + 500, mask)
-    with pytest.raises(pghf.ArgumentError, match=r"step: positions must be an int64 tensor"):
-        dec.step(ids[:, -1], [3, 4])
-    with pytest.raises(pghf.ArgumentError, match=r"positions in \[0, max_len=32\)"):
-        dec.step(ids[:, -1], torch.tensor([3, 40]))
-    first, lens = dec.prefill(ids, mask)                       # and a valid call runs
-    assert dec.step(first, lens).shape == (2,)

@@ -193,11 +193,11 @@ def test_cache_sites_follow_what_the_layers_hand_attention():
     values, Gemma 4's full layers wider than its sliding ones, two sites for a layer that calls
     attention twice."""
     mla = pghf.Decoder(tiny_model("deepseek_v3"), max_batch=2, max_len=16, backend="reference", probe=False)
-    assert {(s.k_dim, s.v_dim) for s in mla.cache.shape.sites} == {(24, 16)}
+    assert {(s.k_dim, s.v_dim) for s in mla.target.shape.sites} == {(24, 16)}
     gemma4 = pghf.Decoder(tiny_model("gemma4_text"), max_batch=2, max_len=16, backend="reference", probe=False)
-    assert len({s.k_dim for s in gemma4.cache.shape.sites}) == 2, gemma4.cache.shape
+    assert len({s.k_dim for s in gemma4.target.shape.sites}) == 2, gemma4.target.shape
     diff = pghf.Decoder(tiny_model("diffllama"), max_batch=2, max_len=16, backend="reference", probe=False)
-    assert [s.layer_idx for s in diff.cache.shape.sites] == [0, 0, 1, 1]
+    assert [s.layer_idx for s in diff.target.shape.sites] == [0, 0, 1, 1]
 
 
 @pytest.mark.parametrize("model_type", ["gemma4_text", "diffllama", "gpt_oss"])
@@ -209,7 +209,7 @@ def test_triton_decode_kernel_path_on_the_variants(model_type):
     from padgraph.backends.triton import attention_decode
     model = tiny_model(model_type)
     dec = pghf.Decoder(model, max_batch=3, max_len=MAX_LEN, backend="reference")
-    dec.body.kernel = functools.partial(attention_decode.decode_attention, impl="triton")   # as on a GPU
+    dec.target.kernel = functools.partial(attention_decode.decode_attention, impl="triton")   # as on a GPU
     ids, mask = prompts(3, seed=11)
     with torch.no_grad():
         ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6)
