@@ -2,8 +2,9 @@
 sampler (`sample`, `sampling_probs`) and exact speculative acceptance (`verify_chain_sampled`,
 `verify_tree_sampled`). Everything here is torch and graph-safe: fixed shapes from the arguments,
 no host sync, no global generator. On CUDA tensors `sample` runs the Triton kernels of
-`padgraph.backends.triton.sampling`, which return the same tokens bit for bit; under
-torch.compile `sample` and `sampling_probs` are opaque ops (their integers must not be fused).
+`padgraph.backends.triton.sampling`, which return the same tokens bit for bit, and
+`sampling_probs` takes its top-k / top-p thresholds from them (no sort); under torch.compile
+`sample` and `sampling_probs` are opaque ops (their integers must not be fused).
 
 The distribution, in Hugging Face's processor order (`GenerationMixin._get_logits_processor`:
 temperature, top-k, top-p, min-p), on fp32 logits `l` of one row:
@@ -192,8 +193,26 @@ def sampling_weights(logits, temperature, top_k, top_p, min_p):
     w_sorted = torch.where(d_sorted >= d_k, w.gather(-1, order), 0)
     d_p = _top_p_threshold(d_sorted, w_sorted, top_p)
     cut = torch.where((top_p < 1)[:, None], torch.maximum(d_p, d_k), d_k)
-    keep = (d >= cut) & (w.double() >= min_p.double()[:, None] * float(FIXED_ONE))
-    return torch.where(keep, w, 0), live
+    return _kept(d >= cut, w, min_p), live
+
+
+def _kept(keep, w, min_p) -> torch.Tensor:
+    """w where top-k / top-p keep it (keep [n, V]) and min-p does."""
+    keep = keep & (w.double() >= min_p.double()[:, None] * float(FIXED_ONE))
+    return torch.where(keep, w, 0)
+
+
+def _weights_by_key(logits, temperature, top_k, top_p, min_p):
+    """`sampling_weights` from the Triton sampler's key thresholds (`kernels.sample_stages`: each
+    row's top-k / top-p key, found without sorting, and a pass only where the row filters; the
+    draw it makes is discarded): keep the tokens whose key |d| is at most the row's."""
+    n = logits.shape[0]
+    zeros = torch.zeros(n, dtype=torch.int64, device=logits.device)
+    kf = kernels.sample_stages(logits, temperature, top_k, top_p, min_p, zeros, zeros,
+                               PURPOSE_DECODE).kf                       # [n] int64
+    d, live = _scaled(logits, temperature)
+    key = d.view(torch.int32) & 0x7FFFFFFF                             # the kernels' key of d
+    return _kept(key <= kf[:, None], fixed_exp(d), min_p), live
 
 
 def draw(w, u62) -> torch.Tensor:
@@ -221,8 +240,10 @@ def _sample_eager(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
 
 
 def _probs_eager(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                 top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    w, live = sampling_weights(logits, temperature, top_k, top_p, min_p)
+                 top_p: torch.Tensor, min_p: torch.Tensor, impl: str) -> torch.Tensor:
+    args = (logits, temperature, top_k, top_p, min_p)
+    by_key = kernels.resolve_impl(impl, logits) == "triton"
+    w, live = _weights_by_key(*args) if by_key else sampling_weights(*args)
     probs = (w.double() / w.sum(-1, keepdim=True).clamp_min(1).double()).float()
     onehot = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[1]).float()
     return torch.where(((temperature > 0) & live)[:, None], probs, onehot)
@@ -254,11 +275,14 @@ def sample(logits, temperature, top_k, top_p, min_p, seed, position, purpose: in
     return _sample_eager(*args)
 
 
-def sampling_probs(logits, temperature, top_k, top_p, min_p) -> torch.Tensor:
+def sampling_probs(logits, temperature, top_k, top_p, min_p, impl: str = "auto") -> torch.Tensor:
     """[n, V] fp32: the distribution `sample` draws from (temperature 0 lanes and rows without
-    mass: one-hot at logits.argmax(-1))."""
+    mass: one-hot at logits.argmax(-1)). impl: "auto" (on CUDA tensors the top-k / top-p
+    thresholds come from the Triton sampler's kernels, which skip the rows that do not filter;
+    else the torch reference sorts every row), "triton", "torch"; both give the same values bit
+    for bit."""
     _check(logits, dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p), None)
-    args = (logits, temperature, top_k, top_p, min_p)
+    args = (logits, temperature, top_k, top_p, min_p, impl)
     return _probs_op(*args) if torch.compiler.is_compiling() else _probs_eager(*args)
 
 
@@ -293,11 +317,15 @@ def verify_chain_sampled(target_probs, draft_tokens, draft_probs, seed, position
     target_probs [bs, k+1, V] (`sampling_probs` of the target at each draft position and the
     bonus's), draft_tokens [bs, k], draft_probs [bs, k, V] the draft's distribution each draft
     was drawn from, or None: the drafts were proposed deterministically (q one-hot, so draft i
-    is accepted with probability p_i(draft)). Draft i is accepted iff u * q(c) < p(c), with u
-    from the stream at (seed [bs], positions[:, i], PURPOSE_ACCEPT); draws use PURPOSE_RESIDUAL.
+    is accepted with probability p_i(draft) / p_i's total, and a rejection's residual is p_i
+    without the draft). Draft i is accepted iff u * q(c) < p(c), with u from the stream at
+    (seed [bs], positions[:, i], PURPOSE_ACCEPT); draws use PURPOSE_RESIDUAL.
     positions [bs, k+1] int64: the absolute position of each emitted token. The emitted tokens
     follow the target's distribution exactly, whatever the draft; greedy targets (one-hot at the
-    argmax) accept a draft iff it equals the argmax, as greedy verification does."""
+    argmax) accept a draft iff it equals the argmax, as greedy verification does. With
+    draft_probs None the only [bs, V] work is the one draw at the end of each row."""
+    if draft_probs is None:
+        return _chain_one_hot(target_probs, draft_tokens, seed, positions)
     bs, k = draft_tokens.shape
     alive = torch.ones(bs, dtype=torch.bool, device=draft_tokens.device)
     n_acc = torch.zeros(bs, dtype=torch.int32, device=draft_tokens.device)
@@ -309,8 +337,7 @@ def verify_chain_sampled(target_probs, draft_tokens, draft_probs, seed, position
             outs.append(torch.where(alive, _draw_probs(p, u), outs[-1]))
             break
         c = draft_tokens[:, i].long()
-        q = (torch.nn.functional.one_hot(c, p.shape[1]).double() if draft_probs is None
-             else draft_probs[:, i].double())
+        q = draft_probs[:, i].double()
         ok = uniform(seed, positions[:, i], PURPOSE_ACCEPT) * _at(q, c) < _at(p, c)
         fix = _draw_probs(_residual(p, q), u)
         tok = torch.where(ok, c, fix)
@@ -318,6 +345,27 @@ def verify_chain_sampled(target_probs, draft_tokens, draft_probs, seed, position
         n_acc += (alive & ok).int()
         alive = alive & ok
     return n_acc + 1, torch.stack(outs, 1)
+
+
+def _chain_one_hot(target_probs, draft_tokens, seed, positions):
+    """`verify_chain_sampled` for deterministic drafts: every test is a scalar per row; the row's
+    one draw (at its first rejection, or the bonus) is the only [bs, V] work."""
+    bs, k = draft_tokens.shape
+    c = draft_tokens.long()
+    rows = torch.arange(bs, device=c.device)[:, None]
+    p_c = target_probs[rows, torch.arange(k, device=c.device), c].double()       # [bs, k]
+    total = target_probs[:, :k].sum(-1, dtype=torch.float64)                     # [bs, k]
+    u = uniform(seed[:, None], positions[:, :k], PURPOSE_ACCEPT)                 # [bs, k]
+    ok = u * total < p_c
+    n_acc = ok.int().cumprod(1).sum(1).int()                         # [bs] accepted drafts
+    at = n_acc.long()                                                # the row's draw: k = bonus
+    rejected = (torch.arange(k, device=c.device) == at[:, None])    # [bs, k] the draft it replaces
+    drawn = _draw_excluding(_row(target_probs, at), c, rejected,
+                            uniform(seed, positions.gather(1, at[:, None])[:, 0],
+                                    PURPOSE_RESIDUAL))
+    emitted = torch.cat([c, drawn[:, None]], 1)                      # [bs, k+1]
+    col = torch.arange(k + 1, device=c.device)
+    return n_acc + 1, torch.where(col < at[:, None], emitted, drawn[:, None])
 
 
 def verify_tree_sampled(tokens, tree_mask, target_probs, draft_probs, seed, positions,
@@ -334,12 +382,16 @@ def verify_tree_sampled(tokens, tree_mask, target_probs, draft_probs, seed, posi
     c is accepted iff u * q(c) < p(c), u from (seed, positions[:, depth], PURPOSE_ACCEPT, node);
     on rejection p <- norm(max(p - q, 0)) and q <- q without c, renormalised. draft_probs None:
     the children were proposed deterministically (the draft's top-k), q is one-hot at each
-    child in turn, so child c is accepted with probability p(c) and a rejection zeroes p(c).
-    draft_probs [bs, k, V]: the children of node i were drawn without replacement from
-    draft_probs[:, i]. If no child is accepted (or there is none), the token is drawn from the
-    residual p (PURPOSE_RESIDUAL), ending the path; after `steps` accepted levels the bonus is
-    drawn from the target at the leaf. The emitted tokens follow the target's distribution
-    exactly; a greedy target (one-hot) gives `verify_greedy`'s result."""
+    child in turn, so child c is accepted with probability p(c) / (the mass of p its rejected
+    siblings left; a repeat of a rejected sibling's token has none) and a rejection zeroes p(c):
+    scalars per row, with one [bs, V] draw a row at the end. draft_probs [bs, k, V]: the
+    children of node i were drawn without replacement from draft_probs[:, i]. If no child is
+    accepted (or there is none), the token is drawn from the residual p (PURPOSE_RESIDUAL),
+    ending the path; after `steps` accepted levels the bonus is drawn from the target at the
+    leaf. The emitted tokens follow the target's distribution exactly; a greedy target
+    (one-hot) gives `verify_greedy`'s result."""
+    if draft_probs is None:
+        return _tree_one_hot(tokens, tree_mask, target_probs, seed, positions, steps)
     bs, k = tokens.shape
     parent = _tree_parents(tree_mask)                                # [bs, k]
     cur = torch.zeros(bs, dtype=torch.long, device=tokens.device)
@@ -347,7 +399,7 @@ def verify_tree_sampled(tokens, tree_mask, target_probs, draft_probs, seed, posi
     path, outs = [cur], []
     for depth in range(steps + 1):
         pos = positions[:, depth]
-        p, q = _row(target_probs, cur), None if draft_probs is None else _row(draft_probs, cur)
+        p, q = _row(target_probs, cur), _row(draft_probs, cur)
         found, nxt = torch.zeros_like(alive), cur
         if depth < steps:
             found, nxt, p = _try_children(tokens, parent, cur, alive, p, q, seed, pos)
@@ -357,9 +409,73 @@ def verify_tree_sampled(tokens, tree_mask, target_probs, draft_probs, seed, posi
         alive, cur = alive & found, nxt
         if depth < steps:
             path.append(cur)
+    return _tree_result(path, torch.stack(outs, 1))
+
+
+def _tree_result(path, out_tokens):
+    """(accept_len, accept_index, out_tokens) from the walked nodes [bs] per depth."""
     accept_index = torch.stack(path, 1)
     accept_len = 1 + torch.stack(path[1:], 1).ne(torch.stack(path[:-1], 1)).sum(1)
-    return accept_len.int(), accept_index, torch.stack(outs, 1)
+    return accept_len.int(), accept_index, out_tokens
+
+
+def _tree_one_hot(tokens, tree_mask, target_probs, seed, positions, steps: int):
+    """`verify_tree_sampled` for deterministic children. Tried in node order, child j is tried
+    only after every earlier sibling was rejected, so whether it would be accepted is fixed
+    before the walk: u * (total - removed) < p(c), total its parent's mass, removed that of the
+    earlier siblings' distinct tokens (all [bs, k] scalars). The walk then takes, per level, the
+    first accepted child; the row's one draw excludes every child of the node it stopped at."""
+    bs, k = tokens.shape
+    tok = tokens.long()
+    parent = _tree_parents(tree_mask)                                # [bs, k]
+    ok = _children_accepted(tok, parent, target_probs, seed, positions, steps)   # [bs, steps, k]
+    cur = torch.zeros(bs, dtype=torch.long, device=tok.device)
+    alive = torch.ones(bs, dtype=torch.bool, device=tok.device)
+    node = torch.arange(k, device=tok.device)
+    path = [cur]
+    for depth in range(steps):
+        hit = ok[:, depth] & (parent == cur[:, None]) & alive[:, None]        # [bs, k]
+        found = hit.any(1)
+        cur = torch.where(found, torch.where(hit, node, k).amin(1), cur)
+        alive = alive & found
+        path.append(cur)
+    n_acc = torch.stack(path[1:], 1).ne(torch.stack(path[:-1], 1)).sum(1)  # [bs] accepted levels
+    rejected = (parent == cur[:, None]) & ~alive[:, None]            # the stop node's children
+    drawn = _draw_excluding(_row(target_probs, cur), tok, rejected,
+                            uniform(seed, positions.gather(1, n_acc[:, None])[:, 0],
+                                    PURPOSE_RESIDUAL))
+    emitted = torch.cat([tok.gather(1, torch.stack(path[1:], 1)), drawn[:, None]], 1)
+    col = torch.arange(steps + 1, device=tok.device)
+    return _tree_result(path, torch.where(col < n_acc[:, None], emitted, drawn[:, None]))
+
+
+def _children_accepted(tok, parent, target_probs, seed, positions, steps: int):
+    """[bs, steps, k]: whether child j would be accepted when tried at depth d (its keys are
+    (seed, positions[:, d], PURPOSE_ACCEPT, j)), given that its earlier siblings were rejected."""
+    bs, k = tok.shape
+    node = torch.arange(k, device=tok.device)
+    has = parent >= 0
+    up = parent.clamp_min(0)
+    rows = torch.arange(bs, device=tok.device)[:, None]
+    p_c = target_probs[rows, up, tok].double()                      # [bs, k] p_parent(c)
+    total = target_probs.sum(-1, dtype=torch.float64).gather(1, up)  # [bs, k] the parent's mass
+    repeat = torch.zeros(bs, k, dtype=torch.bool, device=tok.device)
+    removed = torch.zeros(bs, k, dtype=torch.float64, device=tok.device)
+    for i in range(1, k):     # sibling i's mass leaves its later siblings', added in node order
+        later = has & (parent == parent[:, i:i + 1]) & (node > i)   # [bs, k]
+        removed = removed + torch.where(later & ~repeat[:, i:i + 1], p_c[:, i:i + 1], 0.0)
+        repeat = repeat | (later & (tok == tok[:, i:i + 1]))        # a repeat removes nothing
+    p_c = torch.where(repeat, 0.0, p_c)
+    u = uniform(seed[:, None, None], positions[:, :steps, None], PURPOSE_ACCEPT, node)
+    return has[:, None] & (u * (total - removed)[:, None] < p_c[:, None])
+
+
+def _draw_excluding(p, tok, excluded, u) -> torch.Tensor:
+    """`_draw_probs` from p [bs, V] with the tokens tok [bs, m] where excluded [bs, m] set to 0
+    (p itself where nothing would remain), uniforms u [bs] fp64."""
+    cut = torch.where(excluded, 0.0, float("inf")).to(p.dtype)
+    r = p.scatter_reduce(1, tok, cut, "amin")                        # repeats: order-free
+    return _draw_probs(torch.where(r.sum(-1, keepdim=True) > 0, r, p), u)
 
 
 def _row(t, node) -> torch.Tensor:
@@ -368,19 +484,18 @@ def _row(t, node) -> torch.Tensor:
 
 
 def _try_children(tokens, parent, cur, alive, p, q, seed, pos):
-    """Recursive rejection over cur's children in node order: (found [bs], the accepted node
-    [bs] (cur where none), the residual target p [bs, V] after the rejections)."""
+    """Recursive rejection over cur's children in node order, each drawn from q: (found [bs],
+    the accepted node [bs] (cur where none), the residual target p [bs, V] after the
+    rejections)."""
     found, nxt = torch.zeros_like(alive), cur
     for j in range(1, tokens.shape[1]):
         child = (parent[:, j] == cur) & alive & ~found
         c = tokens[:, j].long()
-        qj = torch.nn.functional.one_hot(c, p.shape[1]).double() if q is None else q
-        ok = child & (uniform(seed, pos, PURPOSE_ACCEPT, j) * _at(qj, c) < _at(p, c))
+        ok = child & (uniform(seed, pos, PURPOSE_ACCEPT, j) * _at(q, c) < _at(p, c))
         found, nxt = found | ok, torch.where(ok, j, nxt)
         rej = child & ~ok
-        p = torch.where(rej[:, None], _normalised(_residual(p, qj)), p)
-        if q is not None:
-            q = torch.where(rej[:, None], _without(q, c), q)
+        p = torch.where(rej[:, None], _normalised(_residual(p, q)), p)
+        q = torch.where(rej[:, None], _without(q, c), q)
     return found, nxt, p
 
 

@@ -258,6 +258,20 @@ def test_auto_picks_torch_on_cpu_tensors():
                        S.sample(logits, *args, PURPOSE_DECODE, impl="torch"))
 
 
+@pytest.mark.parametrize("V", [37, 257])
+def test_probabilities_from_the_kernels_thresholds_are_the_references(V):
+    """`sampling_probs` with the Triton sampler's key thresholds (no sort) gives the sorting
+    reference's values bit for bit, on every kind of row and parameter."""
+    g = torch.Generator().manual_seed(V)
+    n = 24
+    logits = awkward_logits(n, V, g)
+    args = random_lanes(n, V, g)[:4]
+    want = S.sampling_probs(logits, *args, impl="torch")
+    got = S.sampling_probs(logits, *args, impl="triton")
+    assert torch.equal(got, want), (got != want).any(-1).nonzero()[:, 0].tolist()
+    assert torch.equal(S.sampling_probs(logits, *args), want)          # auto: torch on CPU
+
+
 # --------------------------------------------------------------------------------- GPU
 
 @pytest.mark.cuda
@@ -293,6 +307,21 @@ def test_wide_nuclei_match_the_reference_on_gpu(bs):
     stages = check_stages(x, args)
     if bs >= 16:
         assert {"p_split", "p_gather", "k_gather"} <= modes_of(stages)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bs", [1, 64])
+def test_probabilities_match_the_reference_on_gpu(bs):
+    """`sampling_probs` on CUDA (the kernels' thresholds) against the sorting reference at a
+    128256-token vocabulary: flat and sharp rows, every filter, greedy lanes."""
+    V = 128256
+    g = torch.Generator().manual_seed(200 + bs)
+    scale = torch.tensor([1.0, 3.0, 8.0])[torch.arange(bs) % 3][:, None]
+    x = (torch.randn(bs, V, generator=g) * scale).cuda()
+    args = random_lanes(bs, V, g, device="cuda")[:4]
+    want = S.sampling_probs(x, *args, impl="torch")
+    got = S.sampling_probs(x, *args)                                 # auto: the kernels on CUDA
+    assert torch.equal(got, want), (got != want).any(-1).nonzero()[:, 0].tolist()
 
 
 @pytest.mark.cuda
