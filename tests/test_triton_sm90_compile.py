@@ -52,6 +52,16 @@ SCRIPT = textwrap.dedent('''
         build(tk._merge_kernel, {"cand_v_ptr": "*fp32", "cand_i_ptr": "*i64", "part_m_ptr": "*fp32",
               "part_s_ptr": "*fp32", "out_v_ptr": "*fp32", "out_i_ptr": "*i64",
               "out_lse_ptr": "*fp32"}, dict(K=4, CK=1024, CP=256))
+    if GROUP == "moe":   # the routed MoE experts (moe_routed.py), bf16 and fp32 activations
+        from padgraph.backends.triton import moe_routed as mr
+        t = mr.TILES
+        for dt in ("*bf16", "*fp32"):
+            build(mr._gate_up_kernel, {"X": dt, "Ids": "*i64", "W": dt, "Act": dt},
+                  dict(BLOCK_F=t.block_f, BLOCK_K=t.block_k), t.num_warps)
+            build(mr._down_kernel, {"Act": dt, "Ids": "*i64", "W": dt, "Y": dt},
+                  dict(BLOCK_H=t.block_h, BLOCK_K=t.block_k), t.num_warps)
+            build(mr._combine_kernel, {"Y": dt, "Wt": "*fp32", "Out": dt},
+                  dict(BLOCK_H=t.combine_h), t.num_warps)
 ''')
 
 
@@ -72,7 +82,7 @@ def run_compiler(args, tmp_path) -> str:
     return p.stdout
 
 
-GROUPS = {"attention-gemv-topk": 7}    # group -> kernels built
+GROUPS = {"attention-gemv-topk": 7, "moe": 6}    # group -> kernels built
 
 
 @pytest.mark.parametrize("group", list(GROUPS))

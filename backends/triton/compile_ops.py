@@ -1,4 +1,5 @@
-"""The attention and draft top-k kernels as opaque torch custom ops under `torch.compile`.
+"""The attention, draft top-k and routed MoE kernels as opaque torch custom ops under
+`torch.compile`.
 
 Dynamo can trace a user Triton kernel, but the split-KV kernels bump per-device ticket
 counters (`attention_split.tickets`) that live outside any graph: traced, the counters become a
@@ -7,6 +8,9 @@ mutated graph input, and `torch.compile(mode="reduce-overhead")` refuses its CUD
 for that reason; so does padgraph: under compilation each public attention function calls its
 `padgraph::` op (a fake implementation gives inductor the output's shape and dtype, the real
 one launches the kernels), and eagerly it calls the function itself, with no dispatcher cost.
+The routed MoE experts (`moe_routed.routed_experts`) are an op for another reason: traced, the
+kernels would give way to their torch reference (`kv.resolve_impl`), whose gather copies every
+picked expert slice, so a compiled decoder layer would lose the point of routing.
 
 The ops mutate none of their arguments (the counters are the kernels' own, left zeroed), so a
 graph around them can be captured and replayed by torch's cudagraphs or by padgraph's.
@@ -58,6 +62,10 @@ SCHEMAS: dict[str, tuple[str, Callable]] = {
         f"({_LATENT}, Tensor qo_indptr, int kv_lora_rank, float sm_scale, "
         f"str impl=\"auto\") -> Tensor",
         lambda a: (a["q_latent"].shape[0], a["q_latent"].shape[1], a["kv_lora_rank"])),
+    "routed_experts": (
+        "(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate_up, Tensor down, "
+        "str impl=\"auto\") -> Tensor",
+        lambda a: tuple(a["x"].shape)),
     "topk_logsumexp": (
         "(Tensor logits, int k, Tensor scale, str impl=\"auto\") -> (Tensor, Tensor, Tensor)",
         lambda a: _topk_outputs(a["logits"].shape[0], a["k"])),

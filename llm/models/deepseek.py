@@ -10,11 +10,14 @@ up-projected, plain causal attention) on the same weights — the oracle and the
 MoE (DeepSeekMoE): routed experts with top-k routing (softmax or sigmoid scores, the top-k
 weights optionally normalised, then scaled by `routed_scaling_factor`), one shared expert (width
 `n_shared_experts * moe_ffn_size`), the first `n_dense_layers` layers dense. Dropless and
-graph-safe by dense masked compute: every expert runs on every token and a [tokens, n_experts]
-combine matrix, zero off the top-k, mixes them. No data-dependent shape, and tokens never
-compete for anything, so padded tokens cannot change real tokens' results (`pg.check` proves it;
-`tests/test_deepseek.py` shows a capacity-limited grouping where they do). The cost is
-n_experts / top_k times the routed FLOPs of a sparse kernel: right for tiny and medium sizes.
+graph-safe two ways, chosen per call by `MoePolicy` (a field of the config) from the token count:
+dense masked compute (every expert runs on every token and a [tokens, n_experts] combine matrix,
+zero off the top-k, mixes them; n_experts / top_k times the routed FLOPs, every expert's weights
+read) or, for decode-sized batches, the routed kernels (`backends/triton/moe_routed.py`: each
+(token, slot) reads only the slice of the expert its router picked, ids read on the device, a
+grid fixed by the token count). Neither has a data-dependent shape, and tokens never compete for
+anything, so padded tokens cannot change real tokens' results (`pg.check` proves it;
+`tests/test_deepseek.py` shows a capacity-limited grouping where they do).
 
 Forward functions keep `LlamaModel`'s signatures (tokens, positions, one `Batch`) and return `(logits, hidden)`; `kv` is a
 `LatentCache` (or the bound view `kv.latent[layer]` inside a runner program).
@@ -29,9 +32,42 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from padgraph.backends.triton.kv import IMPLS
+from padgraph.backends.triton.moe_routed import routed_experts
+from padgraph.errors import ContractValueError
+
 from ..batch import Batch
 from ..paged import AttnPlan, PagedForwards, dense_forward
 from .llama import MLP, RMSNorm, Rotary, init_weights
+
+
+@dataclass(frozen=True)
+class MoePolicy:
+    """Which path a MoE layer's routed experts take, decided per call from its token count T
+    (T = bs for a decode, bs * tokens for a verify; a static size, so a captured graph holds one
+    path). `routed(T, top_k, n_experts)`: T * top_k <= routed_max_ratio * n_experts.
+
+    Why that rule: the routed kernels read T * top_k expert slices (fewer distinct ones where
+    tokens share experts), the dense masked path all n_experts, with tensor-core GEMMs. At the
+    default ratio 1.0 the routed path never requests more slices than dense reads; past it, the
+    dense path reads fewer bytes. The `lite` preset's 16 experts, top-6: routed at bs 1 and 2
+    (6 and 12 slices), dense from bs 3. routed_max_ratio 0: always dense; inf: always routed.
+    impl: the routed kernels' ("auto": Triton on CUDA, the torch reference elsewhere; "triton",
+    "torch")."""
+    routed_max_ratio: float = 1.0
+    impl: str = "auto"
+
+    def __post_init__(self):
+        if not self.routed_max_ratio >= 0:          # NaN too
+            raise ContractValueError(f"MoePolicy.routed_max_ratio must be >= 0 (0: always dense, "
+                                     f"inf: always routed), got {self.routed_max_ratio!r}")
+        if self.impl not in IMPLS:
+            raise ContractValueError(f"MoePolicy.impl must be one of {IMPLS}, got {self.impl!r}")
+
+    def routed(self, n_tokens: int, top_k: int, n_experts: int) -> bool:
+        """Whether T = n_tokens tokens take the routed path (class doc). Under torch.compile a
+        dynamic token count becomes a guard: a graph per side of the bound."""
+        return n_tokens * top_k <= self.routed_max_ratio * n_experts
 
 
 @dataclass(frozen=True)
@@ -58,6 +94,7 @@ class DeepSeekConfig:
     rms_eps: float = 1e-6
     max_position: int = 4096
     init_std: float = 0.02
+    moe_policy: MoePolicy = MoePolicy()     # routed or dense masked experts, per token count
 
     @classmethod
     def tiny(cls, **kw) -> "DeepSeekConfig":
@@ -219,7 +256,8 @@ class MLAttention(nn.Module):
 # ------------------------------------------------------------------------------------- MoE
 
 class MoE(nn.Module):
-    """Routed experts (dense masked compute) plus one shared expert."""
+    """Routed experts (dense masked compute, or the routed kernels where `cfg.moe_policy` picks
+    them) plus one shared expert."""
 
     def __init__(self, cfg: DeepSeekConfig):
         super().__init__()
@@ -237,8 +275,8 @@ class MoE(nn.Module):
         self.down = nn.Parameter(torch.empty(E, Fe, H))                # [E, F, hidden]
         self.shared = MLP(cfg.replace(ffn_size=cfg.n_shared_experts * Fe))
 
-    def route(self, x: Tensor) -> Tensor:
-        """x [n, hidden] -> combine weights [n, E] fp32: the scaled top-k weights, 0 elsewhere."""
+    def select(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [n, hidden] -> (expert ids [n, k] int64, their scaled weights [n, k] fp32)."""
         c = self.cfg
         logits = F.linear(x.float(), self.gate.weight.float())          # [n, E], router in fp32
         scores = logits.softmax(-1) if c.score_func == "softmax" else logits.sigmoid()
@@ -246,7 +284,17 @@ class MoE(nn.Module):
         w = scores.gather(1, idx)
         if c.norm_topk_prob:
             w = w / w.sum(-1, keepdim=True).clamp_min(1e-20)
-        return torch.zeros_like(scores).scatter(1, idx, w * c.routed_scaling_factor)
+        return idx, w * c.routed_scaling_factor
+
+    def route(self, x: Tensor) -> Tensor:
+        """x [n, hidden] -> combine weights [n, E] fp32: the scaled top-k weights, 0 elsewhere."""
+        idx, w = self.select(x)
+        return x.new_zeros(x.shape[0], self.cfg.n_routed_experts, dtype=w.dtype).scatter(1, idx, w)
+
+    def routed(self, n_tokens: int) -> bool:
+        """Whether n_tokens tokens run the routed kernels (`MoePolicy.routed`), else dense."""
+        c = self.cfg
+        return c.moe_policy.routed(n_tokens, c.top_k, c.n_routed_experts)
 
     def experts(self, x: Tensor, combine: Tensor) -> Tensor:
         """Every expert on every token, mixed by combine [n, E]: x [n, hidden] -> [n, hidden].
@@ -264,7 +312,13 @@ class MoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """x [..., hidden] -> [..., hidden]; each token on its own (no token sees another)."""
         flat = x.reshape(-1, x.shape[-1])                                # [n, hidden]
-        return (self.experts(flat, self.route(flat)) + self.shared(flat)).view_as(x)
+        if self.routed(flat.shape[0]):
+            idx, w = self.select(flat)                                   # [n, k] each
+            y = routed_experts(flat, idx, w, self.gate_up, self.down,
+                               impl=self.cfg.moe_policy.impl)
+        else:
+            y = self.experts(flat, self.route(flat))
+        return (y + self.shared(flat)).view_as(x)
 
 
 # ---------------------------------------------------------------------------------- layers
@@ -319,6 +373,14 @@ class DeepSeekModel(PagedForwards, nn.Module):
         with torch.no_grad():  # token-dependent residual stream; rows of unit RMS, so an
             e = torch.randn(self.embed.weight.shape, generator=gen)   # RMSNorm'd embedding
             self.embed.weight.copy_(e * e.pow(2).mean(-1, keepdim=True).rsqrt())  # is itself
+
+    def set_moe_policy(self, policy: MoePolicy) -> None:
+        """Every MoE layer's path choice from the next call on: `cfg` (the model's and each MoE
+        layer's) replaced by one holding `policy`. Graphs captured before keep the path they hold."""
+        self.cfg = self.cfg.replace(moe_policy=policy)
+        for m in self.modules():
+            if isinstance(m, MoE):
+                m.cfg = m.cfg.replace(moe_policy=policy)
 
     def new_cache(self, n_layers: int, n_slots: int, max_context: int,
                   n_req_rows: int) -> LatentCache:

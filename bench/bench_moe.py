@@ -1,0 +1,207 @@
+"""Benchmark: the DeepSeek-like decode step with the routed MoE kernels on and off.
+
+One process, one model (the `lite` preset: V2-Lite widths, 6 layers, 16 experts top-6, bf16,
+random weights), one latent cache. For each batch size and each path, `MoePolicy` forces the
+MoE layers' path (dense masked: routed_max_ratio 0; routed: inf), the decode step
+(`forward_decode`) is captured in a CUDA graph and its replays are timed with CUDA events
+(median of REPEATS runs of ITERS replays). Beside it, one MoE layer alone (router, experts,
+shared expert), captured and timed the same way, and the path the default policy picks.
+
+Bytes a step reads, per path: every weight but the embedding table (n rows of it) and the
+routed experts, plus the experts: dense all n_experts slices a MoE layer; routed the T * top_k
+slices its programs request, and the distinct experts among them (what DRAM must deliver when
+L2 serves a repeated slice), counted from the router's picks on this batch. The floor is those
+bytes over the measured device-to-device copy bandwidth. The next tokens of the two paths are
+compared (bf16: they may differ where the top-2 logits nearly tie).
+
+--tiles '[[block_f, block_h, block_k], ...]' also times the routed kernels alone
+(`launch_routed`, one MoE layer's experts) at each size with those tiles.
+Writes bench_moe.{md,json} under $OUT (or results/local).
+
+    python -m bench.bench_moe [--sizes 1,16] [--layers 6] [--context 256] [--tiles ...]
+    python -m bench.bench_moe --tiny     # CPU smoke run (no graphs; torch reference)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+
+from bench.bench_runner import step_weight_bytes
+from bench.common import copy_bandwidth, env_info, out_dir
+from padgraph.backends.triton.moe_routed import RoutedTiles, launch_routed
+from padgraph.llm import Batch
+from padgraph.llm.models.deepseek import DeepSeekConfig, DeepSeekModel, LatentCache, MoE, MoePolicy
+
+PATHS = {"dense": MoePolicy(routed_max_ratio=0.0), "routed": MoePolicy(routed_max_ratio=math.inf)}
+ITERS, REPEATS = 20, 7
+
+
+def decode_inputs(model: DeepSeekModel, bs: int, context: int, device, gen) -> tuple:
+    """(input_ids [bs], positions [bs], Batch): bs requests of `context` tokens each (the new
+    one included) over a latent cache of random rows; rows 1..bs, slot 0 the sink."""
+    cfg = model.cfg
+    kv = LatentCache(cfg.n_layers, bs * context + 2, cfg.latent_width, context, bs + 1,
+                     model.lm_head.weight.dtype, device)
+    for lat in kv.latent:
+        lat.copy_(torch.randn(lat.shape, generator=gen).to(lat.dtype) * 0.5)
+    kv.req_to_token[1:] = (1 + torch.arange(bs * context, device=device)).view(bs, context)
+    rows = torch.arange(1, bs + 1, dtype=torch.int32, device=device)
+    lens = torch.full((bs,), context, dtype=torch.int32, device=device)
+    loc = kv.req_to_token[rows.long(), context - 1].long()
+    ids = torch.randint(1, cfg.vocab_size, (bs,), generator=gen).to(device)
+    pos = torch.full((bs,), context - 1, dtype=torch.long, device=device)
+    return ids, pos, Batch(kv, kv.req_to_token, rows, lens, loc)
+
+
+def timed_us(fn, device) -> float:
+    """Median µs a call of fn: CUDA-graph replays timed with events on a GPU, wall clock on CPU."""
+    if device.type != "cuda":
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e6
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):                                    # Triton / cuBLAS warm-up
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    runs = []
+    for _ in range(REPEATS):
+        start.record()
+        for _ in range(ITERS):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        runs.append(start.elapsed_time(end) * 1e3 / ITERS)
+    return statistics.median(runs)
+
+
+def moe_layers(model) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def slice_bytes(moe: MoE) -> int:
+    """Bytes of one routed expert: its gate_up [hidden, 2F] and down [F, hidden] slices."""
+    return (moe.gate_up[0].numel() + moe.down[0].numel()) * moe.gate_up.element_size()
+
+
+def distinct_experts(model, ids, pos, batch) -> list[int]:
+    """Per MoE layer, the number of distinct experts the router picks for this step's tokens."""
+    counts, hooks = [], []
+    for m in moe_layers(model):
+        hooks.append(m.register_forward_hook(
+            lambda mod, inp, out: counts.append(
+                int(mod.select(inp[0].reshape(-1, inp[0].shape[-1]))[0].unique().numel()))))
+    try:
+        model.forward_decode(ids, pos, batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    return counts
+
+
+def weight_bytes(model, bs: int, distinct: list[int]) -> dict:
+    """Bytes of weights a step of bs requests reads, per path (module doc)."""
+    moes, k = moe_layers(model), model.cfg.top_k
+    experts = sum(m.gate_up.numel() + m.down.numel() for m in moes) * moes[0].gate_up.element_size()
+    rest = step_weight_bytes(model, bs) - experts
+    one = slice_bytes(moes[0])
+    return {"dense": rest + experts, "routed": rest + len(moes) * bs * k * one,
+            "routed_distinct": rest + sum(distinct) * one}
+
+
+def run_size(model, bs: int, args, device, gen, bw: float) -> dict:
+    ids, pos, batch = decode_inputs(model, bs, args.context, device, gen)
+    moe = moe_layers(model)[0]
+    x = torch.randn(bs, model.cfg.hidden_size, generator=gen).to(device, model.lm_head.weight.dtype)
+    row = {"bs": bs, "default_path": "routed" if moe.routed(bs) else "dense"}
+    logits = {}
+    with torch.no_grad():
+        model.set_moe_policy(PATHS["routed"])
+        row["distinct_experts"] = distinct_experts(model, ids, pos, batch)
+        row["bytes"] = weight_bytes(model, bs, row["distinct_experts"])
+        for name, policy in PATHS.items():
+            model.set_moe_policy(policy)
+            logits[name] = model.forward_decode(ids, pos, batch)[0].float()
+            row[f"{name}_step_us"] = timed_us(lambda: model.forward_decode(ids, pos, batch), device)
+            row[f"{name}_moe_layer_us"] = timed_us(lambda: moe(x), device)
+        if args.tiles:
+            idx, w = moe.select(x)
+            row["tiles_us"] = {str(t): timed_us(
+                lambda t=t: launch_routed(x, idx, w, moe.gate_up, moe.down,
+                                          RoutedTiles(*t)), device) for t in args.tiles}
+    model.set_moe_policy(MoePolicy())
+    row["floor_us"] = {p: b / bw * 1e6 for p, b in row["bytes"].items()} if bw else {}
+    row["same_next_tokens"] = int((logits["dense"].argmax(-1) == logits["routed"].argmax(-1)).sum())
+    row["max_logit_diff"] = float((logits["dense"] - logits["routed"]).abs().max())
+    return row
+
+
+def report(rows, meta) -> str:
+    gb = lambda b: f"{b / 1e9:.2f}"  # noqa: E731
+    lines = [f"# DeepSeek-like decode step, routed MoE on / off ({meta['gpu']})", "",
+             f"`{meta['command']}`; {meta['date']}, torch {meta['torch']}, triton "
+             f"{meta['triton']}; {meta['model']}; context {meta['context']} tokens a request; "
+             f"copy bandwidth {meta['copy_bw_gbs']:.0f} GB/s.", "",
+             "| bs | default path | dense step µs | routed step µs | dense MoE layer µs | "
+             "routed MoE layer µs | weight GB dense | routed (requested) | routed (distinct) | "
+             "floor µs dense / routed distinct | same next tokens | max logit diff |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        b, fl = r["bytes"], r["floor_us"]
+        floor = f"{fl['dense']:.0f} / {fl['routed_distinct']:.0f}" if fl else "-"
+        lines.append(f"| {r['bs']} | {r['default_path']} | {r['dense_step_us']:.0f} | "
+                     f"{r['routed_step_us']:.0f} | {r['dense_moe_layer_us']:.1f} | "
+                     f"{r['routed_moe_layer_us']:.1f} | {gb(b['dense'])} | {gb(b['routed'])} | "
+                     f"{gb(b['routed_distinct'])} | {floor} | {r['same_next_tokens']}/{r['bs']} | "
+                     f"{r['max_logit_diff']:.3g} |")
+    for r in rows:
+        if "tiles_us" in r:
+            lines += ["", f"Routed kernels alone at bs {r['bs']} (one MoE layer's experts), "
+                      "tiles [block_f, block_h, block_k]: " + ", ".join(
+                          f"{t}: {us:.1f} µs" for t, us in r["tiles_us"].items())]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", default="1,16")
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--tiles", type=json.loads, default=None)
+    p.add_argument("--tiny", action="store_true", help="CPU smoke run at the tiny preset")
+    args = p.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    cfg = DeepSeekConfig.tiny() if args.tiny else DeepSeekConfig.lite(n_layers=args.layers)
+    model = DeepSeekModel(cfg).to(device)
+    model = (model if device.type == "cpu" else model.bfloat16()).eval()
+    gen = torch.Generator().manual_seed(0)
+    bw = copy_bandwidth(device) if device.type == "cuda" else 0.0
+    rows = []
+    for bs in (int(s) for s in args.sizes.split(",")):
+        rows.append(run_size(model, bs, args, device, gen, bw))
+        print(json.dumps(rows[-1]), flush=True)
+    meta = {**env_info(), "context": args.context, "copy_bw_gbs": bw / 1e9,
+            "model": ("tiny" if args.tiny else f"lite, {args.layers} layers") + f", "
+                     f"{cfg.n_routed_experts} experts top-{cfg.top_k}, "
+                     f"{len(moe_layers(model))} MoE layers"}
+    out = out_dir()
+    (out / "bench_moe.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (out / "bench_moe.md").write_text(report(rows, meta))
+    print(report(rows, meta))
+
+
+if __name__ == "__main__":
+    main()
