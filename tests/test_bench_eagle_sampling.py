@@ -54,7 +54,7 @@ def test_tiny_mode_runs_end_to_end_and_matches_plain_decoding(tmp_path):
         else:
             assert r["check"] is None
         if r["temperature"] > 0:
-            assert r["plain"]["entropy"] > 0 and r["plain"]["redraw"] >= 0.99
+            assert r["plain"]["entropy"] > 0 and r["plain"]["redraw"]["agreement"] == 1.0 and r["plain"]["redraw"]["passed"]
     assert data["checks"]["passed"]
     md = out.with_suffix(".md").read_text()
     for title in ("## Levels", "## Speedup against entropy", "## Details"):
@@ -93,10 +93,19 @@ def test_token_check_flags_a_changed_token(sampled_runs, temperature):
     assert not bad["passed"] and bad["exact"] == 2 and [o[:2] for o in bad["other"]] == [(1, 5)]
 
 
-def test_redraw_agreement_sees_the_tokens_the_graphs_drew(sampled_runs):
+def test_redraw_check_sees_the_tokens_the_graphs_drew(sampled_runs):
+    """The runs' own tokens re-draw exactly; a changed token is reported as a token far from a
+    boundary at tolerance 0, and as near one only under a tolerance wider than its reach."""
     target, runs = sampled_runs
-    assert bes.redraw_agreement(target, runs[1.0]) == 1.0
-    assert bes.redraw_agreement(target, changed(runs[1.0], 0, 2)) < 1.0
+    same = bes.redraw_check(target, runs[1.0], 0.0)
+    assert same["agreement"] == 1.0 and same["passed"] and same["near"] == 0
+    bad_runs = changed(runs[1.0], 0, 2)
+    bad = bes.redraw_check(target, bad_runs, 0.0)
+    assert bad["agreement"] < 1.0 and not bad["passed"] and bad["other"][0][:2] == (0, 2)
+    assert all(rid == 0 and i >= 2 for rid, i, _ in bad["other"])    # later logits see the change
+    reach = max(o[2] for o in bad["other"])
+    wide = bes.redraw_check(target, bad_runs, reach + 1.0)
+    assert wide["passed"] and wide["near"] == len(bad["other"])
 
 
 def test_draw_reach_is_zero_inside_the_drawn_tokens_interval(sampled_runs):
