@@ -13,7 +13,7 @@ import padgraph as pg
 
 from padgraph.llm.models.deepseek import DeepSeekConfig, DeepSeekModel, MoE
 from padgraph.llm.models.mtp_head import MTPHead
-from padgraph.llm import Batch, Engine, SpecConfig, checks
+from padgraph.llm import Batch, Engine, SpecConfig, Worker, checks
 from test_eagle_e2e import LENS, assert_distilled_head_accepts, assert_released, one_thread, prompts  # noqa: F401
 from test_runners import SPEC
 
@@ -36,12 +36,12 @@ def test_absorbed_paged_forwards_match_non_absorbed_dense(target, impl):
     """Prefill (extend), one decode step and a chain verify of 3 tokens, all absorbed over the
     latent cache, equal the non-absorbed dense forward (per-head K/V) of the same weights."""
     w = Engine(target, None, SpecConfig(), max_bs=4, max_context=32)
-    ps, rt = [[3, 9, 4, 1, 7], [5, 2, 8]], w.kv.req_to_token
+    ps, rt = [[3, 9, 4, 1, 7], [5, 2, 8]], w.worker.kv.req_to_token
     close = dict(rtol=1e-4, atol=1e-4)
     reqs = w.admit(ps, [8, 8])
-    _, _, b = w.prefill(reqs)
+    _, _, b = w.worker.prefill(reqs)
     logits, hidden = target.forward_extend(b.ids, b.positions,
-                                           Batch(w.kv, rt, b.rows, b.seq_lens, b.loc,
+                                           Batch(w.worker.kv, rt, b.rows, b.seq_lens, b.loc,
                                                  qo_indptr=b.qo, impl=impl))
     for r, p in enumerate(ps):
         dl, dh = _dense_logits(target, p)
@@ -52,14 +52,14 @@ def test_absorbed_paged_forwards_match_non_absorbed_dense(target, impl):
     nxt, lens = [11, 12], torch.tensor([6, 4], dtype=torch.int32)
     pos = (lens - 1).long()
     dl_dec, _ = target.forward_decode(torch.tensor(nxt), pos,
-                                      Batch(w.kv, rt, b.rows, lens, rt[b.rows.long(), pos].long(),
+                                      Batch(w.worker.kv, rt, b.rows, lens, rt[b.rows.long(), pos].long(),
                                             impl=impl))
     k, chain = 3, [[21, 22, 23], [31, 32, 33]]
     pos = lens.long()[:, None] + torch.arange(k)                      # [bs, k]
     mask = torch.tril(torch.ones(k, k, dtype=torch.bool)).repeat(2, 1, 1)
     loc = rt[b.rows.long()[:, None], pos].view(-1).long()
     dl_ver, _ = target.forward_verify(torch.tensor(chain).view(-1), pos.view(-1),
-                                      Batch(w.kv, rt, b.rows, lens + k, loc, tree_mask=mask,
+                                      Batch(w.worker.kv, rt, b.rows, lens + k, loc, tree_mask=mask,
                                             impl=impl))
     for r, p in enumerate(ps):
         dl, _ = _dense_logits(target, p + [nxt[r]] + chain[r])
@@ -150,7 +150,7 @@ def test_mtp_spec_equals_greedy_and_releases(target):
         assert s.output == g.output, f"request {g.rid}"
         assert len(g.output) == g.max_new_tokens
     assert_released(w)
-    assert sum(w.runner("verify").stats.padded_lanes.values()) > 0
+    assert sum(w.worker.runner("verify").stats.padded_lanes.values()) > 0
 
 
 def test_whole_mtp_draft_bodies_compile_to_the_eager_tokens(target):
@@ -167,8 +167,8 @@ def test_whole_mtp_draft_bodies_compile_to_the_eager_tokens(target):
     whole, a = serve(torch_compile=True, draft_compile="whole")
     _, b = serve()
     assert [r.output for r in a] == [r.output for r in b]
-    assert "regions" not in whole.options("draft")["torch_compile"]
-    assert all(whole._runners[n].stats.compiles >= 1 for n in ("draft", "draft_extend"))
+    assert "regions" not in whole.worker.options("draft")["torch_compile"]
+    assert all(whole.worker._runners[n].stats.compiles >= 1 for n in ("draft", "draft_extend"))
 
 
 def test_oracle_mtp_head_accepts_long_paths():
@@ -206,7 +206,7 @@ def test_distilled_mtp_head_generalises_beyond_its_corpus(one_thread):
 
 @pytest.fixture(scope="module")
 def worker(target):
-    w = Engine(target, MTPHead(target).eval(), SPEC, max_bs=8, max_context=48,
+    w = Worker(target, MTPHead(target).eval(), SPEC, max_bs=8, max_context=48,
                buckets=pg.Buckets([1, 2, 4, 8]))
     checks.own_slots(w)                                      # every row but 0 owns 48 slots
     return w

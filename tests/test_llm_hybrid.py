@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import padgraph as pg
-from padgraph.llm import Batch, Engine, SpecConfig, checks
+from padgraph.llm import Batch, Engine, SpecConfig, Worker, checks
 from padgraph.llm.kv import CANARY, FIRST, SINK
 from padgraph.llm.models import EagleHead
 from padgraph.llm.models.hybrid import HybridConfig, HybridModel
@@ -73,7 +73,7 @@ def _assert_dense(target, prompts, reqs, params):
 
 
 def _released(w):
-    return w.slots.all_free and w.rows.all_free and not w.kv.req_to_token[FIRST:].any()
+    return w.pool.slots.all_free and w.pool.rows.all_free and not w.worker.kv.req_to_token[FIRST:].any()
 
 
 def _passthrough(target):
@@ -83,7 +83,7 @@ def _passthrough(target):
 
 
 def _recurrent_pools(w):
-    return [t for name in RECURRENT for t in w.kv.state()[name]]
+    return [t for name in RECURRENT for t in w.worker.kv.state()[name]]
 
 
 # ---------------------------------------------------------------- plain decoding
@@ -98,7 +98,7 @@ def test_greedy_and_sampled_decoding_equal_the_dense_forward(model):
         assert [len(r.output) for r in reqs] == news and stats.prefills > 1
         _assert_dense(model, ps, reqs, params)
     assert _released(w)
-    assert sum(w.runner("decode").stats.padded_lanes.values()) > 0
+    assert sum(w.worker.runner("decode").stats.padded_lanes.values()) > 0
 
 
 def test_reused_rows_start_from_zero_whatever_they_hold(model):
@@ -110,9 +110,9 @@ def test_reused_rows_start_from_zero_whatever_they_hold(model):
     ps, news = _prompts(model.cfg.vocab_size, seed=7), [n for _, n in LENS]
     for mode in ("greedy", "spec"):
         _serve(w, mode, ps[:1], news[:1])                    # runners compiled: canary rows armed
-    rows = [r for r in range(w.kv.req_to_token.shape[0]) if r != CANARY]
+    rows = [r for r in range(w.worker.kv.req_to_token.shape[0]) if r != CANARY]
     for mode in ("greedy", "spec"):
-        for t in (t for name in (*RECURRENT, "tree_conv", "tree_ssm") for t in w.kv.state()[name]):
+        for t in (t for name in (*RECURRENT, "tree_conv", "tree_ssm") for t in w.worker.kv.state()[name]):
             t[rows] = float("nan")
         reqs, _ = _serve(w, mode, ps, news, MIX)
         _assert_dense(model, ps, reqs, MIX)
@@ -187,7 +187,7 @@ def test_verify_keeps_the_state_of_the_accepted_prefix(model):
     ps = _prompts(model.cfg.vocab_size)[:2]
     reqs = w.admit(ps, [8, 8])
     with torch.no_grad():
-        logits, _, b = w.prefill(reqs)
+        logits, _, b = w.worker.prefill(reqs)
     first = logits.argmax(-1).tolist()
     k, V = spec.num_draft_tokens, model.cfg.vocab_size
     chains, accepted = [], (2, 0)
@@ -198,28 +198,28 @@ def test_verify_keeps_the_state_of_the_accepted_prefix(model):
     pos = L.long()[:, None] + torch.arange(k)
     before = [t.clone() for t in _recurrent_pools(w)]
     with torch.no_grad():
-        v = w.runner("verify")(input_ids=torch.tensor(chains).view(-1), positions=pos.view(-1),
-                               out_cache_loc=w.kv.req_to_token[rows.long()[:, None], pos].long().view(-1),
+        v = w.worker.runner("verify")(input_ids=torch.tensor(chains).view(-1), positions=pos.view(-1),
+                               out_cache_loc=w.worker.kv.req_to_token[rows.long()[:, None], pos].long().view(-1),
                                seq_lens=L, req_pool_indices=rows,
                                tree_mask=torch.tril(torch.ones(k, k, dtype=torch.bool)).repeat(2, 1, 1),
-                               **w.lanes(reqs).inputs())
+                               **w.worker.lanes(reqs).inputs())
     assert v.accept_len.tolist() == [n + 1 for n in accepted]
     after_verify = [t[rows.long()].clone() for t in _recurrent_pools(w)]
-    chain_end = [t[rows.long(), k - 1].clone() for t in w.kv.state()["tree_ssm"]]
+    chain_end = [t[rows.long(), k - 1].clone() for t in w.worker.kv.state()["tree_ssm"]]
     for t, saved in zip(_recurrent_pools(w), before):           # back to the state after prefill
         t.copy_(saved)
     for r, (chain, n_ok) in enumerate(zip(chains, accepted)):  # decode the accepted tokens
         for i, tok in enumerate(chain[:n_ok + 1]):
             p = int(L[r]) + i
             with torch.no_grad():
-                w.runner("decode")(input_ids=torch.tensor([tok]), positions=torch.tensor([p]),
+                w.worker.runner("decode")(input_ids=torch.tensor([tok]), positions=torch.tensor([p]),
                                    seq_lens=torch.tensor([p + 1], dtype=torch.int32),
                                    req_pool_indices=rows[r:r + 1],
-                                   out_cache_loc=w.kv.req_to_token[rows[r].long(), p:p + 1].long(),
-                                   **w.lanes(reqs[r:r + 1]).inputs())
+                                   out_cache_loc=w.worker.kv.req_to_token[rows[r].long(), p:p + 1].long(),
+                                   **w.worker.lanes(reqs[r:r + 1]).inputs())
     for got, t in zip(after_verify, _recurrent_pools(w)):
         torch.testing.assert_close(got, t[rows.long()], rtol=1e-5, atol=1e-5)
-    ssm_rows = after_verify[len(w.kv.ssm):]
+    ssm_rows = after_verify[len(w.worker.kv.ssm):]
     for row_state, end in zip(ssm_rows, chain_end):             # the rejected tail was rolled back
         assert not torch.allclose(row_state, end, rtol=1e-3, atol=1e-3)
     for r in reqs:
@@ -234,38 +234,38 @@ def test_programs_declare_the_recurrent_pools_as_sink_state(model):
     plain-decoding engine keeps no per-node pools."""
     spec = SpecConfig(3, 2, 5)
     w = _engine(model, EagleHead(model).eval(), spec)
-    cfg, n_rows = model.cfg, w.kv.req_to_token.shape[0]
+    cfg, n_rows = model.cfg, w.worker.kv.req_to_token.shape[0]
     names = ("conv_state", "ssm_state", "tree_conv", "tree_ssm")
     for prog in ("decode", "verify"):
-        state = w.programs[prog].state
+        state = w.worker.programs[prog].state
         assert all((state[n].sink, state[n].canary) == (SINK, CANARY) for n in names), state
     for prog in ("draft", "draft_extend"):
-        assert set(w.programs[prog].state) == {"k_cache", "v_cache", "req_to_token"}
+        assert set(w.worker.programs[prog].state) == {"k_cache", "v_cache", "req_to_token"}
     n_m = cfg.pattern.count("M")
-    st = w.kv.state()
+    st = w.worker.kv.state()
     assert [t.shape for t in st["conv_state"]] == [(n_rows, cfg.conv_dim, cfg.conv_kernel - 1)] * n_m
     state_shape = (cfg.ssm_heads, cfg.ssm_head_dim, cfg.d_state)
     assert [t.shape for t in st["ssm_state"]] == [(n_rows, *state_shape)] * n_m
     assert [t.shape[:2] for t in st["tree_ssm"]] == [(n_rows, spec.num_draft_tokens)] * n_m
     assert len(st["k_cache"]) == cfg.pattern.count("A")
     per_row_node = 4 * (cfg.conv_dim * (cfg.conv_kernel - 1) + cfg.ssm_heads * cfg.ssm_head_dim * cfg.d_state)
-    assert w.kv.tree_nbytes() == n_rows * spec.num_draft_tokens * n_m * per_row_node
+    assert w.worker.kv.tree_nbytes() == n_rows * spec.num_draft_tokens * n_m * per_row_node
     plain = _engine(model)
-    assert set(plain.kv.state()) == {"k_cache", "v_cache", "conv_state", "ssm_state"}
+    assert set(plain.worker.kv.state()) == {"k_cache", "v_cache", "conv_state", "ssm_state"}
 
 
 CHECKED = ["decode", "verify", "draft", "draft_extend", "prefill", "draft_prefill"]
 
 
 @pytest.fixture(scope="module")
-def checked_engine(model):
-    return Engine(model, EagleHead(model).eval(), SpecConfig(3, 2, 5), max_bs=4, max_context=16,
+def checked_worker(model):
+    return Worker(model, EagleHead(model).eval(), SpecConfig(3, 2, 5), max_bs=4, max_context=16,
                   buckets=pg.Buckets([1, 2, 4]), prefill="runner", draft_prefill="runner", prefill_tokens=32)
 
 
 @pytest.mark.parametrize("name", CHECKED)
-def test_check_passes_every_runner_program(checked_engine, name):
-    res = checks.check(checked_engine, names=[name], trials=2, tolerance=(1e-5, 1e-5))[name]
+def test_check_passes_every_runner_program(checked_worker, name):
+    res = checks.check(checked_worker, names=[name], trials=2, tolerance=(1e-5, 1e-5))[name]
     assert res.ok and not res.findings, str(res)
 
 
@@ -281,7 +281,7 @@ def test_check_reports_a_padded_lane_clamped_onto_a_live_row(name):
     """The all-pad run writes the clamped row (state-write), and a raw lane on that row is
     overwritten by the padded lanes after it (state-leakage)."""
     bad = ClampedHybrid(HybridConfig.tiny()).eval()
-    w = Engine(bad, EagleHead(bad).eval(), SpecConfig(3, 2, 5), max_bs=4, max_context=16,
+    w = Worker(bad, EagleHead(bad).eval(), SpecConfig(3, 2, 5), max_bs=4, max_context=16,
                buckets=pg.Buckets([1, 2, 4]))
     res = checks.check(w, names=[name], trials=2)[name]
     found = {(f.kind, f.buffer.split("[")[0]) for f in res.findings}
@@ -310,25 +310,25 @@ def test_triton_kernels_give_the_references_results(model):
     w = _engine(model, EagleHead(model).eval(), spec)
     ps = _prompts(model.cfg.vocab_size)[:2]
     reqs = w.admit(ps, [4, 4])
-    b, rt, k = pack_prompts(reqs, w.kv.req_to_token), w.kv.req_to_token, spec.num_draft_tokens
+    b, rt, k = pack_prompts(reqs, w.worker.kv.req_to_token), w.worker.kv.req_to_token, spec.num_draft_tokens
     rows = torch.cat([b.rows, torch.zeros(1, dtype=torch.int32)])              # + a padded lane: row 0
     L = torch.cat([b.seq_lens, torch.ones(1, dtype=torch.int32)])
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, model.cfg.vocab_size, (3 * (k + 1),), generator=g)
     mask = _tree_mask([-1, 0, 0, 1, 2]).repeat(3, 1, 1)          # two branches of depth 2
     pos_t = (L.long() + 1)[:, None] + torch.arange(k)
-    state = [t for ts in w.kv.state().values() for t in ts]
+    state = [t for ts in w.worker.kv.state().values() for t in ts]
     start = [t.clone() for t in state]
 
     def run(impl):
         for t, s0 in zip(state, start):
             t.copy_(s0)
         with torch.no_grad():
-            ext = Batch(w.kv, rt, b.rows, b.seq_lens, b.loc, qo_indptr=b.qo, impl=impl)
+            ext = Batch(w.worker.kv, rt, b.rows, b.seq_lens, b.loc, qo_indptr=b.qo, impl=impl)
             h_ext = model.forward_extend_hidden(b.ids, b.positions, ext)
-            dec = Batch(w.kv, rt, rows, L + 1, rt[rows.long(), L.long()].long(), impl=impl)
+            dec = Batch(w.worker.kv, rt, rows, L + 1, rt[rows.long(), L.long()].long(), impl=impl)
             _, h_dec = model.forward_decode(ids[:3], L.long(), dec)
-            tree = Batch(w.kv, rt, rows, L + 1 + k, rt[rows.long()[:, None], pos_t].long().view(-1),
+            tree = Batch(w.worker.kv, rt, rows, L + 1 + k, rt[rows.long()[:, None], pos_t].long().view(-1),
                          tree_mask=mask, impl=impl)
             h_tree = model.forward_verify_hidden(ids[3:], pos_t.view(-1), tree)
             model.commit_tree(tree, torch.tensor([3, 4, 0]))
@@ -406,11 +406,11 @@ def test_cuda_check_passes_and_reports_the_clamped_lane():
     dev = torch.device("cuda")
     kw = dict(max_bs=4, max_context=24, buckets=pg.Buckets([1, 2, 4]), prefill="runner", prefill_tokens=64)
     good = HybridModel(_gpu_config()).eval().to(dev)
-    w = Engine(good, EagleHead(good).eval().to(dev), SpecConfig(3, 2, 5), **kw)
+    w = Worker(good, EagleHead(good).eval().to(dev), SpecConfig(3, 2, 5), **kw)
     for name, res in checks.check(w, trials=2, tolerance=(1e-4, 1e-4)).items():
         assert res.ok and not res.findings, str(res)
     bad = ClampedHybrid(_gpu_config()).eval().to(dev)
-    wb = Engine(bad, EagleHead(bad).eval().to(dev), SpecConfig(3, 2, 5), **kw)
+    wb = Worker(bad, EagleHead(bad).eval().to(dev), SpecConfig(3, 2, 5), **kw)
     for name, res in checks.check(wb, names=["decode", "verify"], trials=2).items():
         found = {f.buffer.split("[")[0] for f in res.findings if f.kind == "state-write"}
         assert {f"state '{pool}" for pool in RECURRENT} <= found, str(res)
