@@ -98,7 +98,8 @@ class WorkerOptions:
     node's children (`padgraph.llm.sampling.verify_tree_sampled`, acceptance and residual draws
     on their own streams): the same distribution and, for a draft proposing its top-k (one-hot
     proposals), the same acceptance, through other draws, at the cost of the full [bs, k, V]
-    probabilities and a loop over the tree's levels and children.
+    probabilities (the walk over the tree's levels and children reads only the children's
+    probabilities, then draws once per request from the residual).
     """
     max_bs: int = 16
     max_context: int = 512
