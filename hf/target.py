@@ -223,7 +223,8 @@ class Target(nn.Module):
         attn = prefill_cls(kv.k if self.shape.sites else [], kv.v if self.shape.sites else [], slots, pos, valid,
                            self.sites.fresh())
         step = Step.fresh_rows(self.shape.states, n, lens.device) if self.shape.states else None
-        out = self._forward(ids, pos, attn, step, attention_mask=valid.long())       # [n, P, V or H]
+        keep = {} if self.draft else {"logits_to_keep": 1}                            # the head reads every hidden
+        out = self._forward(ids, pos, attn, step, attention_mask=valid.long(), **keep)  # [n, P or 1, H or V]
         if step is not None:
             step.scatter(pools_of(self.shape.states, kv), batch.req_pool_indices.long())
         logits, _ = self._logits_hidden(out[:, -1])
