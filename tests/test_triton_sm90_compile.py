@@ -29,6 +29,7 @@ SCRIPT = textwrap.dedent('''
                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
         assert "cubin" in out.asm, sorted(out.asm)
         print("compiled", kernel.fn.__name__, sorted(constexprs.items()))
+        return out
 
     GROUP = sys.argv[1]
     dec = {n: "*bf16" for n in ("Q", "K", "V", "Out")}
@@ -62,6 +63,18 @@ SCRIPT = textwrap.dedent('''
                   dict(BLOCK_H=t.block_h, BLOCK_K=t.block_k), t.num_warps)
             build(mr._combine_kernel, {"Y": dt, "Wt": "*fp32", "Out": dt},
                   dict(BLOCK_H=t.combine_h), t.num_warps)
+    if GROUP == "pdl":   # a user's kernel written with backends/triton/pdl.py: test_triton_pdl.py
+        sys.path.insert(0, sys.argv[2])
+        import test_triton_pdl as tp
+        for on in (False, True):
+            ptx = build(tp._toy_linear_kernel, {a: "*fp32" for a in "X W B Y".split()},
+                        dict(BLOCK_N=16, BLOCK_K=1024, PDL=on)).asm["ptx"]
+            # one wait, then the release; the weight tile and bias are requested before the wait
+            assert ptx.count("griddepcontrol.wait") == on, ptx.count("griddepcontrol.wait")
+            assert ptx.count("griddepcontrol.launch_dependents") == on
+            if on:
+                assert ptx.find("griddepcontrol.wait") < ptx.find("griddepcontrol.launch_dependents")
+                assert "ld.global" in ptx[:ptx.find("griddepcontrol.wait")]
 ''')
 
 
@@ -82,10 +95,11 @@ def run_compiler(args, tmp_path) -> str:
     return p.stdout
 
 
-GROUPS = {"attention-gemv-topk": 7, "moe": 6}    # group -> kernels built
+GROUPS = {"attention-gemv-topk": 7, "moe": 6, "pdl": 2}    # group -> kernels built
 
 
 @pytest.mark.parametrize("group", list(GROUPS))
 def test_changed_kernels_compile_for_sm90(group, tmp_path):
-    out = run_compiler(["-c", SCRIPT, group], tmp_path)
+    tests = os.path.dirname(os.path.abspath(__file__))   # the "pdl" group imports a test's kernel
+    out = run_compiler(["-c", SCRIPT, group, tests], tmp_path)
     assert out.count("compiled") == GROUPS[group], out

@@ -42,11 +42,12 @@ order to get the row's RMS: no separate norm pass, no down partials, no atomics.
 
 PDL: a program issues its weight loads first (the one-row kernels their whole tile, the
 tensor-core kernels the first BLOCK_K chunk of theirs), then waits for the kernel before
-(`gdc_wait`), then reads activations: the wait comes before any loop that reads one, so no
-load of an activation can be hoisted above it. With PDL the weight loads of kernel n+1
-overlap kernel n's tail; every read of an activation and every write happen after the wait,
-and a kernel passes its wait only once the kernel before has finished (which passed its own
-wait), so results and buffer reuse follow stream order, with or without PDL.
+(`pdl.wait_for_previous`; docs/pdl.md), then reads activations: the wait comes before any
+loop that reads one, so no load of an activation can be hoisted above it. With PDL the weight
+loads of kernel n+1 overlap kernel n's tail; every read of an activation and every write
+happen after the wait, and a kernel passes its wait only once the kernel before has finished
+(which passed its own wait), so results and buffer reuse follow stream order, with or without
+PDL.
 
 Rounding follows the unfused model step for step (each projection's output, the residual
 adds, the normed input, silu(gate) and the product rounded to the activation dtype); only the
@@ -55,7 +56,6 @@ kernel's sums have one order, so replays give the same bits.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -66,15 +66,10 @@ import triton.language as tl
 
 from padgraph.errors import ContractValueError, mismatch
 
+from . import pdl as _pdl
 from .kv import resolve_impl
+from .pdl import wait_for_previous
 from .store import store_kv_reference
-
-try:  # programmatic dependent launch: Triton >= 3.4 on CUDA
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    _HAS_GDC = True
-except ImportError:  # pragma: no cover - older Triton: the kernels run without PDL
-    gdc_launch_dependents = gdc_wait = None
-    _HAS_GDC = False
 
 MAX_M = 16              # rows (requests) the kernels take: the small-batch decode steps
 ROW_BLOCK = 16          # the tensor-core kernels' rows: the N side of their dots (masked past M)
@@ -138,14 +133,13 @@ class FusedDecodePolicy:
 
 
 def pdl_supported(device: torch.device) -> bool:
-    """Whether kernels on `device` can launch with PDL (the policy may still turn it off)."""
-    if not _HAS_GDC or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    """Whether kernels on `device` can launch with PDL (`pdl.supported`: sm_90+, a Triton with
+    it, `PADGRAPH_PDL` not "0"); the policy may still turn it off."""
+    return _pdl.supported(device)
 
 
 def _pdl_on(policy: FusedDecodePolicy, device: torch.device) -> bool:
-    return policy.pdl and os.environ.get("PADGRAPH_PDL", "1") != "0" and pdl_supported(device)
+    return policy.pdl and _pdl.supported(device)
 
 
 def _pow2(n: int) -> bool:
@@ -163,7 +157,7 @@ def _launch(policy: FusedDecodePolicy, device: torch.device) -> dict:
             _refuse(field, getattr(policy, field), "a power of two")
     pdl = _pdl_on(policy, device)
     return dict(PDL=pdl, num_warps=policy.num_warps, num_stages=1,
-                **({"launch_pdl": True} if pdl else {}))
+                **_pdl.launch_options(device, pdl))
 
 
 def launch_tc(policy: FusedDecodePolicy, device: torch.device, one_row: bool = False) -> dict:
@@ -183,7 +177,7 @@ def launch_tc(policy: FusedDecodePolicy, device: torch.device, one_row: bool = F
     pdl = _pdl_on(policy, device) and (one_row or policy.tc_pdl)
     return dict(PDL=pdl, F32=device.type == "cpu", BK=policy.tc_block_k,
                 num_warps=policy.tc_warps, num_stages=policy.tc_stages,
-                **({"launch_pdl": True} if pdl else {}))
+                **_pdl.launch_options(device, pdl))
 
 
 @dataclass(frozen=True)
@@ -314,15 +308,6 @@ def _row_times(x, w):
     """x [BLOCK_K] @ w [N, BLOCK_K].T -> [N] fp32: a multiply-reduce on the CUDA cores (a
     whole-K `tl.dot` keeps x and w in dot layouts and spills at these tile sizes)."""
     return tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-
-
-@triton.jit
-def wait_for_previous(PDL: tl.constexpr):
-    """Everything above it reads weights only; everything below may read what the kernel before
-    wrote. The kernel after may start its own weight loads from here on."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
 
 
 @triton.jit

@@ -31,6 +31,7 @@ import triton.language as tl
 from padgraph.errors import ContractValueError, mismatch
 
 from . import fused_decode as fd
+from . import pdl
 from .kv import resolve_impl
 
 PROGRAM = "fused_tail"
@@ -96,7 +97,7 @@ def _lm_head_kernel(X, Ssq, NormW, W, Hidden, Logits, Top, Idx, Second, M, V, H,
     v_ok = cols < V
     ks = tl.arange(0, BK)
     w = fd.weight_chunk(W, stride_w, cols, v_ok, ks, H)                     # [BLOCK_V, BK]
-    fd.wait_for_previous(PDL)
+    pdl.wait_for_previous(PDL)
 
     m = tl.program_id(1) * BM + tl.arange(0, BM)
     m_ok = m < M
@@ -127,7 +128,7 @@ def _argmax_reduce_kernel(Top, Idx, Second, Ids, Gap, C, BLOCK_C: tl.constexpr,
                           PDL: tl.constexpr):
     """Row m: its C chunk partials merged in chunk order -> Ids[m] (the first NaN, else the
     first maximum) and Gap[m] (top-1 minus the largest value at any other id)."""
-    fd.wait_for_previous(PDL)
+    pdl.wait_for_previous(PDL)
     m = tl.program_id(0)
     cs = tl.arange(0, BLOCK_C)
     ok = cs < C
@@ -189,7 +190,7 @@ def lm_head_tail(x, ssq, norm_w, eps: float, weight, *, logits: bool,
     gap = torch.empty(m, dtype=torch.float32, device=x.device)
     _argmax_reduce_kernel[(m,)](top, idx, second, ids, gap, c,
                                 BLOCK_C=triton.next_power_of_2(c), PDL=opts["PDL"],
-                                num_warps=4, **({"launch_pdl": True} if opts["PDL"] else {}))
+                                num_warps=4, **pdl.launch_options(x.device, opts["PDL"]))
     return TailOut(hidden, None, ids, gap)
 
 

@@ -35,11 +35,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-try:  # programmatic dependent launch (Triton >= 3.4 on CUDA)
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - older Triton: gemv(pdl=True) fails at compile
-    gdc_launch_dependents = gdc_wait = None
-
+from . import pdl as _pdl
 from .attention_decode import mma, upcast_dots
 from .kv import resolve_impl
 
@@ -71,8 +67,8 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, M, N, K, stride_xm, stride_wn, str
         # launched as a programmatic dependent of the kernel before: the weight does not depend
         # on it, so its first tile is in flight while this waits for that kernel's results (x);
         # the kernel after may start its own weight loads once every program here has begun
-        gdc_launch_dependents()
-        gdc_wait()
+        _pdl.launch_dependents()
+        _pdl.wait()
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < k_hi
@@ -102,10 +98,11 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, block_n: int = 16, block_k: int = 
 
     w's rows must be contiguous (stride(1) == 1), as an nn.Linear weight's are. split_k > 1
     accumulates through an fp32 workspace (atomics: the sum's order, hence its last bits, may
-    differ between calls). pdl: launch as a programmatic dependent launch (CUDA, sm_90+): the
-    kernel requests its first weight tile before it waits for the kernel before it, and lets
-    the kernel after it start early (split_k 1 only: a split call's workspace is zeroed and
-    copied by kernels of its own; measured slower than without it in the 1B chain, see above).
+    differ between calls). pdl: the kernel requests its first weight tile before it waits for
+    the kernel before it, and lets the kernel after it start early, launched as a programmatic
+    dependent launch where `pdl.supported(x.device)` (else a plain launch, the prefetch kept;
+    split_k 1 only: a split call's workspace is zeroed and copied by kernels of its own;
+    measured slower than without it in the 1B chain, see above).
     impl: "auto" (Triton on CUDA tensors), "triton", "torch"."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemv takes x [M, K] and w [N, K]; got {tuple(x.shape)} and "
@@ -127,11 +124,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, block_n: int = 16, block_k: int = 
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     ws = torch.zeros(m, n, dtype=torch.float32, device=x.device) if split_k > 1 else y
     grid = (triton.cdiv(n, block_n), split_k)
+    on = pdl and _pdl.supported(x.device)
     _gemv_kernel[grid](x, w, y, ws, m, n, k, x.stride(0), w.stride(0), y.stride(0),
                        BLOCK_M=MAX_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-                       UPCAST=upcast_dots(x.dtype), PREFETCH=pdl, PDL=pdl and x.is_cuda,
+                       UPCAST=upcast_dots(x.dtype), PREFETCH=pdl, PDL=on,
                        num_warps=num_warps, num_stages=num_stages,
-                       **({"launch_pdl": True} if pdl and x.is_cuda else {}))
+                       **_pdl.launch_options(x.device, on))
     if split_k > 1:
         y.copy_(ws)
     return y
