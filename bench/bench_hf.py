@@ -17,7 +17,19 @@ padgraph.hf against HF's own ways, in one process on the same weights.
 
 For hf-auto and hf-compiled every "skipping cudagraphs" reason torch logs is printed and the
 count of torch's `counters["inductor"]["cudagraph_skips"]` kept: a peer whose graphs were skipped
-is VOID in the table (its time is a host-bound path, not a compiled graph).
+is VOID in the table (its time is a host-bound path, not a compiled graph); one for which dynamo
+compiled no graph at all (generate's auto-compile criteria refused it) is UNCOMPILED.
+
+Models (`MODELS`): llama1b, qwen3, and bamba1b, a hybrid: transformers' Bamba (Mamba2 layers and
+attention layers) at Llama-1B's widths, the shape of bench_hybrid's reference hybrid. For it HF's
+own paths are the same four: transformers 5.25's StaticCache holds a Mamba layer's convolution
+window and SSM state in place at static addresses (`LinearAttentionLayer`), so `generate`
+auto-compiles with it and reduce-overhead keeps its cudagraphs; its Mamba layers run the CUDA
+kernels of mamba_ssm / causal_conv1d where those are installed and transformers' torch code
+otherwise (the page says which). padgraph.hf serves a hybrid through HF's linear-attention cache
+API (`Cache.get_conv_state`, ...), which transformers 5.17 lacks: there the benchmark refuses
+the model, naming the version, before it builds anything. It prints the transformers version
+and where it was imported from first (a newer one carried on PYTHONPATH shows there).
 
 Per batch size (1, 4, 16, 64; prompts of CTX random tokens): ms per decode step (HF's static-cache
 peers: median over ITERS steps, CUDA events, each step writing the next position; hf-auto and
@@ -28,13 +40,14 @@ may differ). --profile lists the step kernels of the peers timed step by step. W
 `Decoder(...)` for the whole ladder against the calls that compiled and recorded HF's graphs.
 Writes bench_hf_<model>.md and .json to $OUT (or results/local).
 
-    python bench/bench_hf.py --model llama1b|qwen3 [--sizes 1,4,16,64] [--variants ...]
+    python bench/bench_hf.py --model llama1b|qwen3|bamba1b [--sizes 1,4,16,64] [--variants ...]
     python bench/bench_hf.py --tiny --device cpu          # smoke: tiny fp32, CUDA-only peers skipped
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import logging
 import os
@@ -50,6 +63,7 @@ import transformers.generation.utils
 from transformers import StaticCache
 
 import padgraph.hf as pghf
+from padgraph.hf.support import linear_cache_api
 
 SIZES = [1, 4, 16, 64]
 VARIANTS = ["hf-eager", "hf-auto", "hf-compiled", "padgraph", "pg+compile", "pg+whole", "pg+compile-dyn"]
@@ -63,9 +77,24 @@ CTX, STEPS, ITERS, HEADROOM = 256, 16, 50, 128      # STEPS + ITERS + warm steps
 PROFILE: set[int] = set()                           # --profile: the batch sizes whose step kernels are listed
 
 
+# --model -> (transformers config class, causal-LM class, the shape the page states)
+MODELS = {
+    "llama1b": ("LlamaConfig", "LlamaForCausalLM", "Llama-3.2-1B's shape"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "Qwen3-1.7B's widths, 16 layers"),
+    "bamba1b": ("BambaConfig", "BambaForCausalLM",
+                "Bamba (Mamba2 + attention), Llama-3.2-1B's widths: 16 layers, attention at layers "
+                "3, 7, 11, 15 (32 heads, 8 KV heads of 64), Mamba2 elsewhere (32 heads of 64, "
+                "d_state 128, 1 group, conv 4, expand 1), SwiGLU 8192, vocab 128256, untied"),
+}
+HYBRIDS = {"bamba1b"}            # recurrent mixers: padgraph.hf needs HF's linear-attention cache API
+
+
 def model_config(name: str, tiny: bool):
-    """Llama-3.2-1B's shape, or Qwen3-1.7B's with 16 layers (~1.2B); tiny: 2 layers, hidden 64."""
+    """Llama-3.2-1B's shape, Qwen3-1.7B's with 16 layers (~1.2B), or Bamba at Llama-1B's widths
+    (`MODELS`); tiny: 2 layers, hidden 64 (Bamba: a Mamba2 layer, then an attention layer)."""
     common = dict(bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    if name == "bamba1b":
+        return transformers.BambaConfig(**bamba_size(tiny), **common)
     if tiny:
         size = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
@@ -77,16 +106,61 @@ def model_config(name: str, tiny: bool):
         size = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=16,
                     num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
                     tie_word_embeddings=True)
-    cls = transformers.LlamaConfig if name == "llama1b" else transformers.Qwen3Config
-    return cls(**size, **common)
+    return getattr(transformers, MODELS[name][0])(**size, **common)
+
+
+def bamba_size(tiny: bool) -> dict:
+    """BambaConfig's fields: the 1B-like shape of `MODELS["bamba1b"]` (bench_hybrid's hybrid
+    reference model has the same), or the tiny one. Attention heads are hidden / heads wide."""
+    if tiny:
+        return dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    attn_layer_indices=[1], num_attention_heads=4, num_key_value_heads=2,
+                    mamba_n_heads=8, mamba_d_head=8, mamba_expand=1, mamba_d_state=16, mamba_n_groups=1,
+                    mamba_chunk_size=16, max_position_embeddings=1024)
+    return dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                attn_layer_indices=[3, 7, 11, 15], num_attention_heads=32, num_key_value_heads=8,
+                mamba_n_heads=32, mamba_d_head=64, mamba_expand=1, mamba_d_state=128, mamba_n_groups=1,
+                mamba_d_conv=4, max_position_embeddings=8192, tie_word_embeddings=False)
 
 
 def build_model(name: str, tiny: bool, device, dtype):
     cfg = model_config(name, tiny)
-    cls = transformers.LlamaForCausalLM if name == "llama1b" else transformers.Qwen3ForCausalLM
+    cls = getattr(transformers, MODELS[name][1])
     torch.manual_seed(0)
     with torch.device(device):
         return cls._from_config(cfg, dtype=dtype, attn_implementation="sdpa").eval()
+
+
+def refuse_unservable(name: str) -> None:
+    """SystemExit naming the transformers version where padgraph.hf cannot serve `name`: a hybrid
+    keeps its recurrent state through HF's linear-attention cache API (get_conv_state /
+    update_conv_state, get_recurrent_state / update_recurrent_state), which older Caches lack."""
+    if name in HYBRIDS and not linear_cache_api():
+        raise SystemExit(
+            f"bench_hf: --model {name} needs transformers' linear-attention cache API (Cache.get_conv_state, "
+            f"update_conv_state, get_recurrent_state, update_recurrent_state), which transformers "
+            f"{transformers.__version__} (at {Path(transformers.__file__).parent}) does not have; "
+            "padgraph.hf refuses hybrids there. Run it with a transformers that has it (5.25 does) first on "
+            "PYTHONPATH.")
+
+
+HF_KERNELS = {"mamba_ssm": "selective_state_update / mamba_chunk_scan_combined",
+              "causal_conv1d": "causal_conv1d_update / causal_conv1d_fn"}
+
+
+def hf_mamba_path(name: str) -> str:
+    """Which Mamba code HF's peers run for a hybrid: the CUDA kernel packages where importable
+    (transformers' `use_kernel_func_from_hub_with_fallback` takes them), its torch code otherwise."""
+    if name not in HYBRIDS:
+        return ""
+    have = {pkg: importlib.util.find_spec(pkg) is not None for pkg in HF_KERNELS}
+    found = [f"{pkg} ({HF_KERNELS[pkg]})" for pkg, ok in have.items() if ok]
+    missing = [pkg for pkg, ok in have.items() if not ok]
+    if not missing:
+        return "HF's Mamba layers run the CUDA kernels of " + ", ".join(found)
+    return (f"HF's Mamba layers run transformers' torch code for what {', '.join(missing)} (not installed) "
+            "would do" + (f"; the kernels of {', '.join(found)}" if found else "")
+            + "; HF hub kernels off (use_kernels not set)")
 
 
 # ---- measuring ----------------------------------------------------------------------------------
@@ -126,7 +200,8 @@ class Clock:
 
 
 class Skips:
-    """torch's cudagraph skips while the block runs: the counter's delta and the logged reasons."""
+    """torch's cudagraph skips while the block runs: the counter's delta and the logged reasons;
+    `graphs`: the graphs dynamo compiled meanwhile (0: the peer ran its forward uncompiled)."""
 
     LOGGER = "torch._inductor.cudagraph_utils.__cudagraphs"
 
@@ -140,12 +215,14 @@ class Skips:
                 if "skipping cudagraphs" in record.getMessage():
                     keep.append(record.getMessage())
         self.handler, self.start = Keep(), counters["inductor"]["cudagraph_skips"]
+        self.graphs_start = counters["stats"]["unique_graphs"]
         logging.getLogger(self.LOGGER).addHandler(self.handler)
         return self
 
     def __exit__(self, *exc):
         logging.getLogger(self.LOGGER).removeHandler(self.handler)
         self.count = self.counters["inductor"]["cudagraph_skips"] - self.start
+        self.graphs = self.counters["stats"]["unique_graphs"] - self.graphs_start
 
 
 @dataclass
@@ -288,7 +365,7 @@ def run_variant(name, model, prompts, clock, results, backend):
                                    "compiles": st.compiles, "compile_seconds": st.compile_seconds}
         print(f"{name}: Decoder(...) {secs:.1f} s for the ladder {ladder} "
               f"({st.compiles} compiles, {st.compile_seconds:.1f} s of it compiling)", flush=True)
-    warm_total, skip_total, reasons = 0.0, 0, []
+    warm_total, skip_total, graphs, reasons = 0.0, 0, 0, []
     for bs, ids in prompts.items():
         if dec is not None:
             run = run_padgraph(dec, ids, clock)
@@ -299,6 +376,7 @@ def run_variant(name, model, prompts, clock, results, backend):
         warm_total += run.warm_s
         if run.skips is not None:
             skip_total += run.skips.count
+            graphs += run.skips.graphs
             reasons += [r for r in run.skips.reasons if r not in reasons]
         record(results, name, bs, run)
         if PROFILE and bs in PROFILE and run.timed is not None:
@@ -306,9 +384,10 @@ def run_variant(name, model, prompts, clock, results, backend):
             results["profiles"][f"{name} bs={bs}"] = lines
             print(f"profile {name} bs={bs}:", *lines, sep="\n", flush=True)
     if dec is None and name != "hf-eager":
-        results["warmup"][name] = {"seconds": warm_total, "cudagraph_skips": skip_total, "skip_reasons": reasons}
-        print(f"{name}: warm-up {warm_total:.1f} s; cudagraph skips {skip_total}: {reasons or 'none logged'}",
-              flush=True)
+        results["warmup"][name] = {"seconds": warm_total, "cudagraph_skips": skip_total, "skip_reasons": reasons,
+                                   "compiled_graphs": graphs}
+        print(f"{name}: warm-up {warm_total:.1f} s; {graphs} graphs compiled; cudagraph skips {skip_total}: "
+              f"{reasons or 'none logged'}{'; ' + UNCOMPILED if not graphs else ''}", flush=True)
 
 
 def record(results, name, bs, run: Run):
@@ -338,8 +417,20 @@ def judge(toks, ref: Run | None) -> tuple[int, int, list]:
     return equal, int((differ & (gap <= tol)).sum()), [round(u, 1) for u in (4 * gap / tol)[far].tolist()]
 
 
+UNCOMPILED = ("UNCOMPILED: dynamo compiled no graph while this peer ran (for hf-auto: generate's auto-compile "
+              "criteria refused the model or its cache), so its times are eager ones")
+
+
 def void(results, name) -> bool:
     return results["warmup"].get(name, {}).get("cudagraph_skips", 0) > 0
+
+
+def mark(results, name) -> str:
+    """' VOID' (torch skipped the peer's cudagraphs), ' UNCOMPILED' (nothing compiled), or ''."""
+    w = results["warmup"].get(name, {})
+    if w.get("compiled_graphs", 1) == 0:
+        return " UNCOMPILED"
+    return " VOID" if void(results, name) else ""
 
 
 def table(results, names, sizes, info) -> list[str]:
@@ -350,17 +441,20 @@ def table(results, names, sizes, info) -> list[str]:
             return "-"
         ties = f" +{r['near_ties']} ties" if r.get("near_ties") else ""
         ties += f"; beyond a tie: {r['far_gaps_ulps']} ulps" if r.get("far_gaps_ulps") else ""
-        return f"{r['step_ms']:.3f}{' VOID' if void(results, v) else ''} ({r['rows_equal']}/{bs}{ties})"
+        return f"{r['step_ms']:.3f}{mark(results, v)} ({r['rows_equal']}/{bs}{ties})"
     lines = [f"# bench_hf — {info['date']}, {info['gpu']}, torch {info['torch']}, transformers {info['transformers']}",
              f"command: `{info['command']}`; {info['model']}; prompts of {CTX} tokens; (rows whose "
              f"{STEPS} greedy tokens equal hf-eager's, + those first differing at a near tie of its "
-             f"top 2: within 4 ulps); VOID: torch skipped the peer's cudagraphs", "",
+             f"top 2: within 4 ulps); VOID: torch skipped the peer's cudagraphs; UNCOMPILED: nothing was "
+             "compiled for the peer", "",
+             f"shape: {info['shape']}" + (f"; {info['hf_path']}" if info.get("hf_path") else ""), "",
              "| bs | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     lines += [f"| {bs} | " + " | ".join(cell(bs, v) for v in names) + " |" for bs in sizes]
     lines += [f"- {v} FAILED: {why}" for v, why in results["failed"].items()]
     lines += ["", "warm-up:", ""]
     for v, w in results["warmup"].items():
-        extra = (f"; cudagraph skips {w['cudagraph_skips']}: {w['skip_reasons'] or 'none logged'}"
+        extra = (f"; {w['compiled_graphs']} graphs compiled; cudagraph skips {w['cudagraph_skips']}: "
+                 f"{w['skip_reasons'] or 'none logged'}{'; ' + UNCOMPILED if not w['compiled_graphs'] else ''}"
                  if "cudagraph_skips" in w else f"; ladder {w['ladder']}, torch.compile graphs {w['compiles']}")
         lines.append(f"- {v}: {w['seconds']:.1f} s{extra}")
     return lines
@@ -379,7 +473,7 @@ def report(results, names, sizes, info) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="llama1b", choices=["llama1b", "qwen3"])
+    ap.add_argument("--model", default="llama1b", choices=list(MODELS))
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -388,6 +482,9 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="batch sizes (e.g. 1,64) whose step kernels are listed "
                                                   "per variant (GPU)")
     args = ap.parse_args()
+    print(f"transformers {transformers.__version__} from {Path(transformers.__file__).parent}; "
+          f"torch {torch.__version__}", flush=True)
+    refuse_unservable(args.model)
     global CTX, ITERS, PROFILE
     PROFILE = {int(s) for s in args.profile.split(",") if s} if args.device == "cuda" else set()
     CTX = 16 if args.tiny else CTX
@@ -407,7 +504,11 @@ def main() -> None:
             "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "none (cpu)",
             "transformers": transformers.__version__, "stem": f"bench_hf_{args.model}", "command": " ".join(["python"] + sys.argv),
             "model": f"{args.model}{' (tiny)' if args.tiny else ''}, {model.num_parameters() / 1e9:.2f}B params, "
-                     f"{next(model.parameters()).dtype}"}
+                     f"{next(model.parameters()).dtype}",
+            "shape": "tiny: 2 layers, hidden 64" if args.tiny else MODELS[args.model][2],
+            "config": bamba_size(args.tiny) if args.model in HYBRIDS else None, "hf_path": hf_mamba_path(args.model)}
+    if info["hf_path"]:
+        print(info["hf_path"], flush=True)
     results = {"rows": [], "warmup": {}, "reference": {}, "failed": {}, "profiles": {}}
     backend = "cuda" if device.type == "cuda" else "reference"
     for name in sorted(names, key=RUN_ORDER.index):  # padgraph's compiled path and its best peer first
