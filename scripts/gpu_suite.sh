@@ -18,6 +18,11 @@
 #   hf, hf-compile   the Hugging Face client (examples/hf_generate.py), eager and compiled bodies
 #   bench-hf, bench-hf-qwen3   padgraph.hf against HF's own paths (bench/bench_hf.py)
 #   bench-hf-eagle   EAGLE on the HF Llama-1B shape against padgraph.hf's greedy (bench/bench_hf_eagle.py)
+#   bench-hf-bamba   padgraph.hf on a hybrid (Bamba at Llama-1B widths) against HF's own paths
+#                    (needs a transformers with the linear-attention cache interface)
+#   bench-hybrid     the hybrid reference model's step against its floor, and EAGLE on it (bench/bench_hybrid.py)
+#   bench-eagle-sampling  EAGLE with sampling against plain sampling (bench/bench_eagle_sampling.py)
+#   bench-moe        the DeepSeek-like MoE, routed against dense (bench/bench_moe.py)
 # Results and logs go under $OUT (default results/local).
 # PACK=name: write them under a scratch directory instead and leave one $OUT/name.tgz at the end
 # (for a caller that fetches only a few files from $OUT; $OUT itself is never written otherwise).
@@ -73,5 +78,9 @@ want hf-compile && run hf_generate_compile python3 examples/hf_generate.py --tor
 want bench-hf && run bench_hf python3 bench/bench_hf.py --model llama1b
 want bench-hf-qwen3 && run bench_hf_qwen3 python3 bench/bench_hf.py --model qwen3
 want bench-hf-eagle && run bench_hf_eagle python3 bench/bench_hf_eagle.py --model llama1b
+want bench-hf-bamba && run bench_hf_bamba python3 bench/bench_hf.py --model bamba1b
+want bench-hybrid && run bench_hybrid python3 -m bench.bench_hybrid --check
+want bench-eagle-sampling && run bench_eagle_sampling python3 -m bench.bench_eagle_sampling
+want bench-moe && run bench_moe python3 -m bench.bench_moe --sizes 1,16
 echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/pytest_cuda*.log "$OUT"/spec_cuda.log 2>/dev/null | tail -6
 exit $rc
