@@ -32,7 +32,7 @@ import torch
 import padgraph as pg
 
 from . import arguments, generation
-from .engine import PLAIN, Served, context_for
+from .engine import PLAIN, Served
 from .errors import UnsupportedModelError
 from .probe import check_decode
 from .speculative import Eagle, head_for
@@ -142,7 +142,7 @@ class Decoder:
             self.target = draft.head.target
         else:
             kernel = triton_decode_kernel(backend, device_of(model), next(model.parameters()).dtype)
-            self.target = Target(model, context_for(max_len, spec), draft=draft is not None, kernel=kernel,
+            self.target = Target(model, spec.reservation(max_len, overlap=True), draft=draft is not None, kernel=kernel,
                                  bound=bool(compiled and compiled.get("regions")))
         self.probe_error = self.probe() if probe else None        # largest relative logit error
         head, self.distilled = head_for(self.target, draft) if draft is not None else (None, None)

@@ -23,17 +23,6 @@ from .generation import Plan
 PLAIN = SpecConfig(steps=1, topk=1, num_draft_tokens=2)
 
 
-def worker_of(engine: Engine):
-    """The engine's worker: its runners, caches and rounds."""
-    return engine.worker
-
-
-def context_for(max_len: int, spec: SpecConfig) -> int:
-    """Positions a request may touch: prompt + output, one round's tree, and the extra round an
-    overlapped loop runs past a request's end (the engine's reservation)."""
-    return spec.reservation(max_len, overlap=True)
-
-
 class Served:
     """A Decoder's engine: `Engine(target, head, spec, ...)` serving `max_batch` requests of at
     most `max_len` positions (prompt and output). options: `WorkerOptions` fields
@@ -43,11 +32,11 @@ class Served:
                  options: dict):
         self.target, self.head = target, head
         self.engine = Engine(target, head, spec, backend=backend, max_bs=max_batch,
-                             max_context=context_for(max_len, spec), sampling=True, **options)
+                             max_context=spec.reservation(max_len, overlap=True), sampling=True, **options)
 
     @property
     def worker(self):
-        return worker_of(self.engine)
+        return self.engine.worker
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, plan: Plan, seeds: list[int]):
         """New tokens [n, plan.max_new_tokens] (a row that ended at an end token filled with it) and
