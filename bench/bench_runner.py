@@ -13,6 +13,12 @@ All variants run side by side in one process on the same body, weights and KV ca
   padgraph+compile pg.compile(backend="cuda", torch_compile={"regions": model.layers}): the decoder
                    layer compiled once for every layer and the whole ladder, inductor's kernels
                    captured in padgraph's graphs (--pg-compile whole: the whole body compiled)
+  padgraph+compile+pdl  the same, inductor's kernels launched with programmatic dependent launch
+                   (torch_compile options {"triton.enable_pdl": True}; skipped, saying so, where
+                   torch's inductor lacks the option)
+  padgraph+fused   the same weights through the fused per-layer kernels and fused tail
+                   (`LlamaModel(fused=FusedDecodePolicy(pdl=False))`, steps of at most its max_rows;
+                   larger steps run the model's own path), captured by padgraph; +pdl: with PDL
 Per raw batch size: step time (CUDA events, median), host time per call (median), a
 correctness check of next tokens against eager, and the floor: (weight bytes a step reads + KV
 bytes read) / measured device-to-device copy bandwidth. A step reads every weight but the
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import copy
 import json
 import statistics
 import sys
@@ -38,8 +45,8 @@ import torch
 
 
 import padgraph as pg  # noqa: E402
-from bench.common import (CudagraphSkips, copy_bandwidth, env_info, kernel_lines,  # noqa: E402
-                          kernel_table, out_dir, plot_step_times)
+from bench.common import (CudagraphSkips, copy_bandwidth, env_info, gpu_span_us,  # noqa: E402
+                          kernel_classes, kernel_lines, kernel_table, out_dir, plot_step_times)
 from padgraph.llm.models.llama import LlamaConfig, LlamaModel  # noqa: E402
 from padgraph.llm import Batch
 from padgraph.llm.kv import KVCache  # noqa: E402
@@ -161,6 +168,24 @@ def time_calls(fn, raw: dict, iters: int) -> tuple[float, float]:
     return statistics.median(steps), statistics.median(hosts)
 
 
+def time_back_to_back(fn, raw: dict, iters: int, reps: int = 5) -> float:
+    """µs a call with `iters` calls queued back to back between two CUDA events (no host wait
+    between calls: the host's time per call hides behind the GPU's where it is shorter), the
+    median of `reps` such runs: the time the anchors' "back-to-back replays" report."""
+    fn(**raw)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    runs = []
+    for _ in range(reps):
+        start.record()
+        for _ in range(iters):
+            fn(**raw)
+        end.record()
+        end.synchronize()
+        runs.append(start.elapsed_time(end) * 1e3 / iters)
+    return statistics.median(runs)
+
+
 def next_tokens(out):
     return out["next_token"] if isinstance(out, dict) else out[0]
 
@@ -205,6 +230,32 @@ def build_variants(names, step, program, device, pg_compile=True):
                                      "compiles": r.stats.compiles, "recompiles": r.stats.recompiles,
                                      "compile_seconds": r.stats.compile_seconds}
         variants["padgraph+compile"] = r
+    if "padgraph+compile+pdl" in names:
+        # inductor's own kernels launched with programmatic dependent launch (torch's
+        # triton.enable_pdl: each kernel waits on the previous one's writes inside the graph)
+        if not hasattr(torch._inductor.config.triton, "enable_pdl"):
+            print("padgraph+compile+pdl: skipped: this torch's inductor has no triton.enable_pdl")
+        else:
+            opts = dict(pg_compile) if isinstance(pg_compile, dict) else {}
+            opts["options"] = {**opts.get("options", {}), "triton.enable_pdl": True}
+            t0 = time.perf_counter()
+            r = pg.compile(program, step.body, backend="cuda", progress=False, torch_compile=opts)
+            setup["padgraph+compile+pdl"] = {"warmup_seconds": time.perf_counter() - t0,
+                                             "pool_bytes": r.pool_bytes(), "compiles": r.stats.compiles}
+            variants["padgraph+compile+pdl"] = r
+    for name, pdl in (("padgraph+fused", False), ("padgraph+fused+pdl", True)):
+        if name in names:
+            # the same weights through the fused per-layer kernels and fused tail (bs <= their
+            # max_rows; larger steps run the model's own path), captured by the same runner
+            from padgraph.backends.triton.fused_decode import FusedDecodePolicy
+            fused = copy.copy(step.model)
+            fused.fused = FusedDecodePolicy(pdl=pdl)
+            fstep = Step(fused, step.kv)
+            t0 = time.perf_counter()
+            r = pg.compile(program, fstep.body, backend="cuda", progress=False)
+            setup[name] = {"capture_seconds": time.perf_counter() - t0, "pool_bytes": r.pool_bytes(),
+                           "max_rows": fused.fused.max_rows}
+            variants[name] = r
     if "compile-ro" in names:
         variants["compile-ro"] = torch.compile(step, mode="reduce-overhead")
         setup["compile-ro"] = {"warmup_seconds": 0.0, "cudagraph_skips": 0, "skip_reasons": []}
@@ -287,12 +338,18 @@ def profile_steps(fn, name: str, batches, sizes, iters: int, rows) -> None:
             for _ in range(iters):
                 fn(**batches[n])
             torch.cuda.synchronize()
-        table = kernel_table(prof.events(), iters, top=24)
+        events = prof.events()
+        table = kernel_table(events, iters, top=24)
         row = next(r for r in rows if r["bs"] == n and r["variant"] == name)
-        table.update(step_us=row["step_us"], floor_us=row["floor_us"])
+        table.update(step_us=row["step_us"], b2b_us=row["b2b_us"], floor_us=row["floor_us"],
+                     gpu_span_us=gpu_span_us(events, iters), classes=kernel_classes(events, iters))
         out["sizes"][n] = table
         print("\n".join(kernel_lines(table, f"{name} bs={n}", f"step (step {row['step_us']:.0f} "
                                                              f"µs, floor {row['floor_us']:.0f} µs)")))
+        print(f"  GPU span {table['gpu_span_us']:.0f} µs a step (first kernel start to last kernel end, "
+              f"over {iters} steps); kernels by class:")
+        for c in table["classes"]:
+            print(f"  {c['class']:<12} {c['kernels']:6.1f} kernels {c['us']:8.1f} µs")
     (out_dir() / "bench_runner_profile.json").write_text(json.dumps(out, indent=1))
 
 
@@ -335,9 +392,10 @@ def run_all(variants, setup, batches, sizes, iters, floor: StepFloor, after_size
                 got = next_tokens(fn(**raw))
             match = float((got == ref).float().mean())
             step_us, host_us = time_calls(fn, raw, iters)
-            rows.append({"bs": n, "variant": name, "step_us": step_us, "host_us": host_us,
+            b2b_us = time_back_to_back(fn, raw, iters)
+            rows.append({"bs": n, "variant": name, "step_us": step_us, "b2b_us": b2b_us, "host_us": host_us,
                          "floor_us": floor_us, "token_match_vs_eager": match})
-            print(f"bs={n:>3} {name:<17} step {step_us:9.1f} µs  host {host_us:8.1f} µs  "
+            print(f"bs={n:>3} {name:<17} step {step_us:9.1f} µs  b2b {b2b_us:9.1f} µs  host {host_us:8.1f} µs  "
                   f"floor {floor_us:8.1f} µs  match {match:.3f}", flush=True)
         after_size(rows, sizes[:i + 1])
     return rows
@@ -371,11 +429,13 @@ def report(rows, setup, names, sizes, bw, weight_bytes, cfg, args):
              f"command: `{info['command']}`; copy bandwidth {bw / 1e9:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB "
              "stored; floor: the weight bytes a step reads (all but the embedding table, one row "
              "of it per request) + KV bytes read, over the copy bandwidth", "",
-             "step time µs (median, CUDA events) / host µs per call (median)", "",
+             "step time µs per call (median, CUDA events around one call) / back to back (µs a call, "
+             f"{args.iters} calls queued between two events, median of 5) / host µs per call (median)", "",
              "| bs | floor | " + " | ".join(names) + " | padgraph/handwritten |",
              "|---|---|" + "---|" * len(names) + "---|"]
     for n in sizes:
-        cells = [f"{by[(n, v)]['step_us']:.0f} / {by[(n, v)]['host_us']:.0f}" if (n, v) in by else "-" for v in names]
+        cells = [f"{by[(n, v)]['step_us']:.0f} / {by[(n, v)]['b2b_us']:.0f} / {by[(n, v)]['host_us']:.0f}"
+                 if (n, v) in by else "-" for v in names]
         ratio = (by[(n, "padgraph")]["step_us"] / by[(n, "handwritten")]["step_us"]
                  if (n, "padgraph") in by and (n, "handwritten") in by else float("nan"))
         lines.append(f"| {n} | {by[(n, names[0])]['floor_us']:.0f} | " + " | ".join(cells) + f" | {ratio:.3f} |")

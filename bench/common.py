@@ -144,6 +144,62 @@ def kernel_table(events, n_calls: int, top: int = 18) -> dict:
             "top": [(us / n, c / n, name) for name, (c, us) in ranked]}
 
 
+# (class, name fragments): a kernel is in the first class one of whose fragments its lower-cased
+# name contains (cuBLAS / cuBLASLt / CUTLASS GEMMs, padgraph's Triton kernels, inductor's fused
+# ones: "triton_red_..._rsqrt" is a norm, "triton_poi_..." a pointwise kernel)
+KERNEL_CLASSES = (
+    ("fused layer", ("_norm_qkv", "_o_residual", "_proj_residual", "_norm_gate_up", "_down_partials",
+                     "_residual_norm")),
+    ("lm_head tail", ("_lm_head_kernel", "_argmax_reduce")),
+    ("sampling", ("argmax", "_select_kernel", "_chunk_max", "topk", "sample")),
+    ("attention", ("attention", "attn", "flash", "fmha", "sdpa", "_decode_kernel", "split_kv", "_merge")),
+    ("gemm/gemv", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "splitk", "matmul", "_mm_", "cublas",
+                   "grouped_linear")),
+    ("norm", ("rsqrt", "rms", "norm", "mean")),
+    ("rope", ("rope", "rotary", "sin", "cos")),
+    ("kv store", ("store", "scatter", "index_put", "kv_")),
+    ("copy", ("memcpy", "memset", "copy", "fill")),
+    ("elementwise", ("elementwise", "vectorized", "triton_poi", "silu", "mul", "add")),
+)
+
+
+def kernel_class(name: str) -> str:
+    """The class `KERNEL_CLASSES` puts a kernel name in ("other" where no fragment matches)."""
+    low = name.lower()
+    for cls, frags in KERNEL_CLASSES:
+        if any(f in low for f in frags):
+            return cls
+    return "other"
+
+
+def kernel_classes(events, n_calls: int) -> list[dict]:
+    """The GPU kernels of a torch.profiler run of `n_calls` calls by class (`kernel_class`):
+    [{"class", "kernels" per call, "us" kernel time per call, "names": the distinct names}, ...],
+    the classes by time, largest first."""
+    n = max(n_calls, 1)
+    by: dict = {}
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        c = by.setdefault(kernel_class(e.name), {"kernels": 0, "us": 0.0, "names": set()})
+        c["kernels"] += 1
+        c["us"] += e.device_time
+        c["names"].add(e.name)
+    rows = [{"class": k, "kernels": v["kernels"] / n, "us": v["us"] / n, "names": sorted(v["names"])}
+            for k, v in by.items()]
+    return sorted(rows, key=lambda r: -r["us"])
+
+
+def gpu_span_us(events, n_calls: int) -> float:
+    """µs a call from the first kernel's start to the last kernel's end of a profiled run of
+    `n_calls` calls queued back to back (kernel time plus the gaps between kernels)."""
+    spans = [(e.time_range.start, e.time_range.end) for e in events
+             if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not spans:
+        return float("nan")
+    return (max(e for _, e in spans) - min(s for s, _ in spans)) / max(n_calls, 1)
+
+
 def kernel_lines(table: dict, what: str, per: str) -> list[str]:
     """The printed form of `kernel_table`: a summary line, then one line per kernel."""
     lines = [f"profile {what}: {table['kernels']:.0f} kernels and {table['kernel_us']:.0f} "

@@ -1,0 +1,48 @@
+"""bench.common's profile summaries: kernels by class and the GPU span, on stand-in profiler
+events (the benchmarks run them on real ones)."""
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from bench.common import gpu_span_us, kernel_class, kernel_classes
+
+CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+
+def _event(name, start, dur, device=CUDA):
+    return SimpleNamespace(name=name, device_type=device, device_time=dur,
+                           time_range=SimpleNamespace(start=start, end=start + dur))
+
+
+@pytest.mark.parametrize("name,cls", [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64", "gemm/gemv"),
+    ("nvjet_tst_64x8_64x16_4x1_v_bz_splitK_TNT", "gemm/gemv"),
+    ("_paged_decode_attention_kernel", "attention"),
+    ("_norm_qkv_tc_kernel", "fused layer"),
+    ("_down_partials_kernel", "fused layer"),
+    ("_lm_head_kernel", "lm_head tail"),
+    ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "norm"),
+    ("void at::native::reduce_kernel<512, 1, ArgMaxOps<float>>", "sampling"),
+    ("Memcpy DtoD (Device -> Device)", "copy"),
+    ("triton_poi_fused_mul_silu_1", "elementwise"),
+    ("some_unknown_kernel_name", "other"),
+])
+def test_kernel_names_fall_in_their_class(name, cls):
+    assert kernel_class(name) == cls
+
+
+def test_classes_count_per_call_and_rank_by_time_ignoring_host_events():
+    events = [_event("nvjet_gemm", 0, 10.0), _event("nvjet_gemm", 20, 10.0), _event("_norm_qkv_kernel", 12, 4.0),
+              _event("cudaGraphLaunch", 0, 50.0, device=CPU)]
+    rows = kernel_classes(events, n_calls=2)
+    assert [r["class"] for r in rows] == ["gemm/gemv", "fused layer"]
+    assert rows[0]["kernels"] == 1.0 and rows[0]["us"] == 10.0 and rows[0]["names"] == ["nvjet_gemm"]
+    assert rows[1]["kernels"] == 0.5 and rows[1]["us"] == 2.0
+
+
+def test_gpu_span_runs_from_the_first_kernel_start_to_the_last_kernel_end_per_call():
+    events = [_event("a", 100, 5), _event("b", 130, 10), _event("host", 0, 1000, device=CPU)]
+    assert gpu_span_us(events, n_calls=2) == pytest.approx(20.0)
+    assert math.isnan(gpu_span_us([_event("host", 0, 5, device=CPU)], 1))      # no kernel: no span
