@@ -11,6 +11,8 @@
 #   eagle-deepseek   the main job, DeepSeek-V2-Lite widths: examples/eagle.py --model deepseek
 #   bench-host       host time per call (bench/bench_host.py)
 #   bench-runner     decode step time per batch size against its peers (bench/bench_runner.py)
+#   bench-runner-fused  the step with the fused per-layer kernels and inductor's PDL against the
+#                    compiled body, same weights, kernels by class of the fused+pdl step
 #   bench-attention  the paged-attention kernels against SDPA (bench/bench_attention.py)
 #   bench-mla        the MLA kernels against SDPA (bench/bench_mla.py)
 #   bench-eagle      EAGLE against greedy at several batch sizes (bench/bench_eagle.py;
@@ -70,6 +72,9 @@ want eagle && run eagle python3 examples/eagle.py --model llama
 want eagle-deepseek && run eagle_deepseek python3 examples/eagle.py --model deepseek
 want bench-host && run bench_host python3 -m bench.bench_host --calls 1000
 want bench-runner && run bench_runner python3 -m bench.bench_runner
+want bench-runner-fused && run bench_runner_fused python3 -m bench.bench_runner \
+  --variants padgraph+compile,padgraph+compile+pdl,padgraph+fused,padgraph+fused+pdl --sizes 1,16,64 \
+  --profile padgraph+fused+pdl
 want bench-attention && run bench_attention python3 -m bench.bench_attention
 want bench-mla && run bench_mla python3 -m bench.bench_mla
 want bench-eagle && run bench_eagle python3 -m bench.bench_eagle
