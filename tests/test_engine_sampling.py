@@ -186,6 +186,23 @@ def test_cuda_graphs_serve_the_eager_sampled_tokens(models, mode):
                   mode, ps, news, MIX) == base
 
 
+@pytest.mark.cuda
+def test_cuda_graphs_serve_the_eager_tokens_of_the_rejection_rule(models):
+    """spec_sampling="rejection" in captured graphs (verify's probabilities from the Triton
+    sampler's thresholds, the tree walk and the residual draw inside the graph) against the
+    reference backend's eager runs on the same GPU, and with overlap off. The random head's
+    drafts are mostly rejected, so residual draws decide most tokens."""
+    target, head = _on("cuda", models["random"])
+    ps, news = _prompts(target.cfg.vocab_size), [n for _, n in LENS]
+    kw = dict(spec_sampling="rejection")
+    graphs = _engine(target, head, backend="cuda", torch_compile=False, **kw)
+    base = _serve(graphs, "spec", ps, news, MIX)
+    assert base == _serve(_engine(target, head, backend="reference", **kw), "spec", ps, news, MIX)
+    assert _serve(_engine(target, head, backend="cuda", torch_compile=False, overlap=False, **kw),
+                  "spec", ps, news, MIX) == base
+    assert [len(o) for o in base] == news and _released(graphs)
+
+
 # ---------------------------------------------------------------- stops, budgets, bad input
 
 @pytest.mark.parametrize("mode", ["spec", "greedy"])

@@ -109,6 +109,38 @@ def test_other_tiles_loop_over_k_and_mask_the_tails(tiles):
         moe_routed.RoutedTiles(block_k=48)
 
 
+CUDA_GRID = (2 ** 31 - 1, 65535, 65535)      # the most programs a CUDA grid takes per axis
+
+
+def test_launch_grids_stay_within_cudas_limits(monkeypatch):
+    """72,000 (token, slot) rows, as a long prefill routed with routed_max_ratio inf gives: every
+    launch's grid fits CUDA's (axis 0 below 2**31, axes 1 and 2 at most 65535) and holds one
+    program per (row, output tile). A grid with the rows on its second axis launches in the
+    interpreter but is refused by the GPU, so the launches are recorded here, not run."""
+    grids = []
+
+    class Recorded:
+        def __init__(self, kernel):
+            self.name = kernel.fn.__name__
+
+        def __getitem__(self, grid):
+            grids.append((self.name, tuple(grid)))
+            return lambda *args, **kw: None
+
+    for name in ("_gate_up_kernel", "_down_kernel", "_combine_kernel"):
+        monkeypatch.setattr(moe_routed, name, Recorded(getattr(moe_routed, name)))
+    n, k, hidden, ffn, n_exp = 12000, 6, 40, 72, 8
+    tiles = moe_routed.RoutedTiles(block_f=32, block_h=16, block_k=16, combine_h=16)
+    moe_routed.launch_routed(torch.zeros(n, hidden), torch.zeros(n, k, dtype=torch.long),
+                             torch.ones(n, k), torch.zeros(n_exp, hidden, 2 * ffn),
+                             torch.zeros(n_exp, ffn, hidden), tiles)
+    programs = {"_gate_up_kernel": n * k * 3, "_down_kernel": n * k * 3, "_combine_kernel": n * 3}
+    assert [name for name, _ in grids] == list(programs)
+    for name, grid in grids:
+        assert all(1 <= g <= most for g, most in zip(grid, CUDA_GRID)), (name, grid)
+        assert math.prod(grid) == programs[name], (name, grid)
+
+
 def test_the_arguments_are_checked():
     moe = moe_layer(torch.float32)
     x, ids, w = tokens(3, 48, torch.float32), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2)
@@ -255,6 +287,18 @@ def test_cuda_routed_kernels_equal_dense_masked_at_lite_widths(dtype, n):
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got, routed_experts_reference(x, idx, w, moe.gate_up, moe.down), **tol)
     torch.testing.assert_close(got, dense_masked(moe, x), **tol)
+
+
+@pytest.mark.cuda
+@torch.no_grad()
+def test_cuda_routed_kernels_past_65535_rows():
+    """12,000 tokens top-6 (72,000 (token, slot) rows, more than a CUDA grid's second axis takes)
+    through the kernels, against the dense masked experts."""
+    moe = moe_layer(torch.float32, hidden=64, ffn=48, n_experts=8, top_k=6, device="cuda")
+    x = tokens(12000, 64, torch.float32, device="cuda")
+    idx, w = moe.select(x)
+    got = routed_experts(x, idx, w, moe.gate_up, moe.down)
+    torch.testing.assert_close(got, dense_masked(moe, x), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.cuda

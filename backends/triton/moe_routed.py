@@ -6,7 +6,9 @@ the router did not pick: graph-safe, but each step streams all n_experts weight 
 for T tokens with top-k experts each, the programs are indexed by (token, slot in the top-k,
 output tile) and read the slice of the expert that `topk_ids[token, slot]` names, loaded on the
 device: no host sync, no data-dependent shape (the grid is T * k * tiles, fixed for a given T),
-so a CUDA graph captured at one T replays for any routing. Three launches:
+so a CUDA graph captured at one T replays for any routing. Each grid is one axis, T * k (or T)
+rows times their output tiles, a row's tiles adjacent: CUDA's second and third grid axes stop at
+65535 rows, which a routed prefill's T * k passes. Three launches:
 
   1. `_gate_up_kernel`: act[t*k + j] = silu(x[t] @ Wg[e]) * (x[t] @ Wu[e]), e = topk_ids[t, j]
      (gate_up[e] is [hidden, 2F]: gate in its first F columns, up in the last F).
@@ -106,9 +108,12 @@ def _expert(Ids, pid_s, K_TOP, N_EXPERTS, stride_it):
 @triton.jit
 def _gate_up_kernel(X, Ids, W, Act, F, H, K_TOP, N_EXPERTS, stride_xt, stride_it, stride_we,
                     stride_wh, stride_at, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Act[pid_s, f tile] = silu(x @ Wg[e]) * (x @ Wu[e]) for row pid_s = token * K_TOP + slot."""
-    pid_f = tl.program_id(0)
-    pid_s = tl.program_id(1)
+    """Act[pid_s, f tile] = silu(x @ Wg[e]) * (x @ Wu[e]) for row pid_s = token * K_TOP + slot
+    (program pid_s * n_tiles + pid_f)."""
+    n_tiles = tl.cdiv(F, BLOCK_F)
+    pid = tl.program_id(0)
+    pid_f = pid % n_tiles
+    pid_s = (pid // n_tiles).to(tl.int64)           # row offsets in int64: T * k * F may pass 2**31
     e = _expert(Ids, pid_s, K_TOP, N_EXPERTS, stride_it)
     offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
     f_ok = offs_f < F
@@ -136,9 +141,12 @@ def _gate_up_kernel(X, Ids, W, Act, F, H, K_TOP, N_EXPERTS, stride_xt, stride_it
 @triton.jit
 def _down_kernel(Act, Ids, W, Y, F, H, K_TOP, N_EXPERTS, stride_at, stride_it, stride_we,
                  stride_wf, stride_ys, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Y[pid_s, h tile] = Act[pid_s] @ down[e] for row pid_s = token * K_TOP + slot."""
-    pid_h = tl.program_id(0)
-    pid_s = tl.program_id(1)
+    """Y[pid_s, h tile] = Act[pid_s] @ down[e] for row pid_s = token * K_TOP + slot (program
+    pid_s * n_tiles + pid_h)."""
+    n_tiles = tl.cdiv(H, BLOCK_H)
+    pid = tl.program_id(0)
+    pid_h = pid % n_tiles
+    pid_s = (pid // n_tiles).to(tl.int64)
     e = _expert(Ids, pid_s, K_TOP, N_EXPERTS, stride_it)
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs_h < H
@@ -157,9 +165,12 @@ def _down_kernel(Act, Ids, W, Y, F, H, K_TOP, N_EXPERTS, stride_at, stride_it, s
 @triton.jit
 def _combine_kernel(Y, Wt, Out, H, K_TOP, stride_ys, stride_wt, stride_ot,
                     BLOCK_H: tl.constexpr):
-    """Out[t, h tile] = sum over slots j in order of round(w[t, j]) * Y[t * K_TOP + j]."""
-    pid_h = tl.program_id(0)
-    tok = tl.program_id(1)
+    """Out[t, h tile] = sum over slots j in order of round(w[t, j]) * Y[t * K_TOP + j] (program
+    t * n_tiles + pid_h)."""
+    n_tiles = tl.cdiv(H, BLOCK_H)
+    pid = tl.program_id(0)
+    pid_h = pid % n_tiles
+    tok = (pid // n_tiles).to(tl.int64)
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs_h < H
     dt = Out.dtype.element_ty
@@ -234,15 +245,15 @@ def launch_routed(x, topk_ids, topk_weights, gate_up, down, tiles: RoutedTiles =
     y = torch.empty(n * k, hidden, dtype=x.dtype, device=x.device)            # [T*k, hidden]
     out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)              # [T, hidden]
     warps = tiles.num_warps
-    _gate_up_kernel[(triton.cdiv(ffn, tiles.block_f), n * k)](
+    _gate_up_kernel[(triton.cdiv(ffn, tiles.block_f) * n * k,)](
         x, topk_ids, gate_up, act, ffn, hidden, k, n_exp, x.stride(0), topk_ids.stride(0),
         gate_up.stride(0), gate_up.stride(1), act.stride(0), BLOCK_F=tiles.block_f,
         BLOCK_K=tiles.block_k, num_warps=warps)
-    _down_kernel[(triton.cdiv(hidden, tiles.block_h), n * k)](
+    _down_kernel[(triton.cdiv(hidden, tiles.block_h) * n * k,)](
         act, topk_ids, down, y, ffn, hidden, k, n_exp, act.stride(0), topk_ids.stride(0),
         down.stride(0), down.stride(1), y.stride(0), BLOCK_H=tiles.block_h,
         BLOCK_K=tiles.block_k, num_warps=warps)
-    _combine_kernel[(triton.cdiv(hidden, tiles.combine_h), n)](
+    _combine_kernel[(triton.cdiv(hidden, tiles.combine_h) * n,)](
         y, topk_weights, out, hidden, k, y.stride(0), topk_weights.stride(0), out.stride(0),
         BLOCK_H=tiles.combine_h, num_warps=warps)
     return out
