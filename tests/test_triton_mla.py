@@ -455,3 +455,16 @@ def test_kernel_forms_give_the_same_outputs(mode):
         assert_close(case.output(o)[real], ref[real])
     for o in outs[1:]:
         torch.testing.assert_close(o[real], outs[0][real], rtol=1e-5, atol=1e-5)
+
+
+def test_more_requests_than_cudas_second_grid_axis_are_refused_before_launch():
+    """The kernel's grid puts requests on CUDA's second axis (at most 65535): a larger call (a
+    causal prefill runner pads its requests to its token bucket) is refused with the limit named,
+    never launched to fail at capture."""
+    from padgraph.backends.triton.attention_mla_decode import GRID_YZ_MAX, mla_paged_attention
+    bs, rank, rope = GRID_YZ_MAX + 1, 16, 8
+    meta = PagedMeta(torch.zeros(1, 4, dtype=torch.int32), torch.zeros(bs, dtype=torch.int32),
+                     torch.ones(bs, dtype=torch.int32))
+    q = torch.zeros(bs, 1, rank + rope)
+    with pytest.raises(ValueError, match="at most 65535"):
+        mla_paged_attention(q, torch.zeros(4, 1, rank + rope), meta, rank, 1.0)

@@ -532,6 +532,9 @@ def plan_mla(shape: MlaShape, policy: MlaPolicy = MlaPolicy()) -> MlaPlan:
     return MlaPlan(keys_major, blocks, n_blocks, num_splits, fold and num_splits > 1)
 
 
+GRID_YZ_MAX = 65535     # CUDA's limit on a launch grid's second and third axes
+
+
 def mla_paged_attention(q_latent, latent_cache, meta: PagedMeta, kv_lora_rank: int,
                         sm_scale: float, policy: MlaPolicy = MlaPolicy()):
     """Launch the MLA kernel: q_latent [n, H, r + rope] -> o_latent [n, H, r] (callers check
@@ -542,6 +545,13 @@ def mla_paged_attention(q_latent, latent_cache, meta: PagedMeta, kv_lora_rank: i
     bs, mode = meta.bs, meta.mode
     plan = plan_mla(MlaShape.of(q_latent, meta, kv_lora_rank), policy)
     blocks, n_blocks, num_splits = plan.blocks, plan.n_blocks, plan.num_splits
+    if bs > GRID_YZ_MAX or num_splits > GRID_YZ_MAX:
+        # the grid's second and third axes stop at 65535 on CUDA: a clear refusal, not a failed launch
+        raise ContractValueError(mismatch(
+            "mla_paged_attention", None, "requests (meta.bs) and splits",
+            f"at most {GRID_YZ_MAX} each (the kernel's grid puts them on CUDA's second and third axes; a "
+            f"causal prefill runner pads its requests to its token bucket: use prefill buckets of at most "
+            f"{GRID_YZ_MAX} tokens)", f"bs {bs}, splits {num_splits}"))
     alloc = torch.zeros if mode == CAUSAL else torch.empty  # CAUSAL: padding tokens stay 0
     o = alloc(n_tok, n_heads, kv_lora_rank, dtype=q_latent.dtype, device=q_latent.device)
     if n_tok == 0 or bs == 0:
