@@ -153,7 +153,11 @@ class Target(nn.Module):
     kernel: the paged decode attention for layers it computes as HF does (`Decoder` picks
     padgraph's Triton kernel on a GPU at half precision), None for the torch path everywhere.
     bound: the decode binds each attention module's caches on the module for the call
-    (`attention.bound`), for decoder layers compiled as regions that share one graph."""
+    (`attention.bound`), for decoder layers compiled as regions that share one graph.
+    Its extend left-pads the packed prompts to their longest, read on the host: it runs eagerly
+    only (`extend_in_graph`; the worker refuses prefill="runner")."""
+
+    extend_in_graph = False
 
     def __init__(self, model, max_context: int, *, draft: bool = True, kernel=None, bound: bool = False):
         super().__init__()

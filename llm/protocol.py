@@ -9,7 +9,8 @@ Optional on a target: `forward_verify_hidden(input_ids, positions, batch) -> hid
 K/V pools of `cfg` (`n_kv_heads`, `head_dim`). `new_draft_cache(n_slots)` returns the draft
 head's one-layer cache where the head's layer is not of the target's own kind (`padgraph.hf.Target`:
 K/V pools beside its per-call cache). A target served without a draft head may return None for
-`hidden` (nothing reads it).
+`hidden` (nothing reads it). `extend_in_graph = False` says its `forward_extend` reads the host
+(it runs only eagerly): the worker then refuses `prefill="runner"`.
 
 A target with recurrent layers (`padgraph.llm.models.hybrid`) adds
 `new_hybrid_cache(n_slots, max_context, n_req_rows, tree_nodes)`: its K/V and recurrent pools

@@ -57,6 +57,11 @@ class Worker:
                             tree_nodes)
         self.dkv = new_draft_cache(target, self.n_slots)   # the head's layer; rows: self.kv's
         self.prefill_mode = o.prefill
+        if o.prefill == "runner" and not getattr(target, "extend_in_graph", True):
+            raise pg.ContractValueError(
+                f"WorkerOptions.prefill: 'runner' needs a target whose forward_extend can be captured; "
+                f"{type(target).__name__}.extend_in_graph is False (its extend reads the prompts' width "
+                f"on the host): use prefill='eager'")
         self.draft_prefill_mode = o.draft_prefill if head is not None else "eager"
         self.programs, self.bodies = self._declare(o)
         self.torch_compile = backend == "cuda" if o.torch_compile is None else o.torch_compile

@@ -55,3 +55,14 @@ def test_engine_samples_an_hf_target_as_hf(name):
     counts = torch.bincount(pairs[:, 0] * VOCAB + pairs[:, 1], minlength=VOCAB * VOCAB)
     stat, df, p = chi_square(counts, joint.reshape(-1))
     assert p >= P_MIN, f"{name}: the engine's joint of 2 tokens against HF's: chi2={stat:.1f} df={df} p={p:.2e}"
+
+
+def test_a_prefill_runner_is_refused_for_an_hf_target():
+    """The Target's extend reads the prompts' width on the host, so it cannot be captured: the
+    worker refuses prefill="runner" at construction, naming the way out."""
+    model = build("llama")
+    spec = SpecConfig()
+    target = pghf.Target(model, MAX_LEN + spec.margin + spec.overlap_margin, draft=False)
+    with pytest.raises(ValueError, match="prefill='eager'"):
+        Engine(target, None, spec, backend="reference", max_bs=2, prefill="runner",
+               max_context=MAX_LEN + spec.margin + spec.overlap_margin)
