@@ -115,23 +115,25 @@ def check_served(model, recurrent: bool = True) -> Served:
     calls = survey_calls(model) if interface else quiet_survey(model)
     named = {m for m in model.modules() if "Attention" in type(m).__name__}
     flagged = stateful_modules(model, {c.module for c in calls} if calls else named)
-    states = survey_states(model) if recurrent and flagged and linear_cache_api() else ()
+    states, failure = survey_states(model) if recurrent and flagged and linear_cache_api() else ((), "")
     kept = {s.layer_idx for s in states} | (cacheless_layers(model) if states else set())
     mixers = {m for _, m in flagged if getattr(m, "layer_idx", None) in kept}
     if not interface:
         if not mixers:          # a state-space mixer is the cause, if any
-            refuse_stateful(model, named, recurrent)
+            refuse_stateful(model, named, recurrent, failure)
             raise no_interface(name)
         calls = survey_calls(model)     # a hybrid that does not declare the interface: is it used?
         if own_attention(model, calls, mixers):
             raise no_interface(name)
-    refuse_stateful(model, {c.module for c in calls} | {d for m in mixers for d in m.modules()}, recurrent)
+    refuse_stateful(model, {c.module for c in calls} | {d for m in mixers for d in m.modules()}, recurrent, failure)
     if not calls and not mixers:
         raise UnsupportedModelError(f"padgraph.hf.Decoder({name}): no layer called HF's attention interface")
     for c in calls:
         if c.layer_idx is None:
             raise UnsupportedModelError(f"padgraph.hf.Decoder({name}): attention module {c.path!r} "
-                                        f"({type(c.module).__name__}) has no layer_idx to key its cache by")
+                                        f"({type(c.module).__name__}) has no layer_idx to key its cache by "
+                                        f"(padgraph keeps each call's keys and values by its module's layer_idx, "
+                                        f"not by an index a layer hands its attention in the call)")
         if c.unknown:
             raise UnsupportedModelError(
                 f"padgraph.hf.Decoder({name}): layer {c.path!r} passes {list(c.unknown)} to the attention "
@@ -180,10 +182,11 @@ def quiet_survey(model) -> list[Call] | None:
         return None
 
 
-def survey_states(model) -> tuple[StateSpec, ...]:
+def survey_states(model) -> tuple[tuple[StateSpec, ...], str]:
     """The states the model's mixers keep through HF's linear-attention cache API, in call order,
-    from one forward over two tokens with a recording cache; () where that forward fails (the
-    mixers are then refused as stateful, by `refuse_stateful`)."""
+    from one forward over two tokens with a recording cache, and ""; or () and what failed, where
+    that forward fails (the mixers are then refused as stateful, by `refuse_stateful`, naming the
+    failure: a model that reads its cache beyond that API, say)."""
     attention.register()
     rec, states = Recorder({m: p for p, m in model.named_modules()}, []), Recording()
     device = device_of(model)
@@ -193,9 +196,9 @@ def survey_states(model) -> tuple[StateSpec, ...]:
                   position_ids=torch.arange(2, device=device)[None], use_cache=False, padgraph_batch=rec,
                   **{cache_argument(model): states})
     except (RuntimeError, TypeError, ValueError, IndexError, KeyError, AttributeError, NotImplementedError,
-            NotBoundError):
-        return ()
-    return tuple(states.seen)
+            NotBoundError) as e:
+        return (), f"{type(e).__name__}: {e}, {raised_in(e)}"
+    return tuple(states.seen), ""
 
 
 def cacheless_layers(model) -> set[int]:
@@ -237,9 +240,10 @@ def linear_cache_api() -> bool:
                                             "update_recurrent_state"))
 
 
-def refuse_stateful(model, callers: set, recurrent: bool = False) -> None:
+def refuse_stateful(model, callers: set, recurrent: bool = False, failure: str = "") -> None:
     """UnsupportedModelError for a module that keeps state across tokens and is not `callers` or
-    above one. `recurrent`: the message says what a served recurrent mixer needs."""
+    above one. `recurrent`: the message says what a served recurrent mixer needs; `failure`: why
+    the forward through padgraph's recording cache failed, if it did."""
     flagged = stateful_modules(model, callers)
     name = type(model).__name__
     inner = [(p, m) for p, m in flagged if not any(q != p and (not p or q.startswith(p + ".")) for q, _ in flagged)]
@@ -255,9 +259,11 @@ def refuse_stateful(model, callers: set, recurrent: bool = False) -> None:
               if recurrent else
               "attention layers only with a draft head (padgraph.llm's draft and verify programs keep no "
               "recurrent state of an HF model)")
+    failed = (f"; the model's forward through padgraph's recurrent cache (HF's conv / recurrent state interface "
+              f"only) fails ({failure})" if failure else "")
     raise UnsupportedModelError(
         f"padgraph.hf.Decoder({name}): layer {path!r} is a {type(module).__name__}, a token mixer that "
-        f"keeps state across tokens ({why}) and calls no attention; padgraph.hf serves {served}, and "
+        f"keeps state across tokens ({why}) and calls no attention{failed}; padgraph.hf serves {served}, and "
         f"decoding without that state gives other tokens")
 
 

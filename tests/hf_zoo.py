@@ -53,6 +53,38 @@ EXTRA = {   # model_type -> fields beyond SMALL
                         layer_types=["sliding_attention", "full_attention"]),
     "deepseek_v2": dict(num_key_value_heads=4),     # MLA: every head has its keys and values
     "deepseek_v3": dict(num_key_value_heads=4),
+    "longcat_flash": dict(num_key_value_heads=4, head_dim=8, ffn_hidden_size=128, moe_topk=2, zero_expert_num=2,
+                          expert_ffn_hidden_size=32),            # MLA; its rotary is head_dim wide: qk_rope_head_dim
+    # rope parameters per layer type; the full-attention layers have no rope
+    "cohere_compass_text": dict(layer_types=["sliding_attention", "full_attention"],
+                                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                                 "full_attention": None}),
+    "dbrx": dict(n_heads=4, n_layers=2, max_seq_len=128, ffn_config=dict(ffn_hidden_size=32, moe_top_k=2),
+                 # DbrxAttention reads attn_config.rope_theta, which DbrxAttentionConfig does not declare
+                 attn_config=dict(kv_n_heads=2, clip_qkv=8.0, rope_theta=1e4)),
+    "dory": dict(num_hidden_layers=3, n_input_layers=1, n_recurrent_layers=1, n_output_layers=1,   # layer 1 runs
+                 layer_types=["sliding_attention", "full_attention", "sliding_attention"]),     # twice a forward
+    "gemma3n_text": dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                         num_kv_shared_layers=2,              # layers 2 and 3 read layers 0 and 1's keys and values
+                         vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, laurel_rank=8),
+    "inkling2_text": dict(unpadded_vocab_size=VOCAB, swa_num_attention_heads=4, swa_num_key_value_heads=2,
+                          swa_head_dim=16, sliding_window_size=WINDOW, d_rel=8, rel_extent=16,
+                          layer_types=["hybrid_sliding", "hybrid"], n_layers_per_attn_res_block=1),
+    "inkling2_loop_text": dict(num_hidden_layers=3, unpadded_vocab_size=VOCAB, swa_num_attention_heads=4,
+                               swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=WINDOW, d_rel=8,
+                               rel_extent=16, layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"],
+                               n_layers_per_attn_res_block=1, loop_layer_index_start=1, loop_layer_index_end=2,
+                               loop_num_passes=2, loop_gate_rank=8),
+    "kolibri1_1": dict(num_hidden_layers=4, layer_types=["sliding_attention", "indexed_attention"] * 2,
+                       index_layers=[1], kv_source_layers=[0, 1, 2, 1], index_num_heads=1, index_topk=4,
+                       index_pool_size=16, index_compression=4, index_num_local_tokens=2, index_num_sink_tokens=1,
+                       mlp_only_layers=[0], mlp_only_intermediate_size=128),
+    "qwen4_exp_text": dict(layer_types=["linear_attention", "indexed_attention"], hc_lowrank=8, indexer_n_heads=2,
+                           indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=4, indexer_compress_ratio=2),
+    # xLSTM sizes its q / k projections hidden_size * qk_dim_factor, its state that rounded up to 64
+    "xlstm": dict(num_heads=4, qk_dim_factor=1.0),
+    "zamba": dict(layers_block_type=["mamba", "hybrid"]),
+    "zaya": dict(num_experts_per_tok=1, router_hidden_size=16, layer_types=["hybrid_sliding", "hybrid"]),
 }
 
 
@@ -64,11 +96,20 @@ def fields_of(cfg_cls) -> set[str]:
     return set(inspect.signature(cfg_cls.__init__).parameters)
 
 
+def takes_none(cfg_cls, name: str) -> bool:
+    """Whether the config class's field `name` may be None (a strict dataclass field typed `int`
+    may not: its default then stands, a token id outside the tiny vocabulary that is never drawn)."""
+    if not dataclasses.is_dataclass(cfg_cls):
+        return True
+    types = {f.name: f.type for f in dataclasses.fields(cfg_cls)}
+    return "None" in str(types.get(name))
+
+
 def tiny_config(model_type: str, **overrides):
     from transformers import CONFIG_MAPPING
     cfg_cls = CONFIG_MAPPING[model_type]
     names = fields_of(cfg_cls)
-    kwargs = {k: v for k, v in SMALL.items() if k in names}
+    kwargs = {k: v for k, v in SMALL.items() if k in names and (v is not None or takes_none(cfg_cls, k))}
     kwargs.update(EXTRA.get(model_type, {}), **overrides)
     return cfg_cls(**kwargs)
 

@@ -72,18 +72,23 @@ def test_spec_config_is_used():
     assert dec.engine.worker.spec.num_draft_tokens == 3
 
 
-def test_a_config_window_the_architecture_ignores_is_not_refused():
+def test_a_config_window_only_generates_cache_applies_is_refused_and_served_without_the_probe():
     """Llama's config accepts `sliding_window` but its layers never pass it: the Target reads what
     the layers hand the attention function at run time, not the config field, and gives the
-    model's own tokens. (HF's generate would window its cache for such a config, unlike the
-    model's forward, so the reference is the same weights without the field.)"""
+    model's forward's tokens (the reference: the same weights without the field). HF's generate
+    windows its cache for such a config, unlike the forward, so the probe refuses the model, naming
+    that disagreement; the check below runs without it."""
     ids, mask = prompts(2, seed=9)
     plain = build("llama")
     with torch.no_grad():
         ref = plain.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
     model = build("llama")
     model.config.sliding_window = 4
-    assert eagle_decoder(model).generate(ids, attention_mask=mask, max_new_tokens=NEW).tolist() == ref.tolist()
+    with pytest.raises(pghf.UnsupportedModelError, match="generate and forward disagree"):
+        eagle_decoder(model)
+    dec = pghf.Decoder(model, max_batch=5, max_len=MAX_LEN, backend="reference", probe=False,
+                       draft=pghf.Eagle(distill=DISTIL))
+    assert dec.generate(ids, attention_mask=mask, max_new_tokens=NEW).tolist() == ref.tolist()
 
 
 def test_distillation_leaves_the_users_model_as_it_was():
