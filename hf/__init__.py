@@ -22,8 +22,10 @@ A model is served with `model.generate`'s greedy tokens or refused at `Decoder(.
 others: the Decoder surveys the model's attention calls (their key and value widths, sink logits,
 several calls a layer) and the states its recurrent mixers keep through HF's cache (a hybrid's
 SSM, convolution and delta-net states, held in a pool of one row per request), refuses a token
-mixer that keeps state any other way without calling attention, and probes a small left-padded
-batch through its Target against the model's own forward, naming the first layer that differs
+mixer that keeps state any other way without calling attention, reads each layer's mask rule
+(sliding window, chunks) from the mask factory HF calls for it, and probes a small left-padded
+batch through its Target against the model's own generate and forward, naming the first layer
+that differs
 (docs/hf_models.md lists what each architecture gets). Arguments
 are checked: `ArgumentError` / `ArgumentTypeError` name the argument, the value and what is allowed.
 """

@@ -2,7 +2,9 @@
 
 HF's attention modules compute q, k, v (RoPE applied) and hand them to the registered function
 with the layer's own `scaling`, `sliding_window`, `softcap` and learned sink logits (`s_aux`,
-gpt-oss); the model runs with
+gpt-oss); where HF's mask for the layer limits it further (a sliding window the layer does not
+pass on, Llama 4's chunks), the Target binds that rule to the module while it serves
+(`HORIZON`, read from the mask factory: `masks`); the model runs with
 `use_cache=False`, so HF keeps no cache of its own. padgraph's per-call metadata rides in the
 model's `**kwargs` as `padgraph_batch`, a `Prefill` or a `Decode`, built by the `Target`'s
 forwards from padgraph.llm's `Batch`. The function stores k and v into the paged cache at the
@@ -19,6 +21,7 @@ dynamo guards on a Python int it indexes with, and would compile a graph per lay
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -27,17 +30,20 @@ from .errors import NotBoundError
 
 NAME = "padgraph"
 BOUND_KV = "_padgraph_kv"     # an attention module's (k_cache, v_cache) while a regional decode runs
+HORIZON = "_padgraph_horizon"  # an attention module's window and chunk (`Target.horizons`) while served
 
 
 @dataclass(frozen=True)
 class Layer:
     """What one attention call asks for: the softmax scale, window, logit soft-cap and the
-    per-head sink logits (`s_aux` [h]: a key every query sees, with no value), or None."""
+    per-head sink logits (`s_aux` [h]: a key every query sees, with no value), or None; the
+    window and chunk of HF's own mask for the layer where its mask factory says so (`masks`)."""
 
     scaling: float
     sliding_window: int | None
     softcap: float | None
     sinks: torch.Tensor | None = field(default=None, compare=False)
+    chunk: int | None = None    # keys of the query's own chunk of positions only (HF's chunked mask)
 
 
 class Sites:
@@ -140,16 +146,25 @@ class Decode:
 
 def kernel_serves(layer: Layer, max_len: int) -> bool:
     """The Triton decode kernel attends to every key below seq_len, unscaled logits: no soft-cap,
-    no sink logits, and a window only where it covers the whole row."""
+    no sink logits, and a window or chunk only where it covers the whole row."""
     return (layer.softcap is None and layer.sinks is None
-            and (layer.sliding_window is None or layer.sliding_window >= max_len))
+            and (layer.sliding_window is None or layer.sliding_window >= max_len)
+            and (layer.chunk is None or layer.chunk >= max_len))
 
 
 def in_window(q_pos, k_pos, layer: Layer):
-    """HF's sliding rule: a key is visible while q_pos - k_pos < window (True without a window)."""
-    if layer.sliding_window is None:
-        return torch.ones((), dtype=torch.bool, device=q_pos.device)
-    return (q_pos - k_pos) < layer.sliding_window
+    """For keys at or before the query: HF's sliding rule (a key is visible while q_pos - k_pos <
+    window) and chunked rule (while it is in the query's chunk, q_pos // chunk == k_pos // chunk,
+    i.e. k_pos >= the chunk's first position), positions counted from the request's first token;
+    True without either."""
+    visible = torch.ones((), dtype=torch.bool, device=q_pos.device)
+    if layer.sliding_window is not None:
+        visible = visible & ((q_pos - k_pos) < layer.sliding_window)
+    if layer.chunk is not None:
+        # the chunk's first position, not an equality of two floor divisions: inductor (torch 2.13)
+        # compiles `q // c == arange(n) // c` wrongly for most c (16 among them), a start bound right
+        visible = visible & (k_pos >= q_pos - torch.remainder(q_pos, layer.chunk))
+    return visible
 
 
 def store(k_cache, v_cache, loc, k, v) -> None:
@@ -196,6 +211,9 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
                             f"padgraph_batch must be passed, got none")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     layer = Layer(scaling, kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux"))
+    horizon = getattr(module, HORIZON, None)        # the layer's HF mask rule, bound while serving
+    if horizon is not None:
+        layer = dataclasses.replace(layer, sliding_window=horizon[0], chunk=horizon[1])
     observe = getattr(padgraph_batch, "observe", None)
     if observe is not None:
         observe(module, query, key, value, layer, attention_mask, kwargs)

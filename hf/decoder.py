@@ -19,9 +19,10 @@ Target's recurrent pools (`recurrent.Step`), so a padded lane reads and writes o
 sink row 0.
 
 `Decoder(...)` refuses what it cannot serve exactly before anything is compiled: a survey of the
-model's attention calls and recurrent states (`support.check_served`, in `Target`) and a probe
-that runs a small ragged batch through the Target's prefill and decode and through the model's
-own forward (`probe.check_decode`).
+model's attention calls, the rule of the mask HF builds for each (read from its mask factory at
+any length: windows, Llama 4's chunks; `masks`) and its recurrent states (`support.check_served`,
+in `Target`), and a probe that runs a small ragged batch through the Target's prefill and decode
+and through the model's own generate and forward (`probe.check_decode`).
 """
 from __future__ import annotations
 
@@ -115,10 +116,12 @@ class Decoder:
     model's greedy ones, sampled rows keep its sampling distribution exactly (speculative
     sampling). Without it, the engine's decode program runs one token per request a round.
     probe: before compiling, run a small ragged left-padded batch (3 rows, a prefill and 3
-    steps) through the Target's prefill and decode and through the model's own forward,
-    and refuse the model unless the logits agree within the dtype's tolerance (`probe.py`).
-    `probe=False` skips it (one prefill and 3 decode steps of 3 rows, twice): for a model already
-    probed at this dtype and device, where that time or memory matters.
+    steps) through the Target's prefill and decode and through the model's own generate and
+    full-recompute forward, and refuse the model unless the logits agree with both within the
+    dtype's tolerance (`probe.py`). `probe=False` skips it (the Target's prefill and 3 decode
+    steps of 3 rows, the model's generate of 4 tokens and 4 full forwards): for a model already
+    probed at this dtype and device, where that time or memory matters. The survey (attention
+    calls, mask rules, recurrent states) runs either way.
     Hybrid models (Mamba / Mamba2 SSMs, short convolutions, gated delta nets beside attention, or
     alone) are served where every recurrent mixer keeps its state through HF's cache API: that
     state lives in pools of one row per request row (`cache.py`), written by the prefill and read
@@ -196,7 +199,7 @@ class Decoder:
 
     def serving(self):
         """The model's attention (and, on a GPU, MoE experts) set to padgraph's for the duration."""
-        return serving(self.model, self.target.experts)
+        return serving(self.model, self.target.experts, self.target.horizons)
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  max_new_tokens: int | None = None, *, generation_config=None, do_sample: bool | None = None,

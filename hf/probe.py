@@ -26,6 +26,7 @@ from padgraph.llm.batch import Batch
 from padgraph.llm.kv import FIRST
 
 from .attention import Layer, Prefill
+from .masks import hf_masks
 from .errors import UnsupportedModelError
 
 ROWS, STEPS, PROMPT = 3, 3, 10
@@ -110,30 +111,11 @@ class MaskCheck(Prefill):
                                               & rows).any()):
             self.differs = f"layer {module.layer_idx}: HF's attention mask carries finite biases (a dynamic mask)"
         elif theirs.shape == ours.shape and bool(((theirs != ours) & rows).any()):
+            within = " and ".join(w for w in (f"a sliding window of {layer.sliding_window}" if layer.sliding_window
+                                             else "", f"chunks of {layer.chunk}" if layer.chunk else "") if w)
             self.differs = (f"layer {module.layer_idx}: HF's attention mask is not causal within "
-                            f"{'a sliding window of ' + str(layer.sliding_window) if layer.sliding_window else 'the request'}"
-                            f" (a chunked or other mask of its own) as padgraph's attention is")
-
-
-@contextlib.contextmanager
-def hf_masks():
-    """HF builds its masks for attention implementation "padgraph" (as for SDPA) for the probe's
-    prefill; by default it builds none for a registered function. Restored after."""
-    try:
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-        mapping = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
-    except (ImportError, AttributeError):    # a transformers without the interface: no mask to compare
-        yield
-        return
-    had = mapping.get("padgraph")
-    mapping["padgraph"] = sdpa_mask
-    try:
-        yield
-    finally:
-        if had is None:
-            mapping.pop("padgraph", None)
-        else:
-            mapping["padgraph"] = had
+                            f"{within or 'the request'} (a chunked or other mask of its own) as padgraph's "
+                            f"attention is")
 
 
 def reference_logits(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

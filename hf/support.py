@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from . import attention
+from . import attention, masks
 from .attention import Layer
+from .masks import Census, Horizon
 from .cache import Shape, Site
 from .errors import NotBoundError, UnsupportedModelError
 from .recurrent import Recording, StateSpec, cache_argument
@@ -37,22 +38,31 @@ KNOWN_KWARGS = {"padgraph_batch", "sliding_window", "softcap", "s_aux", "dropout
 
 
 @contextlib.contextmanager
-def serving(model, experts: str | None = None):
+def serving(model, experts: str | None = None, horizons: dict | None = None):
     """The model's attention implementation set to padgraph's (and, given `experts`, its MoE
-    experts implementation set to `experts`) for the duration, restored after, also on error:
-    the model stays the user's, and HF's own calls run as before."""
+    experts implementation set to `experts`; given `horizons`, each attention module's mask rule
+    bound on it as `attention.HORIZON`) for the duration, restored after, also on error: the
+    model stays the user's, and HF's own calls run as before."""
     cfg = model.config
     before = cfg._attn_implementation, getattr(cfg, "_experts_implementation", None)
     swap = experts is not None and before[1] is not None and before[1] != experts
+    bound = {m: getattr(m, attention.HORIZON, None) for m in (horizons or {})}
     cfg._attn_implementation = attention.NAME
     if swap:
         cfg._experts_implementation = experts
+    for m, h in (horizons or {}).items():
+        setattr(m, attention.HORIZON, (h.window, h.chunk))
     try:
         yield
     finally:
         cfg._attn_implementation = before[0]
         if swap:
             cfg._experts_implementation = before[1]
+        for m, h in bound.items():
+            if h is None:
+                delattr(m, attention.HORIZON)
+            else:
+                setattr(m, attention.HORIZON, h)
 
 
 @dataclass(frozen=True)
@@ -68,6 +78,7 @@ class Call:
     v_dim: int
     layer: Layer
     unknown: tuple[str, ...]    # keywords padgraph neither applies nor knows to be inert
+    mask: Horizon | None = None  # the rule of HF's mask for the call (`masks.census`), None: unknown
 
 
 @dataclass
@@ -76,25 +87,30 @@ class Recorder:
 
     paths: dict
     calls: list
+    census: Census = field(default_factory=Census)
 
     def observe(self, module, q, k, v, layer: Layer, mask, kwargs):
         unknown = tuple(sorted(k for k, val in kwargs.items()
                                if k not in KNOWN_KWARGS and val is not None and val is not False))
         self.calls.append(Call(module, self.paths.get(module, "?"), getattr(module, "layer_idx", None),
-                               q.shape[1], k.shape[1], k.shape[-1], v.shape[-1], layer, unknown))
+                               q.shape[1], k.shape[1], k.shape[-1], v.shape[-1], layer, unknown,
+                               self.census.of(mask)))
 
     def attend(self, module, q, k, v, layer: Layer):
         return q.new_zeros(q.shape[0], q.shape[2], q.shape[1], v.shape[-1])          # [b, n, h, dv]
 
 
 def survey(model) -> list[Call]:
-    """Every attention call of one forward over two tokens, in call order."""
+    """Every attention call of one forward over two rows of three tokens (the first left-padded
+    by one, so HF's masks are built as tensors), in call order, each with the rule of the mask HF
+    built for it (`masks.census`)."""
     attention.register()
-    rec = Recorder({m: p for p, m in model.named_modules()}, [])
     device = device_of(model)
-    with serving(model), torch.no_grad():
-        model(input_ids=torch.ones(1, 2, dtype=torch.int64, device=device),
-              position_ids=torch.arange(2, device=device)[None], use_cache=False, padgraph_batch=rec)
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1]], device=device)
+    with serving(model), torch.no_grad(), masks.hf_masks(), masks.census(model) as built:
+        rec = Recorder({m: p for p, m in model.named_modules()}, [], built)
+        model(input_ids=mask.clone(), attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+              use_cache=False, padgraph_batch=rec)
     return rec.calls
 
 

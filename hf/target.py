@@ -29,6 +29,7 @@ state the head reads, and its logits are the lm_head's.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -81,15 +82,67 @@ class Widths:
     n_layers: int
 
 
+def mask_horizons(model, calls, max_context: int) -> dict:
+    """Each attention module's rule as HF's own mask applies it (`masks.Horizon`, from the
+    survey's census; the window the layer passes itself where it passes one): {module: Horizon},
+    modules whose mask no factory built left out (their keywords are their rule). Refused
+    (UnsupportedModelError) where the mask is not causal or lays another rule over it, or where
+    the layer's own window and its mask's disagree within max_context."""
+    out, same = {}, {}      # equal rules as one object: a compiled region guards once, not per layer
+    for c in calls:
+        h = c.mask
+        if h is None:
+            continue
+        where = f"padgraph.hf.Decoder({type(model).__name__}): layer {c.path!r}"
+        if h.rule == "other":
+            raise UnsupportedModelError(
+                f"{where} attends with a mask HF builds that is not causal, or with another rule laid over "
+                f"it (a mask function, blocks); padgraph's attention applies causal masks with a sliding "
+                f"window or chunks only")
+        passed = c.layer.sliding_window
+        if passed is not None and passed != h.window and min(passed, h.window or max_context) < max_context:
+            raise UnsupportedModelError(
+                f"{where} passes sliding_window={passed} to attention while HF's mask for it "
+                f"{'is a window of ' + str(h.window) if h.window else 'has no window (' + h.rule + ')'}; HF's "
+                f"attention implementations disagree on such a layer, so padgraph cannot tell which to reproduce")
+        h = dataclasses.replace(h, window=passed if passed is not None else h.window)
+        out[c.module] = same.setdefault(h, h)
+    return out
+
+
+def refuse_cache_positions(model, max_context: int) -> None:
+    """UnsupportedModelError for a model whose layers take positions from HF's cache length
+    rather than from position_ids, where that changes a result within max_context: Llama 4's
+    attention temperature tuning scales the queries of its NoPE layers by log1p(floor((p + 1) /
+    floor_scale)), p counted from the cache's length (left pads included). padgraph's forwards
+    run without HF's cache, so p would read 0: exact only while every position is below
+    floor_scale - 1."""
+    cfg = text_config(model)
+    scale = getattr(cfg, "floor_scale", None)
+    if getattr(cfg, "attn_temperature_tuning", False) and scale is not None and max_context >= scale:
+        raise UnsupportedModelError(
+            f"padgraph.hf.Decoder({type(model).__name__}): attention temperature tuning (attn_temperature_tuning, "
+            f"floor_scale={scale}) scales queries by positions HF counts from its cache, which padgraph's "
+            f"cache-free forwards do not give; served only with max_len (here {max_context} with the engine's "
+            f"margins) below floor_scale")
+
+
+def horizon_layer(layer: Layer, horizon) -> Layer:
+    """`layer` as `attention.attention` serves it with `horizon` bound (or as passed, None)."""
+    if horizon is None:
+        return layer
+    return dataclasses.replace(layer, sliding_window=horizon.window, chunk=horizon.chunk)
+
+
 def refuse_unless_plain(layer: Layer, max_context: int, where: str) -> None:
     """UnsupportedModelError for attention the paged kernels do not compute as HF does: they
     attend to every key below a request's length, uncapped (`attention.kernel_serves`)."""
     if not kernel_serves(layer, max_context):
         raise UnsupportedModelError(
             f"padgraph.hf.Target: {where} attends with a logit soft-cap ({layer.softcap}), sink logits "
-            f"({'yes' if layer.sinks is not None else 'none'}) or within a sliding window ({layer.sliding_window}) "
-            f"shorter than max_context {max_context}; padgraph.llm's paged kernels attend to every key below "
-            f"a request's length, uncapped, with no sink")
+            f"({'yes' if layer.sinks is not None else 'none'}), within a sliding window ({layer.sliding_window}) "
+            f"or within chunks ({layer.chunk}) shorter than max_context {max_context}; padgraph.llm's paged "
+            f"kernels attend to every key below a request's length, uncapped, with no sink")
 
 
 def uniform_cache(model, calls) -> Shape:
@@ -162,8 +215,12 @@ class Target(nn.Module):
     def __init__(self, model, max_context: int, *, draft: bool = True, kernel=None, bound: bool = False):
         super().__init__()
         served = check_served(model, recurrent=not draft)
-        shape = (draft_shape(model, served.calls, max_context) if draft
-                 else cache_shape(model, served.calls, served.states))
+        refuse_cache_positions(model, max_context)
+        self.horizons = mask_horizons(model, served.calls, max_context)
+        calls = [dataclasses.replace(c, layer=horizon_layer(c.layer, self.horizons.get(c.module)))
+                 for c in served.calls]
+        shape = (draft_shape(model, calls, max_context) if draft
+                 else cache_shape(model, calls, served.states))
         cfg = text_config(model)
         self.hf, self.draft, self.shape, self.max_context, self.kernel = model, draft, shape, max_context, kernel
         self.sites = Sites(shape.index())
@@ -286,7 +343,7 @@ class Target(nn.Module):
         body compiled) runs inside the caller's (`Decoder`'s) setting."""
         if torch.compiler.is_compiling():
             return contextlib.nullcontext()
-        return serving(self.hf, self.experts)
+        return serving(self.hf, self.experts, self.horizons)
 
     def _draft_only(self, what: str) -> None:
         if not self.draft:

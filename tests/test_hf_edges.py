@@ -142,7 +142,8 @@ def test_torch_compile_whole_traces_the_ladder_once():
     """torch_compile="whole": one size-oblivious trace of the forward for the ladder (bucket 1
     included where the model's ops do not specialise on a batch of one)."""
     from test_hf_models import MAX_LEN, NEW
-    model = build("qwen3")
+    torch._dynamo.reset()       # the count starts from no traces: dynamo keeps per-code state (the
+    model = build("qwen3")      # body's code is every model's) from earlier tests in this process
     dec = pghf.Decoder(model, max_batch=5, max_len=MAX_LEN, backend="reference", torch_compile="whole")
     for n in (1, 4, 2):
         ids, mask = prompts(n, seed=n)
@@ -223,3 +224,18 @@ def test_torch_compile_groups_the_sibling_projections(name, groups, monkeypatch)
         ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
     assert dec.generate(ids, attention_mask=mask, max_new_tokens=NEW).tolist() == ref.tolist()
     assert max(made) == groups, made                   # the layer graph (the rotary and final norm: 0)
+
+
+@pytest.mark.parametrize("chunk", [9, 16, 33])
+def test_the_chunk_rule_compiles_to_its_eager_values(chunk):
+    """`attention.in_window`'s chunk rule under torch.compile equals HF's q // c == k // c for
+    keys at or before the query (the form inductor miscompiles is not used)."""
+    from padgraph.hf.attention import Layer, in_window
+    q = torch.tensor([0, 5, 8, 13, 16, 17, 39])[:, None]
+    k = torch.arange(40)[None, :]
+    layer = Layer(1.0, None, None, chunk=chunk)
+    torch._dynamo.reset()
+    got = torch.compile(lambda a, b: in_window(a, b, layer))(q, k)
+    want = (torch.div(q, chunk, rounding_mode="floor") == torch.div(k, chunk, rounding_mode="floor"))
+    causal = k <= q
+    assert torch.equal(got & causal, want & causal)

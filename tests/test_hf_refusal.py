@@ -4,7 +4,8 @@ Silent mismatch (the probe must catch each, naming the layer):
   - a token mixer that keeps state across tokens with no cache argument and no attention call
     (a token shift: invisible to the survey, visible in decode's logits);
   - attention sink logits dropped by the attention path (the bug gpt-oss hit);
-  - an attention mask of the model's own (chunked: Llama 4) that padgraph's attention is not.
+  - an attention mask of the model's own that padgraph's attention is not (a dynamic mask: Doge;
+    a chunked one whose rule the survey did not read from HF's mask factory).
 Raises: bad arguments to every public entry point, each naming the argument, the value and what
 is allowed (`ArgumentError` / `ArgumentTypeError`, ContractError family).
 Never flagged: the probe passes on correct paths at fp32, bf16 and fp16.
@@ -56,11 +57,24 @@ def test_probe_refuses_dropped_sinks(monkeypatch):
         pghf.Decoder(model, max_batch=3, max_len=32, backend="reference")
 
 
-def test_probe_names_a_chunked_mask():
+def test_probe_names_a_chunked_mask_the_survey_did_not_read(monkeypatch):
+    """Llama 4's chunks (4 tokens, inside the probe's sequences) are served from its mask factory;
+    with that reading dropped, the probe's value check alone still refuses it, naming the mask."""
     if "llama4_text" not in transformers.CONFIG_MAPPING:
         pytest.skip("no Llama 4 in this transformers")
-    with pytest.raises(pghf.UnsupportedModelError, match="mask"):
+    from padgraph.hf import target as target_mod
+    pghf.Decoder(hf_zoo.build_type("llama4_text"), max_batch=3, max_len=32, backend="reference")
+    monkeypatch.setattr(target_mod, "mask_horizons", lambda *a: {})
+    with pytest.raises(pghf.UnsupportedModelError, match="HF's attention mask is not causal"):
         pghf.Decoder(hf_zoo.build_type("llama4_text"), max_batch=3, max_len=32, backend="reference")
+
+
+def test_probe_names_a_dynamic_mask():
+    """Doge builds its mask in its own code (finite biases): no factory to read, the probe names it."""
+    if "doge" not in transformers.CONFIG_MAPPING:
+        pytest.skip("no Doge in this transformers")
+    with pytest.raises(pghf.UnsupportedModelError, match="finite biases"):
+        pghf.Decoder(hf_zoo.build_type("doge"), max_batch=3, max_len=32, backend="reference")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -250,3 +250,70 @@ def test_a_cache_read_beyond_the_state_interface_is_named():
         pytest.skip(f"no Qwen4-Exp in transformers {transformers.__version__}")
     with pytest.raises(pghf.UnsupportedModelError, match=r"linear_attn.*recurrent cache .* fails \(AttributeError"):
         pghf.Decoder(hf_zoo.build_type("qwen4_exp_text"), max_batch=3, max_len=MAX_LEN, backend="reference")
+
+
+@pytest.mark.parametrize("model_type, field", [("llama4_text", "attention_chunk_size"), ("phimoe", "sliding_window")])
+def test_a_mask_rule_longer_than_the_probe_is_served_from_the_mask_factory(model_type, field, monkeypatch):
+    """Llama 4's chunks and PhiMoE's window are rules of HF's mask alone (the layers pass no
+    `sliding_window`), here 16 tokens: longer than the probe's sequences, so the probe's values
+    cannot see them. The survey reads them from the mask factories HF calls; the tokens equal
+    generate's past the boundary. Served without those rules (the census's answer dropped), the
+    same prompts decode other tokens: the check can fail."""
+    model = hf_zoo.build_type(model_type, **{field: 16})
+    ids, mask = prompts(5, seed=7)
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=24)
+    dec = pghf.Decoder(model, max_batch=5, max_len=40, backend="reference")
+    rules = {(h.window, h.chunk) for h in dec.target.horizons.values()}
+    assert ((None, 16) if field == "attention_chunk_size" else (16, None)) in rules, rules
+    assert dec.generate(ids, attention_mask=mask, max_new_tokens=24).tolist() == ref.tolist()
+    from padgraph.hf import target as target_mod
+    monkeypatch.setattr(target_mod, "mask_horizons", lambda *a: {})
+    blind = pghf.Decoder(model, max_batch=5, max_len=40, backend="reference")   # the probe passes: too short
+    assert blind.generate(ids, attention_mask=mask, max_new_tokens=24).tolist() != ref.tolist()
+
+
+def test_a_layer_window_its_mask_does_not_apply_is_refused():
+    """A layer that passes sliding_window=4 to attention while HF builds it a plain causal mask
+    (Gemma 2's full layer given a window): SDPA and eager follow the mask, flash attention the
+    keyword; refused at Decoder(...), naming the layer, both rules and why."""
+    model = tiny_model("gemma2")
+    model.model.layers[1].self_attn.sliding_window = 4
+    with pytest.raises(pghf.UnsupportedModelError, match=r"layers\.1\.self_attn.*sliding_window=4.*no window"):
+        pghf.Decoder(model, max_batch=2, max_len=MAX_LEN, backend="reference")
+
+
+def test_the_census_wraps_every_namespace_that_holds_a_factory():
+    """Inside `masks.census` both masking_utils and the model's modeling module hold the wrapped
+    factories (whatever order the modules are visited in), and both get their own back after."""
+    import sys
+    import transformers.masking_utils as mu
+    from padgraph.hf import masks
+    model = tiny_model("llama4_text")
+    ml = sys.modules[type(model.model).__module__]
+    before = ml.create_chunked_causal_mask, mu.create_chunked_causal_mask
+    with masks.census(model):
+        assert ml.create_chunked_causal_mask is not before[0] and mu.create_chunked_causal_mask is not before[1]
+    assert (ml.create_chunked_causal_mask, mu.create_chunked_causal_mask) == before
+
+
+def test_a_chunked_mask_is_served_under_torch_compile():
+    """Llama 4's 16-token chunks through the compiled decode (inductor miscompiles an equality of
+    two floor divisions by 16; padgraph's rule is the chunk's first position): generate's tokens."""
+    model = hf_zoo.build_type("llama4_text", attention_chunk_size=16)
+    ids, mask = prompts(3, seed=33)
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=24)
+    dec = pghf.Decoder(model, max_batch=3, max_len=40, backend="reference", torch_compile=True)
+    assert dec.generate(ids, attention_mask=mask, max_new_tokens=24).tolist() == ref.tolist()
+
+
+def test_positions_read_from_hfs_cache_are_refused_past_where_they_matter():
+    """Llama 4's temperature tuning counts positions from HF's cache length, which padgraph's
+    forwards do not have: served while every position stays below floor_scale, refused (naming
+    the fields) where a request could reach it."""
+    pghf.Decoder(hf_zoo.build_type("llama4_text", floor_scale=4096), max_batch=2, max_len=32,
+                 backend="reference", probe=False)
+    with pytest.raises(pghf.UnsupportedModelError, match="floor_scale=16"):
+        pghf.Decoder(hf_zoo.build_type("llama4_text", floor_scale=16), max_batch=2, max_len=32,
+                     backend="reference", probe=False)
