@@ -105,6 +105,9 @@ def parse_args():
     ap.add_argument("--draft-lm-head", default=None, choices=["bf16", "fp8", "fp8-fused"],
                     help="GPU: the lm_head the draft reads (default fp8-fused); verify keeps the "
                          "target's, so outputs stay exact")
+    ap.add_argument("--fused", action="store_true",
+                    help="GPU, --model llama: the target's decode steps and tree verifies of up to 16 "
+                         "tokens run in the fused per-layer Triton kernels (FusedDecodePolicy)")
     ap.add_argument("--prefill", default=None, choices=["eager", "runner"],
                     help="the prompts' prefill: the prefill program (GPU default) or plain torch "
                          "calls (CPU default)")
@@ -161,6 +164,12 @@ def build_engine(args, gpu: bool):
     distill_kw = {k: v for k, v in (("steps", args.distill_steps), ("n_seq", args.distill_seqs),
                                     ("depth", args.distill_depth)) if v is not None}
     target, head, _ = setup(size, device, **distill_kw)
+    if args.fused and gpu and args.model == "llama":
+        from padgraph.backends.triton.fused_decode import FusedDecodePolicy
+        target.fused = FusedDecodePolicy()
+        print("target: decode steps and tree verifies of <= 16 tokens in the fused per-layer kernels")
+    elif args.fused:
+        print("--fused: a GPU Llama target's option; ignored here")
     lm_head = (args.draft_lm_head or DRAFT_LM_HEAD[args.model]) if gpu else "bf16"
     head.set_draft_lm_head(lm_head)
     prompts, news = workload(target.cfg.vocab_size, pick(args.n_requests, batch.n), 7,

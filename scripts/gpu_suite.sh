@@ -9,6 +9,7 @@
 #                    GEN_SEED seed, GEN_VARIANTS to run fewer; one summary line per variant in generated.txt
 #   eagle            the main job, Llama 1B-shaped target: examples/eagle.py --model llama
 #   eagle-deepseek   the main job, DeepSeek-V2-Lite widths: examples/eagle.py --model deepseek
+#   eagle-fused      the Llama main job with the target's decode and small verifies in the fused kernels
 #   bench-host       host time per call (bench/bench_host.py)
 #   bench-runner     decode step time per batch size against its peers (bench/bench_runner.py)
 #   bench-runner-fused  the step with the fused per-layer kernels and inductor's PDL against the
@@ -69,6 +70,7 @@ if want generated; then
   done
 fi
 want eagle && run eagle python3 examples/eagle.py --model llama
+want eagle-fused && run eagle_fused python3 examples/eagle.py --model llama --fused
 want eagle-deepseek && run eagle_deepseek python3 examples/eagle.py --model deepseek
 want bench-host && run bench_host python3 -m bench.bench_host --calls 1000
 want bench-runner && run bench_runner python3 -m bench.bench_runner

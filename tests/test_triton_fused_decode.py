@@ -692,3 +692,51 @@ def test_cuda_graph_replays_of_the_fused_step_follow_new_data_bit_for_bit(cuda_m
             want_ids, want_gap = fused_tail.greedy_reference(logits)
             clear = want_gap > 0.05
             assert (out[0][clear] == want_ids[clear]).all()
+
+
+def _verify_setup(model, bs: int, k: int, max_ctx: int = 48, seed: int = 0):
+    """A cache with random past K/V and bs requests, each verifying a k-token draft tree
+    (`tree_masks`: a chain, then small trees) at positions prefix .. prefix + k - 1; returns
+    (kv, ids [bs*k], positions [bs*k], the verify Batch)."""
+    from attention_cases import tree_masks
+    cfg, dtype = model.cfg, model.embed.weight.dtype
+    g = torch.Generator().manual_seed(seed)
+    kv = KVCache(cfg.n_layers, FIRST + bs * max_ctx, cfg.n_kv_heads, cfg.head_dim, max_ctx, FIRST + bs, dtype, "cpu")
+    for t in kv.k + kv.v:
+        t.copy_(torch.randn(t.shape, generator=g))
+    prefix = torch.randint(1, max_ctx - k, (bs,), generator=g)
+    slots = FIRST + torch.arange(bs)[:, None] * max_ctx + torch.arange(max_ctx)[None]
+    kv.req_to_token[FIRST:FIRST + bs] = slots.int()
+    rows = torch.arange(FIRST, FIRST + bs, dtype=torch.int32)
+    depth = torch.arange(k)[None].expand(bs, k)
+    positions = (prefix[:, None] + depth).reshape(-1)
+    loc = slots.gather(1, prefix[:, None] + depth).reshape(-1)
+    masks = tree_masks(bs, [])[:, :k, :k]
+    batch = Batch(kv, kv.req_to_token, rows, (prefix + k).int(), loc, tree_mask=masks)
+    return kv, torch.randint(0, cfg.vocab_size, (bs * k,), generator=g), positions, batch
+
+
+@pytest.mark.parametrize("bs,k", [(1, 4), (2, 4), (4, 4)])
+def test_a_tree_verify_through_the_fused_layers_is_the_models(bs, k):
+    """`forward_verify_hidden` of a model with a fused policy (its layers in the fused kernels,
+    interpreted; the tree attention kernel between them) against the same model without one:
+    the hidden and the K/V written at every tree token's slot. 16 tokens and fewer go through
+    the fused kernels (one row at bs*k = 1, tensor-core kernels above); the test counts it."""
+    plain, fused = (_model(torch.float16, fused=f) for f in (None, fd.FusedDecodePolicy()))
+    kv, ids, positions, batch = _verify_setup(plain, bs, k, seed=bs)
+    kv_ref = _clone_kv(kv)
+    ran = []
+    real = fd.decode_hidden
+    fd_hidden = lambda *a, **kw: ran.append(a[1].shape[0]) or real(*a, **kw)   # noqa: E731
+    import unittest.mock as mock
+    with torch.no_grad(), mock.patch.object(fd, "decode_hidden", fd_hidden):
+        want = plain.forward_verify_hidden(ids, positions, Batch(kv_ref, kv_ref.req_to_token, batch.req_pool_indices,
+                                                                 batch.seq_lens, batch.out_cache_loc,
+                                                                 tree_mask=batch.tree_mask))
+        got = fused.forward_verify_hidden(ids, positions, Batch(kv, kv.req_to_token, batch.req_pool_indices,
+                                                                batch.seq_lens, batch.out_cache_loc,
+                                                                tree_mask=batch.tree_mask, impl="triton"))
+    assert ran == [bs * k]
+    torch.testing.assert_close(got.float(), want.float(), **_tol(torch.float16))
+    for a, b in zip(kv.k + kv.v, kv_ref.k + kv_ref.v):
+        torch.testing.assert_close(a.float(), b.float(), **_tol(torch.float16))

@@ -177,7 +177,8 @@ class LlamaModel(PagedForwards, nn.Module):
     def __init__(self, cfg: LlamaConfig, seed: int = 0, fused=None):
         """fused: a `padgraph.backends.triton.fused_decode.FusedDecodePolicy`: decode steps it
         takes (bf16 / fp16, up to its max_rows) run in the fused per-layer kernels and the fused
-        norm + lm_head (`fused_tail`)."""
+        norm + lm_head (`fused_tail`); so do the layers of EAGLE's tree verify of up to max_rows
+        tokens (bs * k), attending through the tree kernel."""
         super().__init__()
         self.cfg, self.fused = cfg, fused
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -217,6 +218,25 @@ class LlamaModel(PagedForwards, nn.Module):
         logits, hidden = self.forward_decode(input_ids, positions, batch)
         top2 = logits.topk(2, dim=-1).values
         return logits.argmax(-1), top2[:, 0] - top2[:, 1], hidden
+
+    def forward_verify_hidden(self, input_ids, positions, batch):
+        """`forward_verify`'s hidden [bs*k, H] (greedy verification takes `greedy_ids` of it);
+        with `fused` set, a verify of at most its max_rows tokens runs its layers in the fused
+        kernels, attending through the tree kernel (`fused_decode.decode_hidden`: the rows are
+        the tree's tokens, each at its own position and slot)."""
+        hidden = self._fused_hidden(input_ids, positions, batch, self._tree_batch(batch))
+        return hidden if hidden is not None else super().forward_verify_hidden(input_ids, positions, batch)
+
+    def _fused_hidden(self, input_ids, positions, batch, plan):
+        """`fused_decode.decode_hidden` with `plan`'s attention where `fused` is set and takes
+        these rows, else None."""
+        if self.fused is None:
+            return None
+        from padgraph.backends.triton import fused_decode
+        if not fused_decode.takes(self, input_ids, batch.kv, self.fused):
+            return None
+        return fused_decode.decode_hidden(self, input_ids, positions, plan.out_cache_loc, batch.kv, plan.attend,
+                                          policy=self.fused, impl=batch.impl)
 
     def _fused_step(self, input_ids, positions, batch, logits: bool):
         """`fused_tail.decode_step` where `fused` is set and takes the step, else None."""
