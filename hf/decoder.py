@@ -37,7 +37,7 @@ from .engine import PLAIN, Served
 from .errors import UnsupportedModelError
 from .probe import check_decode
 from .speculative import Eagle, head_for
-from .support import device_of, raised_in, serving
+from .support import decoder_of, device_of, raised_in, serving
 from .target import Target
 
 
@@ -82,7 +82,7 @@ def compile_spec(torch_compile, model):
 def layer_regions(model) -> list:
     """The decoder's layers (its ModuleList) and its other children but the embedding: the modules
     a regional compile of an HF decoder covers."""
-    decoder = model.get_decoder()
+    decoder = decoder_of(model)
     layers = [c for c in decoder.children() if isinstance(c, torch.nn.ModuleList)]
     if len(layers) != 1:
         raise pg.ContractValueError(f"padgraph.hf.Decoder: torch_compile=\"layers\" needs one ModuleList of "

@@ -317,6 +317,17 @@ def attention_modules(model, calls: list[Call] | None = None) -> list:
     return list(dict.fromkeys(c.module for c in calls))
 
 
+def decoder_of(model) -> torch.nn.Module:
+    """The model's decoder (the module holding its layers): `get_decoder()`, or where that returns
+    the causal LM itself (Llama 4's text model, whose base_model_prefix names no attribute), its
+    one child that holds a ModuleList."""
+    decoder = model.get_decoder()
+    if decoder is not model:
+        return decoder
+    inner = [c for c in model.children() if any(isinstance(g, torch.nn.ModuleList) for g in c.children())]
+    return inner[0] if len(inner) == 1 else decoder
+
+
 def device_of(model) -> torch.device:
     return next(model.parameters()).device
 

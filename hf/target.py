@@ -47,7 +47,7 @@ from .attention import Decode, Layer, Prefill, Sites, kernel_serves
 from .cache import PagedCache, Shape, pools_of
 from .errors import UnsupportedModelError
 from .recurrent import Step, cache_argument
-from .support import attention_modules, cache_shape, check_served, graph_safe_experts, serving
+from .support import attention_modules, cache_shape, check_served, decoder_of, graph_safe_experts, serving
 
 
 @dataclass(frozen=True)
@@ -191,7 +191,7 @@ def draft_shape(model, calls, max_context: int) -> Shape:
 
 def layer_list(model) -> nn.ModuleList:
     """The decoder's one ModuleList of layers (empty where it has none or several)."""
-    lists = [c for c in model.get_decoder().children() if isinstance(c, nn.ModuleList)]
+    lists = [c for c in decoder_of(model).children() if isinstance(c, nn.ModuleList)]
     return lists[0] if len(lists) == 1 else nn.ModuleList()
 
 
@@ -234,7 +234,7 @@ class Target(nn.Module):
             self.cfg = Widths(cfg.vocab_size, cfg.hidden_size, len(shape.sites))
             return
         self.cfg = llm_config(model, shape, max_context)
-        self.norm = model.get_decoder().norm     # the final norm: an EAGLE head's passthrough start copies it
+        self.norm = decoder_of(model).norm     # the final norm: an EAGLE head's passthrough start copies it
         self.rope = Rotary(self.cfg.head_dim, max_context, self.cfg.rope_theta).to(self.lm_head.weight.device)
 
     # ---- caches (padgraph.llm's worker allocates them through these) ------------------------
@@ -317,7 +317,7 @@ class Target(nn.Module):
     @torch.no_grad()
     def forward_dense(self, input_ids: Tensor, last_only: bool = False):
         """[B, T] -> (logits, hidden [B, T, H]) through HF's own attention (distillation's corpus)."""
-        hidden = self.hf.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
+        hidden = decoder_of(self.hf)(input_ids=input_ids, use_cache=False).last_hidden_state
         return self.logits(hidden[:, -1] if last_only else hidden), hidden
 
     # ---- helpers ----------------------------------------------------------------------------
@@ -329,7 +329,7 @@ class Target(nn.Module):
             kwargs[self.cache_arg] = step
         with self._serving():
             if self.draft:
-                return self.hf.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                return decoder_of(self.hf)(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                              padgraph_batch=attn, **kwargs).last_hidden_state
             return self.hf(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                            padgraph_batch=attn, **kwargs).logits
