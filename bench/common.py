@@ -157,8 +157,10 @@ KERNEL_CLASSES = (
                    "grouped_linear")),
     ("norm", ("rsqrt", "rms", "norm", "mean")),
     ("rope", ("rope", "rotary", "sin", "cos")),
+    # before "kv store": a native cast's name holds "StoreWithCast"; not "copy" alone: inductor's
+    # fused pointwise kernels that cast name "_to_copy"
+    ("copy", ("memcpy", "memset", "copy_kernel", "fill")),
     ("kv store", ("store", "scatter", "index_put", "kv_")),
-    ("copy", ("memcpy", "memset", "copy", "fill")),
     ("elementwise", ("elementwise", "vectorized", "triton_poi", "silu", "mul", "add")),
 )
 

@@ -19,6 +19,7 @@ default it builds none for a registered function.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 from dataclasses import dataclass
 
@@ -61,11 +62,12 @@ def horizon_of(rule: str, config, kwargs: dict) -> Horizon:
 
 
 class Census:
-    """Masks built during a forward, by identity: id(mask) -> its Horizon (the masks are alive
-    for the forward, so their ids are theirs)."""
+    """Masks built during a forward, by identity: id(mask) -> its Horizon. The census holds each
+    mask it records (`kept`), so no other tensor takes its id while it lasts."""
 
     def __init__(self):
         self.built: dict[int, Horizon] = {}
+        self.kept: list[torch.Tensor] = []
 
     def of(self, mask) -> Horizon | None:
         """The Horizon of the mask an attention call received (or of the tensor it is a view
@@ -78,11 +80,28 @@ class Census:
         return None
 
     def wrap(self, fn, rule: str):
+        """`fn` recording the masks it builds with `rule`. Not recorded: a mask it returns as it
+        was given (HF's factories pass a 4-D `attention_mask` through: no rule of theirs applied)
+        and one already recorded (a factory that hands the call to another, as the causal ones
+        do to the bidirectional ones where `config.is_causal` is False: the inner one's rule)."""
+        try:
+            signature = inspect.signature(fn)
+        except (TypeError, ValueError):
+            signature = None
+
         def factory(*args, **kwargs):
             out = fn(*args, **kwargs)
-            config = kwargs.get("config", args[0] if args else None)
-            if isinstance(out, torch.Tensor):
-                self.built[id(out)] = horizon_of(rule, config, kwargs)
+            named = dict(kwargs)
+            if signature is not None:
+                try:
+                    named = {**signature.bind_partial(*args, **kwargs).arguments, **kwargs}
+                except TypeError:
+                    pass
+            config = named.get("config", args[0] if args else None)
+            if (isinstance(out, torch.Tensor) and out is not named.get("attention_mask")
+                    and id(out) not in self.built):
+                self.built[id(out)] = horizon_of(rule, config, named)
+                self.kept.append(out)
             return out
         return factory
 
@@ -98,13 +117,14 @@ def census(model):
         yield Census()
         return
     rec = Census()
-    modules = {mu} | {sys.modules[type(m).__module__] for m in model.modules()
-                      if type(m).__module__.startswith("transformers.") and type(m).__module__ in sys.modules}
+    # every module a class of the model comes from (HF's, remote code's, the user's own): only
+    # the names bound to HF's own factories are swapped
+    modules = {mu} | {sys.modules[type(m).__module__] for m in model.modules() if type(m).__module__ in sys.modules}
     originals = {name: getattr(mu, name, None) for name in FACTORIES}     # before any is swapped
     swapped = []
     for mod in modules:
         for name, rule in FACTORIES.items():
-            fn = getattr(mod, name, None)
+            fn = vars(mod).get(name)           # the module's own binding (no module __getattr__ run)
             if fn is not None and fn is originals[name]:
                 setattr(mod, name, rec.wrap(fn, rule))
                 swapped.append((mod, name, fn))

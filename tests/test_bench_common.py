@@ -27,6 +27,12 @@ def _event(name, start, dur, device=CUDA):
     ("void at::native::reduce_kernel<512, 1, ArgMaxOps<float>>", "sampling"),
     ("Memcpy DtoD (Device -> Device)", "copy"),
     ("triton_poi_fused_mul_silu_1", "elementwise"),
+    ("triton_poi_fused__to_copy_add_mul_silu_3", "elementwise"),
+    ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)"
+     "::{lambda()#3}, at::native::memory::LoadWithCast<1>, at::native::memory::StoreWithCast<1> >", "copy"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<int>, std::array<char*, 1ul> >",
+     "copy"),
+    ("_store_kv_kernel", "kv store"),
     ("some_unknown_kernel_name", "other"),
 ])
 def test_kernel_names_fall_in_their_class(name, cls):

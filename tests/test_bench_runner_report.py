@@ -1,0 +1,18 @@
+"""bench_runner's report where a listed variant did not run (padgraph+compile+pdl on a torch
+without inductor's triton.enable_pdl): its cells read "-", the floor comes from the variants
+that ran, whichever is listed first."""
+from types import SimpleNamespace
+
+from bench import bench_runner
+from padgraph.llm.models.llama import LlamaConfig
+
+
+def test_the_report_takes_a_size_floor_from_a_variant_that_ran(tmp_path, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    rows = [{"bs": n, "variant": v, "step_us": 100.0 + n, "b2b_us": 90.0 + n, "host_us": 10.0, "floor_us": 40.0 + n,
+             "token_match_vs_eager": 1.0} for n in (1, 16) for v in ("padgraph+compile", "padgraph+fused")]
+    names = ["padgraph+compile+pdl", "padgraph+compile", "padgraph+fused"]
+    bench_runner.report(rows, {}, names, [1, 16], 1e12, 10**6, LlamaConfig.tiny(), SimpleNamespace(iters=5))
+    table = (tmp_path / "bench_runner.md").read_text()
+    assert "| 1 | 41 | - | 101 / 91 / 10 | 101 / 91 / 10 | nan |" in table, table
+    assert "| 16 | 56 | - | 116 / 106 / 10 | 116 / 106 / 10 | nan |" in table, table
