@@ -716,7 +716,7 @@ def _verify_setup(model, bs: int, k: int, max_ctx: int = 48, seed: int = 0):
     return kv, torch.randint(0, cfg.vocab_size, (bs * k,), generator=g), positions, batch
 
 
-@pytest.mark.parametrize("bs,k", [(1, 4), (2, 4), (4, 4)])
+@pytest.mark.parametrize("bs,k", [(1, 1), (1, 4), (2, 4), (4, 4)])
 def test_a_tree_verify_through_the_fused_layers_is_the_models(bs, k):
     """`forward_verify_hidden` of a model with a fused policy (its layers in the fused kernels,
     interpreted; the tree attention kernel between them) against the same model without one:
