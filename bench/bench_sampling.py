@@ -10,7 +10,9 @@ temperature 0 (greedy through the sampler), temperature only, then the filters o
 top-p 0.9 keeps about 60 % of the vocabulary, top-k 5000 then top-p, min-p beside top-p).
 Every case is first checked against the torch reference, token for token. The kernels run a
 fixed number of passes; the second table gives the most any row of the case used (the
-rest of the passes find nothing to do). Writes sampling.md / sampling.json to $OUT.
+rest of the passes find nothing to do). Last, sharp top-p over several row-group counts of a
+select pass (`row_groups`: how many programs share a chunk's rows, each working through its
+rows in turn). Writes sampling.md / sampling.json to $OUT.
 """
 from __future__ import annotations
 
@@ -61,6 +63,26 @@ def run_case(logits, scale, temperature, top_k, top_p, min_p) -> tuple[float, in
     return bench_us(graph_of(lambda: sample(x, *args, PURPOSE_DECODE))), passes
 
 
+GROUPS_CASE = "top-p 0.9 (sharp)"
+
+
+def run_groups(logits, bs: int) -> tuple[int, dict]:
+    """`GROUPS_CASE` with the select passes over several row-group counts G (grid (G, C); each
+    program works through rows g, g + G, ... in turn): (the default G, {G: µs a call}), each
+    G's tokens checked against the torch reference first."""
+    scale, *params = CASES[GROUPS_CASE]
+    x = (logits * scale).to(torch.bfloat16)
+    args = lanes(bs, *params, x.device)
+    want = sample(x, *args, PURPOSE_DECODE, impl="torch")
+    default = kernels.row_groups(bs, -(-x.shape[1] // kernels.CHUNK), x.device)
+    out = {}
+    for g in sorted({default, bs, max(1, bs // 4), min(bs, 2 * default)}):
+        got = kernels.sample_stages(x, *args, PURPOSE_DECODE, groups=g).tokens
+        assert torch.equal(got, want), f"G={g}: the kernels and the torch reference disagree"
+        out[g] = bench_us(graph_of(lambda g=g: kernels.sample_stages(x, *args, PURPOSE_DECODE, groups=g).tokens))
+    return default, out
+
+
 def table(title, names, rows, key, fmt):
     return [title, "", "| bs | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|",
             *("| %d | " % r["bs"] + " | ".join(fmt(r[key][n]) for n in names) + " |"
@@ -81,6 +103,7 @@ def main():
                "passes": {}}
         for name, case in CASES.items():
             row["us"][name], row["passes"][name] = run_case(logits, *case)
+        row["default_groups"], row["by_groups"] = run_groups(logits, bs)
         rows.append(row)
         print(row, flush=True)
     md = ["# Sampling: µs a call, [bs, V] bf16 logits, V = %d" % V, "",
@@ -89,6 +112,9 @@ def main():
                 lambda v: f"{v:.1f}")
     md += table(f"Select passes with work, of {kernels.PASSES} (the most any row used):",
                 list(CASES), rows, "passes", str)
+    md += [f"{GROUPS_CASE} by row groups G of a select pass (µs a call; default G marked *):", ""]
+    md += [f"- bs {r['bs']}: " + ", ".join(f"G={g}{'*' if g == r['default_groups'] else ''} {us:.1f}"
+                                           for g, us in r["by_groups"].items()) for r in rows] + [""]
     out = out_dir()
     (out / "sampling.md").write_text("\n".join(md))
     (out / "sampling.json").write_text(json.dumps({"env": env_info(), "rows": rows}, indent=1))
