@@ -34,14 +34,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from bench.common import copy_bandwidth, env_info, kernel_table, out_dir  # noqa: E402
+from bench.common import copy_bandwidth, env_info, kernel_table, out_dir, time_us  # noqa: E402
 from padgraph.backends.triton import fused_decode as fd  # noqa: E402
 from padgraph.backends.triton import fused_tail  # noqa: E402
 from padgraph.llm import Batch  # noqa: E402
@@ -155,25 +154,6 @@ def graph_of(fn):
         out = fn()
     torch.cuda.synchronize()
     return graph.replay, out
-
-
-def time_us(replay, iters: int, back_to_back: int = 1) -> float:
-    """Median µs per replay over iters samples, each `back_to_back` replays between two events
-    (1: a single replay, launch latency included; more: the GPU span of a chain)."""
-    if not torch.cuda.is_available():
-        return float("nan")
-    for _ in range(3):
-        replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        for _ in range(back_to_back):
-            replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / back_to_back)
-    return statistics.median(times)
 
 
 def kernels_per_step(replay, calls: int = 5) -> float:

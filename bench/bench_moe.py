@@ -32,7 +32,7 @@ import time
 import torch
 
 from bench.bench_runner import step_weight_bytes
-from bench.common import copy_bandwidth, env_info, out_dir
+from bench.common import copy_bandwidth, env_info, out_dir, time_us
 from padgraph.backends.triton.moe_routed import RoutedTiles, launch_routed
 from padgraph.llm import Batch
 from padgraph.llm.models.deepseek import DeepSeekConfig, DeepSeekModel, LatentCache, MoE, MoePolicy
@@ -76,16 +76,7 @@ def timed_us(fn, device) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    runs = []
-    for _ in range(REPEATS):
-        start.record()
-        for _ in range(ITERS):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        runs.append(start.elapsed_time(end) * 1e3 / ITERS)
-    return statistics.median(runs)
+    return time_us(graph.replay, REPEATS, back_to_back=ITERS)
 
 
 def moe_layers(model) -> list[MoE]:

@@ -46,7 +46,7 @@ import torch
 
 import padgraph as pg  # noqa: E402
 from bench.common import (CudagraphSkips, copy_bandwidth, env_info, gpu_span_us,  # noqa: E402
-                          kernel_classes, kernel_lines, kernel_table, out_dir, plot_step_times)
+                          kernel_classes, kernel_lines, kernel_table, out_dir, plot_step_times, time_us)
 from padgraph.llm.models.llama import LlamaConfig, LlamaModel  # noqa: E402
 from padgraph.llm import Batch
 from padgraph.llm.kv import KVCache  # noqa: E402
@@ -166,24 +166,6 @@ def time_calls(fn, raw: dict, iters: int) -> tuple[float, float]:
         end.synchronize()
         steps.append(start.elapsed_time(end) * 1e3)
     return statistics.median(steps), statistics.median(hosts)
-
-
-def time_back_to_back(fn, raw: dict, iters: int, reps: int = 5) -> float:
-    """µs a call with `iters` calls queued back to back between two CUDA events (no host wait
-    between calls: the host's time per call hides behind the GPU's where it is shorter), the
-    median of `reps` such runs: the time the anchors' "back-to-back replays" report."""
-    fn(**raw)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    runs = []
-    for _ in range(reps):
-        start.record()
-        for _ in range(iters):
-            fn(**raw)
-        end.record()
-        end.synchronize()
-        runs.append(start.elapsed_time(end) * 1e3 / iters)
-    return statistics.median(runs)
 
 
 def next_tokens(out):
@@ -394,7 +376,7 @@ def run_all(variants, setup, batches, sizes, iters, floor: StepFloor, after_size
                 got = next_tokens(fn(**raw))
             match = float((got == ref).float().mean())
             step_us, host_us = time_calls(fn, raw, iters)
-            b2b_us = time_back_to_back(fn, raw, iters)
+            b2b_us = time_us(lambda: fn(**raw), 5, back_to_back=iters)   # median of 5 chains of iters calls
             rows.append({"bs": n, "variant": name, "step_us": step_us, "b2b_us": b2b_us, "host_us": host_us,
                          "floor_us": floor_us, "token_match_vs_eager": match})
             print(f"bs={n:>3} {name:<17} step {step_us:9.1f} µs  b2b {b2b_us:9.1f} µs  host {host_us:8.1f} µs  "

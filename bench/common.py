@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -142,6 +143,25 @@ def kernel_table(events, n_calls: int, top: int = 18) -> dict:
     ranked = sorted(by.items(), key=lambda kv: -kv[1][1])[:top]
     return {"kernels": len(kernels) / n, "kernel_us": sum(us for _, us in by.values()) / n,
             "top": [(us / n, c / n, name) for name, (c, us) in ranked]}
+
+
+def time_us(replay, iters: int, back_to_back: int = 1) -> float:
+    """Median µs per replay over iters samples, each `back_to_back` replays between two events
+    (1: a single replay, launch latency included; more: the GPU span of a chain)."""
+    if not torch.cuda.is_available():
+        return float("nan")
+    for _ in range(3):
+        replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        for _ in range(back_to_back):
+            replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / back_to_back)
+    return statistics.median(times)
 
 
 # (class, name fragments): a kernel is in the first class one of whose fragments its lower-cased

@@ -144,6 +144,14 @@ class Decode:
         return attend(q, keys, values, visible[:, None, :], layer)
 
 
+def with_rule(layer: Layer, rule: tuple | None) -> Layer:
+    """`layer` with a mask rule (window, chunk) in place of what its call passed (`HORIZON`, as
+    `Target.horizons` resolves it); unchanged for None."""
+    if rule is None:
+        return layer
+    return dataclasses.replace(layer, sliding_window=rule[0], chunk=rule[1])
+
+
 def kernel_serves(layer: Layer, max_len: int) -> bool:
     """The Triton decode kernel attends to every key below seq_len, unscaled logits: no soft-cap,
     no sink logits, and a window or chunk only where it covers the whole row."""
@@ -211,9 +219,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
                             f"padgraph_batch must be passed, got none")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     layer = Layer(scaling, kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux"))
-    horizon = getattr(module, HORIZON, None)        # the layer's HF mask rule, bound while serving
-    if horizon is not None:
-        layer = dataclasses.replace(layer, sliding_window=horizon[0], chunk=horizon[1])
+    layer = with_rule(layer, getattr(module, HORIZON, None))   # the layer's HF mask rule, bound while serving
     observe = getattr(padgraph_batch, "observe", None)
     if observe is not None:
         observe(module, query, key, value, layer, attention_mask, kwargs)

@@ -50,6 +50,12 @@ class Horizon:
     chunk: int | None = None
 
 
+def rule_of(horizon: Horizon | None) -> tuple | None:
+    """(window, chunk) of a Horizon, as `attention.with_rule` takes it (None: no rule read); a
+    tuple of ints, so a compiled region guards on its values."""
+    return None if horizon is None else (horizon.window, horizon.chunk)
+
+
 def horizon_of(rule: str, config, kwargs: dict) -> Horizon:
     """The Horizon of a mask built by a factory of `rule` from `config` with `kwargs`."""
     if any(kwargs.get(k) is not None for k in OVERLAYS) or rule == "other":

@@ -21,7 +21,7 @@ import torch
 
 from . import attention, masks
 from .attention import Layer
-from .masks import Census, Horizon
+from .masks import Census, Horizon, rule_of
 from .cache import Shape, Site
 from .errors import NotBoundError, UnsupportedModelError
 from .recurrent import Recording, StateSpec, cache_argument
@@ -51,7 +51,7 @@ def serving(model, experts: str | None = None, horizons: dict | None = None):
     if swap:
         cfg._experts_implementation = experts
     for m, h in (horizons or {}).items():
-        setattr(m, attention.HORIZON, (h.window, h.chunk))
+        setattr(m, attention.HORIZON, rule_of(h))
     try:
         yield
     finally:

@@ -46,6 +46,7 @@ from . import attention
 from .attention import Decode, Layer, Prefill, Sites, kernel_serves
 from .cache import PagedCache, Shape, pools_of
 from .errors import UnsupportedModelError
+from .masks import rule_of
 from .recurrent import Step, cache_argument
 from .support import attention_modules, cache_shape, check_served, decoder_of, graph_safe_experts, serving
 
@@ -125,13 +126,6 @@ def refuse_cache_positions(model, max_context: int) -> None:
             f"floor_scale={scale}) scales queries by positions HF counts from its cache, which padgraph's "
             f"cache-free forwards do not give; served only with max_len (here {max_context} with the engine's "
             f"margins) below floor_scale")
-
-
-def horizon_layer(layer: Layer, horizon) -> Layer:
-    """`layer` as `attention.attention` serves it with `horizon` bound (or as passed, None)."""
-    if horizon is None:
-        return layer
-    return dataclasses.replace(layer, sliding_window=horizon.window, chunk=horizon.chunk)
 
 
 def refuse_unless_plain(layer: Layer, max_context: int, where: str) -> None:
@@ -217,7 +211,7 @@ class Target(nn.Module):
         served = check_served(model, recurrent=not draft)
         refuse_cache_positions(model, max_context)
         self.horizons = mask_horizons(model, served.calls, max_context)
-        calls = [dataclasses.replace(c, layer=horizon_layer(c.layer, self.horizons.get(c.module)))
+        calls = [dataclasses.replace(c, layer=attention.with_rule(c.layer, rule_of(self.horizons.get(c.module))))
                  for c in served.calls]
         shape = (draft_shape(model, calls, max_context) if draft
                  else cache_shape(model, calls, served.states))
