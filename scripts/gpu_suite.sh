@@ -14,6 +14,10 @@
 #   bench-runner     decode step time per batch size against its peers (bench/bench_runner.py)
 #   bench-runner-fused  the step with the fused per-layer kernels and inductor's PDL against the
 #                    compiled body, same weights, kernels by class of the fused+pdl step
+#   bench-runner-crossover  the fused kernels with PDL against inductor's code with PDL at 1-16 rows:
+#                    up to which row count the fused path is the faster one
+#   bench-fused-sweep  the fused step at 16 rows over its tensor-core policy fields, one at a time
+#                    (bench/bench_fused_decode.py variants; FUSED_SWEEP_SIZES, default 16)
 #   bench-attention  the paged-attention kernels against SDPA (bench/bench_attention.py)
 #   bench-mla        the MLA kernels against SDPA (bench/bench_mla.py)
 #   bench-eagle      EAGLE against greedy at several batch sizes (bench/bench_eagle.py;
@@ -78,6 +82,10 @@ want bench-runner && run bench_runner python3 -m bench.bench_runner
 want bench-runner-fused && run bench_runner_fused python3 -m bench.bench_runner \
   --variants padgraph+compile,padgraph+compile+pdl,padgraph+fused,padgraph+fused+pdl --sizes 1,16,64 \
   --profile padgraph+fused+pdl
+want bench-runner-crossover && run bench_runner_crossover python3 -m bench.bench_runner \
+  --variants padgraph+compile+pdl,padgraph+fused+pdl --sizes 1,2,4,8,16 --iters 30
+want bench-fused-sweep && run bench_fused_sweep python3 -m bench.bench_fused_decode --sizes "${FUSED_SWEEP_SIZES:-16}" \
+  --iters 30 --check --variants fused,fused+tcffn16,fused+tcffn64,fused+tcprojk128,fused+tcstages4,fused+tcstages8,fused+tcwarps8,fused+tchalf16,fused+tck64
 want bench-attention && run bench_attention python3 -m bench.bench_attention
 want bench-mla && run bench_mla python3 -m bench.bench_mla
 want bench-eagle && run bench_eagle python3 -m bench.bench_eagle
