@@ -11,7 +11,7 @@ walked from the root while the draw equals a child's token; the path's draws are
 positions, so the emitted tokens are exactly what plain sampling draws there, whatever the draft
 proposed (a node's children are accepted with probability p(children), as rejection sampling of
 one-hot proposals accepts them). "rejection": speculative sampling over the tree
-(`verify_tree_sampled`). Either gives, per node, the token the walk emits after it (`predict`),
+(`verify_tree_sampled`; from the logits, `verify_tree_logits`). Either gives, per node, the token the walk emits after it (`predict`),
 and `verify_greedy` walks those and commits the path, as for greedy verification. Temperature 0
 draws the argmax: greedy bit for bit."""
 from __future__ import annotations
@@ -24,7 +24,7 @@ from .batch import Batch
 from .config import SpecConfig
 from .paged import last_tokens
 from .programs import SAMPLING_INPUTS
-from .sampling import PURPOSE_DECODE, sample, sampling_probs, verify_tree_sampled
+from .sampling import PURPOSE_DECODE, sample, verify_tree_logits
 
 
 def samples(x) -> bool:
@@ -118,12 +118,13 @@ def accepted_by_rejection(logits, x, spec: SpecConfig):
     stops where the rule stopped."""
     bs, k, steps = x.bucket, spec.num_draft_tokens, spec.steps
     lanes = {n: x[n].repeat_interleave(k) for n in SAMPLING_INPUTS}
-    probs = sampling_probs(logits, lanes["temperature"], lanes["top_k"], lanes["top_p"],
-                           lanes["min_p"]).view(bs, k, -1)             # [bs, k, V]
     root = x.positions.view(bs, k)[:, 0]                               # the root's position
     emitted_at = root[:, None] + 1 + torch.arange(steps + 1, device=root.device)
-    _, path, out = verify_tree_sampled(x.input_ids.view(bs, k), x.tree_mask, probs, None,
-                                       x.seed, emitted_at, steps)      # [bs, steps + 1] each
+    # each child's probability from its own logit and its parent's mass (`verify_tree_logits`),
+    # not every node's [V] distribution
+    _, path, out = verify_tree_logits(x.input_ids.view(bs, k), x.tree_mask, logits,
+                                      lanes["temperature"], lanes["top_k"], lanes["top_p"],
+                                      lanes["min_p"], x.seed, emitted_at, steps)
     return torch.full((bs, k), -1, dtype=torch.long, device=out.device).scatter(1, path, out)
 
 

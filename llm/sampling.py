@@ -60,6 +60,7 @@ from padgraph.backends.triton.sampling import (FIXED_ONE, PURPOSE_ACCEPT, PURPOS
 __all__ = ["SamplingParams", "PURPOSE_DECODE", "PURPOSE_ACCEPT", "PURPOSE_RESIDUAL",
            "PURPOSE_DRAFT", "random_bits", "uniform", "sample", "sampling_probs",
            "sampling_weights", "draw", "verify_chain_sampled", "verify_tree_sampled",
+           "verify_tree_logits", "child_probs",
            "fixed_exp", "FIXED_ONE", "mulhi62"]
 
 SEED_MAX = 2 ** 63 - 1
@@ -420,15 +421,30 @@ def _tree_result(path, out_tokens):
 
 
 def _tree_one_hot(tokens, tree_mask, target_probs, seed, positions, steps: int):
-    """`verify_tree_sampled` for deterministic children. Tried in node order, child j is tried
-    only after every earlier sibling was rejected, so whether it would be accepted is fixed
-    before the walk: u * (total - removed) < p(c), total its parent's mass, removed that of the
-    earlier siblings' distinct tokens (all [bs, k] scalars). The walk then takes, per level, the
-    first accepted child; the row's one draw excludes every child of the node it stopped at."""
+    """`verify_tree_sampled` for deterministic children, from every node's distribution: each
+    child's probability under its parent's and the parent's mass, then `_tree_walk`."""
     bs, k = tokens.shape
     tok = tokens.long()
     parent = _tree_parents(tree_mask)                                # [bs, k]
-    ok = _children_accepted(tok, parent, target_probs, seed, positions, steps)   # [bs, steps, k]
+    up = parent.clamp_min(0)
+    rows = torch.arange(bs, device=tok.device)[:, None]
+    p_c = target_probs[rows, up, tok].double()                      # [bs, k] p_parent(c)
+    total = target_probs.sum(-1, dtype=torch.float64).gather(1, up)  # [bs, k] the parent's mass
+    return _tree_walk(tok, parent, p_c, total, lambda cur: _row(target_probs, cur), seed,
+                      positions, steps)
+
+
+def _tree_walk(tok, parent, p_c, total, row_at, seed, positions, steps: int):
+    """The deterministic-children rule from per-child scalars: p_c [bs, k] each child's
+    probability under its parent's distribution, total [bs, k] that parent's mass, row_at(node
+    [bs]) -> [bs, V] fp64 the distribution at a node (read once, where the walk stops). Tried in
+    node order, child j is tried only after every earlier sibling was rejected, so whether it
+    would be accepted is fixed before the walk: u * (total - removed) < p(c), removed the mass
+    of the earlier siblings' distinct tokens (all [bs, k] scalars). The walk then takes, per
+    level, the first accepted child; the row's one draw excludes every child of the node it
+    stopped at."""
+    bs, k = tok.shape
+    ok = _children_accepted(tok, parent, p_c, total, seed, positions, steps)   # [bs, steps, k]
     cur = torch.zeros(bs, dtype=torch.long, device=tok.device)
     alive = torch.ones(bs, dtype=torch.bool, device=tok.device)
     node = torch.arange(k, device=tok.device)
@@ -441,7 +457,7 @@ def _tree_one_hot(tokens, tree_mask, target_probs, seed, positions, steps: int):
         path.append(cur)
     n_acc = torch.stack(path[1:], 1).ne(torch.stack(path[:-1], 1)).sum(1)  # [bs] accepted levels
     rejected = (parent == cur[:, None]) & ~alive[:, None]            # the stop node's children
-    drawn = _draw_excluding(_row(target_probs, cur), tok, rejected,
+    drawn = _draw_excluding(row_at(cur), tok, rejected,
                             uniform(seed, positions.gather(1, n_acc[:, None])[:, 0],
                                     PURPOSE_RESIDUAL))
     emitted = torch.cat([tok.gather(1, torch.stack(path[1:], 1)), drawn[:, None]], 1)
@@ -449,16 +465,13 @@ def _tree_one_hot(tokens, tree_mask, target_probs, seed, positions, steps: int):
     return _tree_result(path, torch.where(col < n_acc[:, None], emitted, drawn[:, None]))
 
 
-def _children_accepted(tok, parent, target_probs, seed, positions, steps: int):
+def _children_accepted(tok, parent, p_c, total, seed, positions, steps: int):
     """[bs, steps, k]: whether child j would be accepted when tried at depth d (its keys are
-    (seed, positions[:, d], PURPOSE_ACCEPT, j)), given that its earlier siblings were rejected."""
+    (seed, positions[:, d], PURPOSE_ACCEPT, j)), given that its earlier siblings were rejected;
+    p_c and total as `_tree_walk`'s."""
     bs, k = tok.shape
     node = torch.arange(k, device=tok.device)
     has = parent >= 0
-    up = parent.clamp_min(0)
-    rows = torch.arange(bs, device=tok.device)[:, None]
-    p_c = target_probs[rows, up, tok].double()                      # [bs, k] p_parent(c)
-    total = target_probs.sum(-1, dtype=torch.float64).gather(1, up)  # [bs, k] the parent's mass
     repeat = torch.zeros(bs, k, dtype=torch.bool, device=tok.device)
     removed = torch.zeros(bs, k, dtype=torch.float64, device=tok.device)
     for i in range(1, k):     # sibling i's mass leaves its later siblings', added in node order
@@ -468,6 +481,72 @@ def _children_accepted(tok, parent, target_probs, seed, positions, steps: int):
     p_c = torch.where(repeat, 0.0, p_c)
     u = uniform(seed[:, None, None], positions[:, :steps, None], PURPOSE_ACCEPT, node)
     return has[:, None] & (u * (total - removed)[:, None] < p_c[:, None])
+
+
+def _child_probs_eager(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                       top_p: torch.Tensor, min_p: torch.Tensor, rows: torch.Tensor,
+                       tokens: torch.Tensor, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+    lanes = (logits, temperature, top_k, top_p, min_p)
+    if kernels.resolve_impl(impl, logits) != "triton":
+        probs = _probs_eager(*lanes, impl)
+        return probs[rows, tokens].double(), probs.sum(-1, dtype=torch.float64)[rows]
+    zeros = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
+    kf = kernels.sample_stages(*lanes, zeros, zeros, PURPOSE_DECODE).kf      # [n] int64
+    mass = kernels.node_mass(logits, temperature, kf, min_p)
+    inv_t = 1.0 / torch.where(temperature > 0, temperature, 1.0)             # as `_scaled`
+    x = logits[rows, tokens].float() * inv_t[rows]
+    x = torch.where(torch.isnan(x), float("-inf"), x)
+    x = torch.where(mass.pinf[rows], torch.where(x == float("inf"), 0.0, float("-inf")), x)
+    live = mass.m[rows] > float("-inf")
+    d = torch.where(live, x - torch.where(live, mass.m[rows], 0.0), float("-inf"))
+    key = d.view(torch.int32) & 0x7FFFFFFF
+    w = fixed_exp(d)                                                         # as `_kept`, per pair
+    w = torch.where((key <= kf[rows]) & (w.double() >= min_p[rows].double() * float(FIXED_ONE)), w, 0)
+    p = (w.double() / mass.z[rows].double()).float().double()
+    sampled = (temperature[rows] > 0) & live
+    onehot = (tokens == logits.argmax(-1)[rows]).double()
+    return (torch.where(sampled, p, onehot),
+            torch.where(sampled, mass.total[rows], torch.ones_like(mass.total[rows])))
+
+
+# Opaque under torch.compile, as `_probs_op` (inductor would fuse the fixed-point steps into FMAs).
+_child_probs_op = torch.library.custom_op("padgraph::child_probs", _child_probs_eager,
+                                          mutates_args=())
+_child_probs_op.register_fake(lambda logits, *args: (args[5].new_empty(args[5].shape, dtype=torch.float64),
+                                                     args[5].new_empty(args[5].shape, dtype=torch.float64)))
+
+
+def child_probs(logits, temperature, top_k, top_p, min_p, rows, tokens, impl: str = "auto"):
+    """(p [m] fp64, total [m] fp64): p[j] = `sampling_probs(logits, ...)[rows[j], tokens[j]]`
+    (its fp32 value) and total[j] that row's fp64 sum, without building the [n, V]
+    distribution where the Triton kernels run (`node_mass`: a row's max, kept weight and mass
+    in one launch, then each pair from its own logit; the same p bit for bit, total up to the
+    order of an fp64 sum). impl as `sampling_probs`'."""
+    args = (logits, temperature, top_k, top_p, min_p, rows.long(), tokens.long(), impl)
+    return _child_probs_op(*args) if torch.compiler.is_compiling() else _child_probs_eager(*args)
+
+
+def verify_tree_logits(tokens, tree_mask, logits, temperature, top_k, top_p, min_p, seed,
+                       positions, steps: int, impl: str = "auto"):
+    """`verify_tree_sampled` with deterministic children from the target's logits [bs * k, V]
+    (node-major rows, lanes [bs * k]) instead of every node's distribution: each child's
+    probability under its parent and the parent's mass from `child_probs`, and one
+    `sampling_probs` row a request, where the walk stops. The same result as
+    `verify_tree_sampled(tokens, tree_mask, sampling_probs(logits, ...).view(bs, k, V), None,
+    ...)`, up to the order of the fp64 sum of a node's mass."""
+    bs, k = tokens.shape
+    tok = tokens.long()
+    parent = _tree_parents(tree_mask)                                # [bs, k]
+    base = torch.arange(bs, device=tok.device)[:, None] * k
+    p_c, total = child_probs(logits, temperature, top_k, top_p, min_p,
+                             (base + parent.clamp_min(0)).reshape(-1), tok.reshape(-1), impl)
+
+    def row_at(cur):
+        r = base[:, 0] + cur
+        return sampling_probs(logits[r], temperature[r], top_k[r], top_p[r], min_p[r],
+                              impl).double()
+    return _tree_walk(tok, parent, p_c.view(bs, k), total.view(bs, k), row_at, seed, positions,
+                      steps)
 
 
 def _draw_excluding(p, tok, excluded, u) -> torch.Tensor:

@@ -325,3 +325,114 @@ def test_the_scalar_rule_traces_whole_under_torch_compile():
     args = (tokens, mask, probs, seed, positions)
     for got, want in zip(compiled(*args), both(*args)):
         assert torch.equal(got, want)
+
+
+# ------------------------------------------- the rule from logits (no [bs * k, V] distribution)
+
+def _logit_lanes(n, V, g):
+    """bf16 logits and sampling lanes [n] mixing greedy, temperature-only, top-k, top-p and min-p
+    rows, a NaN logit and a +inf one."""
+    logits = (torch.randn(n, V, generator=g) * 4).to(torch.bfloat16)
+    logits[1, 3] = float("nan")
+    logits[2, 5] = float("inf")
+    temp = torch.rand(n, generator=g) + 0.3
+    temp[::5] = 0.0
+    top_k = torch.where(torch.rand(n, generator=g) < 0.5,
+                        torch.randint(1, 30, (n,), generator=g), 0).int()
+    top_p = torch.where(torch.rand(n, generator=g) < 0.5, 0.8, 1.0).float()
+    min_p = torch.where(torch.rand(n, generator=g) < 0.3, 0.05, 0.0).float()
+    return logits, temp, top_k, top_p, min_p
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_child_probs_are_the_distributions_entries_and_mass(impl):
+    """`child_probs`: each pair's probability equals `sampling_probs`' entry bit for bit, and the
+    row's mass its fp64 sum (the Triton form sums in another order: within 4 ulps of 1)."""
+    g = torch.Generator().manual_seed(11)
+    n, V = 20, 700
+    lanes = _logit_lanes(n, V, g)
+    probs = S.sampling_probs(*lanes, impl="torch")
+    rows = torch.randint(0, n, (60,), generator=g)
+    tokens = torch.randint(0, V, (60,), generator=g)
+    tokens[:30] = probs[rows[:30]].argmax(-1)                        # pairs with mass
+    p, total = S.child_probs(*lanes, rows, tokens, impl=impl)
+    assert torch.equal(p, probs[rows, tokens].double())
+    assert (p[:30] > 0).all()
+    want = probs.sum(-1, dtype=torch.float64)[rows]
+    assert (total - want).abs().max() <= 4 * 2 ** -52
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_tree_rule_from_logits_equals_the_rule_from_distributions(impl):
+    """`verify_tree_logits` (each child's probability from its own logit, one row a request at
+    the end) gives `verify_tree_sampled` on the full `sampling_probs` distributions, token for
+    token, on random trees whose children follow their parents' distributions."""
+    g = torch.Generator().manual_seed(12)
+    bs, k, steps, V = 10, 6, 3, 300
+    lanes = _logit_lanes(bs * k, V, g)
+    probs = S.sampling_probs(*lanes, impl="torch").view(bs, k, V)
+    mask = random_tree(bs, k, steps, g)
+    tokens = tree_tokens(probs, mask, g, V)
+    seed = torch.randint(0, 2 ** 62, (bs,), generator=g)
+    positions = torch.randint(0, 1 << 20, (bs, 1)) + torch.arange(steps + 1)
+    want = S.verify_tree_sampled(tokens, mask, probs, None, seed, positions, steps)
+    got = S.verify_tree_logits(tokens, mask, *lanes, seed, positions, steps, impl=impl)
+    for name, a, b in zip(("accept_len", "accept_index", "out_tokens"), got, want):
+        assert torch.equal(a, b), (name, a.tolist(), b.tolist())
+    assert (want[0] > 1).sum() >= 3 and (want[0] == 1).any(), want[0]
+
+
+class _VocabElems(_VocabOps):
+    """Sums the elements of the V-wide tensors torch calls return."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.dim() >= 2 and out.shape[-1] == self.V:
+            self.count += out.numel()
+        return out
+
+
+def test_the_rule_from_logits_builds_one_distribution_row_a_request():
+    """Where the kernels run, the V-wide tensors a round makes hold a few rows a request, not
+    a row a node: 6 and 12 nodes make the same number of elements, and the rule from the
+    distributions (their `sampling_probs` included) makes more than 3 times as many."""
+    g = torch.Generator().manual_seed(13)
+    bs, steps, V = 3, 3, 257
+    counts = []
+    for k in (6, 12):
+        lanes = _logit_lanes(bs * k, V, g)
+        mask = random_tree(bs, k, steps, g)
+        tokens = torch.randint(V, (bs, k), generator=g)
+        positions = torch.arange(steps + 1).expand(bs, -1)
+        with _VocabElems(V) as mode:
+            S.verify_tree_logits(tokens, mask, *lanes, torch.arange(bs), positions, steps,
+                                 impl="triton")
+        counts.append(mode.count)
+    with _VocabElems(V) as mode:
+        probs = S.sampling_probs(*lanes, impl="triton").view(bs, 12, V)
+        S.verify_tree_sampled(tokens, mask, probs, None, torch.arange(bs), positions, steps)
+    assert counts[0] == counts[1] and 3 * counts[1] < mode.count, (counts, mode.count)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bs", [1, 16])
+def test_tree_rule_from_logits_on_gpu_at_llama3_vocabulary(bs):
+    """`verify_tree_logits` on CUDA (the kernels' masses) against `verify_tree_sampled` on the
+    full distributions, 128256 tokens, k 8, steps 3, lanes mixed as `_logit_lanes`; the
+    children follow their parents' distributions."""
+    V, k, steps = 128256, 8, 3
+    g = torch.Generator().manual_seed(100 + bs)
+    lanes = [t.cuda() for t in _logit_lanes(bs * k, V, g)]
+    probs = S.sampling_probs(*lanes).view(bs, k, V)
+    mask = random_tree(bs, k, steps, g).cuda()
+    parent = S._tree_parents(mask)
+    top = probs.topk(4, -1).indices                                  # [bs, k, 4]
+    slot = torch.randint(4, (bs, k), generator=g).cuda()
+    tokens = top.gather(1, parent.clamp_min(0)[:, :, None].expand(-1, -1, 4))
+    tokens = tokens.gather(2, slot[:, :, None])[..., 0]
+    seed = torch.randint(0, 2 ** 62, (bs,), generator=g).cuda()
+    positions = (torch.randint(0, 1 << 20, (bs, 1)) + torch.arange(steps + 1)).cuda()
+    want = S.verify_tree_sampled(tokens, mask, probs, None, seed, positions, steps)
+    got = S.verify_tree_logits(tokens, mask, *lanes, seed, positions, steps)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

@@ -60,7 +60,7 @@ from .kv import resolve_impl
 
 __all__ = ["PURPOSE_DECODE", "PURPOSE_ACCEPT", "PURPOSE_RESIDUAL", "PURPOSE_DRAFT",
            "FIXED_ONE", "V_MAX", "PASSES", "random_bits", "fixed_exp", "mulhi62",
-           "sample_triton", "sample_stages", "Stages", "resolve_impl"]
+           "sample_triton", "sample_stages", "Stages", "node_mass", "NodeMass", "resolve_impl"]
 
 # The stream's purposes: a token drawn for the same (seed, position) for another reason reads
 # other bits.
@@ -819,6 +819,70 @@ def sample_stages(logits, temperature, top_k, top_p, min_p, seed, position, purp
     trace = state[:, STATE_FIELDS.index("trace")]
     return Stages(out, state[:, STATE_FIELDS.index("kf")], state[:, STATE_FIELDS.index("mode")],
                   trace & (PASS_ONE.value - 1), trace // PASS_ONE.value)
+
+
+@triton.jit
+def _node_mass_kernel(L, stride_l, Temp, Kf, MinP, M, Pinf, Z, Total, V,
+                      BLOCK: tl.constexpr):
+    """Grid (n,). One row's kept weight under its thresholds, in three passes over its logits:
+    max(x) (x = l * (1 / temperature), NaN as -inf, as `_chunk_max_kernel`), Z = the sum of the
+    kept integer weights (`_weights`: key <= kf, min-p), and the fp64 sum of the fp32
+    probabilities w / Z (what `padgraph.llm.sampling.sampling_probs` writes, summed)."""
+    row = tl.program_id(0)
+    l_ptr = L + row.to(tl.int64) * stride_l
+    temp = tl.load(Temp + row)
+    inv_t = tl.math.div_rn(1.0, tl.where(temp > 0, temp, 1.0))
+    mx = tl.full([BLOCK], float("-inf"), tl.float32)
+    for start in tl.range(0, V, BLOCK, num_stages=1):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(l_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_t
+        mx = tl.maximum(mx, tl.where(x != x, float("-inf"), x))
+    m = tl.max(mx, axis=0)
+    pinf = m == float("inf")
+    m = tl.where(pinf, 0.0, m)
+    kf = tl.load(Kf + row).to(tl.int32)
+    min_w = tl.load(MinP + row).to(tl.float64) * 1099511627776.0        # min_p * 2**40
+    z = tl.zeros([BLOCK], dtype=tl.int64)
+    for start in tl.range(0, V, BLOCK, num_stages=1):
+        z += _weights(l_ptr, start + tl.arange(0, BLOCK), V, inv_t, m, pinf, kf, min_w)
+    zsum = tl.maximum(tl.sum(z, axis=0), 1)
+    zf = zsum.to(tl.float64)
+    acc = tl.zeros([BLOCK], dtype=tl.float64)
+    for start in tl.range(0, V, BLOCK, num_stages=1):
+        w = _weights(l_ptr, start + tl.arange(0, BLOCK), V, inv_t, m, pinf, kf, min_w)
+        acc += (w.to(tl.float64) / zf).to(tl.float32).to(tl.float64)
+    tl.store(M + row, m)
+    tl.store(Pinf + row, pinf.to(tl.int8))
+    tl.store(Z + row, zsum)
+    tl.store(Total + row, tl.sum(acc, axis=0))
+
+
+class NodeMass(NamedTuple):
+    """`node_mass`'s per-row results."""
+    m: torch.Tensor           # [n] fp32: max(x), 0 where it is +inf (as the kernels use it)
+    pinf: torch.Tensor        # [n] bool: some x is +inf
+    z: torch.Tensor           # [n] int64: the kept weights' sum, at least 1
+    total: torch.Tensor       # [n] fp64: the sum of the fp32 probabilities w / z
+
+
+def node_mass(logits, temperature, kf, min_p, block: int = 2048) -> NodeMass:
+    """Per row, what a token's probability under the row's sampling distribution needs besides
+    its own logit: the row's max, its kept weight and the fp64 sum of its fp32 probabilities.
+    kf: the rows' key thresholds (`sample_stages(...).kf`). One launch, three reads of each
+    row; no [n, V] tensor is written. The speculative rule's per-node mass (the alternative
+    builds every node's whole distribution)."""
+    x = logits if logits.stride(1) == 1 else logits.contiguous()
+    n, V = x.shape
+    dev = x.device
+    out = NodeMass(torch.empty(n, dtype=torch.float32, device=dev),
+                   torch.empty(n, dtype=torch.int8, device=dev),
+                   torch.empty(n, dtype=torch.int64, device=dev),
+                   torch.empty(n, dtype=torch.float64, device=dev))
+    if n:
+        _node_mass_kernel[(n,)](x, x.stride(0), temperature.contiguous(), kf.contiguous(),
+                                min_p.contiguous(), *out, V, BLOCK=min(block, triton.next_power_of_2(V)),
+                                num_warps=CHUNK_WARPS, enable_fp_fusion=False)
+    return out._replace(pinf=out.pinf.bool())
 
 
 def sample_triton(logits, temperature, top_k, top_p, min_p, seed, position, purpose: int,
