@@ -522,6 +522,7 @@ def child_probs(logits, temperature, top_k, top_p, min_p, rows, tokens, impl: st
     distribution where the Triton kernels run (`node_mass`: a row's max, kept weight and mass
     in one launch, then each pair from its own logit; the same p bit for bit, total up to the
     order of an fp64 sum). impl as `sampling_probs`'."""
+    _check(logits, dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p), None)
     args = (logits, temperature, top_k, top_p, min_p, rows.long(), tokens.long(), impl)
     return _child_probs_op(*args) if torch.compiler.is_compiling() else _child_probs_eager(*args)
 
@@ -529,7 +530,8 @@ def child_probs(logits, temperature, top_k, top_p, min_p, rows, tokens, impl: st
 def verify_tree_logits(tokens, tree_mask, logits, temperature, top_k, top_p, min_p, seed,
                        positions, steps: int, impl: str = "auto"):
     """`verify_tree_sampled` with deterministic children from the target's logits [bs * k, V]
-    (node-major rows, lanes [bs * k]) instead of every node's distribution: each child's
+    (request b's node j at row b * k + j; lanes [bs * k] likewise) instead of every node's
+    distribution: each child's
     probability under its parent and the parent's mass from `child_probs`, and one
     `sampling_probs` row a request, where the walk stops. The same result as
     `verify_tree_sampled(tokens, tree_mask, sampling_probs(logits, ...).view(bs, k, V), None,
