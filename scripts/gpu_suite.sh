@@ -85,7 +85,7 @@ want bench-runner-fused && run bench_runner_fused python3 -m bench.bench_runner 
 want bench-runner-crossover && run bench_runner_crossover python3 -m bench.bench_runner \
   --variants padgraph+compile+pdl,padgraph+fused+pdl --sizes 1,2,4,8,16 --iters 30
 want bench-fused-sweep && run bench_fused_sweep python3 -m bench.bench_fused_decode --sizes "${FUSED_SWEEP_SIZES:-16}" \
-  --iters 30 --check --variants fused,fused+tcffn16,fused+tcffn64,fused+tcprojk128,fused+tcstages4,fused+tcstages8,fused+tcwarps8,fused+tchalf16,fused+tck64
+  --iters 30 --check --variants fused,fused+tcffn16,fused+tcffn64,fused+tcprojk128,fused+tcstages4,fused+tcstages8,fused+tcwarps8,fused+tchalf4,fused+tchalf16,fused+tck64
 want bench-attention && run bench_attention python3 -m bench.bench_attention
 want bench-mla && run bench_mla python3 -m bench.bench_mla
 want bench-eagle && run bench_eagle python3 -m bench.bench_eagle
