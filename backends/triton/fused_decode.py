@@ -111,8 +111,11 @@ class FusedDecodePolicy:
 
     At 16 rows the one-row kernels' arithmetic bounds them (results/fused_decode.md: on an
     H100, 1.8x slower than the eager-captured path at the 1B shape); the tensor-core kernels
-    read the same weight bytes with ~16x2 flops a weight on the tensor cores, so they are
-    expected to stay near the weight-streaming floor up to MAX_M rows: max_rows covers them."""
+    read the same weight bytes with ~16x2 flops a weight on the tensor cores. Measured on an
+    H100 at the 1B shape (results/bench_runner.md): against a body compiled by inductor, the
+    fused step wins at one row (1231 against 1458 us) and loses at 16 (1749 against 1632, the
+    tensor-core kernels at 1.9x the floor), so with a compiled body a lower max_rows serves
+    16-row steps faster (the crossover between is not measured)."""
     pdl: bool = True
     tc_pdl: bool = False
     max_rows: int = 16
