@@ -158,15 +158,28 @@ def _check(logits, params: dict, position) -> None:
 
 def _scaled(logits, temperature):
     """d = x - max(x) [n, V] fp32 (see the module doc, step 1) and whether the row has mass."""
-    inv_t = 1.0 / torch.where(temperature > 0, temperature, 1.0)          # [n] fp32, IEEE
-    x = logits.float() * inv_t[:, None]
-    x = torch.where(torch.isnan(x), float("-inf"), x)
+    x = logits.float() * _inv_t(temperature)[:, None]
     pinf = (x == float("inf")).any(-1, keepdim=True)
-    x = torch.where(pinf, torch.where(x == float("inf"), 0.0, float("-inf")), x)
-    m = x.amax(-1, keepdim=True)
-    live = m > float("-inf")
-    d = torch.where(live, x - torch.where(live, m, 0.0), float("-inf"))
+    x = _clean(x, pinf)
+    d, live = _offset(x, x.amax(-1, keepdim=True))
     return d, live[:, 0]
+
+
+def _inv_t(temperature) -> torch.Tensor:
+    """1 / temperature per lane, fp32 IEEE (1 for greedy lanes), as the kernels divide."""
+    return 1.0 / torch.where(temperature > 0, temperature, 1.0)
+
+
+def _clean(x, pinf) -> torch.Tensor:
+    """x with NaN as -inf, and in rows holding +inf (pinf) those at 0, the rest at -inf."""
+    x = torch.where(torch.isnan(x), float("-inf"), x)
+    return torch.where(pinf, torch.where(x == float("inf"), 0.0, float("-inf")), x)
+
+
+def _offset(x, m) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d = x - m, -inf where the row has no mass (m = -inf); live = m > -inf)."""
+    live = m > float("-inf")
+    return torch.where(live, x - torch.where(live, m, 0.0), float("-inf")), live
 
 
 def _top_p_threshold(d_sorted, w_sorted, top_p) -> torch.Tensor:
@@ -198,8 +211,9 @@ def sampling_weights(logits, temperature, top_k, top_p, min_p):
 
 
 def _kept(keep, w, min_p) -> torch.Tensor:
-    """w where top-k / top-p keep it (keep [n, V]) and min-p does."""
-    keep = keep & (w.double() >= min_p.double()[:, None] * float(FIXED_ONE))
+    """w where top-k / top-p keep it (keep [n, V], or [n] for one entry a row) and min-p does."""
+    min_w = min_p.double().view(-1, *[1] * (w.dim() - 1)) * float(FIXED_ONE)
+    keep = keep & (w.double() >= min_w)
     return torch.where(keep, w, 0)
 
 
@@ -493,15 +507,9 @@ def _child_probs_eager(logits: torch.Tensor, temperature: torch.Tensor, top_k: t
     zeros = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
     kf = kernels.sample_stages(*lanes, zeros, zeros, PURPOSE_DECODE).kf      # [n] int64
     mass = kernels.node_mass(logits, temperature, kf, min_p)
-    inv_t = 1.0 / torch.where(temperature > 0, temperature, 1.0)             # as `_scaled`
-    x = logits[rows, tokens].float() * inv_t[rows]
-    x = torch.where(torch.isnan(x), float("-inf"), x)
-    x = torch.where(mass.pinf[rows], torch.where(x == float("inf"), 0.0, float("-inf")), x)
-    live = mass.m[rows] > float("-inf")
-    d = torch.where(live, x - torch.where(live, mass.m[rows], 0.0), float("-inf"))
-    key = d.view(torch.int32) & 0x7FFFFFFF
-    w = fixed_exp(d)                                                         # as `_kept`, per pair
-    w = torch.where((key <= kf[rows]) & (w.double() >= min_p[rows].double() * float(FIXED_ONE)), w, 0)
+    x = _clean(logits[rows, tokens].float() * _inv_t(temperature)[rows], mass.pinf[rows])
+    d, live = _offset(x, mass.m[rows])                                       # as `_scaled`, per pair
+    w = _kept((d.view(torch.int32) & 0x7FFFFFFF) <= kf[rows], fixed_exp(d), min_p[rows])
     p = (w.double() / mass.z[rows].double()).float().double()
     sampled = (temperature[rows] > 0) & live
     onehot = (tokens == logits.argmax(-1)[rows]).double()
@@ -512,8 +520,11 @@ def _child_probs_eager(logits: torch.Tensor, temperature: torch.Tensor, top_k: t
 # Opaque under torch.compile, as `_probs_op` (inductor would fuse the fixed-point steps into FMAs).
 _child_probs_op = torch.library.custom_op("padgraph::child_probs", _child_probs_eager,
                                           mutates_args=())
-_child_probs_op.register_fake(lambda logits, *args: (args[5].new_empty(args[5].shape, dtype=torch.float64),
-                                                     args[5].new_empty(args[5].shape, dtype=torch.float64)))
+
+
+@_child_probs_op.register_fake
+def _(logits, temperature, top_k, top_p, min_p, rows, tokens, impl):
+    return rows.new_empty(rows.shape, dtype=torch.float64), rows.new_empty(rows.shape, dtype=torch.float64)
 
 
 def child_probs(logits, temperature, top_k, top_p, min_p, rows, tokens, impl: str = "auto"):
