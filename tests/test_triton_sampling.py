@@ -184,6 +184,31 @@ def test_wide_nuclei_match_the_reference():
     assert stages.passes.max() >= 4                         # several splits a row
 
 
+def test_a_threshold_found_in_a_gather_draws_without_the_weights_pass():
+    """A row whose key threshold is found among gathered keys draws in that same pass (each
+    chunk's kept weight from the splits' per-chunk weights below the bracket and its run of
+    gathered keys) unless min-p is on: one pass fewer, the reference's token. Flat rows (several
+    splits before the gather) and sharp ones (one), top-p alone and after top-k, many seeds."""
+    g = torch.Generator().manual_seed(14)
+    n, V = 24, 3000
+    scale = torch.tensor([1.0, 3.0, 8.0])[torch.arange(n) % 3][:, None]
+    logits = torch.randn(n, V, generator=g) * scale
+    top_k = [0, 0, 40, 2000] * 6
+    min_p = [0.0] * 20 + [0.05] * 4
+    args = lanes_of(n, 0.9, top_k, [0.9, 0.5, 0.95] * 8, min_p)
+    args[4] = torch.randint(0, 2 ** 62, (n,), generator=g)
+    stages = check_stages(logits, args, chunk=256, cap=64)
+    gathered = (stages.modes & (1 << K.MODES.index("k_gather") | 1 << K.MODES.index("p_gather"))) > 0
+    weighed = (stages.modes & 1 << K.MODES.index("weights")) > 0
+    no_min_p = torch.tensor(min_p) == 0
+    assert gathered[no_min_p].sum() >= 12 and gathered[~no_min_p].any()
+    assert not weighed[gathered & no_min_p].any()           # drawn in the gather's pass
+    assert weighed[~no_min_p].all()                          # min-p: the weights pass
+    assert (stages.modes & 1 << K.MODES.index("p_split") > 0)[gathered & no_min_p].any()
+    want, _ = S.sampling_weights(logits, *args[:4])          # the thresholds stay exact
+    assert torch.equal(kept_weights(logits, args[0], stages.kf)[no_min_p], want[no_min_p])
+
+
 def test_a_dense_bracket_is_counted_key_by_key():
     """Hundreds of tokens on consecutive floats (a bracket too full to gather but at most 256
     keys wide): its weights come from one count per key."""
@@ -369,7 +394,8 @@ COMPILE_SCRIPT = textwrap.dedent('''
              "Seed": "*i64", "Pos": "*i64", "Out": "*i64", "PartV": "*fp32", "PartI": "*i32",
              "PartNan": "*i32", "PartM": "*fp32", "State": "*i64", "HistPart": "*i32",
              "CntPart": "*i32", "MassPart": "*i64", "BoundPart": "*i32", "ZPart": "*i64",
-             "Buf": "*i32", "Count": "*i32", "Arrive": "*i32"}
+             "Buf": "*i32", "Count": "*i32", "Arrive": "*i32", "Span": "*i32", "CBase": "*i64",
+             "Pref": "*i64"}
     build(K._chunk_max_kernel, lanes, dict(CHUNK=K.CHUNK, SP=16), K.CHUNK_WARPS)
     for first in (True, False):
         build(K._select_kernel, lanes, dict(FIRST=first, CHUNK=K.CHUNK, SUB=K.SUB, CP=64,

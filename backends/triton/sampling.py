@@ -38,6 +38,10 @@ bracket of keys with counts and integer weights summed over chunks, so they are 
    - P_HIST: a bracket at most 256 keys wide: a count per key, its weight count * fixed_exp.
    - WEIGHTS: each chunk's kept weight (threshold and min-p applied); the last program draws:
      r = floor(u * Z / 2**62), the chunk whose cumulative kept weight passes r, the index in it.
+     A row whose threshold was found in a gather (K_GATHER, P_GATHER) draws in that pass
+     instead, when min-p is off: a chunk's kept weight is then its weight below the bracket
+     (each P_SPLIT adds the chunk's weight below the new bracket to CBase) plus that of its
+     gathered keys up to the threshold (one run of the buffer, whose span the chunk records).
    A chunk with no key in the new bracket skips the next pass. Top-k takes at most 4 passes
    (31 bits), top-p at most 7 (the table's intervals span at most 2**28 keys, five equal splits
    leave 256), the draw 1: PASSES = 12. A pass whose rows are all done costs its programs one
@@ -274,11 +278,12 @@ def _mass_key(key, w, live, thr, base):
 # ------------------------------------------------------------------------ the chunk maxima
 
 @triton.jit
-def _chunk_max_kernel(L, stride_l, Temp, PartV, PartI, PartNan, PartM, Count, Arrive, V, C, S,
-                      CHUNK: tl.constexpr, SP: tl.constexpr):
+def _chunk_max_kernel(L, stride_l, Temp, PartV, PartI, PartNan, PartM, Count, Arrive, CBase, V,
+                      C, S, CHUNK: tl.constexpr, SP: tl.constexpr):
     """Grid (n, C). Chunk c's share of torch's argmax (its largest non-NaN logit, the first
-    index holding it, its first NaN) and of max(l * inv_t) with NaN as -inf. Chunk 0 clears
-    the row's gather and arrival counters of the select passes."""
+    index holding it, its first NaN) and of max(l * inv_t) with NaN as -inf; it clears the
+    chunk's weight below the splits' brackets (CBase). Chunk 0 clears the row's gather and
+    arrival counters of the select passes."""
     row = tl.program_id(0)
     c = tl.program_id(1)
     offs = c * CHUNK + tl.arange(0, CHUNK)
@@ -295,6 +300,7 @@ def _chunk_max_kernel(L, stride_l, Temp, PartV, PartI, PartNan, PartM, Count, Ar
     tl.store(PartI + base, tl.min(tl.where((lv == best) & valid & ~isnan, offs, V), axis=0))
     tl.store(PartNan + base, tl.min(tl.where(isnan, offs, V), axis=0))
     tl.store(PartM + base, tl.max(tl.where(x != x, float("-inf"), x), axis=0))
+    tl.store(CBase + base, tl.zeros([], dtype=tl.int64))
     if c == 0:
         ss = tl.arange(0, SP)
         tl.store(Count + row * S + ss, 0, mask=ss < S)
@@ -406,15 +412,19 @@ def _arrive(Arrive, row, s, S, C):
 
 
 @triton.jit
-def _gather(Buf, Count, row, s, S, key, act, CAP: tl.constexpr):
+def _gather(Buf, Count, Span, row, c, C, s, S, key, act, CAP: tl.constexpr):
     """Appends the keys where act to the row's buffer (in the order chunks arrive: the buffer
-    is searched as a set)."""
+    is searched as a set); the chunk's keys are one run of it, whose start and length go to
+    the chunk's span (read by `_row_gather_draw`)."""
     flags = act.to(tl.int32)
     n = tl.sum(flags, axis=0)
+    at = tl.zeros([], dtype=tl.int32)
     if n > 0:
         at = tl.atomic_add(Count + row * S + s, n, sem="relaxed", scope="gpu")
         pos = at + tl.cumsum(flags, axis=0) - 1
         tl.store(Buf + row.to(tl.int64) * CAP + pos, key, mask=act & (pos < CAP))
+    tl.store(Span + (row * C + c) * 2, at)
+    tl.store(Span + (row * C + c) * 2 + 1, n)
 
 
 @triton.jit
@@ -469,7 +479,7 @@ def _split_chunk(l_ptr, first, V, inv_t, m, pinf, lo, hi, fresh, CHUNK: tl.const
 
 @triton.jit
 def _chunk_share(mode, l_ptr, row, c, V, C, S, s, inv_t, m, pinf, lo, hi, shift, fresh, kf,
-                 sel, min_w, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count,
+                 sel, min_w, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count, Span,
                  CHUNK: tl.constexpr, SUB: tl.constexpr, CAP: tl.constexpr):
     """Chunk c's share of the row's pass in `mode` (written to the chunk's slots)."""
     first = c * CHUNK
@@ -505,12 +515,15 @@ def _chunk_share(mode, l_ptr, row, c, V, C, S, s, inv_t, m, pinf, lo, hi, shift,
         tl.store(BoundPart + slot * 2 + 1, kmax)
     elif mode == K_GATHER_K:
         d, key, valid = _d_key(l_ptr, offs, V, inv_t, m, pinf)
-        _gather(Buf, Count, row, s, S, key, valid & (key <= hi), CAP)
+        _gather(Buf, Count, Span, row, c, C, s, S, key, valid & (key <= hi), CAP)
     elif mode == P_GATHER_K:
         if _idle_interval(CntPart, row, c, C, sel) == 0:
             d, key, valid = _d_key(l_ptr, offs, V, inv_t, m, pinf)
             act = valid & (key >= lo) & (key <= hi) & (key < KEY_CUT_K)
-            _gather(Buf, Count, row, s, S, key, act, CAP)
+            _gather(Buf, Count, Span, row, c, C, s, S, key, act, CAP)
+        else:
+            tl.store(Span + slot * 2, 0)
+            tl.store(Span + slot * 2 + 1, 0)
 
 
 @triton.jit
@@ -555,10 +568,9 @@ def _row_k_hist(st, HistPart, row, C, k, top_p, lo, hi, shift, base, trace,
 
 
 @triton.jit
-def _row_k_gather(st, Buf, Count, row, s, S, k, top_p, trace, CAP: tl.constexpr):
-    """Every key at or below the bracket was gathered: top-k's key is the k-th smallest, and
-    top-p's is found among the keys up to it."""
-    key, live = _gathered(Buf, Count, row, s, S, CAP)
+def _row_k_gather(key, live, k, top_p):
+    """Every key at or below the bracket was gathered (key, live): top-k's key is the k-th
+    smallest, and top-p's is found among the keys up to it. Returns (kf, zk)."""
     kf = _kth_key(key, live, k)
     zk = tl.zeros([], dtype=tl.int64)
     if top_p < 1:
@@ -567,24 +579,25 @@ def _row_k_gather(st, Buf, Count, row, s, S, k, top_p, trace, CAP: tl.constexpr)
         zk = tl.sum(tl.where(keep, w, 0), axis=0)
         thr = zk.to(tl.float64) * top_p.to(tl.float64)
         kf = tl.where(thr > 0, _mass_key(key, w, keep, thr, 0), 0)
-    _resolve(st, kf, zk, trace)
+    return kf, zk
 
 
 @triton.jit
-def _row_p_split(st, CntPart, MassPart, BoundPart, row, C, top_p, lo, hi, fresh, base, zk,
-                 trace, CP: tl.constexpr, CAP: tl.constexpr):
+def _row_p_split(st, CntPart, MassPart, BoundPart, CBase, row, C, top_p, lo, hi, fresh, base,
+                 zk, trace, CP: tl.constexpr, CAP: tl.constexpr):
     """Top-p's step: the interval where base + the weight below its end first reaches top_p *
     zk (zk: the first split's total) becomes the bracket, narrowed to the keys present; the
     next pass gathers it (at most CAP keys), counts its keys one by one (at most 256 wide) or
-    splits it again."""
+    splits it again. Each chunk's weight below the new bracket is added to its CBase (base,
+    chunk by chunk)."""
     j = tl.arange(0, 16)
     cs = tl.arange(0, CP)
     live = cs < C
     at = (row * C + cs[:, None]) * 16 + j[None, :]
     cnt = tl.sum(tl.load(CntPart + at, mask=live[:, None], other=0, cache_modifier=".cg"),
                  axis=0)
-    mass = tl.sum(tl.load(MassPart + at, mask=live[:, None], other=0, cache_modifier=".cg"),
-                  axis=0)
+    chunk_mass = tl.load(MassPart + at, mask=live[:, None], other=0, cache_modifier=".cg")
+    mass = tl.sum(chunk_mass, axis=0)
     bmin = tl.min(tl.load(BoundPart + (row * C + cs) * 2, mask=live, other=KEY_INF_K + 1,
                           cache_modifier=".cg"), axis=0)
     bmax = tl.max(tl.load(BoundPart + (row * C + cs) * 2 + 1, mask=live, other=-1,
@@ -593,6 +606,9 @@ def _row_p_split(st, CntPart, MassPart, BoundPart, row, C, top_p, lo, hi, fresh,
     thr = zk.to(tl.float64) * top_p.to(tl.float64)
     js = tl.min(tl.where((base + mass).to(tl.float64) >= thr, j, 15), axis=0)
     base2 = base + tl.sum(tl.where(j == js - 1, mass, 0), axis=0)
+    below = tl.sum(tl.where(j[None, :] == js - 1, chunk_mass, 0), axis=1)           # [CP]
+    cbase = CBase + row * C + cs
+    tl.store(cbase, tl.load(cbase, mask=live, other=0) + below, mask=live)
     n_in = tl.sum(tl.where(j == js, cnt, 0) - tl.where(j == js - 1, cnt, 0), axis=0)
     lo2 = tl.maximum(_split_bound(js.to(tl.int64), lo, hi, fresh), bmin)
     hi2 = tl.minimum(_split_bound(js.to(tl.int64) + 1, lo, hi, fresh) - 1, bmax)
@@ -612,12 +628,43 @@ def _row_p_split(st, CntPart, MassPart, BoundPart, row, C, top_p, lo, hi, fresh,
 
 
 @triton.jit
-def _row_p_gather(st, Buf, Count, row, s, S, top_p, base, zk, trace, CAP: tl.constexpr):
-    """The bracket's keys were gathered: top-p's key among them."""
-    key, live = _gathered(Buf, Count, row, s, S, CAP)
+def _row_p_gather(key, live, top_p, base, zk):
+    """The bracket's keys were gathered (key, live): top-p's key among them."""
     w = tl.where(live, _key_weight(key), 0)
     thr = zk.to(tl.float64) * top_p.to(tl.float64)
-    _resolve(st, _mass_key(key, w, live, thr, base), zk, trace)
+    return _mass_key(key, w, live, thr, base)
+
+
+@triton.jit
+def _row_gather_draw(st, key, live, kf, zk, trace, Span, CBase, Pref, ZPart, Out, l_ptr, row,
+                     C, V, inv_t, m, pinf, min_w, u62, CHUNK: tl.constexpr, CP: tl.constexpr,
+                     CAP: tl.constexpr):
+    """The row's threshold kf was found among gathered keys: draw now, without a weights pass,
+    where min-p is off. Chunk c's kept weight is CBase[c] (its keys below the gathered bracket,
+    kept by the splits) plus its gathered keys at or below kf, one run of the buffer (its
+    span): a prefix sum over the buffer, read at the runs' ends. Then `_row_draw`. With min-p,
+    the row's next pass weighs every key (`_resolve`)."""
+    if min_w == 0:
+        w = tl.where(live & (key <= kf), _key_weight(key), 0)
+        idx = tl.arange(0, CAP)
+        pref = Pref + row.to(tl.int64) * CAP
+        tl.store(pref + idx, tl.cumsum(w, axis=0))
+        tl.debug_barrier()                                 # the prefix sums, for every thread
+        cs = tl.arange(0, CP)
+        ok = cs < C
+        at = tl.load(Span + (row * C + cs) * 2, mask=ok, other=0, cache_modifier=".cg")
+        n = tl.load(Span + (row * C + cs) * 2 + 1, mask=ok, other=0, cache_modifier=".cg")
+        upto = tl.load(pref + at + n - 1, mask=ok & (n > 0), other=0, cache_modifier=".cg")
+        before = tl.load(pref + at - 1, mask=ok & (n > 0) & (at > 0), other=0,
+                         cache_modifier=".cg")
+        base = tl.load(CBase + row * C + cs, mask=ok, other=0, cache_modifier=".cg")
+        tl.store(ZPart + row * C + cs, base + upto - before, mask=ok)
+        tl.debug_barrier()                                 # the chunks' weights, for the draw
+        tl.store(Out + row, _row_draw(l_ptr, ZPart, row, C, V, inv_t, m, pinf, kf.to(tl.int32),
+                                      min_w, u62, CHUNK, CP))
+        _set_state(st, DONE_K, 0, 0, 0, 0, 0, zk, kf, -1, trace)
+    else:
+        _resolve(st, kf, zk, trace)
 
 
 @triton.jit
@@ -680,9 +727,9 @@ def _row_state(st, mode, FIRST: tl.constexpr):
 
 @triton.jit(noinline=True)
 def _select_row(row, c, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI, PartNan,
-                PartM, State, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count, Arrive,
-                Out, V, C, S, purpose, s, FIRST: tl.constexpr, CHUNK: tl.constexpr,
-                SUB: tl.constexpr, CP: tl.constexpr, CAP: tl.constexpr):
+                PartM, State, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count, Span,
+                CBase, Pref, Arrive, Out, V, C, S, purpose, s, FIRST: tl.constexpr,
+                CHUNK: tl.constexpr, SUB: tl.constexpr, CP: tl.constexpr, CAP: tl.constexpr):
     """Chunk c's part of the row's pass in the row's mode; the row's last program to finish
     moves the row to its next mode (module doc)."""
     row = tl.cast(row, tl.int32)                      # the interpreter's loops give ints
@@ -705,7 +752,7 @@ def _select_row(row, c, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, P
         inv_t = tl.math.div_rn(1.0, tl.where(temp > 0, temp, 1.0))
         min_w = tl.load(MinP + row).to(tl.float64) * 1099511627776.0        # min_p * 2**40
         _chunk_share(mode, l_ptr, row, c, V, C, S, s, inv_t, m, pinf, lo, hi, shift, fresh, kf,
-                     sel, min_w, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count,
+                     sel, min_w, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count, Span,
                      CHUNK, SUB, CAP)
         if _arrive(Arrive, row, s, S, C):
             trace += PASS_ONE
@@ -717,13 +764,20 @@ def _select_row(row, c, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, P
                 _set_state(st, DONE_K, 0, 0, 0, 0, 0, zk, kf, -1, trace)
             elif mode == K_HIST_K:
                 _row_k_hist(st, HistPart, row, C, k, top_p, lo, hi, shift, base, trace, CP, CAP)
-            elif mode == K_GATHER_K:
-                _row_k_gather(st, Buf, Count, row, s, S, k, top_p, trace, CAP)
+            elif (mode == K_GATHER_K) | (mode == P_GATHER_K):
+                key, live = _gathered(Buf, Count, row, s, S, CAP)
+                if mode == K_GATHER_K:
+                    kg, zg = _row_k_gather(key, live, k, top_p)
+                else:
+                    kg = _row_p_gather(key, live, top_p, base, zk)
+                    zg = zk
+                bits = _random_bits_t(tl.load(Seed + row), tl.load(Pos + row), purpose, 0)
+                _row_gather_draw(st, key, live, kg, zg, trace, Span, CBase, Pref, ZPart, Out,
+                                 l_ptr, row, C, V, inv_t, m, pinf, min_w, _lsr_t(bits, 2),
+                                 CHUNK, CP, CAP)
             elif mode == P_SPLIT_K:
-                _row_p_split(st, CntPart, MassPart, BoundPart, row, C, top_p, lo, hi, fresh,
-                             base, zk, trace, CP, CAP)
-            elif mode == P_GATHER_K:
-                _row_p_gather(st, Buf, Count, row, s, S, top_p, base, zk, trace, CAP)
+                _row_p_split(st, CntPart, MassPart, BoundPart, CBase, row, C, top_p, lo, hi,
+                             fresh, base, zk, trace, CP, CAP)
             else:
                 _row_p_hist(st, HistPart, row, C, top_p, lo, base, zk, trace, CP)
 
@@ -731,7 +785,7 @@ def _select_row(row, c, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, P
 @triton.jit(do_not_specialize=["n", "s"])
 def _select_kernel(L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI, PartNan,
                    PartM, State, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count,
-                   Arrive, Out, n, V, C, S, purpose, s, FIRST: tl.constexpr,
+                   Span, CBase, Pref, Arrive, Out, n, V, C, S, purpose, s, FIRST: tl.constexpr,
                    CHUNK: tl.constexpr, SUB: tl.constexpr, CP: tl.constexpr,
                    CAP: tl.constexpr):
     """Grid (G, C), pass s of S: program (g, c) does chunk c of rows g, g + G, ...; it returns
@@ -749,8 +803,8 @@ def _select_kernel(L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI,
         for row in tl.range(g, n, G, num_stages=1):
             _select_row(row, c, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI,
                         PartNan, PartM, State, HistPart, CntPart, MassPart, BoundPart, ZPart,
-                        Buf, Count, Arrive, Out, V, C, S, purpose, s, FIRST, CHUNK, SUB, CP,
-                        CAP)
+                        Buf, Count, Span, CBase, Pref, Arrive, Out, V, C, S, purpose, s, FIRST,
+                        CHUNK, SUB, CP, CAP)
 
 
 PASSES = 12         # top-k <= 4 passes, top-p <= 7, the draw 1 (module doc)
@@ -803,15 +857,19 @@ def sample_stages(logits, temperature, top_k, top_p, min_p, seed, position, purp
     work = (buf(n, C, 256, dtype=torch.int32), buf(n, C, 16, dtype=torch.int32),
             buf(n, C, 16, dtype=torch.int64), buf(n, C, 2, dtype=torch.int32),
             buf(n, C, dtype=torch.int64), buf(n, cap, dtype=torch.int32))
+    span, cbase, pref = (buf(n, C, 2, dtype=torch.int32), buf(n, C, dtype=torch.int64),
+                         buf(n, cap, dtype=torch.int64))
     count, arrive = buf(n, PASSES, dtype=torch.int32), buf(n, PASSES, dtype=torch.int32)
     out = buf(n, dtype=torch.int64)
     if n:
-        _chunk_max_kernel[(n, C)](x, x.stride(0), lanes[0], *parts, count, arrive, V, C, PASSES,
+        _chunk_max_kernel[(n, C)](x, x.stride(0), lanes[0], *parts, count, arrive, cbase, V, C,
+                                  PASSES,
                                   CHUNK=chunk, SP=triton.next_power_of_2(PASSES),
                                   num_warps=CHUNK_WARPS, enable_fp_fusion=False)
     G = groups or row_groups(n, C, x.device)
     for s in range(PASSES if n else 0):
-        _select_kernel[(G, C)](x, x.stride(0), *lanes, *parts, state, *work, count, arrive, out,
+        _select_kernel[(G, C)](x, x.stride(0), *lanes, *parts, state, *work, count, span, cbase,
+                               pref, arrive, out,
                                n, V, C, PASSES, purpose, s, FIRST=s == 0, CHUNK=chunk,
                                SUB=max(min(chunk, SUB), chunk // 8), CP=CP, CAP=cap,
                                num_warps=SELECT_WARPS, maxnreg=SELECT_REGS,
