@@ -16,6 +16,12 @@ All variants run side by side in one process on the same body, weights and KV ca
   padgraph+compile+pdl  the same, inductor's kernels launched with programmatic dependent launch
                    (torch_compile options {"triton.enable_pdl": True}; skipped, saying so, where
                    torch's inductor lacks the option)
+  padgraph+compile+sample  padgraph+compile with the sampler in place of the argmax: Llama 3's
+                   own generation settings (temperature 0.6, top-p 0.9) on the logits times
+                   --sample-factor (a random model's logits are nearly flat; the factor sharpens
+                   them, and the run prints their mean entropy at that temperature); what sampling
+                   adds to the step is its time over padgraph+compile's. Its check: every token
+                   lies in the eager model's nucleus (the share that does)
   padgraph+fused   the same weights through the fused per-layer kernels and fused tail
                    (`LlamaModel(fused=FusedDecodePolicy(pdl=False))`, steps of at most its max_rows;
                    larger steps run the model's own path), captured by padgraph; +pdl: with PDL
@@ -93,6 +99,46 @@ class Step:
         nxt, fin = self(x.input_ids, x.positions, x.seq_lens, x.req_pool_indices, x.out_cache_loc,
                         x.temperature, x.stop_token, x.done)
         return {"next_token": nxt, "finished": fin}
+
+
+class SampledStep(Step):
+    """The decode body with the sampler in place of the argmax: every row at `SAMPLING`'s
+    settings on logits * factor, seeded per row, drawn at its position."""
+
+    SAMPLING = dict(temperature=0.6, top_p=0.9)      # Llama 3's generation_config
+
+    def __init__(self, model: LlamaModel, kv: KVCache, factor: float):
+        super().__init__(model, kv)
+        self.factor = factor
+        dev = kv.req_to_token.device
+        self.lanes = (torch.full((MAX_BS,), self.SAMPLING["temperature"], device=dev),
+                      torch.zeros(MAX_BS, dtype=torch.int32, device=dev),
+                      torch.full((MAX_BS,), self.SAMPLING["top_p"], device=dev),
+                      torch.zeros(MAX_BS, device=dev), torch.arange(MAX_BS, device=dev) + 1)
+
+    def __call__(self, input_ids, positions, seq_lens, req_pool_indices, out_cache_loc,
+                 temperature, stop_token, done):
+        from padgraph.llm.sampling import PURPOSE_DECODE, sample
+        batch = Batch(self.kv, self.kv.req_to_token, req_pool_indices, seq_lens, out_cache_loc)
+        logits, _ = self.model.forward_decode(input_ids, positions, batch)
+        n = input_ids.shape[0]
+        nxt = sample(logits * self.factor, *(t[:n] for t in self.lanes), positions,
+                     PURPOSE_DECODE)
+        nxt = torch.where(done, stop_token, nxt)
+        return nxt, done | (nxt == stop_token)
+
+    def nucleus(self, raw: dict) -> tuple[torch.Tensor, float]:
+        """(kept [n, V] bool: the tokens the eager model's sampling distribution can draw, the
+        mean entropy in nats of its tempered distribution before filtering)."""
+        from padgraph.llm.sampling import sampling_weights
+        n = raw["input_ids"].shape[0]
+        batch = Batch(self.kv, self.kv.req_to_token, raw["req_pool_indices"], raw["seq_lens"],
+                      raw["out_cache_loc"])
+        logits, _ = self.model.forward_decode(raw["input_ids"], raw["positions"], batch)
+        x = logits.float() * self.factor
+        w, _ = sampling_weights(x, *(t[:n] for t in self.lanes[:4]))
+        logp = torch.log_softmax(x / self.SAMPLING["temperature"], -1)
+        return w > 0, float(-(logp.exp() * logp).sum(-1).mean())
 
 
 class HandwrittenRunner:
@@ -181,7 +227,7 @@ def canary_program(program: pg.Program, kv: KVCache) -> tuple[pg.Program, dict]:
     return prog, {"kv": kv.k + kv.v, "req_to_token": kv.req_to_token}
 
 
-def build_variants(names, step, program, device, pg_compile=True):
+def build_variants(names, step, program, device, pg_compile=True, sample_factor=20.0):
     variants, setup = {}, {}
     if "eager" in names:
         variants["eager"] = lambda **r: step(**r)
@@ -212,6 +258,15 @@ def build_variants(names, step, program, device, pg_compile=True):
                                      "compiles": r.stats.compiles, "recompiles": r.stats.recompiles,
                                      "compile_seconds": r.stats.compile_seconds}
         variants["padgraph+compile"] = r
+    if "padgraph+compile+sample" in names:
+        sstep = SampledStep(step.model, step.kv, sample_factor)
+        t0 = time.perf_counter()
+        r = pg.compile(program, sstep.body, backend="cuda", progress=False, torch_compile=pg_compile)
+        setup["padgraph+compile+sample"] = {"warmup_seconds": time.perf_counter() - t0,
+                                            "sampling": SampledStep.SAMPLING,
+                                            "logit_factor": sample_factor}
+        r.nucleus = sstep.nucleus
+        variants["padgraph+compile+sample"] = r
     if "padgraph+compile+pdl" in names:
         # inductor's own kernels launched with programmatic dependent launch (torch's
         # triton.enable_pdl: each kernel waits on the previous one's writes inside the graph)
@@ -280,6 +335,8 @@ def main() -> None:
     ap.add_argument("--profile", default=None, metavar="VARIANT",
                     help="after the timed runs, --iters more calls of VARIANT at each size under "
                          "torch.profiler: its kernels per step, written to bench_runner_profile.json")
+    ap.add_argument("--sample-factor", type=float, default=20.0,
+                    help="padgraph+compile+sample: the factor on the logits before sampling")
     ap.add_argument("--size-oblivious", action="store_true",
                     help="padgraph+compile: size-oblivious tracing, so bucket 1 shares the graph")
     args = ap.parse_args()
@@ -300,7 +357,8 @@ def main() -> None:
             else {"fullgraph": True}
         if args.size_oblivious:
             pg_compile["size_oblivious"] = True
-        variants, setup = build_variants(names, step, program, device, pg_compile)
+        variants, setup = build_variants(names, step, program, device, pg_compile,
+                                         args.sample_factor)
         rows = run_all(variants, setup, batches, sizes, args.iters, StepFloor(cfg, step_bytes, bw),
                        lambda rows, done: report(rows, setup, names, done, bw, weight_bytes, cfg, args))
         if "padgraph+canary" in variants:
@@ -375,6 +433,10 @@ def run_all(variants, setup, batches, sizes, iters, floor: StepFloor, after_size
             else:
                 got = next_tokens(fn(**raw))
             match = float((got == ref).float().mean())
+            if hasattr(fn, "nucleus"):          # a sampled variant: its tokens in the nucleus
+                kept, entropy = fn.nucleus(raw)
+                match = float(kept[torch.arange(n, device=got.device), got].float().mean())
+                setup[name].setdefault("entropy_nats", {})[n] = entropy
             step_us, host_us = time_calls(fn, raw, iters)
             b2b_us = time_us(lambda: fn(**raw), 5, back_to_back=iters)   # median of 5 chains of iters calls
             rows.append({"bs": n, "variant": name, "step_us": step_us, "b2b_us": b2b_us, "host_us": host_us,
@@ -425,11 +487,32 @@ def report(rows, setup, names, sizes, bw, weight_bytes, cfg, args):
         floor_us = next(r["floor_us"] for r in rows if r["bs"] == n)     # a size's floor, whichever variant ran
         lines.append(f"| {n} | {floor_us:.0f} | " + " | ".join(cells) + f" | {ratio:.3f} |")
     lines += warmup_lines(setup, sizes)
+    lines += sampling_lines(by, setup, sizes)
     lines += ["", "setup (capture / warm-up seconds, pool bytes):", "", "```", json.dumps(setup, indent=1), "```"]
     (out / "bench_runner.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot_step_times(rows, names, out / "bench_runner.png", "Llama-3.2-1B-shaped decode step", "step time (ms)",
                     floor_key="floor_us")
+
+
+def sampling_lines(by: dict, setup: dict, sizes) -> list[str]:
+    """What the sampler adds to the compiled step (padgraph+compile+sample over padgraph+compile,
+    back to back), with the sampled tokens' nucleus check and the logits' entropy."""
+    name = "padgraph+compile+sample"
+    if name not in setup or "padgraph+compile" not in setup:
+        return []
+    st = setup[name]
+    out = ["", f"sampling ({name}: temperature {st['sampling']['temperature']}, top-p "
+               f"{st['sampling']['top_p']} on the logits times {st['logit_factor']}) against the "
+               "argmax (padgraph+compile), back to back:", ""]
+    for n in sizes:
+        g, smp = by.get((n, "padgraph+compile")), by.get((n, name))
+        if g and smp:
+            out.append(f"- bs {n}: {smp['b2b_us']:.0f} against {g['b2b_us']:.0f} µs, "
+                       f"{100 * (smp['b2b_us'] / g['b2b_us'] - 1):+.1f} %; tokens in the eager "
+                       f"model's nucleus {smp['token_match_vs_eager']:.3f}; entropy at the "
+                       f"temperature {st.get('entropy_nats', {}).get(n, float('nan')):.2f} nats")
+    return out
 
 
 def warmup_lines(setup: dict, sizes) -> list[str]:
