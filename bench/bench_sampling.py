@@ -11,8 +11,15 @@ top-p 0.9 keeps about 60 % of the vocabulary, top-k 5000 then top-p, min-p besid
 Every case is first checked against the torch reference, token for token. The kernels run a
 fixed number of passes; the second table gives the most any row of the case used (the
 rest of the passes find nothing to do). Last, sharp top-p over several row-group counts of a
-select pass (`row_groups`: how many programs share a chunk's rows, each working through its
-rows in turn). Writes sampling.md / sampling.json to $OUT.
+select pass (`select_policy(bs).groups` the default: how many programs share a chunk's rows,
+each working through its rows in turn). Writes sampling.md / sampling.json to $OUT.
+
+    python -m bench.bench_sampling --sweep    # the select passes' launch grid instead
+
+--sweep times greedy, temperature 0.7 and sharp / flat top-p over the select passes' launch
+choices (`SelectPolicy`: row groups G, warps a program, the draw in the gather on or off),
+each checked against the torch reference, and writes sampling_sweep.md / .json: the data
+`select_policy` is chosen from.
 """
 from __future__ import annotations
 
@@ -74,7 +81,7 @@ def run_groups(logits, bs: int) -> tuple[int, dict]:
     x = (logits * scale).to(torch.bfloat16)
     args = lanes(bs, *params, x.device)
     want = sample(x, *args, PURPOSE_DECODE, impl="torch")
-    default = kernels.row_groups(bs, -(-x.shape[1] // kernels.CHUNK), x.device)
+    default = kernels.select_policy(bs).groups
     out = {}
     for g in sorted({default, bs, max(1, bs // 4), min(bs, 2 * default)}):
         got = kernels.sample_stages(x, *args, PURPOSE_DECODE, groups=g).tokens
@@ -89,12 +96,62 @@ def table(title, names, rows, key, fmt):
               for r in rows), ""]
 
 
+SWEEP_CASES = ("sample greedy", "temperature 0.7", "top-p 0.9 (sharp)", "top-p 0.9 (flat)")
+
+
+def sweep_configs(bs: int) -> list[tuple[int, int, bool]]:
+    """(G, warps, gather_draw) launches to time at bs rows: the policy's, then each field moved."""
+    pol = kernels.select_policy(bs)
+    groups = sorted({pol.groups, bs, max(1, bs // 2), max(1, bs // 4)})
+    out = [(pol.groups, pol.warps, pol.gather_draw)]
+    out += [(g, w, pol.gather_draw) for g in groups for w in (4, 8) if (g, w) != out[0][:2]]
+    out += [(pol.groups, pol.warps, not pol.gather_draw)]
+    return out
+
+
+def run_sweep(V: int, sizes, device) -> None:
+    rows = []
+    for bs in sizes:
+        logits = torch.randn(bs, V, generator=torch.Generator().manual_seed(bs)).to(device)
+        row = {"bs": bs, "policy": kernels.select_policy(bs)._asdict(), "us": {}}
+        for name in SWEEP_CASES:
+            scale, *params = CASES[name]
+            x = (logits * scale).to(torch.bfloat16)
+            args = lanes(bs, *params, x.device)
+            want = sample(x, *args, PURPOSE_DECODE, impl="torch")
+            for g, w, draw in sweep_configs(bs):
+                def f(g=g, w=w, draw=draw):
+                    return kernels.sample_stages(x, *args, PURPOSE_DECODE, groups=g, warps=w,
+                                                 gather_draw=draw).tokens
+                assert torch.equal(f(), want), f"{name} G={g} warps={w} draw={draw}: mismatch"
+                row["us"][f"{name} | G={g} warps={w} draw={int(draw)}"] = bench_us(graph_of(f))
+        rows.append(row)
+        print(row, flush=True)
+    md = ["# Sampler launch sweep: µs a call, [bs, V] bf16 logits, V = %d" % V, "",
+          f"`{json.dumps(env_info())}`", "", "The first launch of each size is `select_policy`'s.", ""]
+    for r in rows:
+        md += [f"bs {r['bs']}:", "", "| launch | " + " | ".join(SWEEP_CASES) + " |",
+               "|---" * (len(SWEEP_CASES) + 1) + "|"]
+        for g, w, draw in sweep_configs(r["bs"]):
+            key = f"G={g} warps={w} draw={int(draw)}"
+            md.append(f"| {key} | " + " | ".join(f"{r['us'][f'{c} | {key}']:.1f}"
+                                                 for c in SWEEP_CASES) + " |")
+        md.append("")
+    out = out_dir()
+    (out / "sampling_sweep.md").write_text("\n".join(md))
+    (out / "sampling_sweep.json").write_text(json.dumps({"env": env_info(), "rows": rows}, indent=1))
+    print("\n".join(md))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny sizes (script check)")
+    ap.add_argument("--sweep", action="store_true", help="the select passes' launch grid")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     V, sizes = (5000, (2,)) if args.smoke else (128256, (1, 16, 64))
+    if args.sweep:
+        return run_sweep(V, (20,) if args.smoke else sizes, device)
     rows = []
     for bs in sizes:
         logits = torch.randn(bs, V, generator=torch.Generator().manual_seed(bs)).to(device)

@@ -184,11 +184,13 @@ def test_wide_nuclei_match_the_reference():
     assert stages.passes.max() >= 4                         # several splits a row
 
 
-def test_a_threshold_found_in_a_gather_draws_without_the_weights_pass():
-    """A row whose key threshold is found among gathered keys draws in that same pass (each
-    chunk's kept weight from the splits' per-chunk weights below the bracket and its run of
-    gathered keys) unless min-p is on: one pass fewer, the reference's token. Flat rows (several
-    splits before the gather) and sharp ones (one), top-p alone and after top-k, many seeds."""
+@pytest.mark.parametrize("draw", [True, False])
+def test_a_threshold_found_in_a_gather_draws_without_the_weights_pass(draw):
+    """With `gather_draw`, a row whose key threshold is found among gathered keys draws in that
+    same pass (each chunk's kept weight from the splits' per-chunk weights below the bracket and
+    its run of gathered keys) unless min-p is on: one pass fewer, the reference's token. Without
+    it, every such row takes the weights pass. Flat rows (several splits before the gather) and
+    sharp ones (one), top-p alone and after top-k, many seeds."""
     g = torch.Generator().manual_seed(14)
     n, V = 24, 3000
     scale = torch.tensor([1.0, 3.0, 8.0])[torch.arange(n) % 3][:, None]
@@ -197,11 +199,14 @@ def test_a_threshold_found_in_a_gather_draws_without_the_weights_pass():
     min_p = [0.0] * 20 + [0.05] * 4
     args = lanes_of(n, 0.9, top_k, [0.9, 0.5, 0.95] * 8, min_p)
     args[4] = torch.randint(0, 2 ** 62, (n,), generator=g)
-    stages = check_stages(logits, args, chunk=256, cap=64)
+    stages = check_stages(logits, args, chunk=256, cap=64, gather_draw=draw)
     gathered = (stages.modes & (1 << K.MODES.index("k_gather") | 1 << K.MODES.index("p_gather"))) > 0
     weighed = (stages.modes & 1 << K.MODES.index("weights")) > 0
     no_min_p = torch.tensor(min_p) == 0
     assert gathered[no_min_p].sum() >= 12 and gathered[~no_min_p].any()
+    if not draw:
+        assert weighed[gathered].all()
+        return
     assert not weighed[gathered & no_min_p].any()           # drawn in the gather's pass
     assert weighed[~no_min_p].all()                          # min-p: the weights pass
     assert (stages.modes & 1 << K.MODES.index("p_split") > 0)[gathered & no_min_p].any()
@@ -397,9 +402,9 @@ COMPILE_SCRIPT = textwrap.dedent('''
              "Buf": "*i32", "Count": "*i32", "Arrive": "*i32", "Span": "*i32", "CBase": "*i64",
              "Pref": "*i64"}
     build(K._chunk_max_kernel, lanes, dict(CHUNK=K.CHUNK, SP=16), K.CHUNK_WARPS)
-    for first in (True, False):
+    for first, draw, warps in ((True, False, 8), (False, False, 8), (False, True, 4)):
         build(K._select_kernel, lanes, dict(FIRST=first, CHUNK=K.CHUNK, SUB=K.SUB, CP=64,
-                                            CAP=K.CAP), K.SELECT_WARPS,
+                                            CAP=K.CAP, DRAW=draw), warps,
               maxnreg=K.SELECT_REGS)
 ''')
 
@@ -419,4 +424,4 @@ def test_kernels_compile_for_sm90_without_fp32_fmas(tmp_path):
     if p.returncode and "ptxas" in p.stderr and "not found" in p.stderr.lower():
         pytest.skip("no ptxas for sm_90 in this Triton")
     assert p.returncode == 0, p.stderr[-4000:]
-    assert p.stdout.count("compiled") == 3
+    assert p.stdout.count("compiled") == 4

@@ -39,13 +39,13 @@ bracket of keys with counts and integer weights summed over chunks, so they are 
    - WEIGHTS: each chunk's kept weight (threshold and min-p applied); the last program draws:
      r = floor(u * Z / 2**62), the chunk whose cumulative kept weight passes r, the index in it.
      A row whose threshold was found in a gather (K_GATHER, P_GATHER) draws in that pass
-     instead, when min-p is off: a chunk's kept weight is then its weight below the bracket
+     instead, when min-p is off and the launch asks for it (`SelectPolicy.gather_draw`): a chunk's kept weight is then its weight below the bracket
      (each P_SPLIT adds the chunk's weight below the new bracket to CBase) plus that of its
      gathered keys up to the threshold (one run of the buffer, whose span the chunk records).
    A chunk with no key in the new bracket skips the next pass. Top-k takes at most 4 passes
    (31 bits), top-p at most 7 (the table's intervals span at most 2**28 keys, five equal splits
    leave 256), the draw 1: PASSES = 12. A pass whose rows are all done costs its programs one
-   load each (a wave of about four programs an SM).
+   load each. G, the warps of a program and whether a gather draws are `select_policy(n)`'s.
 
 There is no host work and no sync: graph-safe. The result does not depend on the order in
 which chunks finish (integer sums, the gathered keys searched as a set). The kernels are
@@ -729,7 +729,8 @@ def _row_state(st, mode, FIRST: tl.constexpr):
 def _select_row(row, c, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI, PartNan,
                 PartM, State, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count, Span,
                 CBase, Pref, Arrive, Out, V, C, S, purpose, s, FIRST: tl.constexpr,
-                CHUNK: tl.constexpr, SUB: tl.constexpr, CP: tl.constexpr, CAP: tl.constexpr):
+                CHUNK: tl.constexpr, SUB: tl.constexpr, CP: tl.constexpr, CAP: tl.constexpr,
+                DRAW: tl.constexpr):
     """Chunk c's part of the row's pass in the row's mode; the row's last program to finish
     moves the row to its next mode (module doc)."""
     row = tl.cast(row, tl.int32)                      # the interpreter's loops give ints
@@ -771,10 +772,13 @@ def _select_row(row, c, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, P
                 else:
                     kg = _row_p_gather(key, live, top_p, base, zk)
                     zg = zk
-                bits = _random_bits_t(tl.load(Seed + row), tl.load(Pos + row), purpose, 0)
-                _row_gather_draw(st, key, live, kg, zg, trace, Span, CBase, Pref, ZPart, Out,
-                                 l_ptr, row, C, V, inv_t, m, pinf, min_w, _lsr_t(bits, 2),
-                                 CHUNK, CP, CAP)
+                if DRAW:
+                    bits = _random_bits_t(tl.load(Seed + row), tl.load(Pos + row), purpose, 0)
+                    _row_gather_draw(st, key, live, kg, zg, trace, Span, CBase, Pref, ZPart,
+                                     Out, l_ptr, row, C, V, inv_t, m, pinf, min_w,
+                                     _lsr_t(bits, 2), CHUNK, CP, CAP)
+                else:
+                    _resolve(st, kg, zg, trace)
             elif mode == P_SPLIT_K:
                 _row_p_split(st, CntPart, MassPart, BoundPart, CBase, row, C, top_p, lo, hi,
                              fresh, base, zk, trace, CP, CAP)
@@ -787,7 +791,7 @@ def _select_kernel(L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI,
                    PartM, State, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count,
                    Span, CBase, Pref, Arrive, Out, n, V, C, S, purpose, s, FIRST: tl.constexpr,
                    CHUNK: tl.constexpr, SUB: tl.constexpr, CP: tl.constexpr,
-                   CAP: tl.constexpr):
+                   CAP: tl.constexpr, DRAW: tl.constexpr):
     """Grid (G, C), pass s of S: program (g, c) does chunk c of rows g, g + G, ...; it returns
     at once when all of them are done (one load for up to 16 rows)."""
     g = tl.program_id(0)
@@ -804,7 +808,7 @@ def _select_kernel(L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI,
             _select_row(row, c, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI,
                         PartNan, PartM, State, HistPart, CntPart, MassPart, BoundPart, ZPart,
                         Buf, Count, Span, CBase, Pref, Arrive, Out, V, C, S, purpose, s, FIRST,
-                        CHUNK, SUB, CP, CAP)
+                        CHUNK, SUB, CP, CAP, DRAW)
 
 
 PASSES = 12         # top-k <= 4 passes, top-p <= 7, the draw 1 (module doc)
@@ -812,8 +816,7 @@ CHUNK = 2048
 CAP = 4096          # keys a row may gather
 SUB = 256           # keys a P_SPLIT step holds at once ([SUB, 16] sums)
 CHUNK_WARPS = 4
-SELECT_WARPS = 8
-SELECT_REGS = 128   # two programs an SM (ptxas fits the select pass without spilling)
+SELECT_REGS = 128   # ptxas fits the select pass without spilling
 STATE_FIELDS = ("mode", "lo", "hi", "shift", "fresh", "base", "zk", "kf", "sel", "trace")
 
 
@@ -828,20 +831,36 @@ class Stages(NamedTuple):
     passes: torch.Tensor      # [n] int64
 
 
-def row_groups(n: int, C: int, device) -> int:
-    """G, the row groups a select pass runs over (grid (G, C)): every row on CPU; on a GPU
-    about four programs an SM, so that a pass whose rows are all done costs one wave of
-    programs that each make one load."""
-    if device.type != "cuda":
-        return max(n, 1)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(n, triton.cdiv(4 * sms, C)))
+class SelectPolicy(NamedTuple):
+    """How the select passes launch for a batch (`select_policy`)."""
+    groups: int           # G: the grid is (G, C); program (g, c) works through rows g, g + G, ..
+    warps: int            # num_warps of a select program
+    gather_draw: bool     # a threshold found in a gather draws in that pass (min-p off)
+
+
+def select_policy(n: int) -> SelectPolicy:
+    """The select passes' launch for n rows, from a sweep on an H200 at a 128256-token
+    vocabulary (CUDA-graph replays; results/sampling.md, its launch sweep). A program
+    works through its rows one after another, each a chain of dependent loads, atomics and
+    reductions, so at 16 and 64 rows more programs of 4 warps beat fewer of 8:
+    - 64 rows, sharp top-p: G 64 / 32 / 16 at 4 warps 216 / 223 / 243 µs; four programs an SM
+      (G 9, 8 warps, before) 384; greedy rows 83 / 65 / 56 against 65: G = n // 2 above 16 rows;
+    - 16 rows: G 16 at 4 warps 109 µs, G 8 128, before 136;
+    - 1 row: 4 warps 99 µs against 8 warps' 76.
+    The draw in the gather saves a pass where rows wait on each other (16 rows: 118 against
+    127 µs, 64 rows: 296 against 338, at G = n, 8 warps) and costs one row alone about 7 µs of
+    serial work (76 against 69), so it is taken from 16 rows on."""
+    many = n >= 16
+    return SelectPolicy(groups=max(1, n if n <= 16 else n // 2), warps=4 if many else 8,
+                        gather_draw=many)
 
 
 def sample_stages(logits, temperature, top_k, top_p, min_p, seed, position, purpose: int,
-                  chunk: int = CHUNK, cap: int = CAP, groups: int | None = None) -> Stages:
+                  chunk: int = CHUNK, cap: int = CAP, groups: int | None = None,
+                  warps: int | None = None, gather_draw: bool | None = None) -> Stages:
     """`sample_triton`'s launches and the rows' final state. chunk and cap: powers of two;
-    groups: the row groups of a select pass (`row_groups` if None)."""
+    groups, warps, gather_draw: `SelectPolicy`'s fields (`select_policy(n)`'s where None; the
+    tokens are the same whatever they are)."""
     x = logits if logits.stride(1) == 1 else logits.contiguous()
     n, V = x.shape
     lanes = [t.contiguous() for t in (temperature, top_k, top_p, min_p, seed, position)]
@@ -866,13 +885,15 @@ def sample_stages(logits, temperature, top_k, top_p, min_p, seed, position, purp
                                   PASSES,
                                   CHUNK=chunk, SP=triton.next_power_of_2(PASSES),
                                   num_warps=CHUNK_WARPS, enable_fp_fusion=False)
-    G = groups or row_groups(n, C, x.device)
+    policy = select_policy(n)
+    G = groups or policy.groups
     for s in range(PASSES if n else 0):
         _select_kernel[(G, C)](x, x.stride(0), *lanes, *parts, state, *work, count, span, cbase,
                                pref, arrive, out,
                                n, V, C, PASSES, purpose, s, FIRST=s == 0, CHUNK=chunk,
                                SUB=max(min(chunk, SUB), chunk // 8), CP=CP, CAP=cap,
-                               num_warps=SELECT_WARPS, maxnreg=SELECT_REGS,
+                               DRAW=policy.gather_draw if gather_draw is None else gather_draw,
+                               num_warps=warps or policy.warps, maxnreg=SELECT_REGS,
                                enable_fp_fusion=False)
     trace = state[:, STATE_FIELDS.index("trace")]
     return Stages(out, state[:, STATE_FIELDS.index("kf")], state[:, STATE_FIELDS.index("mode")],
