@@ -192,18 +192,18 @@ def test_a_threshold_found_in_a_gather_draws_without_the_weights_pass(draw):
     it, every such row takes the weights pass. Flat rows (several splits before the gather) and
     sharp ones (one), top-p alone and after top-k, many seeds."""
     g = torch.Generator().manual_seed(14)
-    n, V = 24, 3000
+    n, V = 16, 2000
     scale = torch.tensor([1.0, 3.0, 8.0])[torch.arange(n) % 3][:, None]
     logits = torch.randn(n, V, generator=g) * scale
-    top_k = [0, 0, 40, 2000] * 6
-    min_p = [0.0] * 20 + [0.05] * 4
-    args = lanes_of(n, 0.9, top_k, [0.9, 0.5, 0.95] * 8, min_p)
+    top_k = [0, 0, 40, 1500] * 4
+    min_p = [0.0] * 13 + [0.05] * 3
+    args = lanes_of(n, 0.9, top_k, [0.9, 0.5, 0.95, 0.8] * 4, min_p)
     args[4] = torch.randint(0, 2 ** 62, (n,), generator=g)
     stages = check_stages(logits, args, chunk=256, cap=64, gather_draw=draw)
     gathered = (stages.modes & (1 << K.MODES.index("k_gather") | 1 << K.MODES.index("p_gather"))) > 0
     weighed = (stages.modes & 1 << K.MODES.index("weights")) > 0
     no_min_p = torch.tensor(min_p) == 0
-    assert gathered[no_min_p].sum() >= 12 and gathered[~no_min_p].any()
+    assert gathered[no_min_p].sum() >= 10 and gathered[~no_min_p].any()
     if not draw:
         assert weighed[gathered].all()
         return
