@@ -39,9 +39,10 @@ bracket of keys with counts and integer weights summed over chunks, so they are 
    - WEIGHTS: each chunk's kept weight (threshold and min-p applied); the last program draws:
      r = floor(u * Z / 2**62), the chunk whose cumulative kept weight passes r, the index in it.
      A row whose threshold was found in a gather (K_GATHER, P_GATHER) draws in that pass
-     instead, when min-p is off and the launch asks for it (`SelectPolicy.gather_draw`): a chunk's kept weight is then its weight below the bracket
-     (each P_SPLIT adds the chunk's weight below the new bracket to CBase) plus that of its
-     gathered keys up to the threshold (one run of the buffer, whose span the chunk records).
+     instead, when min-p is off and the launch asks for it (`SelectPolicy.gather_draw`): a
+     chunk's kept weight is then its weight below the bracket (each P_SPLIT adds the chunk's
+     weight below the new bracket to CBase) plus that of its gathered keys up to the
+     threshold (one run of the buffer, whose span the chunk records).
    A chunk with no key in the new bracket skips the next pass. Top-k takes at most 4 passes
    (31 bits), top-p at most 7 (the table's intervals span at most 2**28 keys, five equal splits
    leave 256), the draw 1: PASSES = 12. A pass whose rows are all done costs its programs one
@@ -843,9 +844,10 @@ def select_policy(n: int) -> SelectPolicy:
     vocabulary (CUDA-graph replays; results/sampling.md, its launch sweep). A program
     works through its rows one after another, each a chain of dependent loads, atomics and
     reductions, so at 16 and 64 rows more programs of 4 warps beat fewer of 8:
-    - 64 rows, sharp top-p: G 64 / 32 / 16 at 4 warps 216 / 223 / 243 µs; four programs an SM
-      (G 9, 8 warps, before) 384; greedy rows 83 / 65 / 56 against 65: G = n // 2 above 16 rows;
-    - 16 rows: G 16 at 4 warps 109 µs, G 8 128, before 136;
+    - 64 rows, sharp top-p: G 64 / 32 / 16 at 4 warps 216 / 223 / 243 µs; the launch before
+      (four programs an SM: G 9, 8 warps) 384; greedy rows 83 / 65 / 56 against 65: G = n // 2
+      above 16 rows;
+    - 16 rows: G 16 at 4 warps 109 µs, G 8 128, the launch before 136;
     - 1 row: 4 warps 99 µs against 8 warps' 76.
     The draw in the gather saves a pass where rows wait on each other (16 rows: 118 against
     127 µs, 64 rows: 296 against 338, at G = n, 8 warps) and costs one row alone about 7 µs of
