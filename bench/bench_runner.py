@@ -56,6 +56,7 @@ from bench.common import (CudagraphSkips, copy_bandwidth, env_info, gpu_span_us,
 from padgraph.llm.models.llama import LlamaConfig, LlamaModel  # noqa: E402
 from padgraph.llm import Batch
 from padgraph.llm.kv import KVCache  # noqa: E402
+from padgraph.llm.sampling import PURPOSE_DECODE, sample, sampling_weights
 
 SIZES = [1, 3, 8, 27, 64, 200]
 MAX_BS, MAX_CTX = 256, 1024
@@ -91,9 +92,12 @@ class Step:
                  temperature, stop_token, done):
         batch = Batch(self.kv, self.kv.req_to_token, req_pool_indices, seq_lens, out_cache_loc)
         logits, _ = self.model.forward_decode(input_ids, positions, batch)
-        nxt = (logits / temperature[:, None]).argmax(-1)                        # [bs]
-        nxt = torch.where(done, stop_token, nxt)
+        nxt = torch.where(done, stop_token, self.pick(logits, temperature, positions))
         return nxt, done | (nxt == stop_token)
+
+    def pick(self, logits, temperature, positions):
+        """The next tokens [bs] from the logits: the temperature-scaled argmax."""
+        return (logits / temperature[:, None]).argmax(-1)
 
     def body(self, x):
         nxt, fin = self(x.input_ids, x.positions, x.seq_lens, x.req_pool_indices, x.out_cache_loc,
@@ -116,21 +120,15 @@ class SampledStep(Step):
                       torch.full((MAX_BS,), self.SAMPLING["top_p"], device=dev),
                       torch.zeros(MAX_BS, device=dev), torch.arange(MAX_BS, device=dev) + 1)
 
-    def __call__(self, input_ids, positions, seq_lens, req_pool_indices, out_cache_loc,
-                 temperature, stop_token, done):
-        from padgraph.llm.sampling import PURPOSE_DECODE, sample
-        batch = Batch(self.kv, self.kv.req_to_token, req_pool_indices, seq_lens, out_cache_loc)
-        logits, _ = self.model.forward_decode(input_ids, positions, batch)
-        n = input_ids.shape[0]
-        nxt = sample(logits * self.factor, *(t[:n] for t in self.lanes), positions,
-                     PURPOSE_DECODE)
-        nxt = torch.where(done, stop_token, nxt)
-        return nxt, done | (nxt == stop_token)
+    def pick(self, logits, temperature, positions):
+        """The sampler at `SAMPLING`'s lanes (the program's temperature input is unused)."""
+        n = logits.shape[0]
+        return sample(logits * self.factor, *(t[:n] for t in self.lanes), positions,
+                      PURPOSE_DECODE)
 
     def nucleus(self, raw: dict) -> tuple[torch.Tensor, float]:
         """(kept [n, V] bool: the tokens the eager model's sampling distribution can draw, the
         mean entropy in nats of its tempered distribution before filtering)."""
-        from padgraph.llm.sampling import sampling_weights
         n = raw["input_ids"].shape[0]
         batch = Batch(self.kv, self.kv.req_to_token, raw["req_pool_indices"], raw["seq_lens"],
                       raw["out_cache_loc"])

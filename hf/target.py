@@ -211,8 +211,8 @@ class Target(nn.Module):
         served = check_served(model, recurrent=not draft)
         refuse_cache_positions(model, max_context)
         self.horizons = mask_horizons(model, served.calls, max_context)
-        calls = [dataclasses.replace(c, layer=attention.with_rule(c.layer, rule_of(self.horizons.get(c.module))))
-                 for c in served.calls]
+        calls = [dataclasses.replace(c, layer=attention.with_rule(
+                     c.layer, rule_of(self.horizons.get(c.module)))) for c in served.calls]
         shape = (draft_shape(model, calls, max_context) if draft
                  else cache_shape(model, calls, served.states))
         cfg = text_config(model)

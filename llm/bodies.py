@@ -11,9 +11,9 @@ walked from the root while the draw equals a child's token; the path's draws are
 positions, so the emitted tokens are exactly what plain sampling draws there, whatever the draft
 proposed (a node's children are accepted with probability p(children), as rejection sampling of
 one-hot proposals accepts them). "rejection": speculative sampling over the tree
-(`verify_tree_sampled`; from the logits, `verify_tree_logits`). Either gives, per node, the token the walk emits after it (`predict`),
-and `verify_greedy` walks those and commits the path, as for greedy verification. Temperature 0
-draws the argmax: greedy bit for bit."""
+(`verify_tree_sampled`; from the logits, `verify_tree_logits`). Either gives, per node, the
+token the walk emits after it (`predict`), and `verify_greedy` walks those and commits the path,
+as for greedy verification. Temperature 0 draws the argmax: greedy bit for bit."""
 from __future__ import annotations
 
 import torch

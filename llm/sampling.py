@@ -505,14 +505,16 @@ def _child_probs_eager(logits: torch.Tensor, temperature: torch.Tensor, top_k: t
         probs = _probs_eager(*lanes, impl)
         return probs[rows, tokens].double(), probs.sum(-1, dtype=torch.float64)[rows]
     zeros = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
-    kf = kernels.sample_stages(*lanes, zeros, zeros, PURPOSE_DECODE).kf      # [n] int64
+    stages = kernels.sample_stages(*lanes, zeros, zeros, PURPOSE_DECODE)
+    kf = stages.kf                                                           # [n] int64
     mass = kernels.node_mass(logits, temperature, kf, min_p)
     x = _clean(logits[rows, tokens].float() * _inv_t(temperature)[rows], mass.pinf[rows])
     d, live = _offset(x, mass.m[rows])                                       # as `_scaled`, per pair
     w = _kept((d.view(torch.int32) & 0x7FFFFFFF) <= kf[rows], fixed_exp(d), min_p[rows])
     p = (w.double() / mass.z[rows].double()).float().double()
     sampled = (temperature[rows] > 0) & live
-    onehot = (tokens == logits.argmax(-1)[rows]).double()
+    # a row the sampler does not sample (greedy, or no mass) gets torch's argmax from it
+    onehot = (tokens == stages.tokens[rows]).double()
     return (torch.where(sampled, p, onehot),
             torch.where(sampled, mass.total[rows], torch.ones_like(mass.total[rows])))
 
@@ -542,9 +544,8 @@ def verify_tree_logits(tokens, tree_mask, logits, temperature, top_k, top_p, min
                        positions, steps: int, impl: str = "auto"):
     """`verify_tree_sampled` with deterministic children from the target's logits [bs * k, V]
     (request b's node j at row b * k + j; lanes [bs * k] likewise) instead of every node's
-    distribution: each child's
-    probability under its parent and the parent's mass from `child_probs`, and one
-    `sampling_probs` row a request, where the walk stops. The same result as
+    distribution: each child's probability under its parent and the parent's mass from
+    `child_probs`, and one `sampling_probs` row a request, where the walk stops. The same result as
     `verify_tree_sampled(tokens, tree_mask, sampling_probs(logits, ...).view(bs, k, V), None,
     ...)`, up to the order of the fp64 sum of a node's mass."""
     bs, k = tokens.shape
