@@ -197,6 +197,27 @@ def test_proj_residual_tc_is_the_residual_add_and_its_row_sums_of_squares(m, n, 
     torch.testing.assert_close(ssq.sum(0), out.float().pow(2).sum(-1), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("m,n,k,splits", [(1, 80, 96, 2), (5, 100, 300, 3), (16, 64, 300, 4),
+                                          (3, 40, 72, 8)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_proj_residual_tc_in_k_splits_is_the_same_residual_add(m, n, k, splits, dtype):
+    """K in fp32 partials summed in split order by a second kernel: the same out as the whole-K
+    reference (K 300 in 64-column steps over 3 or 4 splits: ragged last splits; K 72 over 8:
+    splits past the end are empty), ssq over each tc_sum_block columns, and the same bits on a
+    second call."""
+    g = torch.Generator().manual_seed(k + splits)
+    a, resid = torch.randn(m, k, generator=g).to(dtype), torch.randn(m, n, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
+    policy = fd.FusedDecodePolicy(tc_proj_block_k=64, tc_sum_block=32)
+    out, ssq = fd.proj_residual_tc(a, w, resid, splits=splits, policy=policy, impl="triton")
+    want, _ = fd.proj_residual_reference(a, w, resid, 32)
+    assert ssq.shape == (triton.cdiv(n, 32), m) and ssq.dtype == torch.float32
+    torch.testing.assert_close(out.float(), want.float(), **_tol(dtype))
+    torch.testing.assert_close(ssq, fd.ssq_partials_reference(out, 32), rtol=1e-5, atol=1e-4)
+    again, ssq2 = fd.proj_residual_tc(a, w, resid, splits=splits, policy=policy, impl="triton")
+    assert torch.equal(again, out) and torch.equal(ssq2, ssq)
+
+
 @pytest.mark.parametrize("m,h,n_q,n_kv,d,f", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ffn_n", [16, 32])
@@ -293,19 +314,22 @@ def test_references_are_the_models_decode_step(dtype, tol, policy):
 
 
 @pytest.mark.parametrize("m,n_pad,kernels", [(1, 0, "fold"), (5, 2, "fold"), (5, 2, "reduce"),
-                                             (5, 2, "tc")])
+                                             (5, 2, "tc"), (5, 2, "tc-splits")])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_kernels_give_the_models_decode_step(m, n_pad, kernels, dtype):
     """Every layer through the kernels (interpreted) against the model's decode step: hidden,
     the greedy tokens where the top two logits are apart, the KV written, the sink only for the
     padded lanes; one-row kernels with the partials summed in the qkv kernel (fold) or by the
-    reduce kernel, or the tensor-core ones (K loop steps of 32: several a projection)."""
+    reduce kernel, or the tensor-core ones (K loop steps of 32: several a projection; the o
+    and down projections whole or in K splits)."""
     model = _model(dtype)
     kv, ids, positions, batch = _decode_setup(model, m, seed=m, n_pad=n_pad)
     kv_ref = _clone_kv(kv)
     policy = fd.FusedDecodePolicy(fold_max_m=0 if kernels == "reduce" else fd.MAX_M, down_splits=3,
-                                  tc_min_rows=2 if kernels == "tc" else fd.MAX_M + 1,
-                                  tc_block_k=32, tc_proj_block_k=32)
+                                  tc_min_rows=2 if kernels.startswith("tc") else fd.MAX_M + 1,
+                                  tc_block_k=32, tc_proj_block_k=32,
+                                  **(dict(tc_o_splits=2, tc_down_splits=3, tc_sum_block=16)
+                                     if kernels == "tc-splits" else {}))
     with torch.no_grad():
         logits, want = model.forward_decode(ids, positions, _with_kv(batch, kv_ref))
         got = _fused_hidden(model, ids, positions, batch, policy=policy, impl="triton")
@@ -380,6 +404,9 @@ def test_the_shapes_the_kernels_do_not_take_are_refused_or_left_to_the_caller():
     with pytest.raises(ContractValueError, match="tc_block_n must be a power of two >= 16.*got 8"):
         fd.proj_residual_tc(torch.zeros(2, 96, dtype=torch.bfloat16), w.wo, h2,
                             policy=fd.FusedDecodePolicy(tc_block_n=8), impl="triton")
+    with pytest.raises(ContractValueError, match="tc_down_splits must be >= 1.*got 0"):
+        fd.proj_residual_tc(torch.zeros(2, 96, dtype=torch.bfloat16), w.wo, h2,
+                            policy=fd.FusedDecodePolicy(tc_down_splits=0), impl="triton")
     with pytest.raises(ContractValueError, match="policy.tc_stages must be >= 1"):
         fd.norm_gate_up_silu_tc(h2, torch.ones(1, 2), w, policy=fd.FusedDecodePolicy(tc_stages=0),
                                 impl="triton")
@@ -483,6 +510,11 @@ kernels = {
     "proj_residual_tc": (fd._proj_residual_tc_kernel, dict(tc, BLOCK_N=policy.tc_block_n,
                          BK=policy.tc_proj_block_k), policy.tc_warps,
                          policy.tc_block_n * policy.tc_proj_block_k * 2),
+    "proj_partials_tc": (fd._proj_partials_tc_kernel, dict(tc, BLOCK_N=policy.tc_block_n,
+                         BK=policy.tc_proj_block_k), policy.tc_warps,
+                         policy.tc_block_n * policy.tc_proj_block_k * 2),
+    "sum_residual": (fd._sum_residual_kernel, dict(S=4, BLOCK_N=policy.tc_sum_block,
+                     BM=fd.ROW_BLOCK), 4, 0),
     "gate_up_tc": (fd._norm_gate_up_tc_kernel, dict(tc, BLOCK_N=policy.tc_ffn_n, BLOCK_P=n_ssq),
                    policy.tc_warps, 2 * policy.tc_ffn_n * policy.tc_block_k * 2),
     "lm_head": (ft._lm_head_kernel, dict(tc, BLOCK_V=policy.tail_block_v, BLOCK_P=n_ssq,
@@ -547,7 +579,7 @@ def test_kernels_compile_for_sm90_with_pdl_and_no_register_spills(tmp_path):
                          capture_output=True, text=True)   # no timeout: slow is not wrong
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout.splitlines()[-1])
-    assert len(results) == 11
+    assert len(results) == 13
     for name, r in results.items():
         assert r["stack"] == 0, f"{name} spills: {r}"
         assert r["smem"] <= 227 * 1024, f"{name} needs more shared memory than an H100 has: {r}"
@@ -566,6 +598,8 @@ POLICIES = {   # the kernel families and launch modes the CUDA tests run
     "rows+pdl+reduce": fd.FusedDecodePolicy(pdl=True, tc_min_rows=fd.MAX_M + 1, fold_max_m=0),
     "tc": fd.FusedDecodePolicy(pdl=False, tc_min_rows=1),
     "tc+pdl": fd.FusedDecodePolicy(pdl=True, tc_min_rows=1),
+    "tc+splits+pdl": fd.FusedDecodePolicy(pdl=True, tc_pdl=True, tc_min_rows=1, tc_o_splits=2,
+                                          tc_down_splits=4),
 }
 
 

@@ -106,8 +106,13 @@ class FusedDecodePolicy:
     step: a longer step fits in registers, and their 128 programs at the 1B shape need more
     bytes in flight each). tc_stages: software-pipeline stages of the K loop (Triton's
     num_stages: stages - 1 steps of weights in flight a program). tc_warps: warps a program.
-    tail_block_v: lm_head rows a program in `fused_tail`. The defaults compile for sm_90
-    without spills at the 1B shape, in <= 123 KB of shared memory a program.
+    tail_block_v: lm_head rows a program in `fused_tail`. tc_o_splits, tc_down_splits: K splits
+    of the o and the down projection (`proj_residual_tc`): 1 runs the whole of K in each of
+    cdiv(N, tc_block_n) programs; S > 1 runs S times as many, each streaming its share of K into
+    fp32 partials [S, M, N], and a small kernel sums them in split order into the residual (one
+    launch more a projection, no atomics). tc_sum_block: columns a program of that sum. The
+    defaults compile for sm_90 without spills at the 1B shape, in <= 123 KB of shared memory a
+    program.
 
     At 16 rows the one-row kernels' arithmetic bounds them (results/fused_decode.md: on an
     H100, 1.8x slower than the eager-captured path at the 1B shape); the tensor-core kernels
@@ -133,6 +138,9 @@ class FusedDecodePolicy:
     tc_stages: int = 6
     tc_warps: int = 4
     tail_block_v: int = 64
+    tc_o_splits: int = 1
+    tc_down_splits: int = 1
+    tc_sum_block: int = 256
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -177,6 +185,11 @@ def launch_tc(policy: FusedDecodePolicy, device: torch.device, one_row: bool = F
             _refuse(field, getattr(policy, field), "a power of two")
     if policy.tc_stages < 1:
         _refuse("tc_stages", policy.tc_stages, ">= 1")
+    for field in ("tc_o_splits", "tc_down_splits"):
+        if getattr(policy, field) < 1:
+            _refuse(field, getattr(policy, field), ">= 1")
+    if not _pow2(policy.tc_sum_block):
+        _refuse("tc_sum_block", policy.tc_sum_block, "a power of two")
     pdl = _pdl_on(policy, device) and (one_row or policy.tc_pdl)
     return dict(PDL=pdl, F32=device.type == "cpu", BK=policy.tc_block_k,
                 num_warps=policy.tc_warps, num_stages=policy.tc_stages,
@@ -556,6 +569,57 @@ def _proj_residual_tc_kernel(A, W, Resid, Out, Ssq, M, N, K, stride_a, stride_w,
 
 
 @triton.jit
+def _proj_partials_tc_kernel(A, W, Parts, M, N, K, k_per_split, stride_a, stride_w,
+                             BLOCK_N: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                             F32: tl.constexpr, PDL: tl.constexpr):
+    """Program (tile, s): Parts[s, :, tile] = A[:, K_s] @ W[tile, K_s].T in fp32, K_s the s-th
+    k_per_split columns (a multiple of BK; the last split shorter, or empty: zeros)."""
+    pid = tl.program_id(0)
+    s = tl.program_id(1)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    lo = s * k_per_split
+    hi = tl.minimum(lo + k_per_split, K)
+    ks = lo + tl.arange(0, BK)
+    w = weight_chunk(W, stride_w, n, n_ok, ks, hi)                  # [BLOCK_N, BK]
+    wait_for_previous(PDL)
+
+    m = tl.arange(0, BM)
+    m_ok = m < M
+    acc = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
+    acc = mma_rows(acc, w, rows_chunk(A, stride_a, m, m_ok, ks, hi, None, None, False), F32)
+    for k0 in range(lo + BK, hi, BK):
+        acc = mma_rows(acc, weight_chunk(W, stride_w, n, n_ok, k0 + ks - lo, hi),
+                       rows_chunk(A, stride_a, m, m_ok, k0 + ks - lo, hi, None, None, False),
+                       F32)
+    tl.store(Parts + (s * M + m[None, :]) * N + n[:, None], acc,
+             mask=n_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
+def _sum_residual_kernel(Parts, Resid, Out, Ssq, M, N, S: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BM: tl.constexpr, PDL: tl.constexpr):
+    """Out[:, tile] = Resid[:, tile] + (Parts[0] + Parts[1] + ... in split order) rounded to the
+    dtype; Ssq[pid, m] = the sum over the tile of Out[m, :]^2 (as `_proj_residual_tc_kernel`)."""
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BM)
+    ok = (m < M)[:, None] & (n < N)[None, :]
+    offs = m[:, None] * N + n[None, :]                              # [BM, BLOCK_N]
+    wait_for_previous(PDL)
+
+    acc = tl.load(Parts + offs, mask=ok, other=0.0)
+    for s in tl.static_range(1, S):
+        acc += tl.load(Parts + s * M * N + offs, mask=ok, other=0.0)
+    dtype = Out.dtype.element_ty
+    r = tl.load(Resid + offs, mask=ok, other=0.0).to(tl.float32)
+    out = (r + acc.to(dtype).to(tl.float32)).to(dtype)
+    tl.store(Out + offs, out, mask=ok)
+    of = tl.where(ok, out.to(tl.float32), 0.0)
+    tl.store(Ssq + pid * M + m, tl.sum(of * of, axis=1), mask=m < M)
+
+
+@triton.jit
 def _norm_qkv_tc_kernel(X, Ssq, NormW, Wq, Wk, Wv, Cos, Sin, Pos, Q, KCache, VCache, Loc,
                         M, H, n_ssq, n_q_heads, n_kv_heads, stride_x, stride_wq, stride_wk,
                         stride_wv, stride_cos, stride_q, stride_kc_s, stride_kc_h, stride_vc_s,
@@ -841,11 +905,13 @@ def norm_qkv_rope_store_tc(x, ssq, w: LayerWeights, rope: RopeTables, positions,
     return q
 
 
-def proj_residual_tc(a, weight, resid, *, policy: FusedDecodePolicy = FusedDecodePolicy(),
-                     impl: str = "auto"):
+def proj_residual_tc(a, weight, resid, *, splits: int = 1,
+                     policy: FusedDecodePolicy = FusedDecodePolicy(), impl: str = "auto"):
     """(out = resid [M, N] + a [M, K] @ weight [N, K].T, ssq [P, M] fp32: each row's sum of
-    squares of out over each policy.tc_block_n columns, P = cdiv(N, tc_block_n)): the o and the
-    down projection of `decode_layer_tc` (the whole of K in each program, no partials)."""
+    squares of out over each B columns, P = cdiv(N, B)): the o and the down projection of
+    `decode_layer_tc`. splits 1: the whole of K in each program, B = policy.tc_block_n; more:
+    K in `splits` fp32 partials summed in split order by a second kernel, B =
+    policy.tc_sum_block (the policy's tc_o_splits / tc_down_splits)."""
     kernel = resolve_impl(impl, a, weight, resid) != "torch"
     check_rows("a", a, kernel)
     m, k = a.shape
@@ -854,16 +920,38 @@ def proj_residual_tc(a, weight, resid, *, policy: FusedDecodePolicy = FusedDecod
     if tuple(resid.shape) != (m, n) or not resid.is_contiguous() or resid.dtype != a.dtype:
         raise ContractValueError(mismatch(PROGRAM, "resid", "residual", f"[{m}, {n}] "
                                           f"{a.dtype} contiguous", tuple(resid.shape)))
+    if splits < 1:
+        raise ContractValueError(mismatch(PROGRAM, "splits", "K splits", ">= 1", splits))
     if not kernel:
-        return proj_residual_reference(a, weight, resid, policy.tc_block_n)
+        return proj_residual_reference(a, weight, resid, policy.tc_block_n if splits == 1
+                                       else policy.tc_sum_block)
     opts = {**launch_tc(policy, a.device), "BK": policy.tc_proj_block_k}
-    p = triton.cdiv(n, policy.tc_block_n)
     out = torch.empty_like(resid)
+    tiles = triton.cdiv(n, policy.tc_block_n)
+    if splits == 1:
+        ssq = torch.empty(tiles, m, dtype=torch.float32, device=a.device)
+        _proj_residual_tc_kernel[(tiles,)](a, weight, resid, out, ssq, m, n, k, a.stride(0),
+                                           weight.stride(0), BLOCK_N=policy.tc_block_n,
+                                           BM=ROW_BLOCK, **opts)
+        return out, ssq
+    # each split a whole number of K steps, so no step straddles two splits
+    per = triton.cdiv(triton.cdiv(k, splits), opts["BK"]) * opts["BK"]
+    parts = torch.empty(splits, m, n, dtype=torch.float32, device=a.device)
+    _proj_partials_tc_kernel[(tiles, splits)](a, weight, parts, m, n, k, per, a.stride(0),
+                                              weight.stride(0), BLOCK_N=policy.tc_block_n,
+                                              BM=ROW_BLOCK, **opts)
+    p = triton.cdiv(n, policy.tc_sum_block)
     ssq = torch.empty(p, m, dtype=torch.float32, device=a.device)
-    _proj_residual_tc_kernel[(p,)](a, weight, resid, out, ssq, m, n, k, a.stride(0),
-                                   weight.stride(0), BLOCK_N=policy.tc_block_n, BM=ROW_BLOCK,
-                                   **opts)
+    _sum_residual_kernel[(p,)](parts, resid, out, ssq, m, n, S=splits,
+                               BLOCK_N=policy.tc_sum_block, BM=ROW_BLOCK,
+                               **_launch_sum(policy, a.device))
     return out, ssq
+
+
+def _launch_sum(policy: FusedDecodePolicy, device: torch.device) -> dict:
+    """`_sum_residual_kernel`'s launch: 4 warps, PDL as the tensor-core kernels'."""
+    pdl = _pdl_on(policy, device) and policy.tc_pdl
+    return dict(PDL=pdl, num_warps=4, **_pdl.launch_options(device, pdl))
 
 
 def norm_gate_up_silu_tc(h, ssq, w: LayerWeights, *,
@@ -928,9 +1016,11 @@ def decode_layer_tc(x, ssq, w: LayerWeights, rope: RopeTables, positions, loc, k
     q = norm_qkv_rope_store_tc(x, ssq, w, rope, positions, loc, k_cache, v_cache,
                                policy=policy, impl=impl)
     o = attend(q, k_cache, v_cache)                                          # [M, Hq, D]
-    h, ssq_h = proj_residual_tc(o.reshape(o.shape[0], -1), w.wo, x, policy=policy, impl=impl)
+    h, ssq_h = proj_residual_tc(o.reshape(o.shape[0], -1), w.wo, x, splits=policy.tc_o_splits,
+                                policy=policy, impl=impl)
     act = norm_gate_up_silu_tc(h, ssq_h, w, policy=policy, impl=impl)        # [M, F]
-    return proj_residual_tc(act, w.w_down, h, policy=policy, impl=impl)
+    return proj_residual_tc(act, w.w_down, h, splits=policy.tc_down_splits, policy=policy,
+                            impl=impl)
 
 
 def layer_weights(model) -> list[LayerWeights]:
