@@ -25,6 +25,8 @@ All variants run side by side in one process on the same body, weights and KV ca
   padgraph+fused   the same weights through the fused per-layer kernels and fused tail
                    (`LlamaModel(fused=FusedDecodePolicy(pdl=False))`, steps of at most its max_rows;
                    larger steps run the model's own path), captured by padgraph; +pdl: with PDL
+  padgraph+fused+split  padgraph+fused+pdl with the tensor-core layer's o and down projections in
+                   K splits (`--fused-splits O,D`: FusedDecodePolicy.tc_o_splits / tc_down_splits)
 Per raw batch size: step time (CUDA events, median), host time per call (median), a
 correctness check of next tokens against eager, and the floor: (weight bytes a step reads + KV
 bytes read) / measured device-to-device copy bandwidth. A step reads every weight but the
@@ -225,7 +227,8 @@ def canary_program(program: pg.Program, kv: KVCache) -> tuple[pg.Program, dict]:
     return prog, {"kv": kv.k + kv.v, "req_to_token": kv.req_to_token}
 
 
-def build_variants(names, step, program, device, pg_compile=True, sample_factor=20.0):
+def build_variants(names, step, program, device, pg_compile=True, sample_factor=20.0,
+                   fused_splits=(2, 4)):
     variants, setup = {}, {}
     if "eager" in names:
         variants["eager"] = lambda **r: step(**r)
@@ -278,13 +281,17 @@ def build_variants(names, step, program, device, pg_compile=True, sample_factor=
             setup["padgraph+compile+pdl"] = {"warmup_seconds": time.perf_counter() - t0,
                                              "pool_bytes": r.pool_bytes(), "compiles": r.stats.compiles}
             variants["padgraph+compile+pdl"] = r
-    for name, pdl in (("padgraph+fused", False), ("padgraph+fused+pdl", True)):
+    from padgraph.backends.triton.fused_decode import FusedDecodePolicy
+    o_splits, down_splits = fused_splits
+    for name, policy in (("padgraph+fused", FusedDecodePolicy(pdl=False)),
+                         ("padgraph+fused+pdl", FusedDecodePolicy(pdl=True)),
+                         ("padgraph+fused+split", FusedDecodePolicy(
+                             pdl=True, tc_o_splits=o_splits, tc_down_splits=down_splits))):
         if name in names:
             # the same weights through the fused per-layer kernels and fused tail (bs <= their
             # max_rows; larger steps run the model's own path), captured by the same runner
-            from padgraph.backends.triton.fused_decode import FusedDecodePolicy
             fused = copy.copy(step.model)
-            fused.fused = FusedDecodePolicy(pdl=pdl)
+            fused.fused = policy
             fstep = Step(fused, step.kv)
             t0 = time.perf_counter()
             r = pg.compile(program, fstep.body, backend="cuda", progress=False)
@@ -335,6 +342,8 @@ def main() -> None:
                          "torch.profiler: its kernels per step, written to bench_runner_profile.json")
     ap.add_argument("--sample-factor", type=float, default=20.0,
                     help="padgraph+compile+sample: the factor on the logits before sampling")
+    ap.add_argument("--fused-splits", default="2,4", metavar="O,D",
+                    help="padgraph+fused+split: K splits of the o and the down projection")
     ap.add_argument("--size-oblivious", action="store_true",
                     help="padgraph+compile: size-oblivious tracing, so bucket 1 shares the graph")
     args = ap.parse_args()
@@ -356,7 +365,8 @@ def main() -> None:
         if args.size_oblivious:
             pg_compile["size_oblivious"] = True
         variants, setup = build_variants(names, step, program, device, pg_compile,
-                                         args.sample_factor)
+                                         args.sample_factor,
+                                         tuple(int(x) for x in args.fused_splits.split(",")))
         rows = run_all(variants, setup, batches, sizes, args.iters, StepFloor(cfg, step_bytes, bw),
                        lambda rows, done: report(rows, setup, names, done, bw, weight_bytes, cfg, args))
         if "padgraph+canary" in variants:
