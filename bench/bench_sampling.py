@@ -17,7 +17,8 @@ each working through its rows in turn). Writes sampling.md / sampling.json to $O
     python -m bench.bench_sampling --sweep    # the select passes' launch grid instead
 
 --sweep times greedy, temperature 0.7 and sharp / flat top-p over the select passes' launch
-choices (`SelectPolicy`: row groups G, warps a program, the draw in the gather on or off),
+choices (`SelectPolicy`: row groups G, warps a program, the draw in the gather on or off,
+programmatic dependent launch on or off),
 each checked against the torch reference, and writes sampling_sweep.md / .json: the data
 `select_policy` is chosen from.
 """
@@ -99,14 +100,21 @@ def table(title, names, rows, key, fmt):
 SWEEP_CASES = ("sample greedy", "temperature 0.7", "top-p 0.9 (sharp)", "top-p 0.9 (flat)")
 
 
-def sweep_configs(bs: int) -> list[tuple[int, int, bool]]:
-    """(G, warps, gather_draw) launches to time at bs rows: the policy's, then each field moved."""
+def sweep_configs(bs: int) -> list[tuple[int, int, bool, bool]]:
+    """(G, warps, gather_draw, pdl) launches to time at bs rows: the policy's, then each field
+    moved."""
     pol = kernels.select_policy(bs)
     groups = sorted({pol.groups, bs, max(1, bs // 2), max(1, bs // 4)})
-    out = [(pol.groups, pol.warps, pol.gather_draw)]
-    out += [(g, w, pol.gather_draw) for g in groups for w in (4, 8) if (g, w) != out[0][:2]]
-    out += [(pol.groups, pol.warps, not pol.gather_draw)]
+    out = [(pol.groups, pol.warps, pol.gather_draw, pol.pdl)]
+    out += [(g, w, pol.gather_draw, pol.pdl) for g in groups for w in (4, 8)
+            if (g, w) != out[0][:2]]
+    out += [(pol.groups, pol.warps, not pol.gather_draw, pol.pdl),
+            (pol.groups, pol.warps, pol.gather_draw, not pol.pdl)]
     return out
+
+
+def launch_key(g: int, w: int, draw: bool, pdl: bool) -> str:
+    return f"G={g} warps={w} draw={int(draw)} pdl={int(pdl)}"
 
 
 def run_sweep(V: int, sizes, device) -> None:
@@ -119,12 +127,17 @@ def run_sweep(V: int, sizes, device) -> None:
             x = (logits * scale).to(torch.bfloat16)
             args = lanes(bs, *params, x.device)
             want = sample(x, *args, PURPOSE_DECODE, impl="torch")
-            for g, w, draw in sweep_configs(bs):
-                def f(g=g, w=w, draw=draw):
+            for g, w, draw, pdl in sweep_configs(bs):
+                def f(g=g, w=w, draw=draw, pdl=pdl):
                     return kernels.sample_stages(x, *args, PURPOSE_DECODE, groups=g, warps=w,
-                                                 gather_draw=draw).tokens
-                assert torch.equal(f(), want), f"{name} G={g} warps={w} draw={draw}: mismatch"
-                row["us"][f"{name} | G={g} warps={w} draw={int(draw)}"] = bench_us(graph_of(f))
+                                                 gather_draw=draw, pdl=pdl).tokens
+                key = launch_key(g, w, draw, pdl)
+                assert torch.equal(f(), want), f"{name} {key}: mismatch"
+                got = {}
+                replay = graph_of(lambda: got.update(tokens=f()))
+                replay()
+                assert torch.equal(got["tokens"], want), f"{name} {key}: a replay's tokens differ"
+                row["us"][f"{name} | {key}"] = bench_us(replay)
         rows.append(row)
         print(row, flush=True)
     md = ["# Sampler launch sweep: µs a call, [bs, V] bf16 logits, V = %d" % V, "",
@@ -132,8 +145,8 @@ def run_sweep(V: int, sizes, device) -> None:
     for r in rows:
         md += [f"bs {r['bs']}:", "", "| launch | " + " | ".join(SWEEP_CASES) + " |",
                "|---" * (len(SWEEP_CASES) + 1) + "|"]
-        for g, w, draw in sweep_configs(r["bs"]):
-            key = f"G={g} warps={w} draw={int(draw)}"
+        for cfg in sweep_configs(r["bs"]):
+            key = launch_key(*cfg)
             md.append(f"| {key} | " + " | ".join(f"{r['us'][f'{c} | {key}']:.1f}"
                                                  for c in SWEEP_CASES) + " |")
         md.append("")

@@ -394,6 +394,7 @@ COMPILE_SCRIPT = textwrap.dedent('''
         assert "fma.rn.f32" not in ptx, "an fp32 FMA: the weights would differ"
         assert "div.full.f32" not in ptx and "div.approx.f32" not in ptx, "an inexact divide"
         print("compiled", kernel.fn.__name__)
+        return out
 
     lanes = {"L": "*bf16", "Temp": "*fp32", "TopK": "*i32", "TopP": "*fp32", "MinP": "*fp32",
              "Seed": "*i64", "Pos": "*i64", "Out": "*i64", "PartV": "*fp32", "PartI": "*i32",
@@ -401,11 +402,18 @@ COMPILE_SCRIPT = textwrap.dedent('''
              "CntPart": "*i32", "MassPart": "*i64", "BoundPart": "*i32", "ZPart": "*i64",
              "Buf": "*i32", "Count": "*i32", "Arrive": "*i32", "Span": "*i32", "CBase": "*i64",
              "Pref": "*i64"}
-    build(K._chunk_max_kernel, lanes, dict(CHUNK=K.CHUNK, SP=16), K.CHUNK_WARPS)
-    for first, draw, warps in ((True, False, 8), (False, False, 8), (False, True, 4)):
-        build(K._select_kernel, lanes, dict(FIRST=first, CHUNK=K.CHUNK, SUB=K.SUB, CP=64,
-                                            CAP=K.CAP, DRAW=draw), warps,
-              maxnreg=K.SELECT_REGS)
+    build(K._chunk_max_kernel, lanes, dict(CHUNK=K.CHUNK, SP=16, PDL=False), K.CHUNK_WARPS)
+    for first, draw, warps, pdl in ((True, False, 8, False), (False, False, 8, False),
+                                    (False, True, 4, False), (False, True, 4, True)):
+        k = build(K._select_kernel, lanes, dict(FIRST=first, CHUNK=K.CHUNK, SUB=K.SUB, CP=64,
+                                                CAP=K.CAP, DRAW=draw, PDL=pdl), warps,
+                  maxnreg=K.SELECT_REGS)
+        ptx = k.asm["ptx"]
+        if pdl:     # the wait comes before the first global load: nothing of the pass before
+            assert ptx.count("griddepcontrol.wait") == 1, "one wait"
+            assert "ld.global" not in ptx[:ptx.find("griddepcontrol.wait")], "a read before it"
+        else:
+            assert "griddepcontrol" not in ptx
 ''')
 
 
@@ -424,4 +432,4 @@ def test_kernels_compile_for_sm90_without_fp32_fmas(tmp_path):
     if p.returncode and "ptxas" in p.stderr and "not found" in p.stderr.lower():
         pytest.skip("no ptxas for sm_90 in this Triton")
     assert p.returncode == 0, p.stderr[-4000:]
-    assert p.stdout.count("compiled") == 4
+    assert p.stdout.count("compiled") == 5

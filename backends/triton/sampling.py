@@ -61,7 +61,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl as _pdl
 from .kv import resolve_impl
+from .pdl import wait_for_previous
 
 __all__ = ["PURPOSE_DECODE", "PURPOSE_ACCEPT", "PURPOSE_RESIDUAL", "PURPOSE_DRAFT",
            "FIXED_ONE", "V_MAX", "PASSES", "random_bits", "fixed_exp", "mulhi62",
@@ -280,7 +282,7 @@ def _mass_key(key, w, live, thr, base):
 
 @triton.jit
 def _chunk_max_kernel(L, stride_l, Temp, PartV, PartI, PartNan, PartM, Count, Arrive, CBase, V,
-                      C, S, CHUNK: tl.constexpr, SP: tl.constexpr):
+                      C, S, CHUNK: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr):
     """Grid (n, C). Chunk c's share of torch's argmax (its largest non-NaN logit, the first
     index holding it, its first NaN) and of max(l * inv_t) with NaN as -inf; it clears the
     chunk's weight below the splits' brackets (CBase). Chunk 0 clears the row's gather and
@@ -289,6 +291,7 @@ def _chunk_max_kernel(L, stride_l, Temp, PartV, PartI, PartNan, PartM, Count, Ar
     c = tl.program_id(1)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     valid = offs < V
+    wait_for_previous(PDL)      # the logits are the kernel before's
     l = tl.load(L + row.to(tl.int64) * stride_l + offs, mask=valid,
                 other=float("-inf")).to(tl.float32)
     isnan = (l != l) & valid
@@ -792,12 +795,15 @@ def _select_kernel(L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI,
                    PartM, State, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count,
                    Span, CBase, Pref, Arrive, Out, n, V, C, S, purpose, s, FIRST: tl.constexpr,
                    CHUNK: tl.constexpr, SUB: tl.constexpr, CP: tl.constexpr,
-                   CAP: tl.constexpr, DRAW: tl.constexpr):
+                   CAP: tl.constexpr, DRAW: tl.constexpr, PDL: tl.constexpr):
     """Grid (G, C), pass s of S: program (g, c) does chunk c of rows g, g + G, ...; it returns
-    at once when all of them are done (one load for up to 16 rows)."""
+    at once when all of them are done (one load for up to 16 rows). PDL: the pass launches
+    while the one before runs and waits for it before its first read (everything it reads but
+    the logits and the sampling lanes is the passes' own state)."""
     g = tl.program_id(0)
     G = tl.num_programs(0)
     c = tl.program_id(1)
+    wait_for_previous(PDL)
     busy = FIRST
     if not FIRST:
         for r0 in tl.range(g, n, 16 * G, num_stages=1):
@@ -837,6 +843,7 @@ class SelectPolicy(NamedTuple):
     groups: int           # G: the grid is (G, C); program (g, c) works through rows g, g + G, ..
     warps: int            # num_warps of a select program
     gather_draw: bool     # a threshold found in a gather draws in that pass (min-p off)
+    pdl: bool = False     # the launches with programmatic dependent launch (where supported)
 
 
 def select_policy(n: int) -> SelectPolicy:
@@ -859,10 +866,13 @@ def select_policy(n: int) -> SelectPolicy:
 
 def sample_stages(logits, temperature, top_k, top_p, min_p, seed, position, purpose: int,
                   chunk: int = CHUNK, cap: int = CAP, groups: int | None = None,
-                  warps: int | None = None, gather_draw: bool | None = None) -> Stages:
+                  warps: int | None = None, gather_draw: bool | None = None,
+                  pdl: bool | None = None) -> Stages:
     """`sample_triton`'s launches and the rows' final state. chunk and cap: powers of two;
-    groups, warps, gather_draw: `SelectPolicy`'s fields (`select_policy(n)`'s where None; the
-    tokens are the same whatever they are)."""
+    groups, warps, gather_draw, pdl: `SelectPolicy`'s fields (`select_policy(n)`'s where None;
+    the tokens are the same whatever they are). pdl: the 1 + PASSES launches with programmatic
+    dependent launch where `pdl.supported` (each waits for the one before before any read), so
+    a pass's launch overlaps the end of the one before."""
     x = logits if logits.stride(1) == 1 else logits.contiguous()
     n, V = x.shape
     lanes = [t.contiguous() for t in (temperature, top_k, top_p, min_p, seed, position)]
@@ -882,12 +892,14 @@ def sample_stages(logits, temperature, top_k, top_p, min_p, seed, position, purp
                          buf(n, cap, dtype=torch.int64))
     count, arrive = buf(n, PASSES, dtype=torch.int32), buf(n, PASSES, dtype=torch.int32)
     out = buf(n, dtype=torch.int64)
+    policy = select_policy(n)
+    on = (policy.pdl if pdl is None else pdl) and _pdl.supported(x.device)
+    launch = dict(PDL=on, **_pdl.launch_options(x.device, on))
     if n:
         _chunk_max_kernel[(n, C)](x, x.stride(0), lanes[0], *parts, count, arrive, cbase, V, C,
                                   PASSES,
                                   CHUNK=chunk, SP=triton.next_power_of_2(PASSES),
-                                  num_warps=CHUNK_WARPS, enable_fp_fusion=False)
-    policy = select_policy(n)
+                                  num_warps=CHUNK_WARPS, enable_fp_fusion=False, **launch)
     G = groups or policy.groups
     for s in range(PASSES if n else 0):
         _select_kernel[(G, C)](x, x.stride(0), *lanes, *parts, state, *work, count, span, cbase,
@@ -896,7 +908,7 @@ def sample_stages(logits, temperature, top_k, top_p, min_p, seed, position, purp
                                SUB=max(min(chunk, SUB), chunk // 8), CP=CP, CAP=cap,
                                DRAW=policy.gather_draw if gather_draw is None else gather_draw,
                                num_warps=warps or policy.warps, maxnreg=SELECT_REGS,
-                               enable_fp_fusion=False)
+                               enable_fp_fusion=False, **launch)
     trace = state[:, STATE_FIELDS.index("trace")]
     return Stages(out, state[:, STATE_FIELDS.index("kf")], state[:, STATE_FIELDS.index("mode")],
                   trace & (PASS_ONE.value - 1), trace // PASS_ONE.value)
