@@ -38,7 +38,11 @@ squares over the program's columns, [P, M] fp32 (P programs). The kernel that no
 that output next (qkv, gate/up, the final norm in `fused_tail`) sums the P partials in a fixed
 order to get the row's RMS: no separate norm pass, no down partials, no atomics. A layer is
 `norm_qkv_rope_store_tc`, the attention, `proj_residual_tc` (o), `norm_gate_up_silu_tc`,
-`proj_residual_tc` (down): five launches, as the one-row layer at M <= fold_max_m.
+`proj_residual_tc` (down): five launches, as the one-row layer at M <= fold_max_m. A policy
+may split the o and down projections' K (`tc_o_splits`, `tc_down_splits`): S times as many
+programs write fp32 partials and a small kernel sums them in split order into the same epilogue
+(one launch more a projection), for shapes whose N alone gives too few programs to keep the
+memory busy (128 at the 1B shape's N = 2048).
 
 PDL: a program issues its weight loads first (the one-row kernels their whole tile, the
 tensor-core kernels the first BLOCK_K chunk of theirs), then waits for the kernel before
