@@ -552,11 +552,17 @@ for name, (fn, consts, warps, preload) in kernels.items():
     fields = dict(f.split(":") for f in usage.split() if f.startswith(("REG:", "STACK:")))
     ptx = k.asm["ptx"]
     before = ptx[:ptx.find("griddepcontrol.wait")]
+    depth, sync_in_loops = 0, 0         # synchronous loads inside a K loop (TTGIR)
+    for line in k.asm["ttgir"].splitlines():
+        depth += "scf.for" in line
+        sync_in_loops += depth > 0 and " tt.load " in line
+        depth -= depth > 0 and "scf.yield" in line
     out[name] = {"regs": int(fields["REG"]), "stack": int(fields["STACK"]),
                  "smem": k.metadata.shared, "waits": ptx.count("griddepcontrol.wait"),
                  "loads_before_wait": before.count("ld.global"),
                  "async_before_wait": before.count("cp.async"),
-                 "preload_loads": None if preload is None else preload // (32 * warps * 16)}
+                 "preload_loads": None if preload is None else preload // (32 * warps * 16),
+                 "sync_loads_in_loops": sync_in_loops}
 print(json.dumps(out))
 """
 
@@ -566,7 +572,8 @@ def test_kernels_compile_for_sm90_with_pdl_and_no_register_spills(tmp_path):
     compiles for sm_90 (ptxas) at the 1B shape and the default policy with PDL on, spills
     nothing, fits an H100's shared memory, waits once, and issues its weight loads before the
     wait; a tensor-core kernel loads exactly its first weight chunk there (16-byte vector
-    loads: nothing else is read before the wait) and starts its pipelined copies after it."""
+    loads: nothing else is read before the wait) and starts its pipelined copies after it, and
+    its K loop has no synchronous load."""
     import subprocess
     import sys
 
@@ -588,6 +595,12 @@ def test_kernels_compile_for_sm90_with_pdl_and_no_register_spills(tmp_path):
             assert r["loads_before_wait"] > 0, f"{name}: {r}"
         else:
             assert r["loads_before_wait"] == r["preload_loads"], f"{name}: {r}"
+    # the K loops of the tensor-core kernels stream everything through async copies: a load
+    # left synchronous (as the norm weight's [BK] chunk once was, 2 bytes a thread) pays an L2
+    # round trip every K step
+    for name in ("qkv_tc", "proj_residual_tc", "proj_partials_tc", "gate_up_tc", "lm_head",
+                 "lm_head_logits"):
+        assert results[name]["sync_loads_in_loops"] == 0, f"{name}: {results[name]}"
 
 
 # ------------------------------------------------------------------------------------ CUDA

@@ -523,12 +523,14 @@ def rows_chunk(X, stride_x, m, m_ok, ks, K, rstd, NormW, NORM: tl.constexpr):
     x = tl.load(X + m[:, None] * stride_x + ks[None, :], mask=m_ok[:, None] & k_ok[None, :],
                 other=0.0)
     if NORM:
-        # the weight's chunk broadcast over the rows ([BM, BK], as x): a [BK] load is 2 bytes a
-        # thread, below the 4 of an async copy, so Triton would leave it a synchronous load
-        # inside the K loop, its L2 latency paid every step
-        nw = tl.load(NormW + (m * 0)[:, None] + ks[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                     other=0.0).to(tl.float32)
-        x = ((x.to(tl.float32) * rstd[:, None]) * nw).to(X.dtype.element_ty)
+        # the weight's chunk loaded twice over ([2, BK], one row kept): a [BK] load is 2 bytes
+        # a thread, below the 4 of an async copy, so Triton would leave it a synchronous load
+        # inside the K loop, its L2 latency paid every step; two rows are pipelined with the
+        # weights (a [BM, BK] broadcast would be too, at 4 KB more shared memory a stage)
+        twice = tl.zeros([2, 1], dtype=tl.int32)
+        nw = tl.load(NormW + twice + ks[None, :], mask=(twice == 0) & k_ok[None, :], other=0.0)
+        nw = tl.max(nw.to(tl.float32), axis=0)                      # [BK]: the rows are equal
+        x = ((x.to(tl.float32) * rstd[:, None]) * nw[None, :]).to(X.dtype.element_ty)
     return x
 
 
