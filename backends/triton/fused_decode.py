@@ -545,6 +545,27 @@ def rows_rstd(Ssq, n_ssq, M, m, m_ok, K, eps, BLOCK_P: tl.constexpr):
 
 
 @triton.jit
+def product_tc(A, W, stride_a, stride_w, n, n_ok, M, lo, hi, BLOCK_N: tl.constexpr,
+               BM: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, PDL: tl.constexpr):
+    """[BLOCK_N, BM] fp32: W[n, lo:hi] @ A[:M, lo:hi].T, K steps of BK from lo. The first
+    weight chunk is loaded before the wait for the kernel before (PDL), the rest in the
+    pipelined K loop after it."""
+    ks = lo + tl.arange(0, BK)
+    w = weight_chunk(W, stride_w, n, n_ok, ks, hi)                  # [BLOCK_N, BK]
+    wait_for_previous(PDL)
+
+    m = tl.arange(0, BM)
+    m_ok = m < M
+    acc = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
+    acc = mma_rows(acc, w, rows_chunk(A, stride_a, m, m_ok, ks, hi, None, None, False), F32)
+    for k0 in range(lo + BK, hi, BK):
+        acc = mma_rows(acc, weight_chunk(W, stride_w, n, n_ok, k0 + ks - lo, hi),
+                       rows_chunk(A, stride_a, m, m_ok, k0 + ks - lo, hi, None, None, False),
+                       F32)
+    return acc
+
+
+@triton.jit
 def _proj_residual_tc_kernel(A, W, Resid, Out, Ssq, M, N, K, stride_a, stride_w,
                              BLOCK_N: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                              F32: tl.constexpr, PDL: tl.constexpr):
@@ -553,17 +574,9 @@ def _proj_residual_tc_kernel(A, W, Resid, Out, Ssq, M, N, K, stride_a, stride_w,
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    ks = tl.arange(0, BK)
-    w = weight_chunk(W, stride_w, n, n_ok, ks, K)                   # [BLOCK_N, BK]
-    wait_for_previous(PDL)
-
+    acc = product_tc(A, W, stride_a, stride_w, n, n_ok, M, 0, K, BLOCK_N, BM, BK, F32, PDL)
     m = tl.arange(0, BM)
     m_ok = m < M
-    acc = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
-    acc = mma_rows(acc, w, rows_chunk(A, stride_a, m, m_ok, ks, K, None, None, False), F32)
-    for k0 in range(BK, K, BK):
-        acc = mma_rows(acc, weight_chunk(W, stride_w, n, n_ok, k0 + ks, K),
-                       rows_chunk(A, stride_a, m, m_ok, k0 + ks, K, None, None, False), F32)
     dtype = Out.dtype.element_ty
     ok = n_ok[:, None] & m_ok[None, :]
     offs = m[None, :] * N + n[:, None]                              # [BLOCK_N, BM]
@@ -585,19 +598,10 @@ def _proj_partials_tc_kernel(A, W, Parts, M, N, K, k_per_split, stride_a, stride
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     lo = s * k_per_split
-    hi = tl.minimum(lo + k_per_split, K)
-    ks = lo + tl.arange(0, BK)
-    w = weight_chunk(W, stride_w, n, n_ok, ks, hi)                  # [BLOCK_N, BK]
-    wait_for_previous(PDL)
-
+    acc = product_tc(A, W, stride_a, stride_w, n, n_ok, M, lo, tl.minimum(lo + k_per_split, K),
+                     BLOCK_N, BM, BK, F32, PDL)
     m = tl.arange(0, BM)
     m_ok = m < M
-    acc = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
-    acc = mma_rows(acc, w, rows_chunk(A, stride_a, m, m_ok, ks, hi, None, None, False), F32)
-    for k0 in range(lo + BK, hi, BK):
-        acc = mma_rows(acc, weight_chunk(W, stride_w, n, n_ok, k0 + ks - lo, hi),
-                       rows_chunk(A, stride_a, m, m_ok, k0 + ks - lo, hi, None, None, False),
-                       F32)
     tl.store(Parts + (s * M + m[None, :]) * N + n[:, None], acc,
              mask=n_ok[:, None] & m_ok[None, :])
 
