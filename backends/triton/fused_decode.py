@@ -135,7 +135,7 @@ class FusedDecodePolicy:
     num_warps: int = 8
     fold_max_m: int = 4
     tc_block_n: int = 16
-    tc_half_n: int = 8
+    tc_half_n: int = 16
     tc_ffn_n: int = 32
     tc_block_k: int = 128
     tc_proj_block_k: int = 256
