@@ -42,7 +42,8 @@ order to get the row's RMS: no separate norm pass, no down partials, no atomics.
 may split the o and down projections' K (`tc_o_splits`, `tc_down_splits`): S times as many
 programs write fp32 partials and a small kernel sums them in split order into the same epilogue
 (one launch more a projection), for shapes whose N alone gives too few programs to keep the
-memory busy (128 at the 1B shape's N = 2048).
+memory busy; at the 1B shape (N = 2048, 128 programs) two or four splits were slower on an
+H100, so the default is unsplit.
 
 PDL: a program issues its weight loads first (the one-row kernels their whole tile, the
 tensor-core kernels the first BLOCK_K chunk of theirs), then waits for the kernel before
@@ -122,9 +123,10 @@ class FusedDecodePolicy:
     H100, 1.8x slower than the eager-captured path at the 1B shape); the tensor-core kernels
     read the same weight bytes with ~16x2 flops a weight on the tensor cores. Measured on an
     H100 at the 1B shape (results/bench_runner.md): against a body compiled by inductor, the
-    fused step wins at one row (1231 against 1458 us) and loses at 16 (1749 against 1632, the
-    tensor-core kernels at 1.9x the floor), so with a compiled body a lower max_rows serves
-    16-row steps faster (the crossover between is not measured)."""
+    fused step wins at one row (1231 against 1458 us), at 4 rows (1441 against 1521) and at 16
+    (1543 against 1651, 1.66x the floor). tc_half_n 16 and unsplit projections are from a
+    per-kernel sweep there (results/fused_decode.md): qkv 11.1 us at 16 against 16.6 at 8; two
+    or four K splits slower than one for both projections."""
     pdl: bool = True
     tc_pdl: bool = False
     max_rows: int = 16
