@@ -375,6 +375,33 @@ def test_kernel_in_a_cuda_graph_draws_fresh_keys_on_every_replay():
         assert torch.equal(out, S.sample(logits, *fresh, PURPOSE_DECODE, impl="torch"))
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("bs", [1, 16, 64])
+def test_pdl_launches_in_a_cuda_graph_give_the_reference_tokens(bs):
+    """`sample_stages(pdl=True)` (each pass launched while the one before runs, waiting before
+    its first read) captured after a kernel that writes the logits: every replay's tokens are
+    the torch reference's for the logits and lanes of that replay."""
+    V = 128256
+    g = torch.Generator().manual_seed(300 + bs)
+    base = torch.randn(bs, V, generator=g).cuda()
+    scale = torch.ones(bs, 1, device="cuda")
+    args = random_lanes(bs, V, g, device="cuda")
+    static = [a.clone() for a in args]
+    logits = base * scale
+    K.sample_stages(logits, *static, PURPOSE_DECODE, pdl=True)   # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits = base * scale                                   # the kernel before the sampler
+        out = K.sample_stages(logits, *static, PURPOSE_DECODE, pdl=True).tokens
+    for step in range(3):
+        scale.fill_(1.0 + 3.0 * step)
+        for s_, f in zip(static, random_lanes(bs, V, g, device="cuda")):
+            s_.copy_(f)
+        graph.replay()
+        want = S.sample(base * scale, *static, PURPOSE_DECODE, impl="torch")
+        assert torch.equal(out, want), step
+
+
 COMPILE_SCRIPT = textwrap.dedent('''
     import inspect
     import triton
