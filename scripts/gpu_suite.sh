@@ -31,7 +31,8 @@
 #   bench-eagle-sampling  EAGLE with sampling against plain sampling (bench/bench_eagle_sampling.py)
 #   bench-moe        the DeepSeek-like MoE, routed against dense (bench/bench_moe.py)
 #   bench-sampling   the sampler against argmax at bs 1/16/64, and sharp top-p by row groups (bench/bench_sampling.py)
-#   bench-sampling-sweep  the sampler's select-pass launch grid (row groups, warps, the draw in the gather)
+#   bench-sampling-sweep  the sampler's select-pass launch grid (row groups, warps, the draw in the gather, PDL)
+#   bench-fused-tc   the fused tensor-core kernels one by one against cuBLAS (bench/sweep_fused_tc.py)
 # Results and logs go under $OUT (default results/local).
 # PACK=name: write them under a scratch directory instead and leave one $OUT/name.tgz at the end
 # (for a caller that fetches only a few files from $OUT; $OUT itself is never written otherwise).
@@ -100,6 +101,7 @@ want bench-hybrid && run bench_hybrid python3 -m bench.bench_hybrid --check
 want bench-eagle-sampling && run bench_eagle_sampling python3 -m bench.bench_eagle_sampling
 want bench-sampling && run bench_sampling python3 -m bench.bench_sampling
 want bench-sampling-sweep && run bench_sampling_sweep python3 -m bench.bench_sampling --sweep
+want bench-fused-tc && run bench_fused_tc python3 -m bench.sweep_fused_tc --rows 16,4 --grid
 want bench-moe && run bench_moe python3 -m bench.bench_moe --sizes 1,16
 echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/pytest_cuda*.log "$OUT"/spec_cuda.log 2>/dev/null | tail -6
 exit $rc
