@@ -48,7 +48,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-from bench.common import random_tree_masks  # noqa: E402
+from bench.common import command_line, random_tree_masks  # noqa: E402
 from padgraph.backends.triton.attention import (  # noqa: E402
     decode_attention, decode_attention_reference, extend_attention, extend_attention_reference,
     tree_verify_attention, tree_verify_attention_reference)
@@ -332,7 +332,7 @@ def main():
     copy_bw = copy_bandwidth(device)
     meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), gpu=gpu,
                 n_sm=sm_count(device), torch=torch.__version__, triton=triton.__version__,
-                command=" ".join([sys.executable] + sys.argv), copy_bw_GBps=copy_bw / 1e9)
+                command=command_line(), copy_bw_GBps=copy_bw / 1e9)
     layouts = ("random", "contiguous") if args.layout == "both" else (args.layout,)
 
     def decode_rows():

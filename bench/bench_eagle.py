@@ -25,6 +25,7 @@ import time
 import torch
 
 import padgraph as pg
+from bench.common import command_line
 from padgraph.llm.oracle import TIE_TOL, first_divergences
 from padgraph.llm.presets import DRAFT_COMPILE, DRAFT_LM_HEAD, GPU_TREE, MODELS, setup
 from padgraph.llm import Engine, RunStats, SpecConfig
@@ -277,7 +278,7 @@ def write(out_dir, rows, spec, dinfo, seconds, queue=None):
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "triton": triton.__version__, "command": " ".join([sys.executable] + sys.argv),
+        "triton": triton.__version__, "command": command_line(),
         "model": DESCRIPTION[MODEL],
         "draft": {"compile": DRAFT_COMPILE[MODEL], "lm_head": DRAFT_LM_HEAD[MODEL]},
         "spec": vars(spec) if hasattr(spec, "__dict__") else str(spec),

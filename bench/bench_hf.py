@@ -63,6 +63,10 @@ import transformers.generation.utils
 from transformers import StaticCache
 
 import padgraph.hf as pghf
+try:
+    from bench.common import command_line
+except ImportError:         # run by its path: bench/ is on sys.path, the repository root is not
+    from common import command_line
 from padgraph.hf.support import linear_cache_api
 
 SIZES = [1, 4, 16, 64]
@@ -507,7 +511,7 @@ def main() -> None:
     prompts = {n: torch.randint(1, model.config.vocab_size, (n, CTX), generator=gen).to(device) for n in sizes}
     info = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "none (cpu)",
-            "transformers": transformers.__version__, "stem": f"bench_hf_{args.model}", "command": " ".join(["python"] + sys.argv),
+            "transformers": transformers.__version__, "stem": f"bench_hf_{args.model}", "command": command_line(),
             "model": f"{args.model}{' (tiny)' if args.tiny else ''}, {model.num_parameters() / 1e9:.2f}B params, "
                      f"{next(model.parameters()).dtype}",
             "shape": "tiny: 2 layers, hidden 64" if args.tiny else MODELS[args.model][2],

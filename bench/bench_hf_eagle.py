@@ -32,6 +32,10 @@ import torch
 import transformers
 
 import padgraph.hf as pghf
+try:
+    from bench.common import command_line
+except ImportError:         # run by its path: bench/ is on sys.path, the repository root is not
+    from common import command_line
 
 from bench_hf import Clock, build_model     # run as a script, like bench_hf: bench/ is on sys.path
 
@@ -85,7 +89,7 @@ def main() -> None:
         print(f"bs={n:>3} greedy {r['greedy_tok_s']:9.1f} tok/s  eagle {r['eagle_tok_s']:9.1f} tok/s  "
               f"{r['speedup']:.2f}x  accept {r['accept_len']:.2f}  rows equal {r['rows_equal']}/{n}", flush=True)
     info = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "command": " ".join(["python"] + sys.argv),
+            "transformers": transformers.__version__, "command": command_line(),
             "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "none (cpu)",
             "model": f"{args.model}{' (tiny)' if args.tiny else ''}", "ctx": CTX, "new_tokens": NEW,
             "warmup_s": {"greedy": t_greedy, "eagle (distillation included)": t_eagle},

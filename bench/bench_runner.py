@@ -44,7 +44,6 @@ import bisect
 import copy
 import json
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -472,7 +471,7 @@ def warm_compile_ro(fn, raw: dict, setup: dict, n: int) -> torch.Tensor:
 
 def report(rows, setup, names, sizes, bw, weight_bytes, cfg, args):
     out = out_dir()
-    info = env_info(" ".join(["python"] + sys.argv))
+    info = env_info()
     data = {"env": info, "copy_bandwidth_GBps": bw / 1e9, "weight_bytes": weight_bytes,
             "floor": "weight bytes a step reads (all but the embedding table, one row of it per "
                      "request) + KV bytes read, over the copy bandwidth",

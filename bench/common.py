@@ -18,12 +18,33 @@ def out_dir() -> Path:
     return path
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The command that ran, as one types it at the repository root: `python -m bench.x ARGS` for
+    a benchmark run as a module, `python PATH ARGS` for a script run by its path, PATH relative
+    to the root wherever the checkout lies (no machine path is recorded)."""
+    argv = list(sys.argv if argv is None else argv)
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if argv is sys.argv or argv == sys.argv:
+        if spec is not None and spec.name.startswith("bench."):     # python -m bench.x
+            return " ".join([f"python -m {spec.name}", *argv[1:]])
+    script = Path(argv[0]) if argv else Path("?")
+    try:
+        rel = script.resolve().relative_to(ROOT)
+    except ValueError:
+        rel = Path(script.name)
+    return " ".join([f"python {rel.as_posix()}", *argv[1:]])
+
+
 def env_info(command: str | None = None) -> dict:
     import triton
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (cpu)"
     return {"date": datetime.date.today().isoformat(), "gpu": gpu,
             "torch": torch.__version__, "triton": triton.__version__,
-            "command": command or " ".join(["python"] + sys.argv)}
+            "command": command or command_line()}
 
 
 def copy_bandwidth(device, n_bytes: int = 2 << 30, iters: int = 20) -> float:

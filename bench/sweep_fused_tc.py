@@ -7,7 +7,8 @@ from HBM each call: 12.6-67 MB a kernel against a 50 MB L2, most of which the ne
 weights evict), µs a call = median replay time / calls over 15 replays. `--before COMMIT` loads
 that commit's `fused_decode.py` beside the current one (`git show`, same process) and times its
 default kernels too, checking that qkv and gate/up give the same bits. `--grid` sweeps the qkv
-and gate/up launch fields at the first row count. Writes sweep_fused_tc.json under $OUT (or
+and gate/up launch fields at the first row count (a point that needs more shared memory than the SM
+has is recorded as skipped). Writes sweep_fused_tc.json under $OUT (or
 results/local).
 
     python -m bench.sweep_fused_tc [--rows 16,4] [--before 33e6ef9] [--grid]
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from triton.runtime.errors import OutOfResources
 
 from bench.common import env_info, out_dir
 from padgraph.backends.triton import fused_decode as fd
@@ -107,7 +109,16 @@ def main() -> None:
     rows = []
 
     def rec(m, kernel, variant, fn, **cfg):
-        us = graph_us(fn, args.calls)
+        try:
+            us = graph_us(fn, args.calls)
+        except OutOfResources as e:     # a grid point past the SM's shared memory: recorded, not timed
+            if variant != "grid":
+                raise
+            row = dict(rows=m, kernel=kernel, variant=variant, cfg=cfg, us=None,
+                       skipped=str(e).split(".")[0])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            return
         row = dict(rows=m, kernel=kernel, variant=variant, cfg=cfg, us=round(us, 2),
                    tb_s=round(mb[kernel] / us, 2))
         rows.append(row)

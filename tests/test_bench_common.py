@@ -1,6 +1,7 @@
 """bench.common's profile summaries: kernels by class and the GPU span, on stand-in profiler
 events (the benchmarks run them on real ones)."""
 import math
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -52,3 +53,15 @@ def test_gpu_span_runs_from_the_first_kernel_start_to_the_last_kernel_end_per_ca
     events = [_event("a", 100, 5), _event("b", 130, 10), _event("host", 0, 1000, device=CPU)]
     assert gpu_span_us(events, n_calls=2) == pytest.approx(20.0)
     assert math.isnan(gpu_span_us([_event("host", 0, 5, device=CPU)], 1))      # no kernel: no span
+
+
+def test_the_recorded_command_is_one_to_type_at_the_root_with_no_machine_path(monkeypatch):
+    from bench.common import ROOT, command_line
+    monkeypatch.setattr(sys.modules["__main__"], "__spec__", None, raising=False)
+    assert command_line([str(ROOT / "bench" / "bench_hf.py"), "--tiny"]) == "python bench/bench_hf.py --tiny"
+    assert command_line([str(ROOT / "examples" / "eagle.py")]) == "python examples/eagle.py"
+    assert command_line(["/elsewhere/x.py", "-v"]) == "python x.py -v"
+    spec = SimpleNamespace(name="bench.bench_sampling")
+    monkeypatch.setattr(sys.modules["__main__"], "__spec__", spec, raising=False)
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "bench" / "bench_sampling.py"), "--sweep"])
+    assert command_line() == "python -m bench.bench_sampling --sweep"
