@@ -64,9 +64,9 @@ from transformers import StaticCache
 
 import padgraph.hf as pghf
 try:
-    from bench.common import command_line
+    from bench.common import command_line, plot_step_times
 except ImportError:         # run by its path: bench/ is on sys.path, the repository root is not
-    from common import command_line
+    from common import command_line, plot_step_times
 from padgraph.hf.support import linear_cache_api
 
 SIZES = [1, 4, 16, 64]
@@ -477,6 +477,8 @@ def report(results, names, sizes, info) -> None:
     data = {"env": info, "ctx": CTX, "steps": STEPS, "iters": ITERS, "warmup": results["warmup"],
             "rows": results["rows"], "failed": results["failed"], "profiles": results["profiles"]}
     (out / f"{info['stem']}.json").write_text(json.dumps(data, indent=1, default=str))
+    plot_step_times([{**r, "step_us": r["step_ms"] * 1e3} for r in results["rows"]], names,
+                    out / f"{info['stem']}.png", f"{info['model'].split(',')[0]} decode step", "step time (ms)")
     print("\n".join(lines), flush=True)
 
 

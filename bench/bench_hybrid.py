@@ -236,6 +236,10 @@ def make_head(target: HybridModel, mode: Mode, kind: str) -> tuple[EagleHead, di
     return head, info
 
 
+def phase_line(phases: dict) -> str:
+    return " / ".join(f"{k} {v:.2f}" for k, v in phases.items()) or "-"
+
+
 def spec_row(engine: Engine, bs: int, mode: Mode) -> dict:
     """Plain greedy and EAGLE on the same batches (`bench_eagle.measure`), and the token check."""
     vocab = mode.cfg.vocab_size
@@ -250,11 +254,12 @@ def spec_row(engine: Engine, bs: int, mode: Mode) -> dict:
            "speedup_vs_greedy": e.tokens_per_s / g.tokens_per_s if g.tokens_per_s else 0.0,
            "greedy_step_ms": 1e3 * g.round_seconds, "eagle_round_ms": 1e3 * e.round_seconds,
            "rounds": {"greedy_steps": g.rounds, "eagle_rounds": e.rounds},
+           "phases_s": {"greedy": dict(g.phases), "eagle": dict(e.phases)},    # where a step's time went
            "greedy_match": match, "near_ties": len(div["near_tie"]), "other": len(div["other"]),
            "first_divergences": div}
     print(f"spec bs={bs:>3}: greedy {row['greedy_tok_s']:8.0f} tok/s, EAGLE {row['eagle_tok_s']:8.0f} tok/s, "
-          f"accept {row['accept_len']:.2f}, speedup {row['speedup_vs_greedy']:.2f}x; greedy match {match}",
-          flush=True)
+          f"accept {row['accept_len']:.2f}, speedup {row['speedup_vs_greedy']:.2f}x; greedy match {match}; "
+          f"phases s: greedy {phase_line(g.phases)}, EAGLE {phase_line(e.phases)}", flush=True)
     return row
 
 

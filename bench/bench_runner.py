@@ -478,21 +478,23 @@ def report(rows, setup, names, sizes, bw, weight_bytes, cfg, args):
             "config": cfg.__dict__, "setup": setup, "rows": rows}
     (out / "bench_runner.json").write_text(json.dumps(data, indent=1, default=str))
     by = {(r["bs"], r["variant"]): r for r in rows}
+    ratio_col = "padgraph" in names and "handwritten" in names     # the runner against a hand-written one
     lines = [f"# bench_runner — {info['date']}, {info['gpu']}, torch {info['torch']}, triton {info['triton']}",
              f"command: `{info['command']}`; copy bandwidth {bw / 1e9:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB "
              "stored; floor: the weight bytes a step reads (all but the embedding table, one row "
              "of it per request) + KV bytes read, over the copy bandwidth", "",
              "step time µs per call (median, CUDA events around one call) / back to back (µs a call, "
              f"{args.iters} calls queued between two events, median of 5) / host µs per call (median)", "",
-             "| bs | floor | " + " | ".join(names) + " | padgraph/handwritten |",
-             "|---|---|" + "---|" * len(names) + "---|"]
+             "| bs | floor | " + " | ".join(names) + (" | padgraph/handwritten |" if ratio_col else " |"),
+             "|---|---|" + "---|" * (len(names) + ratio_col)]
     for n in sizes:
         cells = [f"{by[(n, v)]['step_us']:.0f} / {by[(n, v)]['b2b_us']:.0f} / {by[(n, v)]['host_us']:.0f}"
                  if (n, v) in by else "-" for v in names]
-        ratio = (by[(n, "padgraph")]["step_us"] / by[(n, "handwritten")]["step_us"]
-                 if (n, "padgraph") in by and (n, "handwritten") in by else float("nan"))
+        if ratio_col:
+            cells.append(f"{by[(n, 'padgraph')]['step_us'] / by[(n, 'handwritten')]['step_us']:.3f}"
+                         if (n, "padgraph") in by and (n, "handwritten") in by else "-")
         floor_us = next(r["floor_us"] for r in rows if r["bs"] == n)     # a size's floor, whichever variant ran
-        lines.append(f"| {n} | {floor_us:.0f} | " + " | ".join(cells) + f" | {ratio:.3f} |")
+        lines.append(f"| {n} | {floor_us:.0f} | " + " | ".join(cells) + " |")
     lines += warmup_lines(setup, sizes)
     lines += sampling_lines(by, setup, sizes)
     lines += ["", "setup (capture / warm-up seconds, pool bytes):", "", "```", json.dumps(setup, indent=1), "```"]

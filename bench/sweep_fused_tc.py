@@ -161,9 +161,9 @@ def main() -> None:
                 x, ssq, w, rope, pos, loc, kc, vc, policy=p),
                 tc_half_n=half, tc_block_k=bk, tc_stages=st, tc_warps=wp)
         for fn_, bk, st in itertools.product((16, 32, 64), (64, 128, 256), (3, 6)):
-            p = dataclasses.replace(base, tc_ffn_n=fn_, tc_block_k=bk, tc_stages=st)
+            p = dataclasses.replace(base, tc_ffn_n=fn_, tc_block_k=bk, tc_ffn_stages=st)
             rec(m, "gate_up", "grid", lambda p=p: fd.norm_gate_up_silu_tc(x, ssq, w, policy=p),
-                tc_ffn_n=fn_, tc_block_k=bk, tc_stages=st)
+                tc_ffn_n=fn_, tc_block_k=bk, tc_ffn_stages=st)
     out = out_dir() / "sweep_fused_tc.json"
     out.write_text(json.dumps({"env": env_info(), "calls": args.calls, "rows": rows}, indent=1))
     print(f"wrote {out}")

@@ -14,5 +14,17 @@ def test_the_report_takes_a_size_floor_from_a_variant_that_ran(tmp_path, monkeyp
     names = ["padgraph+compile+pdl", "padgraph+compile", "padgraph+fused"]
     bench_runner.report(rows, {}, names, [1, 16], 1e12, 10**6, LlamaConfig.tiny(), SimpleNamespace(iters=5))
     table = (tmp_path / "bench_runner.md").read_text()
-    assert "| 1 | 41 | - | 101 / 91 / 10 | 101 / 91 / 10 | nan |" in table, table
-    assert "| 16 | 56 | - | 116 / 106 / 10 | 116 / 106 / 10 | nan |" in table, table
+    assert "| 1 | 41 | - | 101 / 91 / 10 | 101 / 91 / 10 |\n" in table, table
+    assert "| 16 | 56 | - | 116 / 106 / 10 | 116 / 106 / 10 |\n" in table, table
+    assert "handwritten" not in table.split("setup")[0]    # no ratio column without both runners
+
+
+def test_the_report_gives_the_runner_against_the_hand_written_one_where_both_ran(tmp_path, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    rows = [{"bs": 1, "variant": v, "step_us": us, "b2b_us": us, "host_us": 10.0, "floor_us": 40.0,
+             "token_match_vs_eager": 1.0} for v, us in (("handwritten", 200.0), ("padgraph", 198.0))]
+    bench_runner.report(rows, {}, ["handwritten", "padgraph"], [1], 1e12, 10**6, LlamaConfig.tiny(),
+                        SimpleNamespace(iters=5))
+    table = (tmp_path / "bench_runner.md").read_text()
+    assert "| bs | floor | handwritten | padgraph | padgraph/handwritten |" in table, table
+    assert "| 1 | 40 | 200 / 200 / 10 | 198 / 198 / 10 | 0.990 |" in table, table

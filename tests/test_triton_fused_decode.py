@@ -410,6 +410,9 @@ def test_the_shapes_the_kernels_do_not_take_are_refused_or_left_to_the_caller():
     with pytest.raises(ContractValueError, match="policy.tc_stages must be >= 1"):
         fd.norm_gate_up_silu_tc(h2, torch.ones(1, 2), w, policy=fd.FusedDecodePolicy(tc_stages=0),
                                 impl="triton")
+    with pytest.raises(ContractValueError, match="policy.tc_ffn_stages must be >= 1"):
+        fd.norm_gate_up_silu_tc(h2, torch.ones(1, 2), w, policy=fd.FusedDecodePolicy(tc_ffn_stages=0),
+                                impl="triton")
     with pytest.raises(ContractValueError, match="'ssq'.*\\[P >= 1, 2\\] fp32"):
         fd.norm_gate_up_silu_tc(h2, torch.ones(1, 3), w, impl="triton")
 
@@ -542,7 +545,7 @@ for name, (fn, consts, warps, preload) in kernels.items():
         if a not in consts and a not in ("M", "eps", "n_q_heads", "n_kv_heads", "C")}
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(a),): v for a, v in consts.items()},
                     attrs=attrs)
-    stages = 1 if preload is None else policy.tc_stages
+    stages = 1 if preload is None else policy.tc_ffn_stages if name == "gate_up_tc" else policy.tc_stages
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps, "num_stages": stages})
     path = os.path.join(sys.argv[1], name + ".cubin")
