@@ -110,7 +110,8 @@ class FusedDecodePolicy:
     lm_head of `fused_tail`); tc_proj_block_k: that of the o and down projections (one dot a
     step: a longer step fits in registers, and their 128 programs at the 1B shape need more
     bytes in flight each). tc_stages: software-pipeline stages of the K loop (Triton's
-    num_stages: stages - 1 steps of weights in flight a program). tc_warps: warps a program.
+    num_stages: stages - 1 steps of weights in flight a program); tc_ffn_stages: the gate/up
+    kernel's (two weight tiles a step). tc_warps: warps a program.
     tail_block_v: lm_head rows a program in `fused_tail`. tc_o_splits, tc_down_splits: K splits
     of the o and the down projection (`proj_residual_tc`): 1 runs the whole of K in each of
     cdiv(N, tc_block_n) programs; S > 1 runs S times as many, each streaming its share of K into
@@ -126,7 +127,8 @@ class FusedDecodePolicy:
     fused step wins at one row (1231 against 1458 us), at 4 rows (1441 against 1521) and at 16
     (1543 against 1651, 1.66x the floor). tc_half_n 16 and unsplit projections are from a
     per-kernel sweep there (results/fused_decode.md): qkv 11.1 us at 16 against 16.6 at 8; two
-    or four K splits slower than one for both projections."""
+    or four K splits slower than one for both projections; gate/up at 3 stages 26.4 and 26.6 us
+    against 28.5 and 28.7 at 6 (two runs)."""
     pdl: bool = True
     tc_pdl: bool = False
     max_rows: int = 16
@@ -142,6 +144,7 @@ class FusedDecodePolicy:
     tc_block_k: int = 128
     tc_proj_block_k: int = 256
     tc_stages: int = 6
+    tc_ffn_stages: int = 3
     tc_warps: int = 4
     tail_block_v: int = 64
     tc_o_splits: int = 1
@@ -189,8 +192,9 @@ def launch_tc(policy: FusedDecodePolicy, device: torch.device, one_row: bool = F
     for field in ("tc_half_n", "tc_warps"):
         if not _pow2(getattr(policy, field)):
             _refuse(field, getattr(policy, field), "a power of two")
-    if policy.tc_stages < 1:
-        _refuse("tc_stages", policy.tc_stages, ">= 1")
+    for field in ("tc_stages", "tc_ffn_stages"):
+        if getattr(policy, field) < 1:
+            _refuse(field, getattr(policy, field), ">= 1")
     for field in ("tc_o_splits", "tc_down_splits"):
         if getattr(policy, field) < 1:
             _refuse(field, getattr(policy, field), ">= 1")
@@ -978,7 +982,7 @@ def norm_gate_up_silu_tc(h, ssq, w: LayerWeights, *,
     check_weight("w_up", w.w_up, w.w_gate.shape[0], k, h.dtype)
     if not kernel:
         return norm_gate_up_silu_reference(h, w)
-    opts = launch_tc(policy, h.device)
+    opts = {**launch_tc(policy, h.device), "num_stages": policy.tc_ffn_stages}
     n = w.w_gate.shape[0]
     act = torch.empty(m, n, dtype=h.dtype, device=h.device)
     _norm_gate_up_tc_kernel[(triton.cdiv(n, policy.tc_ffn_n),)](
