@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from padgraph.backends.triton.conv_state import (conv_state_prefill, conv_state_prefill_reference,
-                                                 conv_state_update, conv_state_update_reference)
+                                                 conv_state_update, conv_state_update_reference, conv_tree_update,
+                                                 conv_tree_update_reference)
 from padgraph.backends.triton import ssm
 from padgraph.backends.triton.ssm import (ssm_chunked_scan, ssm_chunked_scan_reference, ssm_decode_update,
-                                          ssm_decode_update_reference)
+                                          ssm_decode_update_reference, ssm_tree_update, ssm_tree_update_reference)
 from recurrent_cases import packed as _packed, replay_with_new_data as _replay_with_new_data
 
 N_SLOTS = 9
@@ -330,6 +331,127 @@ CONV_DIM, CONV_K = 32 * 64 + 2 * 128, 4        # x, B and C go through the conv 
 
 
 
+
+# ---- a verify's tree: every node in one launch ----------------------------------------------------
+TREES = {  # parents of each node (-1: the root); a padded lane's parents are its pads (all -1)
+    "chain": [-1, 0, 1, 2, 3],
+    "branches": [-1, 0, 0, 1, 2],
+    "wide": [-1, 0, 0, 0, 0],
+    "one": [-1],
+}
+
+
+def _tree_call(name, n_raw, n_pad, seed):
+    """slot [bs] (raw lanes distinct live slots, padded lanes the sink), parents [bs, k]."""
+    par = TREES[name]
+    slot = _slots(n_raw, n_pad, seed=seed)
+    parents = torch.tensor([par] * n_raw + [[-1] * len(par)] * n_pad, dtype=torch.int64)
+    return slot, parents
+
+
+def _tree_rows(slot, k):
+    return (slot[:, None] * k + torch.arange(k)).flatten()
+
+
+def _assert_tree_pool(after, before, owned_rows, want, case, tol=None):
+    """The raw lanes' node rows equal `want`, the sink's nodes are free, every other row untouched."""
+    k_sink = set(range(after.shape[0] // N_SLOTS))      # the sink's node rows: 0 .. k - 1
+    owned = set(owned_rows.tolist())
+    others = [r for r in range(after.shape[0]) if r not in owned and r not in k_sink]
+    assert torch.equal(after[others], before[others]), f"node rows no lane owns were written [{case}]"
+    torch.testing.assert_close(after[owned_rows].float(), want.float(), rtol=tol, atol=tol,
+                               msg=lambda m: f"{m} [{case}]")
+
+
+@pytest.mark.parametrize("extras", [False, True], ids=["plain", "D-z-bias"])
+@pytest.mark.parametrize("tree", list(TREES))
+def test_ssm_tree_matches_its_node_by_node_reference_and_leaves_the_slots_alone(tree, extras):
+    """Every node from its parent's state, in one launch: y and each node's state as the
+    reference (a row copy and a decode step a node), the slots only read, the raw lanes' node
+    rows the only ones written besides the sink's, and the decode kernel node by node gives the
+    same bits."""
+    n_heads, head_dim, d_state, n_groups, n_raw, n_pad = 3, 37, 9, 3, 3, 2
+    slot, parents = _tree_call(tree, n_raw, n_pad, seed=len(tree))
+    bs, k = parents.shape
+    p = _ssm_params(n_heads, head_dim, d_state, n_groups, bs * k, seed=k, extras=extras)
+    state = _pool((N_SLOTS, n_heads, head_dim, d_state), seed=1)
+    pool = _pool((N_SLOTS * k, n_heads, head_dim, d_state), seed=2)
+    got_state, got_tree, ref_tree = state.clone(), pool.clone(), pool.clone()
+    y = ssm_tree_update(got_state, got_tree, slot, parents, impl="triton", **p)
+    y_ref = ssm_tree_update_reference(state.clone(), ref_tree, slot, parents, **p)
+    raw = (torch.arange(bs * k) < n_raw * k)
+    case = f"tree={tree} extras={extras}"
+    torch.testing.assert_close(y[raw], y_ref[raw], msg=lambda m: f"{m} [{case}]")
+    assert torch.equal(got_state, state), case
+    rows = _tree_rows(slot[:n_raw], k)
+    _assert_tree_pool(got_tree, pool, rows, ref_tree[rows], case)
+    # the same bits as the decode kernel run node by node on the same rows (the path it replaces)
+    by_node, ys = pool.clone(), []
+    per = {n: v.view(bs, k, *v.shape[1:]) if v.shape[0] == bs * k else v for n, v in p.items()}
+    for j in range(k):
+        node = slot * k + j
+        src = state[slot] if j == 0 else by_node[slot * k + parents[:, j].clamp(min=0)]
+        by_node.index_copy_(0, node[:n_raw], src[:n_raw])
+        ys.append(ssm_decode_update(by_node, node[:n_raw], impl="triton",
+                                    **{n: v[:n_raw, j] if v.dim() > 1 and v.shape[:2] == (bs, k) else v
+                                       for n, v in per.items()}))
+    assert torch.equal(got_tree[rows], by_node[rows]), case
+    assert torch.equal(y.view(bs, k, *y.shape[1:])[:n_raw], torch.stack(ys, 1)), case
+
+
+@pytest.mark.parametrize("activation", [None, "silu"])
+@pytest.mark.parametrize("tree", list(TREES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_conv_tree_matches_its_node_by_node_reference_and_leaves_the_slots_alone(tree, activation, dtype):
+    d, kc, n_raw, n_pad = 37, 4, 3, 2
+    slot, parents = _tree_call(tree, n_raw, n_pad, seed=kc + len(tree))
+    bs, k = parents.shape
+    g = torch.Generator().manual_seed(d + k)
+    x = torch.randn(bs * k, d, generator=g).to(dtype)
+    w, bias = torch.randn(d, kc, generator=g), torch.randn(d, generator=g)
+    state = _pool((N_SLOTS, d, kc - 1), seed=3, dtype=dtype)
+    pool = _pool((N_SLOTS * k, d, kc - 1), seed=4, dtype=dtype)
+    got_state, got_tree, ref_tree = state.clone(), pool.clone(), pool.clone()
+    out = conv_tree_update(got_state, got_tree, slot, parents, x, w, bias, activation, impl="triton")
+    out_ref = conv_tree_update_reference(state.clone(), ref_tree, slot, parents, x, w, bias, activation)
+    raw = torch.arange(bs * k) < n_raw * k
+    case = f"tree={tree} {activation} {dtype}"
+    tol = None if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[raw].float(), out_ref[raw].float(), rtol=tol, atol=tol, msg=lambda m: f"{m} [{case}]")
+    assert torch.equal(got_state, state), case
+    rows = _tree_rows(slot[:n_raw], k)
+    _assert_tree_pool(got_tree, pool, rows, ref_tree[rows], case, tol=0)     # windows hold inputs: exact
+    # node j's window ends with node j's input, after its parent's window moved one left
+    xs = x.view(bs, k, d)[:n_raw]
+    assert torch.equal(got_tree[rows].view(n_raw, k, d, kc - 1)[..., -1], xs), case
+    # against the decode kernel node by node: the same bits
+    by_node, outs = pool.clone(), []
+    for j in range(k):
+        node = slot[:n_raw] * k + j
+        src = state[slot[:n_raw]] if j == 0 else by_node[slot[:n_raw] * k + parents[:n_raw, j].clamp(min=0)]
+        by_node.index_copy_(0, node, src)
+        outs.append(conv_state_update(by_node, node, xs[:, j], w, bias, activation, impl="triton"))
+    assert torch.equal(got_tree[rows], by_node[rows]), case
+    assert torch.equal(out.view(bs, k, d)[:n_raw], torch.stack(outs, 1)), case
+
+
+def test_tree_ops_refuse_a_node_pool_that_does_not_match_and_take_empty_calls():
+    p = _ssm_params(2, 4, 8, 1, 6, seed=0)
+    state, slot, parents = torch.zeros(N_SLOTS, 2, 4, 8), torch.tensor([1, 2]), torch.tensor([[-1, 0, 1]] * 2)
+    with pytest.raises(ValueError, match=r"tree must be \[n_slots \* k = 27, 2, 4, 8\]"):
+        ssm_tree_update(state, torch.zeros(N_SLOTS * 2, 2, 4, 8), slot, parents, impl="triton", **p)
+    with pytest.raises(ValueError, match="tree must be"):      # another dtype than the slot pool's
+        ssm_tree_update(state, torch.zeros(N_SLOTS * 3, 2, 4, 8, dtype=torch.bfloat16), slot, parents, **p)
+    with pytest.raises(ValueError, match=r"bs \* k = 6 rows; got 4"):
+        conv_tree_update(torch.zeros(N_SLOTS, 5, 3), torch.zeros(N_SLOTS * 3, 5, 3), slot, parents,
+                         torch.zeros(4, 5), torch.zeros(5, 4))
+    with pytest.raises(ValueError, match="parents must be"):
+        conv_tree_update(torch.zeros(N_SLOTS, 5, 3), torch.zeros(N_SLOTS * 3, 5, 3), slot, parents.flatten(),
+                         torch.zeros(6, 5), torch.zeros(5, 4))
+    empty = {n: v[:0] if v.shape[0] == 6 else v for n, v in p.items()}
+    y = ssm_tree_update(state, torch.zeros(N_SLOTS * 3, 2, 4, 8), slot[:0], parents[:0], impl="triton", **empty)
+    assert y.shape == (0, 2, 4)
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("n_raw,n_pad", [(1, 0), (13, 3), (60, 4)])
 def test_cuda_ssm_decode_at_a_1b_shape_in_a_cuda_graph(n_raw, n_pad):
@@ -404,3 +526,96 @@ def test_cuda_conv_update_at_a_1b_shape_in_a_cuda_graph(n_raw, n_pad):
     out_ref = conv_state_update_reference(ref_pool, new["slot"], new["x"], w, bias, "silu")
     torch.testing.assert_close(out[:n_raw].float(), out_ref[:n_raw].float(), rtol=2e-2, atol=2e-2)
     _assert_pool(pool, before, new["slot"][:n_raw], ref_pool[new["slot"][:n_raw]], f"conv graph n={n}", tol=2e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n_raw,n_pad", [(1, 0), (15, 1)])
+def test_cuda_tree_updates_at_a_1b_shape_in_a_cuda_graph(n_raw, n_pad):
+    """conv_tree_update then ssm_tree_update (the hybrid's verify of an 8-node tree) captured once and
+    replayed on new slots, parents and inputs: the torch references' outputs and node rows."""
+    dev, k, n = torch.device("cuda"), 8, n_raw + n_pad
+    par = torch.tensor([-1, 0, 0, 1, 1, 2, 3, 5])
+    shape = (MAMBA2_1B["n_heads"], MAMBA2_1B["head_dim"], MAMBA2_1B["d_state"])
+    state, tree = _pool((40, *shape), seed=0, device=dev), _pool((40 * k, *shape), seed=1, device=dev)
+    cstate = _pool((40, CONV_DIM, CONV_K - 1), seed=2, device=dev, dtype=torch.bfloat16)
+    ctree = _pool((40 * k, CONV_DIM, CONV_K - 1), seed=3, device=dev, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(4)
+    w, bias = torch.randn(CONV_DIM, CONV_K, generator=g).to(dev), torch.randn(CONV_DIM, generator=g).to(dev)
+
+    def call(seed, perm_seed):
+        live = torch.randperm(39, generator=torch.Generator().manual_seed(perm_seed))[:n_raw] + 1
+        slot = torch.cat([live, torch.zeros(n_pad, dtype=torch.int64)]).to(dev)
+        parents = torch.cat([par[None].expand(n_raw, k), torch.full((n_pad, k), -1)]).to(dev)
+        p = _ssm_params(**MAMBA2_1B, n=n * k, seed=seed, device=dev, dtype=torch.bfloat16)
+        p.pop("x")
+        xbc = torch.randn(n * k, CONV_DIM, generator=torch.Generator().manual_seed(seed)).to(dev, torch.bfloat16)
+        return {"slot": slot, "parents": parents, "xbc": xbc, **p}
+
+    def verify(slot, parents, xbc, dt, A, B, C, D, z, dt_bias, impl="triton", st=state, tr=tree, cs=cstate, ct=ctree):
+        u = (conv_tree_update if impl == "triton" else conv_tree_update_reference)(
+            cs, ct, slot, parents, xbc, w, bias, "silu", **({"impl": impl} if impl == "triton" else {}))
+        x = u[:, :MAMBA2_1B["n_heads"] * MAMBA2_1B["head_dim"]].reshape(-1, MAMBA2_1B["n_heads"], MAMBA2_1B["head_dim"])
+        fn = ssm_tree_update if impl == "triton" else ssm_tree_update_reference
+        return fn(st, tr, slot, parents, x, dt, A, B, C, D, z, dt_bias, **({"impl": impl} if impl == "triton" else {}))
+
+    tree0, ctree0 = tree.clone(), ctree.clone()
+    new = call(6, 7)
+    y = _replay_with_new_data(verify, call(5, 5), new)
+    ref_tree, ref_ctree = tree0.clone(), ctree0.clone()
+    y_ref = verify(**new, impl="torch", tr=ref_tree, ct=ref_ctree)
+    raw = slice(0, n_raw * k)
+    torch.testing.assert_close(y[raw].float(), y_ref[raw].float(), rtol=3e-2, atol=3e-2)
+    rows = (new["slot"][:n_raw, None] * k + torch.arange(k, device=dev)).flatten()
+    torch.testing.assert_close(tree[rows], ref_tree[rows], rtol=1e-3, atol=1e-3)
+    assert torch.equal(ctree[rows], ref_ctree[rows])
+
+
+_SM90_TREE = r"""
+import json, os, subprocess, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from padgraph.backends.triton import conv_state, ssm
+
+blocks = ssm._blocks(64, 128, ssm.DECODE_TILE)                    # Mamba2 at a 1B shape
+kernels = {
+    "ssm_tree": (ssm._ssm_tree_kernel, dict(HAS_D=True, HAS_Z=True, HAS_DT_BIAS=True, DT_SOFTPLUS=True,
+                 A_PER_STATE=False, **blocks), 4, ["State", "Tree", "Dt", "A", "Dskip", "DtBias"], "*fp32"),
+    "conv_tree": (conv_state._conv_tree_kernel, dict(K=4, HAS_BIAS=True, SILU=True, BLOCK_D=256, BLOCK_W=4),
+                  4, ["W", "Bias"], "*bf16"),
+}
+tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+out = {}
+for name, (fn, consts, warps, fp32, default) in kernels.items():
+    sig = {a: "constexpr" if a in consts else "*fp32" if a in fp32 else "*i64" if a in ("Slot", "Parents")
+           else default if a[0].isupper() else "fp32" if a in ("dt_lo", "dt_hi") else "i32" for a in fn.arg_names}
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(a),): v for a, v in consts.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    path = os.path.join(sys.argv[1], name + ".cubin")
+    open(path, "wb").write(k.asm["cubin"])
+    usage = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", path],
+                           capture_output=True, text=True, check=True).stdout
+    fields = dict(f.split(":") for f in usage.split() if f.startswith(("REG:", "STACK:")))
+    out[name] = {"stack": int(fields["STACK"])}
+print(json.dumps(out))
+"""
+
+
+def test_tree_kernels_compile_for_sm90_without_spills(tmp_path):
+    """What the interpreter cannot show: both tree kernels compile for sm_90 (ptxas) at a 1B
+    Mamba2 shape and spill nothing."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import triton
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    if not all(os.path.exists(os.path.join(tools, t)) for t in ("ptxas", "cuobjdump")):
+        pytest.skip("Triton's bundled ptxas / cuobjdump are not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _SM90_TREE, str(tmp_path)], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(run.stdout.splitlines()[-1])
+    for name, r in results.items():
+        assert r["stack"] == 0, f"{name} spills: {r}"

@@ -16,6 +16,13 @@ new input x_t of channel c:
   then writes the sequence's last k - 1 inputs (fewer tokens than that: the tail of the old
   window, or zeros, before them) into the slot.
 
+- `conv_tree_update`: a speculative verify's tree of k nodes per request (node 0 the root, every
+  other node's parent an earlier node). Grid (bs, d blocks): a program walks its lane's k nodes
+  in order, node 0 from the lane's window, node j from its parent's window in the per-node pool
+  `tree [n_slots * k, d, k_conv - 1]` (row slot * k + j), writing each node's output and its
+  shifted window to the node's own row. The slot's window is only read. One launch does what k
+  `conv_state_update` calls and 2k row copies did.
+
 Graph-safe: shapes fix the grid, the wrappers read no device value. Slots must lie in
 [0, n_slots) (not checked on the host: that would be a sync). Arithmetic in fp32; the output has
 x's dtype and the window the state's.
@@ -47,6 +54,21 @@ def conv_state_update_reference(conv_state, slot, x, weight, bias=None, activati
     out = _finish((full * weight.float()).sum(-1), bias, activation)
     conv_state.index_copy_(0, slot, full[..., 1:].to(conv_state.dtype))
     return out.to(x.dtype)
+
+
+def conv_tree_update_reference(conv_state, tree, slot, parents, x, weight, bias=None, activation=None) -> torch.Tensor:
+    """Torch reference of `conv_tree_update`: node after node, each a copy of its parent's window
+    (the root: the lane's slot) into the node's row, then `conv_state_update_reference` there."""
+    bs, k = parents.shape
+    slot = slot.long()
+    node = slot[None, :] * k + torch.arange(k, device=slot.device)[:, None]           # [k, bs]
+    parent = slot[None, :] * k + parents.t().long().clamp(min=0)
+    xs = x.view(bs, k, -1)
+    outs = []
+    for j in range(k):
+        tree.index_copy_(0, node[j], conv_state[slot] if j == 0 else tree[parent[j]])
+        outs.append(conv_state_update_reference(tree, node[j], xs[:, j], weight, bias, activation))
+    return torch.stack(outs, 1).flatten(0, 1)
 
 
 def _gather(x, window, from_slot, pos, start):
@@ -116,6 +138,51 @@ def _conv_decode_kernel(
     tl.debug_barrier()   # every read of the window is done before it is overwritten
     tl.store(row + offs_w[None, :] * s_st_w, new.to(State.dtype.element_ty),
              mask=d_ok[:, None] & (offs_w < K - 1)[None, :])
+
+
+@triton.jit
+def _conv_node(src, s_src_w, dst, s_dst_w, X, W, Bias, Out, offs_d, offs_w, d_ok, s_w_d, s_w_k,
+               K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    """One tree node: the window at `src` (per channel, taps at s_src_w) and input x -> the output
+    at Out and the shifted window at `dst` (`_conv_decode_kernel`'s arithmetic, one row into another)."""
+    x = tl.load(X + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    acc = tl.load(W + offs_d * s_w_d + (K - 1) * s_w_k, mask=d_ok, other=0.0).to(tl.float32) * x
+    for i in tl.static_range(K - 1):
+        w_i = tl.load(W + offs_d * s_w_d + i * s_w_k, mask=d_ok, other=0.0).to(tl.float32)
+        w_old = tl.load(src + i * s_src_w, mask=d_ok, other=0.0)
+        acc += w_i * w_old.to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(Bias + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(Out + offs_d, acc.to(Out.dtype.element_ty), mask=d_ok)
+    keep = d_ok[:, None] & (offs_w < K - 2)[None, :]
+    shifted = tl.load(src[:, None] + (offs_w[None, :] + 1) * s_src_w, mask=keep, other=0.0)
+    new = tl.where((offs_w == K - 2)[None, :], x[:, None].to(shifted.dtype), shifted)
+    tl.store(dst[:, None] + offs_w[None, :] * s_dst_w, new.to(dst.dtype.element_ty),
+             mask=d_ok[:, None] & (offs_w < K - 1)[None, :])
+
+
+@triton.jit
+def _conv_tree_kernel(
+    State, Tree, Slot, Parents, X, W, Bias, Out,
+    s_st_slot, s_st_d, s_st_w, s_tr_node, s_tr_d, s_tr_w, s_par_b, s_x_b, s_w_d, s_w_k, s_o_b, k, d,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_w = tl.arange(0, BLOCK_W)
+    d_ok = offs_d < d
+    slot = tl.load(Slot + b).to(tl.int64)                # padded lanes: the sink slot 0 (and its nodes)
+    node = Tree + slot * k * s_tr_node + offs_d * s_tr_d  # the lane's node 0 in the tree
+    # node 0 from the slot's window
+    _conv_node(State + slot * s_st_slot + offs_d * s_st_d, s_st_w, node, s_tr_w, X + b * k * s_x_b, W, Bias,
+               Out + b * k * s_o_b, offs_d, offs_w, d_ok, s_w_d, s_w_k, K, HAS_BIAS, SILU)
+    for j in range(1, k):
+        tl.debug_barrier()   # every store of the nodes before is visible to every thread of the program
+        par = tl.maximum(tl.load(Parents + b * s_par_b + j).to(tl.int64), 0)
+        _conv_node(node + par * s_tr_node, s_tr_w, node + j * s_tr_node, s_tr_w, X + (b * k + j) * s_x_b, W,
+                   Bias, Out + (b * k + j) * s_o_b, offs_d, offs_w, d_ok, s_w_d, s_w_k, K, HAS_BIAS, SILU)
 
 
 @triton.jit
@@ -213,6 +280,34 @@ def conv_state_update(conv_state, slot, x, weight, bias=None, activation=None, i
         conv_state, slot.contiguous(), x, weight, bias if bias is not None else weight, out,   # slot: read at ptr + lane
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), x.stride(0),
         weight.stride(0), weight.stride(1), out.stride(0), x.shape[1], **meta)
+    return out
+
+
+def conv_tree_update(conv_state, tree, slot, parents, x, weight, bias=None, activation=None,
+                     impl: str = "auto") -> torch.Tensor:
+    """A verify's tree of k nodes per request: out [bs * k, d] (row b * k + j: lane b's node j); node
+    j's window is left at `tree[slot[b] * k + j]`; `conv_state` is only read.
+
+    conv_state [n_slots, d, k_conv - 1]; tree [n_slots * k, d, k_conv - 1] of conv_state's dtype (a
+    per-node pool `[n_slots, k, ...]` flattened); slot [bs] (padded lanes: the sink, 0); parents
+    [bs, k]: node j's parent, an earlier node (node 0, the root, -1; a negative parent counts as
+    node 0); x [bs * k, d]; weight, bias, activation as `conv_state_update`.
+    """
+    from .ssm import _check_tree
+    _check(conv_state, x, weight, bias, activation)
+    bs, k = _check_tree(conv_state, tree, slot, parents, x.shape[0])
+    if resolve_impl(impl, conv_state, tree, slot, parents, x, weight) == "torch":
+        return conv_tree_update_reference(conv_state, tree, slot, parents, x, weight, bias, activation)
+    out = torch.empty_like(x)
+    if bs == 0 or k == 0:
+        return out
+    meta = _common(conv_state, x, weight, bias, activation)
+    parents = parents.contiguous()
+    _conv_tree_kernel[(bs, triton.cdiv(x.shape[1], meta["BLOCK_D"]))](
+        conv_state, tree, slot.contiguous(), parents, x, weight, bias if bias is not None else weight, out,
+        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), tree.stride(0), tree.stride(1),
+        tree.stride(2), parents.stride(0), x.stride(0), weight.stride(0), weight.stride(1), out.stride(0), k,
+        x.shape[1], **meta)
     return out
 
 

@@ -25,6 +25,14 @@ Two ops, each a Triton kernel with its torch reference beside it:
   masked load and a select, so leftover inf / nan cannot leak), and writes its final state back
   to the slot.
 
+- `ssm_tree_update`: a speculative verify's tree of k nodes per request (EAGLE's tree, or MTP's
+  chain: node 0 the root, every other node's parent an earlier node). Grid (bs, n_heads,
+  head_dim blocks); a program walks its lane's k nodes in order: node 0 starts from the lane's
+  slot, node j from its parent's state in the per-node pool `tree [n_slots * k, ...]` (row
+  slot * k + j), and each node's state is written to its own row there. The slot itself is
+  never written (the commit after verify copies the accepted node's state into it). One launch
+  does what k `ssm_decode_update` calls and 2k row copies did.
+
 Graph-safe: shapes fix the grid, the wrappers read no device value (slots, lengths and flags are
 read by the kernels), so both can be captured in a CUDA graph and replayed with new data. Slots
 must lie in [0, n_slots): they are not checked on the host (that would be a sync). Padded lanes of
@@ -84,6 +92,24 @@ def ssm_decode_update_reference(state, slot, x, dt, A, B, C, D=None, z=None, dt_
     h, y = _step(state[slot].float(), x, _dt_of(dt, dt_bias, dt_softplus, dt_limit), A, B, C, D, z)
     state.index_copy_(0, slot, h.to(state.dtype))   # CPU: sequential, last duplicate wins
     return y.to(x.dtype)
+
+
+def ssm_tree_update_reference(state, tree, slot, parents, x, dt, A, B, C, D=None, z=None, dt_bias=None,
+                              dt_softplus=True, dt_limit=NO_LIMIT) -> torch.Tensor:
+    """Torch reference of `ssm_tree_update`: node after node, each a copy of its parent's state
+    (the root: the lane's slot) into the node's row, then `ssm_decode_update_reference` there."""
+    bs, k = parents.shape
+    slot = slot.long()
+    node = slot[None, :] * k + torch.arange(k, device=slot.device)[:, None]           # [k, bs]
+    parent = slot[None, :] * k + parents.t().long().clamp(min=0)
+    per = lambda t: None if t is None else t.view(bs, k, *t.shape[1:])                 # noqa: E731
+    xs, dts, Bs, Cs, zs = per(x), per(dt), per(B), per(C), per(z)
+    ys = []
+    for j in range(k):
+        tree.index_copy_(0, node[j], state[slot] if j == 0 else tree[parent[j]])
+        ys.append(ssm_decode_update_reference(tree, node[j], xs[:, j], dts[:, j], A, Bs[:, j], Cs[:, j], D,
+                                              None if zs is None else zs[:, j], dt_bias, dt_softplus, dt_limit))
+    return torch.stack(ys, 1).flatten(0, 1)
 
 
 def ssm_chunked_scan_reference(state, slot, cu_seqlens, has_initial_state, x, dt, A, B, C, D=None,
@@ -165,6 +191,42 @@ def _ssm_decode_kernel(
                    d_skip, HAS_Z)
     tl.store(tile, st.to(State.dtype.element_ty), mask=mask)
     tl.store(Y + b * s_y_b + h * s_y_h + offs_p, y.to(Y.dtype.element_ty), mask=mask_p)
+
+
+@triton.jit
+def _ssm_tree_kernel(
+    State, Tree, Slot, Parents, X, Dt, A, B, C, Dskip, Z, DtBias, Y,
+    s_st_slot, s_st_head, s_st_p, s_tr_node, s_tr_head, s_tr_p, s_par_b,
+    s_x_b, s_x_h, s_dt_b, s_b_b, s_b_g, s_c_b, s_c_g, s_z_b, s_z_h, s_y_b, s_y_h,
+    k, head_dim, d_state, heads_per_group, dt_lo, dt_hi,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+    A_PER_STATE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_p, mask_n = offs_p < head_dim, offs_n < d_state
+    mask = mask_p[:, None] & mask_n[None, :]
+    g = h // heads_per_group
+    slot = tl.load(Slot + b).to(tl.int64)            # padded lanes: the sink slot 0 (and its nodes)
+    tile = h * s_tr_head + offs_p[:, None] * s_tr_p + offs_n[None, :]
+    bias = tl.load(DtBias + h).to(tl.float32) if HAS_DT_BIAS else 0.0
+    d_skip = tl.load(Dskip + h).to(tl.float32) if HAS_D else 0.0
+    a = _a_of(A, h, offs_n, mask_n, d_state, A_PER_STATE)
+    st = tl.load(State + slot * s_st_slot + h * s_st_head + offs_p[:, None] * s_st_p + offs_n[None, :],
+                 mask=mask, other=0.0).to(tl.float32)
+    for j in range(0, k):
+        if j > 0:   # every store of the nodes before is visible to every thread of the program
+            tl.debug_barrier()
+            par = tl.maximum(tl.load(Parents + b * s_par_b + j).to(tl.int64), 0)
+            st = tl.load(Tree + (slot * k + par) * s_tr_node + tile, mask=mask, other=0.0).to(tl.float32)
+        n = b * k + j                                 # the node's row of x, dt, B, C, z and y
+        dt = _dt_step(tl.load(Dt + n * s_dt_b + h).to(tl.float32), bias, dt_lo, dt_hi, DT_SOFTPLUS)
+        st, y = _token(st, offs_p, offs_n, mask_p, mask_n, X + n * s_x_b + h * s_x_h, Z + n * s_z_b + h * s_z_h,
+                       B + n * s_b_b + g * s_b_g, C + n * s_c_b + g * s_c_g, dt, a, d_skip, HAS_Z)
+        tl.store(Tree + (slot * k + j) * s_tr_node + tile, st.to(Tree.dtype.element_ty), mask=mask)
+        tl.store(Y + n * s_y_b + h * s_y_h + offs_p, y.to(Y.dtype.element_ty), mask=mask_p)
 
 
 @triton.jit
@@ -341,6 +403,59 @@ def ssm_decode_update(state, slot, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     _launch(_ssm_decode_kernel, grid, _blocks(head_dim, d_state, DECODE_TILE), state, (slot,), x, dt, A, B, C, D, z,
             dt_bias, y, dt_softplus, dt_limit)
     return y
+
+
+def ssm_tree_update(state, tree, slot, parents, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True,
+                    dt_limit=NO_LIMIT, impl: str = "auto") -> torch.Tensor:
+    """A verify's tree of k nodes per request: returns y [bs * k, n_heads, head_dim] (row b * k + j:
+    lane b's node j) and leaves node j's state at `tree[slot[b] * k + j]`; `state` is only read.
+
+    state [n_slots, n_heads, head_dim, d_state]; tree [n_slots * k, n_heads, head_dim, d_state] of
+    state's dtype (a per-node pool `[n_slots, k, ...]` flattened); slot [bs] (padded lanes: the
+    sink, 0); parents [bs, k]: node j's parent, an earlier node (node 0, the root, -1; a negative
+    parent counts as node 0); x, z [bs * k, n_heads, head_dim]; dt [bs * k, n_heads]; B, C
+    [bs * k, n_groups, d_state]; A, D, dt_bias as `ssm_decode_update`.
+    """
+    _check(state, x, dt, A, B, C, D, z, dt_bias, "bs * k")
+    bs, k = _check_tree(state, tree, slot, parents, x.shape[0])
+    if resolve_impl(impl, state, tree, slot, parents, x, dt, B, C) == "torch":
+        return ssm_tree_update_reference(state, tree, slot, parents, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
+                                         dt_limit)
+    y = torch.empty_like(x)
+    if bs == 0 or k == 0:
+        return y
+    _, n_heads, head_dim, d_state = state.shape
+    blocks = _blocks(head_dim, d_state, DECODE_TILE)
+    zz = z if z is not None else x
+    parents = parents.contiguous()
+    _ssm_tree_kernel[(bs, n_heads, triton.cdiv(head_dim, blocks["BLOCK_P"]))](
+        state, tree, slot.contiguous(), parents, x, dt, A, B, C, D if D is not None else A, zz,
+        dt_bias if dt_bias is not None else A, y,
+        state.stride(0), state.stride(1), state.stride(2), tree.stride(0), tree.stride(1), tree.stride(2),
+        parents.stride(0), x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), C.stride(0),
+        C.stride(1), zz.stride(0), zz.stride(1), y.stride(0), y.stride(1),
+        k, head_dim, d_state, n_heads // B.shape[1], float(dt_limit[0]), float(dt_limit[1]),
+        HAS_D=D is not None, HAS_Z=z is not None, HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
+        A_PER_STATE=A.dim() == 2,
+        num_warps=4 if blocks["BLOCK_P"] * blocks["BLOCK_N"] >= 2048 else 2, **blocks,
+    )
+    return y
+
+
+def _check_tree(state, tree, slot, parents, n_nodes: int) -> tuple[int, int]:
+    """(bs, k) of a tree call; refuses a per-node pool that does not match the slot pool."""
+    if parents.dim() != 2 or parents.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"parents must be [bs, k] int32/int64; got {tuple(parents.shape)} {parents.dtype}")
+    bs, k = parents.shape
+    _check_index("slot", slot, bs)
+    if n_nodes != bs * k:
+        raise ValueError(f"the per-node inputs must have bs * k = {bs * k} rows; got {n_nodes}")
+    if (tree.dim() != state.dim() or tree.shape[0] != state.shape[0] * k or tree.shape[1:] != state.shape[1:]
+            or tree.dtype != state.dtype or tree.stride(-1) != 1):
+        raise ValueError(f"tree must be [n_slots * k = {state.shape[0] * k}, {', '.join(map(str, state.shape[1:]))}] "
+                         f"{state.dtype} with its last dim contiguous (state {tuple(state.shape)} {state.dtype}, "
+                         f"k = {k}); got {tuple(tree.shape)} {tree.dtype}")
+    return bs, k
 
 
 def ssm_chunked_scan(state, slot, cu_seqlens, has_initial_state, x, dt, A, B, C, D=None, z=None,

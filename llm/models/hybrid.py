@@ -42,11 +42,13 @@ What rollback costs:
     plain decoding), allocated once. The tiny config: 5,248 bytes a node and layer. Mamba2-2.7B's
     layer shapes (80 heads of 64 channels, d_state 128, conv_dim 5376 in bf16): 2.65 MB a node
     and layer, so 1.36 GB per request row at k = 8 over its 64 layers;
-  - compute: no recomputation. Each Mamba layer runs the k nodes as k single-token steps (the
-    decode kernels), one after another; each step is preceded by a copy of the parent's state
-    into the node's row, and the commit copies one state per request. State traffic per verify
-    and layer: 4k + 2 state-sized reads and writes per request (copy and in-place update per
-    node, then the commit), where k decode steps move 2k.
+  - compute: no recomputation. Each Mamba layer runs the k nodes as k single-token steps, one
+    after another, inside two launches (`conv_tree_update` for the convolution windows,
+    `ssm_tree_update` for the SSM states): a program walks its lane's nodes, reading each
+    node's parent state (the root: the request's row) and writing the node's state to its row
+    of the per-node pools; the commit copies one state per request. State traffic per verify and
+    layer: 2k + 2 state-sized reads and writes per request (each node reads its parent and
+    writes itself, then the commit), where k decode steps move 2k.
 """
 from __future__ import annotations
 
@@ -58,9 +60,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from padgraph.backends.triton.conv_state import conv_state_prefill, conv_state_update
+from padgraph.backends.triton.conv_state import conv_state_prefill, conv_state_update, conv_tree_update
 from padgraph.backends.triton.eagle import tree_parents
-from padgraph.backends.triton.ssm import ssm_chunked_scan, ssm_decode_update
+from padgraph.backends.triton.ssm import ssm_chunked_scan, ssm_decode_update, ssm_tree_update
 
 from ..batch import Batch
 from ..kv import KVCache
@@ -287,21 +289,15 @@ class Mamba2Mixer(nn.Module):
     def _tree(self, plan: RecurrentPlan, conv, ssm, tree_conv, tree_ssm, xbc, dt, z) -> Tensor:
         """A verify's tree, node after node: node j starts from its parent's state (the root
         from the request's row, which stays as it was) and leaves its own in the per-node pools,
-        row r's node j at r * k + j of their flattened first two dims."""
-        bs, k = plan.parents.shape
+        row r's node j at r * k + j of their flattened first two dims. One launch for the
+        convolution windows of every node, one for the SSM states (`conv_tree_update`,
+        `ssm_tree_update`)."""
         tc, ts = tree_conv.flatten(0, 1), tree_ssm.flatten(0, 1)     # [n_rows * k, ...] views
-        rows = plan.slots
-        # [k, bs] node-major, so that node[j] is a dense [bs] slot column
-        node = rows[None, :] * k + torch.arange(k, device=rows.device)[:, None]
-        parent = rows[None, :] * k + plan.parents.t().clamp(min=0)
-        xbc, dt, z = xbc.view(bs, k, -1), dt.view(bs, k, -1), z.view(bs, k, self.n_heads, self.head_dim)
-        ys = []
-        for j in range(k):
-            c0, s0 = (conv[rows], ssm[rows]) if j == 0 else (tc[parent[j]], ts[parent[j]])
-            tc.index_copy_(0, node[j], c0)
-            ts.index_copy_(0, node[j], s0)
-            ys.append(self._token(tc, ts, node[j], xbc[:, j], dt[:, j], z[:, j], plan.impl))
-        return torch.stack(ys, 1).flatten(0, 1)                                  # [bs * k, heads, head_dim]
+        u = conv_tree_update(conv, tc, plan.slots, plan.parents, xbc, self.conv_weight, self.conv_bias, "silu",
+                             impl=plan.impl)
+        x, B, C = self._heads(u)
+        return ssm_tree_update(ssm, ts, plan.slots, plan.parents, x, dt, self.A, B, C, D=self.D, z=z,
+                               dt_bias=self.dt_bias, impl=plan.impl)                # [bs * k, heads, head_dim]
 
     def forward_dense(self, h: Tensor) -> Tensor:
         """h [B, T, H] from zero state, no pools: the recurrence as written, token by token, in
