@@ -37,7 +37,13 @@ Writes bench_hybrid.md, .json and .png to $OUT (or results/local): GPU, versions
 commit, configuration, copy bandwidth and every row; a run of one part (`--parts decode`) writes
 bench_hybrid_decode.* (bench_hybrid_spec.*), so two runs' files stay apart.
 
+`--recurrent-ops inductor,opaque` runs each part once per value in the same process: how the
+compiled layers run the Mamba updates (inductor's code for their references, the default; or
+padgraph's Triton kernels as opaque ops, `HybridModel(opaque_recurrent=True)`); every row names
+its value.
+
     python -m bench.bench_hybrid [--parts decode,spec] [--head distil|passthrough] [--check]
+                                 [--recurrent-ops inductor,opaque]
     python -m bench.bench_hybrid --tiny --check           # CPU smoke
 """
 from __future__ import annotations
@@ -66,6 +72,7 @@ from padgraph.llm.oracle import TIE_TOL
 from padgraph.llm.presets import DRAFT_COMPILE, DRAFT_LM_HEAD, GPU_TREE
 
 PARTS = ("decode", "spec")
+RECURRENT_OPS = ("inductor", "opaque")   # how compiled layers run the Mamba updates (--recurrent-ops)
 HEADS = ("distil", "passthrough")
 
 
@@ -172,7 +179,7 @@ def time_step(fn, raw: dict, iters: int, cuda: bool) -> tuple[float, float]:
     return statistics.median(times), statistics.median(times)
 
 
-def decode_row(engine: Engine, n: int, mode: Mode, gen: torch.Generator, bw: float) -> dict:
+def decode_row(engine: Engine, n: int, mode: Mode, gen: torch.Generator, bw: float, ops: str = "inductor") -> dict:
     """n requests admitted and prefilled, their first decode step timed, checked, released."""
     vocab, lens = mode.cfg.vocab_size, torch.randint(*mode.ctx, (n,), generator=gen).tolist()
     reqs = engine.admit([torch.randint(1, vocab, (m,), generator=gen).tolist() for m in lens], [2] * n)
@@ -185,9 +192,9 @@ def decode_row(engine: Engine, n: int, mode: Mode, gen: torch.Generator, bw: flo
     for r in reqs:
         engine.release(r)
     floor_us = sum(moved.values()) / bw * 1e6
-    row = {"bs": n, "variant": "decode runner", "ctx_mean": sum(lens) / n, "step_us": step_us,
+    row = {"bs": n, "variant": "decode runner", "recurrent_ops": ops, "ctx_mean": sum(lens) / n, "step_us": step_us,
            "host_us": host_us, "floor_us": floor_us, "x_floor": step_us / floor_us, "bytes": moved, **check}
-    print(f"decode bs={n:>3}: step {step_us:9.1f} µs (host {host_us:8.1f}), floor {floor_us:8.1f} µs "
+    print(f"decode bs={n:>3} [{ops}]: step {step_us:9.1f} µs (host {host_us:8.1f}), floor {floor_us:8.1f} µs "
           f"({', '.join(f'{k} {v / 1e6:.1f} MB' for k, v in moved.items())}), x{row['x_floor']:.2f}; "
           f"tokens {check['tokens_equal']}/{n} equal eager's, {check['near_ties']} near ties, "
           f"{check['other']} other", flush=True)
@@ -200,8 +207,24 @@ def compile_kind(options: dict) -> str | None:
     return None if tc is None else "regions" if "regions" in tc else "whole"
 
 
-def decode_part(target: HybridModel, mode: Mode, bw: float) -> dict:
-    """The decode runner at every decode size, on an engine of max_bs the largest (no head)."""
+def decode_part(target: HybridModel, mode: Mode, bw: float, ops_variants=("inductor",)) -> dict:
+    """The decode runner at every decode size, on an engine of max_bs the largest (no head); one
+    engine per recurrent-ops variant (`RECURRENT_OPS`), the same sizes and contexts for each."""
+    out = {"variants": []}
+    for ops in ops_variants:
+        target.opaque_recurrent = ops == "opaque"
+        d = _decode_variant(target, mode, bw, ops)
+        out["variants"].append(ops)
+        out.setdefault("setup", d["setup"])
+        out.setdefault("setups", {})[ops] = d["setup"]
+        out.setdefault("rows", []).extend(d["rows"])
+        gc.collect()
+        if mode.device == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def _decode_variant(target: HybridModel, mode: Mode, bw: float, ops: str) -> dict:
     spec = SpecConfig(*mode.tree)
     engine = Engine(target, None, spec, backend=backend_of(mode), max_bs=max(mode.decode_sizes),
                     max_context=spec.reservation(mode.ctx[1] + 2))
@@ -214,7 +237,7 @@ def decode_part(target: HybridModel, mode: Mode, bw: float) -> dict:
     print(f"decode runner: {setup['seconds']:.1f} s for the ladder {setup['buckets']} "
           f"({setup['compiles']} compiles, {setup['compile_seconds']:.1f} s compiling)", flush=True)
     gen = torch.Generator().manual_seed(0)
-    rows = [decode_row(engine, n, mode, gen, bw) for n in mode.decode_sizes]
+    rows = [decode_row(engine, n, mode, gen, bw, ops) for n in mode.decode_sizes]
     return {"setup": setup, "rows": rows}
 
 
@@ -263,21 +286,29 @@ def spec_row(engine: Engine, bs: int, mode: Mode) -> dict:
     return row
 
 
-def spec_part(target: HybridModel, mode: Mode, head_kind: str, draft_compile: str) -> dict:
-    """The head, then one engine (the default ladder up to the largest size; on a GPU the head's
-    draft bodies compiled `draft_compile`) serving greedy and EAGLE at every spec size."""
+def spec_part(target: HybridModel, mode: Mode, head_kind: str, draft_compile: str,
+              ops_variants=("inductor",)) -> dict:
+    """The head, then per recurrent-ops variant one engine (the default ladder up to the largest
+    size; on a GPU the head's draft bodies compiled `draft_compile`) serving greedy and EAGLE at
+    every spec size."""
     t0 = time.perf_counter()
     head, info = make_head(target, mode, head_kind)
     info["seconds"] = time.perf_counter() - t0
     spec = SpecConfig(*mode.tree)
     longest = 40 + mode.new_tokens                  # prompts_for: prompts of 8 to 39 tokens
     draft = {"draft_compile": draft_compile} if mode.device == "cuda" else {}
-    engine = Engine(target, head, spec, backend=backend_of(mode), max_bs=max(mode.spec_sizes),
-                    max_context=spec.reservation(longest, overlap=True), **draft)
-    rows = [spec_row(engine, bs, mode) for bs in mode.spec_sizes]
+    rows = []
+    for ops in ops_variants:
+        target.opaque_recurrent = ops == "opaque"
+        engine = Engine(target, head, spec, backend=backend_of(mode), max_bs=max(mode.spec_sizes),
+                        max_context=spec.reservation(longest, overlap=True), **draft)
+        rows += [{**spec_row(engine, bs, mode), "recurrent_ops": ops} for bs in mode.spec_sizes]
+        overlap = engine.opts.overlap
+        del engine
+        gc.collect()
     return {"head": head_kind, "head_info": info, "tree": dataclasses.asdict(spec), "new_tokens": mode.new_tokens,
             "draft": {**draft, "lm_head": DRAFT_LM_HEAD["llama"] if mode.device == "cuda" else "target's"},
-            "overlap": engine.opts.overlap, "rows": rows}
+            "overlap": overlap, "rows": rows}
 
 
 # ---- the page ------------------------------------------------------------------------------------
@@ -311,11 +342,15 @@ def decode_lines(d: dict) -> list[str]:
              "the bytes a step moves (weights once, the embedding a row per request; K/V up to each "
              "request's length; the Mamba layers' conv and SSM state of each request, read and written) "
              "over the copy bandwidth; tokens: the step's against the eager model's on the same state.", "",
-             "| bs | mean context | step µs | host µs | floor µs | weights / KV / state MB | x floor | tokens |",
-             "|---|---|---|---|---|---|---|---|"]
+             "Recurrent ops: `inductor`, the Mamba updates as inductor's code for their torch references "
+             "inside the compiled layers; `opaque`, padgraph's Triton kernels as opaque ops there "
+             "(`HybridModel(opaque_recurrent=True)`).", "",
+             "| bs | recurrent ops | mean context | step µs | host µs | floor µs | weights / KV / state MB | x floor "
+             "| tokens |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in d["rows"]:
         mb = " / ".join(f"{r['bytes'][k] / 1e6:.0f}" for k in ("weights", "kv", "state"))
-        lines.append(f"| {r['bs']} | {r['ctx_mean']:.0f} | {r['step_us']:.1f} | {r['host_us']:.1f} | "
+        lines.append(f"| {r['bs']} | {r.get('recurrent_ops', 'inductor')} | {r['ctx_mean']:.0f} | {r['step_us']:.1f} | {r['host_us']:.1f} | "
                      f"{r['floor_us']:.1f} | {mb} | {r['x_floor']:.2f} | {r['tokens_equal']}/{r['bs']} "
                      f"(+{r['near_ties']} near ties, {r['other']} other) |")
     return lines
@@ -332,10 +367,10 @@ def spec_lines(s: dict) -> list[str]:
              f"draft bodies compiled {s['draft'].get('draft_compile', 'no')}, draft lm_head {s['draft']['lm_head']}; "
              f"{s['new_tokens']} new tokens a request; overlap {s['overlap']}. "
              f"Greedy match: exact, or the first divergence at a top-2 gap <= {TIE_TOL} (a near tie).", "",
-             "| bs | requests | greedy tok/s | EAGLE tok/s | accept len | speedup | greedy step ms "
-             "| EAGLE round ms | greedy match |", "|---|---|---|---|---|---|---|---|---|"]
+             "| bs | recurrent ops | requests | greedy tok/s | EAGLE tok/s | accept len | speedup | greedy step ms "
+             "| EAGLE round ms | greedy match |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in s["rows"]:
-        lines.append(f"| {r['bs']} | {r['requests']} | {r['greedy_tok_s']:.0f} | {r['eagle_tok_s']:.0f} | "
+        lines.append(f"| {r['bs']} | {r.get('recurrent_ops', 'inductor')} | {r['requests']} | {r['greedy_tok_s']:.0f} | {r['eagle_tok_s']:.0f} | "
                      f"{r['accept_len']:.2f} | {r['speedup_vs_greedy']:.2f}x | {r['greedy_step_ms']:.2f} | "
                      f"{r['eagle_round_ms']:.2f} | {r['greedy_match']} |")
     return lines
@@ -374,8 +409,15 @@ def main() -> None:
                     help="the head's draft bodies on a GPU (WorkerOptions.draft_compile)")
     ap.add_argument("--tiny", action="store_true", help="tiny fp32 model on the CPU (smoke run)")
     ap.add_argument("--check", action="store_true", help="exit 1 when a token check fails")
+    ap.add_argument("--recurrent-ops", default="inductor",
+                    help="comma-separated: inductor (the Mamba updates' references compiled by inductor, "
+                         "the default), opaque (padgraph's kernels as opaque ops in the compiled layers); "
+                         "each part runs once per value, in this process")
     args = ap.parse_args()
     parts = [p for p in args.parts.split(",") if p]
+    ops_variants = [o for o in args.recurrent_ops.split(",") if o]
+    if not ops_variants or set(ops_variants) - set(RECURRENT_OPS):
+        ap.error(f"--recurrent-ops takes {', '.join(RECURRENT_OPS)}; got {args.recurrent_ops!r}")
     if set(parts) - set(PARTS):
         ap.error(f"--parts takes {', '.join(PARTS)}; got {args.parts!r}")
     mode = TINY if args.tiny else GPU
@@ -393,12 +435,12 @@ def main() -> None:
               "model": {"config": dataclasses.asdict(mode.cfg), "shape": describe(mode.cfg), "dtype": str(mode.dtype),
                         "params": sum(p.numel() for p in target.parameters())}}
     if "decode" in parts:
-        result["decode"] = decode_part(target, mode, bw)
+        result["decode"] = decode_part(target, mode, bw, ops_variants)
         gc.collect()                    # the decode engine's pools and graphs, before the next
         if mode.device == "cuda":
             torch.cuda.empty_cache()
     if "spec" in parts:
-        result["spec"] = spec_part(target, mode, args.head, args.draft_compile)
+        result["spec"] = spec_part(target, mode, args.head, args.draft_compile, ops_variants)
     result["failures"] = failures(result)
     write(result)
     if args.check and result["failures"]:

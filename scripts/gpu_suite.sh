@@ -28,7 +28,8 @@
 #   bench-hf-eagle   EAGLE on the HF Llama-1B shape against padgraph.hf's greedy (bench/bench_hf_eagle.py)
 #   bench-hf-bamba   padgraph.hf on a hybrid (Bamba at Llama-1B widths) against HF's own paths
 #                    (needs a transformers with the linear-attention cache interface)
-#   bench-hybrid     the hybrid reference model's step against its floor, and EAGLE on it (bench/bench_hybrid.py)
+#   bench-hybrid     the hybrid reference model's step against its floor, and EAGLE on it, with the Mamba updates as
+#                    inductor's code and as opaque kernel ops (bench/bench_hybrid.py --recurrent-ops)
 #   bench-eagle-sampling  EAGLE with sampling against plain sampling (bench/bench_eagle_sampling.py)
 #   bench-moe        the DeepSeek-like MoE, routed against dense (bench/bench_moe.py)
 #   bench-sampling   the sampler against argmax at bs 1/16/64, and sharp top-p by row groups (bench/bench_sampling.py)
@@ -98,7 +99,7 @@ want bench-hf && run bench_hf python3 bench/bench_hf.py --model llama1b
 want bench-hf-qwen3 && run bench_hf_qwen3 python3 bench/bench_hf.py --model qwen3
 want bench-hf-eagle && run bench_hf_eagle python3 bench/bench_hf_eagle.py --model llama1b
 want bench-hf-bamba && run bench_hf_bamba python3 bench/bench_hf.py --model bamba1b
-want bench-hybrid && run bench_hybrid python3 -m bench.bench_hybrid --check
+want bench-hybrid && run bench_hybrid python3 -m bench.bench_hybrid --check --recurrent-ops inductor,opaque
 want bench-eagle-sampling && run bench_eagle_sampling python3 -m bench.bench_eagle_sampling
 want bench-sampling && run bench_sampling python3 -m bench.bench_sampling
 want bench-sampling-sweep && run bench_sampling_sweep python3 -m bench.bench_sampling --sweep

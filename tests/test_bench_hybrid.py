@@ -33,18 +33,20 @@ def floor_bytes(cfg: HybridConfig, params: int, bs: int, ctx_total: int, elem: i
 
 def test_tiny_mode_runs_end_to_end_and_its_tokens_check(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "bench.bench_hybrid", "--tiny", "--check"], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "bench.bench_hybrid", "--tiny", "--check",
+                           "--recurrent-ops", "inductor,opaque"], cwd=ROOT,
                           env=env, capture_output=True, text=True)   # no timeout: a busy machine is slow, not wrong
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     data = json.loads((tmp_path / "bench_hybrid.json").read_text())
     assert {"gpu", "torch", "triton", "command", "commit"} <= set(data["env"])
-    assert data["env"]["command"] == "python -m bench.bench_hybrid --tiny --check"
+    assert data["env"]["command"] == "python -m bench.bench_hybrid --tiny --check --recurrent-ops inductor,opaque"
     cfg = HybridConfig(**data["model"]["config"])
     assert cfg == bh.TINY.cfg and data["failures"] == []
 
     decode = data["decode"]
     assert decode["setup"]["backend"] == "reference" and decode["setup"]["buckets"]
-    assert [r["bs"] for r in decode["rows"]] == list(bh.TINY.decode_sizes)
+    assert [(r["recurrent_ops"], r["bs"]) for r in decode["rows"]] == [
+        (ops, n) for ops in ("inductor", "opaque") for n in bh.TINY.decode_sizes]
     for r in decode["rows"]:
         assert r["step_us"] > 0 and r["host_us"] > 0
         assert r["bytes"] == floor_bytes(cfg, data["model"]["params"], r["bs"], round(r["ctx_mean"] * r["bs"]))
@@ -53,7 +55,8 @@ def test_tiny_mode_runs_end_to_end_and_its_tokens_check(tmp_path):
     spec = data["spec"]
     assert spec["head"] == "distil" and spec["head_info"]["steps"] == bh.TINY.distill["steps"]
     assert spec["tree"]["num_draft_tokens"] == bh.TINY.tree[2]
-    assert [r["bs"] for r in spec["rows"]] == list(bh.TINY.spec_sizes)
+    assert [(r["recurrent_ops"], r["bs"]) for r in spec["rows"]] == [
+        (ops, n) for ops in ("inductor", "opaque") for n in bh.TINY.spec_sizes]
     for r in spec["rows"]:
         n = r["requests"]
         assert r["greedy_match"].startswith(f"{n}/{n} ({n} exact"), r["greedy_match"]   # fp32: exact

@@ -157,6 +157,31 @@ def test_speculative_decoding_emits_greedy_decodings_tokens(model, head_kind, sp
     assert _released(w)
 
 
+@pytest.mark.parametrize("opaque", [False, True], ids=["inductor", "opaque-ops"])
+def test_compiled_bodies_serve_greedy_and_speculative_tokens(model, opaque):
+    """The decoder layers compiled as regions (decode and verify; the reference backend on the
+    CPU): greedy and EAGLE tokens equal the uncompiled engine's. With `opaque_recurrent` the
+    traced Mamba layers hold padgraph's recurrent ops (decode: conv and SSM updates; verify: the
+    tree updates); without, none (inductor's code for the references)."""
+    target = HybridModel(model.cfg, opaque_recurrent=opaque).eval()
+    target.load_state_dict(model.state_dict())
+    head, spec = _passthrough(target), SpecConfig(3, 2, 5)
+    ps, news = _prompts(model.cfg.vocab_size)[:2], [5, 4]
+    eager = _engine(target, head, spec, buckets=(2,))
+    want_greedy, want_spec = _serve(eager, "greedy", ps, news)[0], _serve(eager, "spec", ps, news)[0]
+    graphs = []
+    regions = {"regions": target.layers, "fullgraph": True, "passes": [lambda gm, _: graphs.append(str(gm.graph))]}
+    compiled = _engine(target, head, spec, buckets=(2,), compile_options={"torch_compile": regions})
+    greedy, spec_reqs = _serve(compiled, "greedy", ps, news)[0], _serve(compiled, "spec", ps, news)[0]
+    assert [r.output for r in greedy] == [r.output for r in want_greedy]
+    assert [r.output for r in spec_reqs] == [r.output for r in want_spec]
+    ops = {op for op in ("ssm_decode_update", "conv_state_update", "ssm_tree_update", "conv_tree_update")
+           if any(f"padgraph.{op}" in g for g in graphs)}
+    assert graphs and ops == ({"ssm_decode_update", "conv_state_update", "ssm_tree_update", "conv_tree_update"}
+                              if opaque else set()), ops
+    assert _released(compiled)
+
+
 def test_speculative_sampling_emits_what_plain_sampling_draws(model):
     """Sampled requests ("draws" rule): the speculative round emits what decode draws at the
     same positions with the same keys, through the rolled-back recurrent state."""
@@ -357,21 +382,22 @@ def _gpu_prompts(vocab, n=11, seed=0):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("compiled", [False, True], ids=["kernels", "torch_compile"])
+@pytest.mark.parametrize("compiled", [False, True, "opaque"], ids=["kernels", "torch_compile", "compile-opaque-ops"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cuda_graphs_serve_the_hybrid(dtype, compiled):
     """11 requests through 8 rows on the cuda backend (graphs), the recurrent layers in the Triton
-    kernels (or inductor's code for their references, torch_compile): greedy equals the eager
+    kernels (or inductor's code for their references, torch_compile; or the kernels as opaque ops
+    inside the compiled bodies, `opaque_recurrent`): greedy equals the eager
     reference backend on the same GPU, speculative equals greedy (bf16: up to top-2 near-ties),
     fp32 greedy equals the CPU dense forward up to near-ties, sampled speculative equals sampled
     plain decoding (fp32), and every row comes back."""
     torch.manual_seed(0)
     cpu = HybridModel(_gpu_config()).eval()
-    target = HybridModel(_gpu_config()).eval().cuda().to(dtype)
+    target = HybridModel(_gpu_config(), opaque_recurrent=compiled == "opaque").eval().cuda().to(dtype)
     head = _passthrough(target).cuda().to(dtype)
     spec = SpecConfig(4, 2, 6)
     kw = dict(max_bs=8, max_context=96, buckets=pg.Buckets([1, 2, 4, 8]))
-    graphs = Engine(target, head, spec, backend="cuda", torch_compile=compiled, **kw)
+    graphs = Engine(target, head, spec, backend="cuda", torch_compile=bool(compiled), **kw)
     eager = Engine(target, head, spec, backend="reference", **kw)
     ps, news = _gpu_prompts(target.cfg.vocab_size)
     greedy, _ = _serve(graphs, "greedy", ps, news)

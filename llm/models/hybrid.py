@@ -60,9 +60,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from padgraph.backends.triton.conv_state import conv_state_prefill, conv_state_update, conv_tree_update
+from padgraph.backends.triton.recurrent_ops import (conv_state_prefill, conv_state_update, conv_tree_update,
+                                                    ssm_chunked_scan, ssm_decode_update, ssm_tree_update)
 from padgraph.backends.triton.eagle import tree_parents
-from padgraph.backends.triton.ssm import ssm_chunked_scan, ssm_decode_update, ssm_tree_update
 
 from ..batch import Batch
 from ..kv import KVCache
@@ -187,12 +187,15 @@ class RecurrentPlan:
     """What the Mamba layers need for one call: each lane's recurrent row `slots` [bs] int64 (its
     request row; 0 for a padded lane) and, by the call's kind, the packed tokens of an extend
     (`cu_seqlens` [bs + 1] int32, `has_initial_state` [bs] bool) or a verify's tree (`parents`
-    [bs, k] int64, -1 at the root); neither: a decode step."""
+    [bs, k] int64, -1 at the root); neither: a decode step. opaque: under torch.compile the
+    recurrent updates run padgraph's kernels as opaque ops (`recurrent_ops`) rather than
+    inductor's code for their references (`HybridModel.opaque_recurrent`)."""
     slots: Tensor
     cu_seqlens: Tensor | None = None
     has_initial_state: Tensor | None = None
     parents: Tensor | None = None
     impl: str = "auto"
+    opaque: bool = False
 
 
 @dataclass(frozen=True)
@@ -257,13 +260,14 @@ class Mamba2Mixer(nn.Module):
         """Gated y [n, n_heads, head_dim] -> [n, H]."""
         return self.out_proj(self.norm(y.reshape(y.shape[0], -1)))
 
-    def _token(self, conv, ssm, slots, xbc, dt, z, impl) -> Tensor:
-        """One token per lane on pool rows `slots` [n] (dense: the kernels read lane b's slot at
-        slots + b), read and rewritten in place: y [n, n_heads, head_dim]."""
-        u = conv_state_update(conv, slots, xbc, self.conv_weight, self.conv_bias, "silu", impl=impl)
+    def _token(self, plan: RecurrentPlan, conv, ssm, xbc, dt, z) -> Tensor:
+        """One token per lane on pool rows `plan.slots` [n], read and rewritten in place:
+        y [n, n_heads, head_dim]."""
+        u = conv_state_update(conv, plan.slots, xbc, self.conv_weight, self.conv_bias, "silu", impl=plan.impl,
+                              opaque=plan.opaque)
         x, B, C = self._heads(u)
-        return ssm_decode_update(ssm, slots, x, dt, self.A, B, C, D=self.D, z=z, dt_bias=self.dt_bias,
-                                 impl=impl)
+        return ssm_decode_update(ssm, plan.slots, x, dt, self.A, B, C, D=self.D, z=z, dt_bias=self.dt_bias,
+                                 impl=plan.impl, opaque=plan.opaque)
 
     def forward(self, h: Tensor, plan: RecurrentPlan, conv: Tensor, ssm: Tensor,
                 tree_conv: Tensor | None = None, tree_ssm: Tensor | None = None) -> Tensor:
@@ -274,17 +278,18 @@ class Mamba2Mixer(nn.Module):
         elif plan.cu_seqlens is not None:
             y = self._extend(plan, conv, ssm, xbc, dt, z)
         else:
-            y = self._token(conv, ssm, plan.slots, xbc, dt, z, plan.impl)
+            y = self._token(plan, conv, ssm, xbc, dt, z)
         return self._out(y)
 
     def _extend(self, plan: RecurrentPlan, conv, ssm, xbc, dt, z) -> Tensor:
         """Packed sequences: each from its row (continued) or from zeros (`has_initial_state`
         false), leaving its final state in the row."""
         args = (plan.slots, plan.cu_seqlens, plan.has_initial_state)
-        u = conv_state_prefill(conv, *args, xbc, self.conv_weight, self.conv_bias, "silu", impl=plan.impl)
+        u = conv_state_prefill(conv, *args, xbc, self.conv_weight, self.conv_bias, "silu", impl=plan.impl,
+                               opaque=plan.opaque)
         x, B, C = self._heads(u)
         return ssm_chunked_scan(ssm, *args, x, dt, self.A, B, C, D=self.D, z=z, dt_bias=self.dt_bias,
-                                impl=plan.impl)
+                                impl=plan.impl, opaque=plan.opaque)
 
     def _tree(self, plan: RecurrentPlan, conv, ssm, tree_conv, tree_ssm, xbc, dt, z) -> Tensor:
         """A verify's tree, node after node: node j starts from its parent's state (the root
@@ -294,10 +299,10 @@ class Mamba2Mixer(nn.Module):
         `ssm_tree_update`)."""
         tc, ts = tree_conv.flatten(0, 1), tree_ssm.flatten(0, 1)     # [n_rows * k, ...] views
         u = conv_tree_update(conv, tc, plan.slots, plan.parents, xbc, self.conv_weight, self.conv_bias, "silu",
-                             impl=plan.impl)
+                             impl=plan.impl, opaque=plan.opaque)
         x, B, C = self._heads(u)
         return ssm_tree_update(ssm, ts, plan.slots, plan.parents, x, dt, self.A, B, C, D=self.D, z=z,
-                               dt_bias=self.dt_bias, impl=plan.impl)                # [bs * k, heads, head_dim]
+                               dt_bias=self.dt_bias, impl=plan.impl, opaque=plan.opaque)   # [bs * k, heads, head_dim]
 
     def forward_dense(self, h: Tensor) -> Tensor:
         """h [B, T, H] from zero state, no pools: the recurrence as written, token by token, in
@@ -372,9 +377,13 @@ class HybridModel(PagedForwards, nn.Module):
     `forward_dense` the oracle. Served by `padgraph.llm.Engine` as any target (an `EagleHead`
     drafts for it: its layer is a Llama layer over K/V pools of its own)."""
 
-    def __init__(self, cfg: HybridConfig, seed: int = 0):
+    def __init__(self, cfg: HybridConfig, seed: int = 0, opaque_recurrent: bool = False):
+        """opaque_recurrent: inside a torch.compile'd body (the engine's default on a GPU), the
+        Mamba layers' conv and SSM updates run padgraph's Triton kernels as opaque custom ops
+        (`padgraph.backends.triton.recurrent_ops`); False: inductor compiles their torch
+        references with the code around them. The tokens are the same up to fp32 rounding."""
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.opaque_recurrent = cfg, opaque_recurrent
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) if c == "A" else MambaLayer(cfg) for c in cfg.pattern)
         # layer i's pool: its index among the layers of its kind
@@ -397,17 +406,20 @@ class HybridModel(PagedForwards, nn.Module):
         return b.req_pool_indices.long()
 
     def _decode_batch(self, b: Batch) -> HybridPlan:
-        return _with(decode_batch(b), RecurrentPlan(self.recurrent_slots(b), impl=b.impl))
+        return _with(decode_batch(b), RecurrentPlan(self.recurrent_slots(b), impl=b.impl,
+                                                    opaque=self.opaque_recurrent))
 
     def _extend_batch(self, b: Batch) -> HybridPlan:
         """A request continues from its row where the cache held tokens before this extend
         (seq_lens past its packed tokens); a request whose whole sequence this is starts from zeros."""
         n_new = b.qo_indptr[1:] - b.qo_indptr[:-1]
-        rec = RecurrentPlan(self.recurrent_slots(b), b.qo_indptr, b.seq_lens > n_new, impl=b.impl)
+        rec = RecurrentPlan(self.recurrent_slots(b), b.qo_indptr, b.seq_lens > n_new, impl=b.impl,
+                            opaque=self.opaque_recurrent)
         return _with(extend_batch(b), rec)
 
     def _tree_batch(self, b: Batch) -> HybridPlan:
-        rec = RecurrentPlan(self.recurrent_slots(b), parents=tree_parents(b.tree_mask), impl=b.impl)
+        rec = RecurrentPlan(self.recurrent_slots(b), parents=tree_parents(b.tree_mask), impl=b.impl,
+                            opaque=self.opaque_recurrent)
         return _with(tree_batch(b), rec)
 
     # ---- forwards ---------------------------------------------------------------------
