@@ -165,6 +165,28 @@ def _token(h, offs_p, offs_n, mask_p, mask_n, X, Z, Bp, Cp, dt, a, d_skip,
 
 
 @triton.jit
+def _lane_head(Slot, head_dim, d_state, heads_per_group, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A decode or tree program's lane b, its slot, head h and its group g, its [BLOCK_P, BLOCK_N]
+    tile's offsets and masks (grid: lanes, heads, head_dim blocks); padded lanes' slot is the sink, 0."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_p, mask_n = offs_p < head_dim, offs_n < d_state
+    return (b, tl.load(Slot + b).to(tl.int64), h, h // heads_per_group, offs_p, offs_n, mask_p, mask_n,
+            mask_p[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _head_params(A, Dskip, DtBias, h, offs_n, mask_n, d_state, HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+                 A_PER_STATE: tl.constexpr):
+    """Head h's dt bias, D and A (fp32; 0 where absent)."""
+    bias = tl.load(DtBias + h).to(tl.float32) if HAS_DT_BIAS else 0.0
+    d_skip = tl.load(Dskip + h).to(tl.float32) if HAS_D else 0.0
+    return bias, d_skip, _a_of(A, h, offs_n, mask_n, d_state, A_PER_STATE)
+
+
+@triton.jit
 def _ssm_decode_kernel(
     State, Slot, X, Dt, A, B, C, Dskip, Z, DtBias, Y,
     s_st_slot, s_st_head, s_st_p, s_x_b, s_x_h, s_dt_b, s_b_b, s_b_g, s_c_b, s_c_g,
@@ -173,22 +195,14 @@ def _ssm_decode_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     A_PER_STATE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_p, mask_n = offs_p < head_dim, offs_n < d_state
-    g = h // heads_per_group
-    slot = tl.load(Slot + b).to(tl.int64)            # padded lanes: the sink slot 0
+    b, slot, h, g, offs_p, offs_n, mask_p, mask_n, mask = _lane_head(Slot, head_dim, d_state, heads_per_group,
+                                                                     BLOCK_P, BLOCK_N)
     tile = State + slot * s_st_slot + h * s_st_head + offs_p[:, None] * s_st_p + offs_n[None, :]
-    mask = mask_p[:, None] & mask_n[None, :]
     st = tl.load(tile, mask=mask, other=0.0).to(tl.float32)
-    bias = tl.load(DtBias + h).to(tl.float32) if HAS_DT_BIAS else 0.0
+    bias, d_skip, a = _head_params(A, Dskip, DtBias, h, offs_n, mask_n, d_state, HAS_D, HAS_DT_BIAS, A_PER_STATE)
     dt = _dt_step(tl.load(Dt + b * s_dt_b + h).to(tl.float32), bias, dt_lo, dt_hi, DT_SOFTPLUS)
-    d_skip = tl.load(Dskip + h).to(tl.float32) if HAS_D else 0.0
     st, y = _token(st, offs_p, offs_n, mask_p, mask_n, X + b * s_x_b + h * s_x_h, Z + b * s_z_b + h * s_z_h,
-                   B + b * s_b_b + g * s_b_g, C + b * s_c_b + g * s_c_g, dt, _a_of(A, h, offs_n, mask_n, d_state, A_PER_STATE),
-                   d_skip, HAS_Z)
+                   B + b * s_b_b + g * s_b_g, C + b * s_c_b + g * s_c_g, dt, a, d_skip, HAS_Z)
     tl.store(tile, st.to(State.dtype.element_ty), mask=mask)
     tl.store(Y + b * s_y_b + h * s_y_h + offs_p, y.to(Y.dtype.element_ty), mask=mask_p)
 
@@ -202,18 +216,10 @@ def _ssm_tree_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     A_PER_STATE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_p, mask_n = offs_p < head_dim, offs_n < d_state
-    mask = mask_p[:, None] & mask_n[None, :]
-    g = h // heads_per_group
-    slot = tl.load(Slot + b).to(tl.int64)            # padded lanes: the sink slot 0 (and its nodes)
-    tile = h * s_tr_head + offs_p[:, None] * s_tr_p + offs_n[None, :]
-    bias = tl.load(DtBias + h).to(tl.float32) if HAS_DT_BIAS else 0.0
-    d_skip = tl.load(Dskip + h).to(tl.float32) if HAS_D else 0.0
-    a = _a_of(A, h, offs_n, mask_n, d_state, A_PER_STATE)
+    b, slot, h, g, offs_p, offs_n, mask_p, mask_n, mask = _lane_head(Slot, head_dim, d_state, heads_per_group,
+                                                                     BLOCK_P, BLOCK_N)
+    tile = h * s_tr_head + offs_p[:, None] * s_tr_p + offs_n[None, :]   # a node's tile (padded lanes: the sink's)
+    bias, d_skip, a = _head_params(A, Dskip, DtBias, h, offs_n, mask_n, d_state, HAS_D, HAS_DT_BIAS, A_PER_STATE)
     st = tl.load(State + slot * s_st_slot + h * s_st_head + offs_p[:, None] * s_st_p + offs_n[None, :],
                  mask=mask, other=0.0).to(tl.float32)
     for j in range(0, k):
