@@ -435,6 +435,24 @@ def test_conv_tree_matches_its_node_by_node_reference_and_leaves_the_slots_alone
     assert torch.equal(out.view(bs, k, d)[:n_raw], torch.stack(outs, 1)), case
 
 
+def test_ssm_tree_with_mamba1_a_int32_indices_and_a_bf16_pool():
+    """A [n_heads, d_state] (Mamba1: head_dim 1), slot and parents int32, state and per-node pool
+    in bf16 (a node's state rounds to bf16 before its children read it, as the reference's)."""
+    n_ch, d_state = 11, 16
+    slot, parents = _tree_call("branches", 3, 1, seed=31)
+    bs, k = parents.shape
+    p = _ssm_params(n_ch, 1, d_state, 1, bs * k, seed=32, dtype=torch.bfloat16)
+    p["A"] = -torch.rand(n_ch, d_state, generator=torch.Generator().manual_seed(33)) * 3
+    state = _pool((N_SLOTS, n_ch, 1, d_state), seed=34, dtype=torch.bfloat16)
+    pool = _pool((N_SLOTS * k, n_ch, 1, d_state), seed=35, dtype=torch.bfloat16)
+    got, ref = pool.clone(), pool.clone()
+    y = ssm_tree_update(state, got, slot.int(), parents.int(), impl="triton", **p)
+    y_ref = ssm_tree_update_reference(state.clone(), ref, slot, parents, **p)
+    raw, rows = slice(0, 3 * k), _tree_rows(slot[:3], k)
+    torch.testing.assert_close(y[raw].float(), y_ref[raw].float(), rtol=2e-2, atol=2e-2)
+    _assert_tree_pool(got, pool, rows, ref[rows], "mamba1 bf16 tree", tol=2e-2)
+
+
 def test_tree_ops_refuse_a_node_pool_that_does_not_match_and_take_empty_calls():
     p = _ssm_params(2, 4, 8, 1, 6, seed=0)
     state, slot, parents = torch.zeros(N_SLOTS, 2, 4, 8), torch.tensor([1, 2]), torch.tensor([[-1, 0, 1]] * 2)
