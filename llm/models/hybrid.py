@@ -10,8 +10,9 @@ kept as state; x, B, C split from its output; the selective state update per hea
     (dt' = softplus(dt + dt_bias), A = -exp(A_log); h [head_dim, d_state] per head)
 
 then an RMSNorm over y (Mamba2's gated norm) and the out-projection. The kernels are
-`padgraph.backends.triton.conv_state` and `.ssm` (their torch references off the GPU and while
-torch.compile traces).
+`padgraph.backends.triton.conv_state` and `.ssm` (their torch references off the GPU, and while
+torch.compile traces unless `opaque_recurrent`, which keeps them as opaque ops in the compiled
+layers: `padgraph.backends.triton.recurrent_ops`).
 
 Recurrent state (SPEC 7.9): per Mamba layer a convolution window pool `conv [n_rows,
 conv_dim, conv_kernel - 1]` (the model's dtype) and an SSM state pool `ssm [n_rows, n_heads, head_dim,
