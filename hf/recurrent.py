@@ -14,9 +14,13 @@ moves the rows between the pool and the `Step`:
     prefill   `Step.fresh`: zero rows, no previous state (HF's first forward: the conv window is
               the left-padded prompt's last `kernel` inputs, the scan starts from zero); the rows
               it leaves are copied into the requests' slots (`scatter`)
-    decode    `Step.gathered`: each lane's slot row read from the pool (`index_select`), updated
-              in place by the mixers' single-token paths, written back to the same slots
-              (`index_copy_`): fixed shapes per bucket, device indices, no host sync
+    decode    `Step.gathered`: a convolution window is each lane's slot row read from the pool
+              (`index_select`), updated in place by the mixers' single-token paths, written
+              back to the same slots (`index_copy_`); a recurrent (SSM / delta-rule) state is
+              read from the pool where the mixer asks for it and written straight into the
+              lanes' slots by its `update_recurrent_state`, inside the mixer's code (in a
+              compiled layer, inductor may fuse both with it: no batch-ordered copy of the
+              state outside the layers, no scatter after the forward). Fixed shapes per bucket, device indices, no host sync
 
 The pools hold one tensor per state, `[n_req_rows, *shape]`, indexed by padgraph.llm's request
 row: row 0 is the sink, a padded lane's (request row 0) read and write; request row r owns row r
@@ -59,8 +63,10 @@ class Step:
 
     is_compileable = False          # HF's mask builders: no static-cache shortcut
 
-    def __init__(self, specs: tuple[StateSpec, ...], rows: list[torch.Tensor], fresh: bool):
+    def __init__(self, specs: tuple[StateSpec, ...], rows: list[torch.Tensor | None], fresh: bool,
+                 pool: list[torch.Tensor] | None = None, slots: torch.Tensor | None = None):
         self.specs, self.rows, self.fresh = specs, rows, fresh
+        self.pool, self.slots = pool, slots      # a continuing forward: the recurrent states' home
         self.at = {s.key: i for i, s in enumerate(specs)}
 
     @classmethod
@@ -70,13 +76,18 @@ class Step:
 
     @classmethod
     def gathered(cls, specs: tuple[StateSpec, ...], pool: list[torch.Tensor], slots: torch.Tensor) -> "Step":
-        """The slots' rows of the pool (slots [b] int64 on the pool's device), for a continuing forward."""
-        return cls(specs, [t.index_select(0, slots) for t in pool], fresh=False)
+        """A continuing forward over the slots' rows of the pool (slots [b] int64 on the pool's
+        device): the convolution windows gathered now, the recurrent states read and written in
+        the pool where the mixers ask (module doc)."""
+        rows = [t.index_select(0, slots) if s.kind == CONV else None for s, t in zip(specs, pool)]
+        return cls(specs, rows, fresh=False, pool=pool, slots=slots)
 
     def scatter(self, pool: list[torch.Tensor], slots: torch.Tensor) -> None:
-        """Each row back into its slot of the pool (slots [b]; padded lanes: the sink)."""
+        """Each batch-ordered row back into its slot of the pool (slots [b]; padded lanes: the
+        sink); a continuing forward's recurrent states are there already."""
         for t, r in zip(pool, self.rows):
-            t.index_copy_(0, slots, r)
+            if r is not None:
+                t.index_copy_(0, slots, r)
 
     def _row(self, layer_idx: int, kind: str, state_idx: int) -> torch.Tensor:
         return self.rows[self.at[(layer_idx, kind, state_idx)]]
@@ -101,13 +112,21 @@ class Step:
         return full
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
-        return None if self.fresh else self._row(layer_idx, RECURRENT, state_idx)
+        """None in a first forward; else the lanes' states, read from the pool (a new tensor:
+        HF's mixers clone it or compute a new one, and hand that to `update_recurrent_state`)."""
+        if self.fresh:
+            return None
+        return self.pool[self.at[(layer_idx, RECURRENT, state_idx)]].index_select(0, self.slots)
 
     def update_recurrent_state(self, recurrent_states, layer_idx: int, state_idx: int = 0, **kwargs) -> torch.Tensor:
-        row = self._row(layer_idx, RECURRENT, state_idx)
         last = recurrent_states if isinstance(recurrent_states, torch.Tensor) else recurrent_states[-1]
-        row.copy_(last)
-        return row
+        if self.fresh:
+            row = self._row(layer_idx, RECURRENT, state_idx)
+            row.copy_(last)
+            return row
+        pool = self.pool[self.at[(layer_idx, RECURRENT, state_idx)]]
+        pool.index_copy_(0, self.slots, last.to(pool.dtype))     # padded lanes: the sink
+        return last
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         return not self.fresh

@@ -10,8 +10,8 @@ one site per attention call, each of its own widths; a hybrid's recurrent pools)
 padgraph.llm's admission gave the request, and attends over it:
 
     decode    one token per request, as a batch [bs, 1] (a hybrid's recurrent mixers see one row
-              per request: `recurrent.Step`, gathered from the pools by request row and written
-              back): padgraph's Triton paged decode kernel where it computes the layer as HF does
+              per request: `recurrent.Step`, read from the pools by request row and written
+              back to them): padgraph's Triton paged decode kernel where it computes the layer as HF does
               (on a GPU, at half precision), else the torch path (windows, soft-caps, sinks, ...)
     extend    the prompts left-padded into one batch [n, P] through the model's forward (HF's
               first forward: a hybrid's mixers start from no state and leave theirs in the

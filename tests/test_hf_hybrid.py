@@ -61,6 +61,32 @@ def test_tokens_equal_hf_generate(model_type):
         assert all(r.ok for r in dec.check(trials=2).values()), dec.check(trials=2)
 
 
+@pytest.mark.parametrize("model_type", ["bamba", "qwen3_next"])
+@needs_api
+def test_compiled_layers_read_and_write_the_recurrent_pool_in_place(model_type):
+    """torch_compile=True on the CPU (the decoder layers as compiled regions): HF generate's tokens;
+    a continuing forward reads each recurrent state from the pool inside the compiled layer and
+    writes it straight back into the lanes' slots (no batch-ordered copy is made or scattered
+    for it), while the convolution windows go through batch-ordered rows."""
+    from padgraph.hf.recurrent import CONV, Step
+    model = model_of(model_type)
+    dec = pghf.Decoder(model, max_batch=3, max_len=MAX_LEN, backend="reference", torch_compile=True)
+    assert_generates_like_hf(model, dec, (1, 3))
+    specs = dec.target.shape.states
+    pool = [torch.randn(4, *s.shape).to(s.dtype) for s in specs]
+    before = [t.clone() for t in pool]
+    step = Step.gathered(specs, pool, torch.tensor([2, 3]))
+    assert [r is not None for r in step.rows] == [s.kind == CONV for s in specs]
+    i, spec = next((i, s) for i, s in enumerate(specs) if s.kind != CONV)
+    got = step.get_recurrent_state(spec.layer_idx, spec.state_idx)
+    assert torch.equal(got, before[i][2:4])
+    new = torch.randn(got.shape).to(got.dtype)
+    step.update_recurrent_state(new, spec.layer_idx, spec.state_idx)
+    assert torch.equal(pool[i][2:4], new) and torch.equal(pool[i][:2], before[i][:2])
+    step.scatter(pool, torch.tensor([2, 3]))                 # the windows only: the state stays
+    assert torch.equal(pool[i][2:4], new)
+
+
 @needs_api
 def test_kinds_and_shapes_of_the_states():
     """The pool holds what HF's own cache holds, per request: LFM2's conv window [hidden, L_cache]
