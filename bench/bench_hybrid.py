@@ -345,12 +345,13 @@ def decode_lines(d: dict) -> list[str]:
              "Recurrent ops: `inductor`, the Mamba updates as inductor's code for their torch references "
              "inside the compiled layers; `opaque`, padgraph's Triton kernels as opaque ops there "
              "(`HybridModel(opaque_recurrent=True)`).", "",
-             "| bs | recurrent ops | mean context | step µs | host µs | floor µs | weights / KV / state MB | x floor "
-             "| tokens |",
+             "| bs | recurrent ops | mean context | step µs | host µs | floor µs | weights / KV / state MB "
+             "| x floor | tokens |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in d["rows"]:
         mb = " / ".join(f"{r['bytes'][k] / 1e6:.0f}" for k in ("weights", "kv", "state"))
-        lines.append(f"| {r['bs']} | {r.get('recurrent_ops', 'inductor')} | {r['ctx_mean']:.0f} | {r['step_us']:.1f} | {r['host_us']:.1f} | "
+        lines.append(f"| {r['bs']} | {r.get('recurrent_ops', 'inductor')} | {r['ctx_mean']:.0f} | "
+                     f"{r['step_us']:.1f} | {r['host_us']:.1f} | "
                      f"{r['floor_us']:.1f} | {mb} | {r['x_floor']:.2f} | {r['tokens_equal']}/{r['bs']} "
                      f"(+{r['near_ties']} near ties, {r['other']} other) |")
     return lines
@@ -370,7 +371,8 @@ def spec_lines(s: dict) -> list[str]:
              "| bs | recurrent ops | requests | greedy tok/s | EAGLE tok/s | accept len | speedup | greedy step ms "
              "| EAGLE round ms | greedy match |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in s["rows"]:
-        lines.append(f"| {r['bs']} | {r.get('recurrent_ops', 'inductor')} | {r['requests']} | {r['greedy_tok_s']:.0f} | {r['eagle_tok_s']:.0f} | "
+        lines.append(f"| {r['bs']} | {r.get('recurrent_ops', 'inductor')} | {r['requests']} | "
+                     f"{r['greedy_tok_s']:.0f} | {r['eagle_tok_s']:.0f} | "
                      f"{r['accept_len']:.2f} | {r['speedup_vs_greedy']:.2f}x | {r['greedy_step_ms']:.2f} | "
                      f"{r['eagle_round_ms']:.2f} | {r['greedy_match']} |")
     return lines

@@ -20,7 +20,8 @@ moves the rows between the pool and the `Step`:
               read from the pool where the mixer asks for it and written straight into the
               lanes' slots by its `update_recurrent_state`, inside the mixer's code (in a
               compiled layer, inductor may fuse both with it: no batch-ordered copy of the
-              state outside the layers, no scatter after the forward). Fixed shapes per bucket, device indices, no host sync
+              state outside the layers, no scatter after the forward). Fixed shapes per
+              bucket, device indices, no host sync
 
 The pools hold one tensor per state, `[n_req_rows, *shape]`, indexed by padgraph.llm's request
 row: row 0 is the sink, a padded lane's (request row 0) read and write; request row r owns row r

@@ -417,7 +417,8 @@ def test_conv_tree_matches_its_node_by_node_reference_and_leaves_the_slots_alone
     raw = torch.arange(bs * k) < n_raw * k
     case = f"tree={tree} {activation} {dtype}"
     tol = None if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out[raw].float(), out_ref[raw].float(), rtol=tol, atol=tol, msg=lambda m: f"{m} [{case}]")
+    torch.testing.assert_close(out[raw].float(), out_ref[raw].float(), rtol=tol, atol=tol,
+                               msg=lambda m: f"{m} [{case}]")
     assert torch.equal(got_state, state), case
     rows = _tree_rows(slot[:n_raw], k)
     _assert_tree_pool(got_tree, pool, rows, ref_tree[rows], case, tol=0)     # windows hold inputs: exact
