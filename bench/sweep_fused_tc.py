@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 
-from bench.common import env_info, out_dir
+from bench.common import env_info, out_dir, time_us
+from bench.gpu_timing import graph_of
 from padgraph.backends.triton import fused_decode as fd
 from padgraph.backends.triton.fused_decode import FusedDecodePolicy, LayerWeights, RopeTables
 
@@ -39,26 +40,9 @@ POSITIONS, SLOTS = 4096, 4096
 
 def graph_us(fn, calls: int, reps: int = 15) -> float:
     """µs a call of fn: `calls` calls in one CUDA graph, the median of `reps` replays."""
-    fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return sorted(times)[reps // 2]
+    fn()                                    # compile outside the capture
+    replay = graph_of(lambda: [fn() for _ in range(calls)])
+    return time_us(replay, reps) / calls
 
 
 def load_before(commit: str):
