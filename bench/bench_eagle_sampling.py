@@ -53,7 +53,6 @@ import hashlib
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 import zlib
@@ -430,19 +429,9 @@ def summary(rows: list[dict]) -> dict:
 
 # ------------------------------------------------------------------------------ output
 
-def git_commit() -> str:
-    """The checkout's short commit hash, or 'unknown' outside a git checkout."""
-    try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                              capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else "unknown"
-
-
 def meta(sizes: Sizes, gpu: bool, command: str, seconds: float) -> dict:
     """What the run was measured on and with: GPU, versions, command, commit, sizes."""
-    return {**env_info(command), "commit": git_commit(),
+    return {**env_info(command),
             "backend": "cuda (CUDA graphs, torch.compile)" if gpu else "reference (eager, CPU)",
             **asdict(sizes), "temperatures": list(TEMPERATURES), "entropies": list(ENTROPIES),
             "rules": list(RULES), "overlap": True, "wall_s": seconds,

@@ -61,7 +61,6 @@ from dataclasses import dataclass
 import torch
 
 from bench.bench_eagle import distill_overrides, held_out_note, match_line, measure, prompts_for
-from bench.bench_eagle_sampling import git_commit
 from bench.bench_runner import step_weight_bytes, time_calls
 from bench.common import copy_bandwidth, env_info, out_dir, plot_step_times
 from padgraph.llm import Batch, Engine, SpecConfig
@@ -431,7 +430,7 @@ def main() -> None:
         p.requires_grad_(False)
     bw = copy_bandwidth(torch.device(mode.device)) if mode.device == "cuda" else float("nan")
     command = " ".join(["python -m bench.bench_hybrid", *sys.argv[1:]])
-    result = {"env": {**env_info(command), "cuda": torch.version.cuda, "commit": git_commit(), "tiny": args.tiny,
+    result = {"env": {**env_info(command), "cuda": torch.version.cuda, "tiny": args.tiny,
                       "parts": parts},
               "copy_bandwidth_GBps": bw / 1e9,
               "model": {"config": dataclasses.asdict(mode.cfg), "shape": describe(mode.cfg), "dtype": str(mode.dtype),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -39,12 +40,25 @@ def command_line(argv: list[str] | None = None) -> str:
     return " ".join([f"python {rel.as_posix()}", *argv[1:]])
 
 
+def git_commit() -> str:
+    """The checkout's short commit hash; outside a git checkout (e.g. a `git archive` copy run on
+    another machine) the PADGRAPH_COMMIT environment variable, else 'unknown'."""
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parents[1],
+                              capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        done = None
+    if done is not None and done.returncode == 0 and done.stdout.strip():
+        return done.stdout.strip()
+    return os.environ.get("PADGRAPH_COMMIT", "").strip()[:12] or "unknown"
+
+
 def env_info(command: str | None = None) -> dict:
     import triton
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (cpu)"
     return {"date": datetime.date.today().isoformat(), "gpu": gpu,
             "torch": torch.__version__, "triton": triton.__version__,
-            "command": command or command_line()}
+            "command": command or command_line(), "commit": git_commit()}
 
 
 def copy_bandwidth(device, n_bytes: int = 2 << 30, iters: int = 20) -> float:

@@ -65,3 +65,17 @@ def test_the_recorded_command_is_one_to_type_at_the_root_with_no_machine_path(mo
     monkeypatch.setattr(sys.modules["__main__"], "__spec__", spec, raising=False)
     monkeypatch.setattr(sys, "argv", [str(ROOT / "bench" / "bench_sampling.py"), "--sweep"])
     assert command_line() == "python -m bench.bench_sampling --sweep"
+
+
+def test_git_commit_outside_a_checkout(monkeypatch):
+    """A copy without .git (a `git archive` run elsewhere) records PADGRAPH_COMMIT, else 'unknown'."""
+    from bench import common
+
+    def no_git(*a, **k):
+        raise OSError("no git")
+    monkeypatch.setattr(common.subprocess, "run", no_git)
+    monkeypatch.setenv("PADGRAPH_COMMIT", "abc1234\n")
+    assert common.git_commit() == "abc1234"
+    assert common.env_info("x")["commit"] == "abc1234"
+    monkeypatch.delenv("PADGRAPH_COMMIT")
+    assert common.git_commit() == "unknown"
