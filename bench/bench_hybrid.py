@@ -38,9 +38,9 @@ commit, configuration, copy bandwidth and every row; a run of one part (`--parts
 bench_hybrid_decode.* (bench_hybrid_spec.*), so two runs' files stay apart.
 
 `--recurrent-ops inductor,opaque` runs each part once per value in the same process: how the
-compiled layers run the Mamba updates (inductor's code for their references, the default; or
-padgraph's Triton kernels as opaque ops, `HybridModel(opaque_recurrent=True)`); every row names
-its value.
+compiled layers run the Mamba updates (padgraph's Triton kernels as opaque ops, the model's
+default; or inductor's code for their references, `HybridModel(opaque_recurrent=False)`); every
+row names its value.
 
     python -m bench.bench_hybrid [--parts decode,spec] [--head distil|passthrough] [--check]
                                  [--recurrent-ops inductor,opaque]
@@ -71,7 +71,7 @@ from padgraph.llm.oracle import TIE_TOL
 from padgraph.llm.presets import DRAFT_COMPILE, DRAFT_LM_HEAD, GPU_TREE
 
 PARTS = ("decode", "spec")
-RECURRENT_OPS = ("inductor", "opaque")   # how compiled layers run the Mamba updates (--recurrent-ops)
+RECURRENT_OPS = ("opaque", "inductor")   # how compiled layers run the Mamba updates (--recurrent-ops)
 HEADS = ("distil", "passthrough")
 
 
@@ -178,7 +178,7 @@ def time_step(fn, raw: dict, iters: int, cuda: bool) -> tuple[float, float]:
     return statistics.median(times), statistics.median(times)
 
 
-def decode_row(engine: Engine, n: int, mode: Mode, gen: torch.Generator, bw: float, ops: str = "inductor") -> dict:
+def decode_row(engine: Engine, n: int, mode: Mode, gen: torch.Generator, bw: float, ops: str = "opaque") -> dict:
     """n requests admitted and prefilled, their first decode step timed, checked, released."""
     vocab, lens = mode.cfg.vocab_size, torch.randint(*mode.ctx, (n,), generator=gen).tolist()
     reqs = engine.admit([torch.randint(1, vocab, (m,), generator=gen).tolist() for m in lens], [2] * n)
@@ -206,7 +206,7 @@ def compile_kind(options: dict) -> str | None:
     return None if tc is None else "regions" if "regions" in tc else "whole"
 
 
-def decode_part(target: HybridModel, mode: Mode, bw: float, ops_variants=("inductor",)) -> dict:
+def decode_part(target: HybridModel, mode: Mode, bw: float, ops_variants=("opaque",)) -> dict:
     """The decode runner at every decode size, on an engine of max_bs the largest (no head); one
     engine per recurrent-ops variant (`RECURRENT_OPS`), the same sizes and contexts for each."""
     out = {"variants": []}
@@ -286,7 +286,7 @@ def spec_row(engine: Engine, bs: int, mode: Mode) -> dict:
 
 
 def spec_part(target: HybridModel, mode: Mode, head_kind: str, draft_compile: str,
-              ops_variants=("inductor",)) -> dict:
+              ops_variants=("opaque",)) -> dict:
     """The head, then per recurrent-ops variant one engine (the default ladder up to the largest
     size; on a GPU the head's draft bodies compiled `draft_compile`) serving greedy and EAGLE at
     every spec size."""
@@ -410,9 +410,9 @@ def main() -> None:
                     help="the head's draft bodies on a GPU (WorkerOptions.draft_compile)")
     ap.add_argument("--tiny", action="store_true", help="tiny fp32 model on the CPU (smoke run)")
     ap.add_argument("--check", action="store_true", help="exit 1 when a token check fails")
-    ap.add_argument("--recurrent-ops", default="inductor",
-                    help="comma-separated: inductor (the Mamba updates' references compiled by inductor, "
-                         "the default), opaque (padgraph's kernels as opaque ops in the compiled layers); "
+    ap.add_argument("--recurrent-ops", default="opaque",
+                    help="comma-separated: opaque (padgraph's kernels as opaque ops in the compiled layers, "
+                         "the default), inductor (the Mamba updates' references compiled by inductor); "
                          "each part runs once per value, in this process")
     args = ap.parse_args()
     parts = [p for p in args.parts.split(",") if p]

@@ -99,7 +99,7 @@ want bench-hf && run bench_hf python3 bench/bench_hf.py --model llama1b
 want bench-hf-qwen3 && run bench_hf_qwen3 python3 bench/bench_hf.py --model qwen3
 want bench-hf-eagle && run bench_hf_eagle python3 bench/bench_hf_eagle.py --model llama1b
 want bench-hf-bamba && run bench_hf_bamba python3 bench/bench_hf.py --model bamba1b
-want bench-hybrid && run bench_hybrid python3 -m bench.bench_hybrid --check --recurrent-ops inductor,opaque
+want bench-hybrid && run bench_hybrid python3 -m bench.bench_hybrid --check --recurrent-ops opaque,inductor
 want bench-eagle-sampling && run bench_eagle_sampling python3 -m bench.bench_eagle_sampling
 want bench-sampling && run bench_sampling python3 -m bench.bench_sampling
 want bench-sampling-sweep && run bench_sampling_sweep python3 -m bench.bench_sampling --sweep

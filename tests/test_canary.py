@@ -133,11 +133,16 @@ def test_torch_compile_body_keeps_the_check():
         run(**raw(4, g))
 
 
+def _rows(sizes, offset=0):
+    """Canary rows of `sizes` bytes, each a view starting `offset` bytes into its own buffer."""
+    return [torch.full((n + 16,), SENTINEL, dtype=torch.uint8)[offset:offset + n] for n in sizes]
+
+
 def test_triton_checker_matches_torch_reference():
     pytest.importorskip("triton")
     from padgraph.backends.triton import canary as tc
     from padgraph.canary import torch_checker
-    rows = [torch.full((n,), SENTINEL, dtype=torch.uint8) for n in (1, 7, 1023, 1025, 3000)]
+    rows = _rows((1, 7, 1023, 1025, 3000))
     for bad in (None, 0, 2, 3, 4):
         if bad is not None:
             rows[bad][-1] = 0
@@ -147,6 +152,42 @@ def test_triton_checker_matches_torch_reference():
         assert bool(flag[0]) == bool(ref[0]) == (bad is not None)
         if bad is not None:
             assert int(flag[0]) - 1 in {i for i, r in enumerate(rows) if (r != SENTINEL).any()}
+
+
+@pytest.mark.parametrize("offset", [0, 3])
+def test_triton_checker_finds_any_byte_of_long_unaligned_rows(offset):
+    """Rows of several chunks, starting off an 8-byte boundary: a byte changed in the unaligned
+    head, in any chunk of the word body, at a chunk seam or in the tail is found, and the flag
+    names its row; untouched rows leave the flag at 0."""
+    pytest.importorskip("triton")
+    from padgraph.backends.triton import canary as tc
+    sizes = (5, 2 * tc.CHUNK + 13, 64)
+    n = sizes[1]
+    for where in (None, 0, 4, 5, n // 2, tc.CHUNK + offset, tc.CHUNK + 8, n - 2, n - 1):
+        rows = _rows(sizes, offset)
+        if where is not None:
+            rows[1][where] = 0
+        flag = torch.zeros(1, dtype=torch.int32)
+        tc.checker(rows, flag)()
+        assert int(flag[0]) == (0 if where is None else 2), where
+
+
+def test_triton_checker_chunks_tile_every_row():
+    """The chunks cover each row's bytes exactly once: byte chunks under 8 bytes, word chunks
+    8-byte aligned and at most CHUNK bytes."""
+    from padgraph.backends.triton import canary as tc
+    for offset in (0, 1, 5):
+        rows = _rows((1, 8, 9, 100, 3 * tc.CHUNK + 7), offset)
+        seen = {i: [] for i in range(len(rows))}
+        for addr, n, tag in tc.chunks(rows):
+            i, words = divmod(tag, 2)
+            size = 8 * n if words else n
+            assert (addr % 8 == 0 and size <= tc.CHUNK) if words else n < 8
+            seen[i].append((addr, addr + size))
+        for i, r in enumerate(rows):
+            spans = sorted(seen[i])
+            assert spans[0][0] == r.data_ptr() and spans[-1][1] == r.data_ptr() + r.numel()
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
 
 
 @pytest.mark.cuda

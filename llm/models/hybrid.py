@@ -10,9 +10,9 @@ kept as state; x, B, C split from its output; the selective state update per hea
     (dt' = softplus(dt + dt_bias), A = -exp(A_log); h [head_dim, d_state] per head)
 
 then an RMSNorm over y (Mamba2's gated norm) and the out-projection. The kernels are
-`padgraph.backends.triton.conv_state` and `.ssm` (their torch references off the GPU, and while
-torch.compile traces unless `opaque_recurrent`, which keeps them as opaque ops in the compiled
-layers: `padgraph.backends.triton.recurrent_ops`).
+`padgraph.backends.triton.conv_state` and `.ssm` (their torch references off the GPU); inside
+torch.compile'd layers they stay opaque ops (`padgraph.backends.triton.recurrent_ops`) unless
+`opaque_recurrent=False`, which lets inductor compile their torch references instead.
 
 Recurrent state (SPEC 7.9): per Mamba layer a convolution window pool `conv [n_rows,
 conv_dim, conv_kernel - 1]` (the model's dtype) and an SSM state pool `ssm [n_rows, n_heads, head_dim,
@@ -378,11 +378,13 @@ class HybridModel(PagedForwards, nn.Module):
     `forward_dense` the oracle. Served by `padgraph.llm.Engine` as any target (an `EagleHead`
     drafts for it: its layer is a Llama layer over K/V pools of its own)."""
 
-    def __init__(self, cfg: HybridConfig, seed: int = 0, opaque_recurrent: bool = False):
+    def __init__(self, cfg: HybridConfig, seed: int = 0, opaque_recurrent: bool = True):
         """opaque_recurrent: inside a torch.compile'd body (the engine's default on a GPU), the
         Mamba layers' conv and SSM updates run padgraph's Triton kernels as opaque custom ops
-        (`padgraph.backends.triton.recurrent_ops`); False: inductor compiles their torch
-        references with the code around them. The tokens are the same up to fp32 rounding."""
+        (`padgraph.backends.triton.recurrent_ops`), the default: faster at every size measured
+        (`python -m bench.bench_hybrid --recurrent-ops opaque,inductor`); False: inductor
+        compiles their torch references with the code around them. The tokens are the same up
+        to fp32 rounding."""
         super().__init__()
         self.cfg, self.opaque_recurrent = cfg, opaque_recurrent
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
