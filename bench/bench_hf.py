@@ -64,9 +64,9 @@ from transformers import StaticCache
 
 import padgraph.hf as pghf
 try:
-    from bench.common import command_line, plot_step_times
+    from bench.common import command_line, git_commit, plot_step_times
 except ImportError:         # run by its path: bench/ is on sys.path, the repository root is not
-    from common import command_line, plot_step_times
+    from common import command_line, git_commit, plot_step_times
 from padgraph.hf.support import linear_cache_api
 
 SIZES = [1, 4, 16, 64]
@@ -514,6 +514,7 @@ def main() -> None:
     info = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "none (cpu)",
             "transformers": transformers.__version__, "stem": f"bench_hf_{args.model}", "command": command_line(),
+            "commit": git_commit(),
             "model": f"{args.model}{' (tiny)' if args.tiny else ''}, {model.num_parameters() / 1e9:.2f}B params, "
                      f"{next(model.parameters()).dtype}",
             "shape": "tiny: 2 layers, hidden 64" if args.tiny else MODELS[args.model][2],
