@@ -169,7 +169,7 @@ def test_state_kept_outside_the_cache_is_refused_naming_the_layer(model_type, la
 
 
 # ---- CUDA graphs (GPU only) ---------------------------------------------------------------------
-CUDA_SERVED = ["mamba2", "bamba", "nemotron_h", "lfm2", "qwen3_next", "jamba"]
+CUDA_SERVED = ["mamba2", "bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "lfm2", "qwen3_next", "jamba"]
 
 
 @pytest.mark.cuda
