@@ -21,12 +21,20 @@ choices (`SelectPolicy`: row groups G, warps a program, the draw in the gather o
 programmatic dependent launch on or off),
 each checked against the torch reference, and writes sampling_sweep.md / .json: the data
 `select_policy` is chosen from.
+
+    python -m bench.bench_sampling --passes   # each launch's own GPU time instead
+
+--passes profiles the same cases at `select_policy`'s launch with PDL off (so that no launch's
+time holds its wait for the one before): torch.profiler over graph replays, each launch's median
+kernel time by its place in the call (the chunk max, then select passes 1 to 12), so a call's
+time splits into what each pass costs; writes sampling_passes.md / .json.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import sys
 
 if "--smoke" in sys.argv:  # before triton is imported: kernels run interpreted on CPU tensors
@@ -156,15 +164,81 @@ def run_sweep(V: int, sizes, device) -> None:
     print("\n".join(md))
 
 
+def pass_times(replay, reps: int = 20) -> tuple[list[str], list[float]]:
+    """The kernels of one replay in launch order and the median µs of each (torch.profiler over
+    `reps` replays, kernels inside CUDA graphs included; a replay starts at its chunk-max
+    kernel)."""
+    from torch.profiler import ProfilerActivity, profile
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            replay()
+        torch.cuda.synchronize()
+    ks = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                key=lambda e: e.time_range.start)
+    calls: list[list] = []
+    for e in ks:
+        if "chunk_max" in e.name or not calls:
+            calls.append([])
+        calls[-1].append(e)
+    n = statistics.mode(len(c) for c in calls)
+    calls = [c for c in calls if len(c) == n]
+    return [e.name for e in calls[0]], [statistics.median(c[i].device_time for c in calls) for i in range(n)]
+
+
+def run_passes(V: int, sizes, device) -> None:
+    """Each launch's time of the `SWEEP_CASES` at `select_policy`'s launch, PDL off."""
+    rows = []
+    for bs in sizes:
+        logits = torch.randn(bs, V, generator=torch.Generator().manual_seed(bs)).to(device)
+        row = {"bs": bs, "policy": kernels.select_policy(bs)._asdict(), "us": {}, "passes": {}}
+        for name in SWEEP_CASES:
+            scale, *params = CASES[name]
+            x = (logits * scale).to(torch.bfloat16)
+            args = lanes(bs, *params, x.device)
+            want = sample(x, *args, PURPOSE_DECODE, impl="torch")
+            stages = kernels.sample_stages(x, *args, PURPOSE_DECODE, pdl=False)
+            assert torch.equal(stages.tokens, want), f"{name}: mismatch"
+            replay = graph_of(lambda: kernels.sample_stages(x, *args, PURPOSE_DECODE, pdl=False).tokens)
+            row["kernels"], row["us"][name] = pass_times(replay)
+            row["passes"][name] = int(stages.passes.max())
+        rows.append(row)
+        print(row, flush=True)
+    heads = ["max", *(f"pass {i}" for i in range(1, kernels.PASSES + 1)), "sum"]
+    if rows and len(rows[0]["kernels"]) != 1 + kernels.PASSES:       # launches other than the passes
+        heads = [*rows[0]["kernels"], "sum"]
+    md = ["# Sampler launches one by one: median kernel µs, [bs, V] bf16 logits, V = %d" % V, "",
+          f"`{json.dumps(env_info())}`", "",
+          "select_policy's launch, PDL off; a row works in at most `passes` of the 12 select passes.", ""]
+    for r in rows:
+        md += [f"bs {r['bs']}:", "", "| case | passes | " + " | ".join(heads) + " |",
+               "|---" * (len(heads) + 2) + "|"]
+        for name in SWEEP_CASES:
+            t = r["us"][name]
+            md.append(f"| {name} | {r['passes'][name]} | " + " | ".join(f"{v:.1f}" for v in t)
+                      + f" | {sum(t):.1f} |")
+        md.append("")
+    out = out_dir()
+    (out / "sampling_passes.md").write_text("\n".join(md))
+    (out / "sampling_passes.json").write_text(json.dumps({"env": env_info(), "rows": rows}, indent=1))
+    print("\n".join(md))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny sizes (script check)")
     ap.add_argument("--sweep", action="store_true", help="the select passes' launch grid")
+    ap.add_argument("--passes", action="store_true", help="each launch's own GPU time (a GPU)")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     V, sizes = (5000, (2,)) if args.smoke else (128256, (1, 16, 64))
     if args.sweep:
         return run_sweep(V, (20,) if args.smoke else sizes, device)
+    if args.passes:
+        if device != "cuda":
+            raise SystemExit("--passes profiles GPU kernels: it needs a GPU")
+        return run_passes(V, sizes, device)
     rows = []
     for bs in sizes:
         logits = torch.randn(bs, V, generator=torch.Generator().manual_seed(bs)).to(device)
