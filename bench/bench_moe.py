@@ -15,10 +15,13 @@ bytes over the measured device-to-device copy bandwidth. The next tokens of the 
 compared (bf16: they may differ where the top-2 logits nearly tie).
 
 --tiles '[[block_f, block_h, block_k], ...]' also times the routed kernels alone
-(`launch_routed`, one MoE layer's experts) at each size with those tiles.
+(`launch_routed`, one MoE layer's experts) at each size with those tiles. --profile lists the
+default path's step at each size by kernel class (`bench.common.kernel_classes`: count, µs and
+share of the step a class takes, and the GPU span of a replay) from torch.profiler over ITERS
+replays, and its slowest kernels.
 Writes bench_moe.{md,json} under $OUT (or results/local).
 
-    python -m bench.bench_moe [--sizes 1,16] [--layers 6] [--context 256] [--tiles ...]
+    python -m bench.bench_moe [--sizes 1,16] [--layers 6] [--context 256] [--tiles ...] [--profile]
     python -m bench.bench_moe --tiny     # CPU smoke run (no graphs; torch reference)
 """
 from __future__ import annotations
@@ -32,7 +35,7 @@ import time
 import torch
 
 from bench.bench_runner import step_weight_bytes
-from bench.common import copy_bandwidth, env_info, out_dir, time_us
+from bench.common import copy_bandwidth, env_info, gpu_span_us, kernel_classes, kernel_table, out_dir, time_us
 from padgraph.backends.triton.moe_routed import RoutedTiles, launch_routed
 from padgraph.llm import Batch
 from padgraph.llm.models.deepseek import DeepSeekConfig, DeepSeekModel, LatentCache, MoE, MoePolicy
@@ -58,6 +61,20 @@ def decode_inputs(model: DeepSeekModel, bs: int, context: int, device, gen) -> t
     return ids, pos, Batch(kv, kv.req_to_token, rows, lens, loc)
 
 
+def captured(fn) -> torch.cuda.CUDAGraph:
+    """fn warmed up on a side stream (Triton / cuBLAS), then captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def timed_us(fn, device) -> float:
     """Median µs a call of fn: CUDA-graph replays timed with events on a GPU, wall clock on CPU."""
     if device.type != "cuda":
@@ -67,16 +84,23 @@ def timed_us(fn, device) -> float:
             fn()
             times.append(time.perf_counter() - t0)
         return statistics.median(times) * 1e6
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):                                    # Triton / cuBLAS warm-up
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return time_us(graph.replay, REPEATS, back_to_back=ITERS)
+    return time_us(captured(fn).replay, REPEATS, back_to_back=ITERS)
+
+
+def profiled(fn) -> dict:
+    """The captured step's kernels over ITERS replays queued back to back: per replay, the
+    classes (`kernel_classes`), the GPU span and the slowest kernels (`kernel_table`)."""
+    from torch.profiler import ProfilerActivity, profile
+    graph = captured(fn)
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(ITERS):
+            graph.replay()
+        torch.cuda.synchronize()
+    events = prof.events()
+    classes = [{k: v for k, v in c.items() if k != "names"} for c in kernel_classes(events, ITERS)]
+    return {"classes": classes, "span_us": gpu_span_us(events, ITERS), **kernel_table(events, ITERS, top=12)}
 
 
 def moe_layers(model) -> list[MoE]:
@@ -133,7 +157,9 @@ def run_size(model, bs: int, args, device, gen, bw: float) -> dict:
             row["tiles_us"] = {str(t): timed_us(
                 lambda t=t: launch_routed(x, idx, w, moe.gate_up, moe.down,
                                           RoutedTiles(*t)), device) for t in args.tiles}
-    model.set_moe_policy(MoePolicy())
+        model.set_moe_policy(MoePolicy())
+        if args.profile and device.type == "cuda":
+            row["profile"] = profiled(lambda: model.forward_decode(ids, pos, batch))
     row["floor_us"] = {p: b / bw * 1e6 for p, b in row["bytes"].items()} if bw else {}
     row["same_next_tokens"] = int((logits["dense"].argmax(-1) == logits["routed"].argmax(-1)).sum())
     row["max_logit_diff"] = float((logits["dense"] - logits["routed"]).abs().max())
@@ -159,6 +185,17 @@ def report(rows, meta) -> str:
                      f"{gb(b['routed_distinct'])} | {floor} | {r['same_next_tokens']}/{r['bs']} | "
                      f"{r['max_logit_diff']:.3g} |")
     for r in rows:
+        if "profile" in r:
+            pr = r["profile"]
+            lines += ["", f"The step at bs {r['bs']} ({r['default_path']} path, the default) by kernel class: "
+                      f"{pr['kernels']:.0f} kernels, {pr['kernel_us']:.0f} kernel-µs and a GPU span of "
+                      f"{pr['span_us']:.0f} µs a replay.", "",
+                      "| class | kernels | µs | share of kernel time |", "|---|---|---|---|"]
+            lines += [f"| {c['class']} | {c['kernels']:.0f} | {c['us']:.1f} | "
+                      f"{100 * c['us'] / pr['kernel_us']:.1f} % |" for c in pr["classes"]]
+            lines += ["", "Slowest kernels (µs a replay, launches a replay, name): " + "; ".join(
+                f"{us:.1f} µs x{n:.0f} `{name[:70]}`" for us, n, name in pr["top"][:8])]
+    for r in rows:
         if "tiles_us" in r:
             lines += ["", f"Routed kernels alone at bs {r['bs']} (one MoE layer's experts), "
                       "tiles [block_f, block_h, block_k]: " + ", ".join(
@@ -173,6 +210,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--tiles", type=json.loads, default=None)
     p.add_argument("--tiny", action="store_true", help="CPU smoke run at the tiny preset")
+    p.add_argument("--profile", action="store_true",
+                   help="the default path's step by kernel class at each size (torch.profiler; a GPU)")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     cfg = DeepSeekConfig.tiny() if args.tiny else DeepSeekConfig.lite(n_layers=args.layers)

@@ -207,7 +207,12 @@ KERNEL_CLASSES = (
                      "_residual_norm")),
     ("lm_head tail", ("_lm_head_kernel", "_argmax_reduce")),
     ("sampling", ("argmax", "_select_kernel", "_chunk_max", "topk", "sample")),
-    ("attention", ("attention", "attn", "flash", "fmha", "sdpa", "_decode_kernel", "split_kv", "_merge")),
+    ("canary", ("_canary",)),
+    # before "attention": "_conv_decode_kernel" holds "_decode_kernel"
+    ("recurrent", ("_ssm_", "_conv_decode", "_conv_tree", "_conv_prefill", "_delta_")),
+    ("moe", ("_gate_up_kernel", "_down_kernel", "_combine_kernel")),
+    ("attention", ("attention", "attn", "flash", "fmha", "sdpa", "_mla", "_decode_kernel", "split_kv",
+                   "_merge")),
     ("gemm/gemv", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "splitk", "matmul", "_mm_", "cublas",
                    "grouped_linear")),
     ("norm", ("rsqrt", "rms", "norm", "mean")),

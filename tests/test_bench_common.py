@@ -34,6 +34,15 @@ def _event(name, start, dur, device=CUDA):
     ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<int>, std::array<char*, 1ul> >",
      "copy"),
     ("_store_kv_kernel", "kv store"),
+    ("_canary_kernel", "canary"),
+    ("_conv_decode_kernel", "recurrent"),
+    ("_ssm_tree_kernel", "recurrent"),
+    ("_delta_decode_kernel", "recurrent"),
+    ("_gate_up_kernel", "moe"),
+    ("_down_kernel", "moe"),
+    ("_combine_kernel", "moe"),
+    ("_mla_keys_major_kernel", "attention"),
+    ("_split_kv_kernel", "attention"),
     ("some_unknown_kernel_name", "other"),
 ])
 def test_kernel_names_fall_in_their_class(name, cls):
