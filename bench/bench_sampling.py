@@ -18,8 +18,8 @@ each working through its rows in turn). Writes sampling.md / sampling.json to $O
 
 --sweep times greedy, temperature 0.7 and sharp / flat top-p over the select passes' launch
 choices (`SelectPolicy`: row groups G, warps a program, the draw in the gather on or off,
-programmatic dependent launch on or off; and the chunk of logits a program reads, halved and
-doubled),
+programmatic dependent launch on or off; the chunk of logits a program reads, halved and
+doubled; the select kernel's register cap raised to 192 and 255),
 each checked against the torch reference, and writes sampling_sweep.md / .json: the data
 `select_policy` is chosen from.
 
@@ -109,22 +109,28 @@ def table(title, names, rows, key, fmt):
 SWEEP_CASES = ("sample greedy", "temperature 0.7", "top-p 0.9 (sharp)", "top-p 0.9 (flat)")
 
 
-def sweep_configs(bs: int) -> list[tuple[int, int, bool, bool, int]]:
-    """(G, warps, gather_draw, pdl, chunk) launches to time at bs rows: the policy's, then each
-    field moved (chunk: the logits a program reads, `kernels.CHUNK` by default)."""
-    pol, chunk = kernels.select_policy(bs), kernels.CHUNK
+def sweep_configs(bs: int) -> list[tuple[int, int, bool, bool, int, int]]:
+    """(G, warps, gather_draw, pdl, chunk, regs) launches to time at bs rows: the policy's,
+    then each field moved (chunk: the logits a program reads, `kernels.CHUNK` by default;
+    regs: the select kernel's register cap, `kernels.SELECT_REGS` by default)."""
+    pol, chunk, regs = kernels.select_policy(bs), kernels.CHUNK, kernels.SELECT_REGS
     groups = sorted({pol.groups, bs, max(1, bs // 2), max(1, bs // 4)})
-    out = [(pol.groups, pol.warps, pol.gather_draw, pol.pdl, chunk)]
-    out += [(g, w, pol.gather_draw, pol.pdl, chunk) for g in groups for w in (4, 8)
-            if (g, w) != out[0][:2]]
-    out += [(pol.groups, pol.warps, not pol.gather_draw, pol.pdl, chunk),
-            (pol.groups, pol.warps, pol.gather_draw, not pol.pdl, chunk)]
-    out += [(pol.groups, pol.warps, pol.gather_draw, pol.pdl, c) for c in (chunk // 2, 2 * chunk)]
+    base = (pol.groups, pol.warps, pol.gather_draw, pol.pdl)
+    out = [(*base, chunk, regs)]
+    out += [(g, w, pol.gather_draw, pol.pdl, chunk, regs) for g in groups for w in (4, 8)
+            if (g, w) != base[:2]]
+    out += [(pol.groups, pol.warps, not pol.gather_draw, pol.pdl, chunk, regs),
+            (pol.groups, pol.warps, pol.gather_draw, not pol.pdl, chunk, regs)]
+    out += [(*base, c, regs) for c in (chunk // 2, 2 * chunk)]
+    out += [(*base, chunk, r) for r in (192, 255)]
     return out
 
 
-def launch_key(g: int, w: int, draw: bool, pdl: bool, chunk: int = kernels.CHUNK) -> str:
-    return f"G={g} warps={w} draw={int(draw)} pdl={int(pdl)}" + ("" if chunk == kernels.CHUNK else f" chunk={chunk}")
+def launch_key(g: int, w: int, draw: bool, pdl: bool, chunk: int = kernels.CHUNK,
+               regs: int = kernels.SELECT_REGS) -> str:
+    return (f"G={g} warps={w} draw={int(draw)} pdl={int(pdl)}"
+            + ("" if chunk == kernels.CHUNK else f" chunk={chunk}")
+            + ("" if regs == kernels.SELECT_REGS else f" regs={regs}"))
 
 
 def run_sweep(V: int, sizes, device) -> None:
@@ -137,11 +143,11 @@ def run_sweep(V: int, sizes, device) -> None:
             x = (logits * scale).to(torch.bfloat16)
             args = lanes(bs, *params, x.device)
             want = sample(x, *args, PURPOSE_DECODE, impl="torch")
-            for g, w, draw, pdl, chunk in sweep_configs(bs):
-                def f(g=g, w=w, draw=draw, pdl=pdl, chunk=chunk):
+            for g, w, draw, pdl, chunk, regs in sweep_configs(bs):
+                def f(g=g, w=w, draw=draw, pdl=pdl, chunk=chunk, regs=regs):
                     return kernels.sample_stages(x, *args, PURPOSE_DECODE, chunk=chunk, groups=g, warps=w,
-                                                 gather_draw=draw, pdl=pdl).tokens
-                key = launch_key(g, w, draw, pdl, chunk)
+                                                 gather_draw=draw, pdl=pdl, regs=regs).tokens
+                key = launch_key(g, w, draw, pdl, chunk, regs)
                 assert torch.equal(f(), want), f"{name} {key}: mismatch"
                 got = {}
                 replay = graph_of(lambda: got.update(tokens=f()))

@@ -870,10 +870,13 @@ def select_policy(n: int) -> SelectPolicy:
 def sample_stages(logits, temperature, top_k, top_p, min_p, seed, position, purpose: int,
                   chunk: int = CHUNK, cap: int = CAP, groups: int | None = None,
                   warps: int | None = None, gather_draw: bool | None = None,
-                  pdl: bool | None = None) -> Stages:
+                  pdl: bool | None = None, regs: int | None = None) -> Stages:
     """`sample_triton`'s launches and the rows' final state. chunk and cap: powers of two;
     groups, warps, gather_draw, pdl: `SelectPolicy`'s fields (`select_policy(n)`'s where None;
-    the tokens are the same whatever they are). pdl: the 1 + PASSES launches with programmatic
+    the tokens are the same whatever they are); regs: the select kernel's register cap
+    (maxnreg, at most 255; SELECT_REGS where None). At 4 warps SELECT_REGS makes ptxas spill
+    (568 bytes of stack a thread for Triton 3.9's sm_90 code, none at 8 warps), which a launch
+    sweep weighs against the occupancy a higher cap costs. pdl: the 1 + PASSES launches with programmatic
     dependent launch where `pdl.supported` (each waits for the one before before any read), so
     a pass's launch overlaps the end of the one before."""
     x = logits if logits.stride(1) == 1 else logits.contiguous()
@@ -910,7 +913,7 @@ def sample_stages(logits, temperature, top_k, top_p, min_p, seed, position, purp
                                n, V, C, PASSES, purpose, s, FIRST=s == 0, CHUNK=chunk,
                                SUB=max(min(chunk, SUB), chunk // 8), CP=CP, CAP=cap,
                                DRAW=policy.gather_draw if gather_draw is None else gather_draw,
-                               num_warps=warps or policy.warps, maxnreg=SELECT_REGS,
+                               num_warps=warps or policy.warps, maxnreg=regs or SELECT_REGS,
                                enable_fp_fusion=False, **launch)
     trace = state[:, STATE_FIELDS.index("trace")]
     return Stages(out, state[:, STATE_FIELDS.index("kf")], state[:, STATE_FIELDS.index("mode")],
