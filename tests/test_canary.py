@@ -133,9 +133,9 @@ def test_torch_compile_body_keeps_the_check():
         run(**raw(4, g))
 
 
-def _rows(sizes, offset=0):
+def _rows(sizes, offset=0, device="cpu"):
     """Canary rows of `sizes` bytes, each a view starting `offset` bytes into its own buffer."""
-    return [torch.full((n + 16,), SENTINEL, dtype=torch.uint8)[offset:offset + n] for n in sizes]
+    return [torch.full((n + 16,), SENTINEL, dtype=torch.uint8, device=device)[offset:offset + n] for n in sizes]
 
 
 def test_triton_checker_matches_torch_reference():
@@ -154,22 +154,35 @@ def test_triton_checker_matches_torch_reference():
             assert int(flag[0]) - 1 in {i for i, r in enumerate(rows) if (r != SENTINEL).any()}
 
 
-@pytest.mark.parametrize("offset", [0, 3])
-def test_triton_checker_finds_any_byte_of_long_unaligned_rows(offset):
-    """Rows of several chunks, starting off an 8-byte boundary: a byte changed in the unaligned
-    head, in any chunk of the word body, at a chunk seam or in the tail is found, and the flag
-    names its row; untouched rows leave the flag at 0."""
+def _long_unaligned_rows(offset, device):
     pytest.importorskip("triton")
     from padgraph.backends.triton import canary as tc
     sizes = (5, 2 * tc.CHUNK + 13, 64)
     n = sizes[1]
     for where in (None, 0, 4, 5, n // 2, tc.CHUNK + offset, tc.CHUNK + 8, n - 2, n - 1):
-        rows = _rows(sizes, offset)
+        rows = _rows(sizes, offset, device)
         if where is not None:
             rows[1][where] = 0
-        flag = torch.zeros(1, dtype=torch.int32)
+        flag = torch.zeros(1, dtype=torch.int32, pin_memory=device == "cuda")
         tc.checker(rows, flag)()
+        if device == "cuda":
+            torch.cuda.synchronize()
         assert int(flag[0]) == (0 if where is None else 2), where
+
+
+@pytest.mark.parametrize("offset", [0, 3])
+def test_triton_checker_finds_any_byte_of_long_unaligned_rows(offset):
+    """Rows of several chunks, starting off an 8-byte boundary: a byte changed in the unaligned
+    head, in any chunk of the word body, at a chunk seam or in the tail is found, and the flag
+    names its row; untouched rows leave the flag at 0."""
+    _long_unaligned_rows(offset, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("offset", [0, 3])
+def test_cuda_checker_finds_any_byte_of_long_unaligned_rows(offset):
+    """The same on the GPU, the flag in pinned host memory as the runners keep it."""
+    _long_unaligned_rows(offset, "cuda")
 
 
 def test_triton_checker_chunks_tile_every_row():

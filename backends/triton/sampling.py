@@ -876,9 +876,9 @@ def sample_stages(logits, temperature, top_k, top_p, min_p, seed, position, purp
     the tokens are the same whatever they are); regs: the select kernel's register cap
     (maxnreg, at most 255; SELECT_REGS where None). At 4 warps SELECT_REGS makes ptxas spill
     (568 bytes of stack a thread for Triton 3.9's sm_90 code, none at 8 warps), which a launch
-    sweep weighs against the occupancy a higher cap costs. pdl: the 1 + PASSES launches with programmatic
-    dependent launch where `pdl.supported` (each waits for the one before before any read), so
-    a pass's launch overlaps the end of the one before."""
+    sweep weighs against the occupancy a higher cap costs. pdl: the 1 + PASSES launches with
+    programmatic dependent launch where `pdl.supported` (each waits for the one before before
+    any read), so a pass's launch overlaps the end of the one before."""
     x = logits if logits.stride(1) == 1 else logits.contiguous()
     n, V = x.shape
     lanes = [t.contiguous() for t in (temperature, top_k, top_p, min_p, seed, position)]
