@@ -19,7 +19,8 @@ each working through its rows in turn). Writes sampling.md / sampling.json to $O
 --sweep times greedy, temperature 0.7 and sharp / flat top-p over the select passes' launch
 choices (`SelectPolicy`: row groups G, warps a program, the draw in the gather on or off,
 programmatic dependent launch on or off; the chunk of logits a program reads, halved and
-doubled; the select kernel's register cap raised to 192 and 255),
+doubled; the select kernel's register cap raised to 192 and 255; the keys a row may gather
+halved, with and without half the chunk),
 each checked against the torch reference, and writes sampling_sweep.md / .json: the data
 `select_policy` is chosen from.
 
@@ -109,28 +110,32 @@ def table(title, names, rows, key, fmt):
 SWEEP_CASES = ("sample greedy", "temperature 0.7", "top-p 0.9 (sharp)", "top-p 0.9 (flat)")
 
 
-def sweep_configs(bs: int) -> list[tuple[int, int, bool, bool, int, int]]:
-    """(G, warps, gather_draw, pdl, chunk, regs) launches to time at bs rows: the policy's,
-    then each field moved (chunk: the logits a program reads, `kernels.CHUNK` by default;
-    regs: the select kernel's register cap, `kernels.SELECT_REGS` by default)."""
-    pol, chunk, regs = kernels.select_policy(bs), kernels.CHUNK, kernels.SELECT_REGS
+def sweep_configs(bs: int) -> list[tuple[int, int, bool, bool, int, int, int]]:
+    """(G, warps, gather_draw, pdl, chunk, regs, cap) launches to time at bs rows: the policy's,
+    then each field moved (chunk: the logits a program reads, `kernels.CHUNK` by default; regs:
+    the select kernel's register cap, `kernels.SELECT_REGS`; cap: the keys a row may gather,
+    `kernels.CAP`). At 4 warps the default cap makes ptxas spill; half the cap with half the
+    chunk does not (Triton 3.9, sm_90: 124 registers, no stack)."""
+    pol, chunk, regs, cap = kernels.select_policy(bs), kernels.CHUNK, kernels.SELECT_REGS, kernels.CAP
     groups = sorted({pol.groups, bs, max(1, bs // 2), max(1, bs // 4)})
     base = (pol.groups, pol.warps, pol.gather_draw, pol.pdl)
-    out = [(*base, chunk, regs)]
-    out += [(g, w, pol.gather_draw, pol.pdl, chunk, regs) for g in groups for w in (4, 8)
+    out = [(*base, chunk, regs, cap)]
+    out += [(g, w, pol.gather_draw, pol.pdl, chunk, regs, cap) for g in groups for w in (4, 8)
             if (g, w) != base[:2]]
-    out += [(pol.groups, pol.warps, not pol.gather_draw, pol.pdl, chunk, regs),
-            (pol.groups, pol.warps, pol.gather_draw, not pol.pdl, chunk, regs)]
-    out += [(*base, c, regs) for c in (chunk // 2, 2 * chunk)]
-    out += [(*base, chunk, r) for r in (192, 255)]
+    out += [(pol.groups, pol.warps, not pol.gather_draw, pol.pdl, chunk, regs, cap),
+            (pol.groups, pol.warps, pol.gather_draw, not pol.pdl, chunk, regs, cap)]
+    out += [(*base, c, regs, cap) for c in (chunk // 2, 2 * chunk)]
+    out += [(*base, chunk, r, cap) for r in (192, 255)]
+    out += [(*base, chunk, regs, cap // 2), (*base, chunk // 2, regs, cap // 2)]
     return out
 
 
 def launch_key(g: int, w: int, draw: bool, pdl: bool, chunk: int = kernels.CHUNK,
-               regs: int = kernels.SELECT_REGS) -> str:
+               regs: int = kernels.SELECT_REGS, cap: int = kernels.CAP) -> str:
     return (f"G={g} warps={w} draw={int(draw)} pdl={int(pdl)}"
             + ("" if chunk == kernels.CHUNK else f" chunk={chunk}")
-            + ("" if regs == kernels.SELECT_REGS else f" regs={regs}"))
+            + ("" if regs == kernels.SELECT_REGS else f" regs={regs}")
+            + ("" if cap == kernels.CAP else f" cap={cap}"))
 
 
 def run_sweep(V: int, sizes, device) -> None:
@@ -143,11 +148,11 @@ def run_sweep(V: int, sizes, device) -> None:
             x = (logits * scale).to(torch.bfloat16)
             args = lanes(bs, *params, x.device)
             want = sample(x, *args, PURPOSE_DECODE, impl="torch")
-            for g, w, draw, pdl, chunk, regs in sweep_configs(bs):
-                def f(g=g, w=w, draw=draw, pdl=pdl, chunk=chunk, regs=regs):
-                    return kernels.sample_stages(x, *args, PURPOSE_DECODE, chunk=chunk, groups=g, warps=w,
-                                                 gather_draw=draw, pdl=pdl, regs=regs).tokens
-                key = launch_key(g, w, draw, pdl, chunk, regs)
+            for g, w, draw, pdl, chunk, regs, cap in sweep_configs(bs):
+                def f(g=g, w=w, draw=draw, pdl=pdl, chunk=chunk, regs=regs, cap=cap):
+                    return kernels.sample_stages(x, *args, PURPOSE_DECODE, chunk=chunk, cap=cap, groups=g,
+                                                 warps=w, gather_draw=draw, pdl=pdl, regs=regs).tokens
+                key = launch_key(g, w, draw, pdl, chunk, regs, cap)
                 assert torch.equal(f(), want), f"{name} {key}: mismatch"
                 got = {}
                 replay = graph_of(lambda: got.update(tokens=f()))
