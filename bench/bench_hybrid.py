@@ -40,10 +40,12 @@ bench_hybrid_decode.* (bench_hybrid_spec.*), so two runs' files stay apart.
 `--recurrent-ops inductor,opaque` runs each part once per value in the same process: how the
 compiled layers run the Mamba updates (padgraph's Triton kernels as opaque ops, the model's
 default; or inductor's code for their references, `HybridModel(opaque_recurrent=False)`); every
-row names its value.
+row names its value. `--profile` (a GPU) lists the speculative engine's greedy step at bs 1 by
+kernel class, per recurrent-ops value (torch.profiler; a `canary` class is the check every
+replay runs over the canary rows, `bench.common.KERNEL_CLASSES`).
 
     python -m bench.bench_hybrid [--parts decode,spec] [--head distil|passthrough] [--check]
-                                 [--recurrent-ops inductor,opaque]
+                                 [--recurrent-ops inductor,opaque] [--profile]
     python -m bench.bench_hybrid --tiny --check           # CPU smoke
 """
 from __future__ import annotations
@@ -62,7 +64,7 @@ import torch
 
 from bench.bench_eagle import distill_overrides, held_out_note, match_line, measure, prompts_for
 from bench.bench_runner import step_weight_bytes, time_calls
-from bench.common import copy_bandwidth, env_info, out_dir, plot_step_times
+from bench.common import copy_bandwidth, env_info, kernel_classes, kernel_table, out_dir, plot_step_times
 from padgraph.llm import Batch, Engine, SpecConfig
 from padgraph.llm.distill import PRESETS, distill
 from padgraph.llm.models import EagleHead
@@ -285,29 +287,48 @@ def spec_row(engine: Engine, bs: int, mode: Mode) -> dict:
     return row
 
 
+def profile_greedy(engine: Engine, mode: Mode, n_tokens: int = 24) -> dict:
+    """One request's greedy decoding on the speculative engine under torch.profiler (`--profile`):
+    its GPU kernels by class (`bench.common.kernel_classes`) and the slowest ones, per greedy
+    step (the prefill's kernels are spread over the steps)."""
+    from torch.profiler import ProfilerActivity, profile
+    prompts = prompts_for(1, mode.cfg.vocab_size, seed=7)
+    with torch.no_grad():
+        engine.generate_greedy(prompts, [n_tokens])
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            _, st = engine.generate_greedy(prompts, [n_tokens])
+            torch.cuda.synchronize()
+    events, steps = prof.events(), max(st.rounds, 1)
+    classes = [{k: v for k, v in c.items() if k != "names"} for c in kernel_classes(events, steps)]
+    return {"steps": steps, "classes": classes, **kernel_table(events, steps, top=10)}
+
+
 def spec_part(target: HybridModel, mode: Mode, head_kind: str, draft_compile: str,
-              ops_variants=("opaque",)) -> dict:
+              ops_variants=("opaque",), profile: bool = False) -> dict:
     """The head, then per recurrent-ops variant one engine (the default ladder up to the largest
     size; on a GPU the head's draft bodies compiled `draft_compile`) serving greedy and EAGLE at
-    every spec size."""
+    every spec size; `profile` (a GPU): its greedy step's kernels by class (`profile_greedy`)."""
     t0 = time.perf_counter()
     head, info = make_head(target, mode, head_kind)
     info["seconds"] = time.perf_counter() - t0
     spec = SpecConfig(*mode.tree)
     longest = 40 + mode.new_tokens                  # prompts_for: prompts of 8 to 39 tokens
     draft = {"draft_compile": draft_compile} if mode.device == "cuda" else {}
-    rows = []
+    rows, profiles = [], {}
     for ops in ops_variants:
         target.opaque_recurrent = ops == "opaque"
         engine = Engine(target, head, spec, backend=backend_of(mode), max_bs=max(mode.spec_sizes),
                         max_context=spec.reservation(longest, overlap=True), **draft)
         rows += [{**spec_row(engine, bs, mode), "recurrent_ops": ops} for bs in mode.spec_sizes]
+        if profile and mode.device == "cuda":
+            profiles[ops] = profile_greedy(engine, mode)
         overlap = engine.opts.overlap
         del engine
         gc.collect()
     return {"head": head_kind, "head_info": info, "tree": dataclasses.asdict(spec), "new_tokens": mode.new_tokens,
             "draft": {**draft, "lm_head": DRAFT_LM_HEAD["llama"] if mode.device == "cuda" else "target's"},
-            "overlap": overlap, "rows": rows}
+            "overlap": overlap, "rows": rows, "profiles": profiles}
 
 
 # ---- the page ------------------------------------------------------------------------------------
@@ -374,6 +395,11 @@ def spec_lines(s: dict) -> list[str]:
                      f"{r['greedy_tok_s']:.0f} | {r['eagle_tok_s']:.0f} | "
                      f"{r['accept_len']:.2f} | {r['speedup_vs_greedy']:.2f}x | {r['greedy_step_ms']:.2f} | "
                      f"{r['eagle_round_ms']:.2f} | {r['greedy_match']} |")
+    for ops, pr in s.get("profiles", {}).items():
+        lines += ["", f"Greedy step at bs 1 on this engine by kernel class ({ops} recurrent ops; torch.profiler over "
+                  f"{pr['steps']} steps, the prefill spread over them): {pr['kernels']:.0f} kernels and "
+                  f"{pr['kernel_us']:.0f} kernel-µs a step.", "", "| class | kernels | µs a step |", "|---|---|---|"]
+        lines += [f"| {c['class']} | {c['kernels']:.0f} | {c['us']:.1f} |" for c in pr["classes"]]
     return lines
 
 
@@ -414,6 +440,8 @@ def main() -> None:
                     help="comma-separated: opaque (padgraph's kernels as opaque ops in the compiled layers, "
                          "the default), inductor (the Mamba updates' references compiled by inductor); "
                          "each part runs once per value, in this process")
+    ap.add_argument("--profile", action="store_true",
+                    help="spec part, a GPU: the speculative engine's greedy step by kernel class")
     args = ap.parse_args()
     parts = [p for p in args.parts.split(",") if p]
     ops_variants = [o for o in args.recurrent_ops.split(",") if o]
@@ -441,7 +469,7 @@ def main() -> None:
         if mode.device == "cuda":
             torch.cuda.empty_cache()
     if "spec" in parts:
-        result["spec"] = spec_part(target, mode, args.head, args.draft_compile, ops_variants)
+        result["spec"] = spec_part(target, mode, args.head, args.draft_compile, ops_variants, args.profile)
     result["failures"] = failures(result)
     write(result)
     if args.check and result["failures"]:
