@@ -36,6 +36,7 @@ import torch
 
 from bench.bench_runner import step_weight_bytes
 from bench.common import copy_bandwidth, env_info, gpu_span_us, kernel_classes, kernel_table, out_dir, time_us
+from bench.gpu_timing import graph_of, profile_replays
 from padgraph.backends.triton.moe_routed import RoutedTiles, launch_routed
 from padgraph.llm import Batch
 from padgraph.llm.models.deepseek import DeepSeekConfig, DeepSeekModel, LatentCache, MoE, MoePolicy
@@ -61,20 +62,6 @@ def decode_inputs(model: DeepSeekModel, bs: int, context: int, device, gen) -> t
     return ids, pos, Batch(kv, kv.req_to_token, rows, lens, loc)
 
 
-def captured(fn) -> torch.cuda.CUDAGraph:
-    """fn warmed up on a side stream (Triton / cuBLAS), then captured."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
 def timed_us(fn, device) -> float:
     """Median µs a call of fn: CUDA-graph replays timed with events on a GPU, wall clock on CPU."""
     if device.type != "cuda":
@@ -84,21 +71,13 @@ def timed_us(fn, device) -> float:
             fn()
             times.append(time.perf_counter() - t0)
         return statistics.median(times) * 1e6
-    return time_us(captured(fn).replay, REPEATS, back_to_back=ITERS)
+    return time_us(graph_of(fn), REPEATS, back_to_back=ITERS)
 
 
 def profiled(fn) -> dict:
     """The captured step's kernels over ITERS replays queued back to back: per replay, the
     classes (`kernel_classes`), the GPU span and the slowest kernels (`kernel_table`)."""
-    from torch.profiler import ProfilerActivity, profile
-    graph = captured(fn)
-    graph.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(ITERS):
-            graph.replay()
-        torch.cuda.synchronize()
-    events = prof.events()
+    events = profile_replays(graph_of(fn), ITERS)
     classes = [{k: v for k, v in c.items() if k != "names"} for c in kernel_classes(events, ITERS)]
     return {"classes": classes, "span_us": gpu_span_us(events, ITERS), **kernel_table(events, ITERS, top=12)}
 

@@ -45,7 +45,7 @@ if "--smoke" in sys.argv:  # before triton is imported: kernels run interpreted 
 import torch  # noqa: E402
 
 from bench.common import env_info, out_dir  # noqa: E402
-from bench.gpu_timing import bench_us, graph_of  # noqa: E402
+from bench.gpu_timing import bench_us, graph_of, profile_replays  # noqa: E402
 from padgraph.backends.triton import sampling as kernels  # noqa: E402
 from padgraph.llm.sampling import PURPOSE_DECODE, sample  # noqa: E402
 
@@ -181,14 +181,8 @@ def pass_times(replay, reps: int = 20) -> tuple[list[str], list[float]]:
     """The kernels of one replay in launch order and the median µs of each (torch.profiler over
     `reps` replays, kernels inside CUDA graphs included; a replay starts at its chunk-max
     kernel)."""
-    from torch.profiler import ProfilerActivity, profile
-    replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            replay()
-        torch.cuda.synchronize()
-    ks = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+    events = profile_replays(replay, reps)
+    ks = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
                 key=lambda e: e.time_range.start)
     calls: list[list] = []
     for e in ks:

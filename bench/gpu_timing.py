@@ -45,6 +45,19 @@ def graph_of(fn):
     return graph.replay
 
 
+def profile_replays(replay, reps: int):
+    """torch.profiler's events (GPU kernels only) of `reps` calls of `replay` queued back to
+    back, after one call outside the profile."""
+    from torch.profiler import ProfilerActivity, profile
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            replay()
+        torch.cuda.synchronize()
+    return prof.events()
+
+
 def in_graph_us(fns, calls, flush) -> float:
     """µs a call of fns (cycled) takes inside one CUDA graph of `calls` calls, each call after
     flush() (an L2-sized write), less the same graph of flushes alone (CPU: plain loops)."""
