@@ -56,7 +56,6 @@ import gc
 import json
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 
@@ -65,6 +64,7 @@ import torch
 from bench.bench_eagle import distill_overrides, held_out_note, match_line, measure, prompts_for
 from bench.bench_runner import step_weight_bytes, time_calls
 from bench.common import copy_bandwidth, env_info, kernel_classes, kernel_table, out_dir, plot_step_times
+from bench.gpu_timing import profile_replays
 from padgraph.llm import Batch, Engine, SpecConfig
 from padgraph.llm.distill import PRESETS, distill
 from padgraph.llm.models import EagleHead
@@ -288,18 +288,13 @@ def spec_row(engine: Engine, bs: int, mode: Mode) -> dict:
 
 
 def profile_greedy(engine: Engine, mode: Mode, n_tokens: int = 24) -> dict:
-    """One request's greedy decoding on the speculative engine under torch.profiler (`--profile`):
-    its GPU kernels by class (`bench.common.kernel_classes`) and the slowest ones, per greedy
-    step (the prefill's kernels are spread over the steps)."""
-    from torch.profiler import ProfilerActivity, profile
-    prompts = prompts_for(1, mode.cfg.vocab_size, seed=7)
+    """One request's greedy decoding on the speculative engine under torch.profiler (`--profile`,
+    after one run outside it): its GPU kernels by class (`bench.common.kernel_classes`) and the
+    slowest ones, per greedy step (the prefill's kernels are spread over the steps)."""
+    prompts, ran = prompts_for(1, mode.cfg.vocab_size, seed=7), {}
     with torch.no_grad():
-        engine.generate_greedy(prompts, [n_tokens])
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            _, st = engine.generate_greedy(prompts, [n_tokens])
-            torch.cuda.synchronize()
-    events, steps = prof.events(), max(st.rounds, 1)
+        events = profile_replays(lambda: ran.update(stats=engine.generate_greedy(prompts, [n_tokens])[1]), 1)
+    steps = max(ran["stats"].rounds, 1)
     classes = [{k: v for k, v in c.items() if k != "names"} for c in kernel_classes(events, steps)]
     return {"steps": steps, "classes": classes, **kernel_table(events, steps, top=10)}
 
@@ -457,8 +452,7 @@ def main() -> None:
     for p in target.parameters():
         p.requires_grad_(False)
     bw = copy_bandwidth(torch.device(mode.device)) if mode.device == "cuda" else float("nan")
-    command = " ".join(["python -m bench.bench_hybrid", *sys.argv[1:]])
-    result = {"env": {**env_info(command), "cuda": torch.version.cuda, "tiny": args.tiny,
+    result = {"env": {**env_info(), "cuda": torch.version.cuda, "tiny": args.tiny,
                       "parts": parts},
               "copy_bandwidth_GBps": bw / 1e9,
               "model": {"config": dataclasses.asdict(mode.cfg), "shape": describe(mode.cfg), "dtype": str(mode.dtype),
