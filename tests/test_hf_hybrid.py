@@ -169,18 +169,13 @@ def test_state_kept_outside_the_cache_is_refused_naming_the_layer(model_type, la
 
 
 # ---- CUDA graphs (GPU only) ---------------------------------------------------------------------
-CUDA_SERVED = ["mamba2", "bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "lfm2", "qwen3_next", "jamba"]
-
-
 @pytest.mark.cuda
-@pytest.mark.parametrize("model_type", CUDA_SERVED)
+@pytest.mark.parametrize("model_type", SERVED)
 @pytest.mark.parametrize("torch_compile", [False, True], ids=["eager", "compiled"])
 @needs_api
 def test_cuda_tokens_equal_hf_generate(model_type, torch_compile):
     """backend="cuda": the decode step (pool gather, HF's mixers, write-back) captured in CUDA
     graphs, eager or with the decoder layers compiled as regions: HF generate's tokens."""
-    if torch_compile and model_type not in ("bamba", "qwen3_next"):
-        pytest.skip("compiled: one SSM hybrid, one gated delta net hybrid (each has a conv window)")
     model = model_of(model_type).cuda()
     dec = pghf.Decoder(model, max_batch=5, max_len=MAX_LEN, backend="cuda", torch_compile=torch_compile)
     assert_generates_like_hf(model, dec, (1, 3, 5), device="cuda")
