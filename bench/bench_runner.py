@@ -22,9 +22,6 @@ All variants run side by side in one process on the same body, weights and KV ca
                    them, and the run prints their mean entropy at that temperature); what sampling
                    adds to the step is its time over padgraph+compile's. Its check: every token
                    lies in the eager model's nucleus (the share that does)
-  padgraph+compile+sample+every-pass  the same with the sampler's select passes all launched
-                   (`sample_stages(conditional=False)`) instead of the passes after the first in
-                   CUDA-graph conditional nodes: what skipping the idle passes saves
   padgraph+fused   the same weights through the fused per-layer kernels and fused tail
                    (`LlamaModel(fused=FusedDecodePolicy(pdl=False))`, steps of at most its max_rows;
                    larger steps run the model's own path), captured by padgraph; +pdl: with PDL
@@ -55,7 +52,6 @@ import torch
 
 
 import padgraph as pg  # noqa: E402
-from padgraph.backends.triton.sampling import sample_stages  # noqa: E402
 from bench.common import (CudagraphSkips, copy_bandwidth, env_info, gpu_span_us,  # noqa: E402
                           kernel_classes, kernel_lines, kernel_table, out_dir, plot_step_times, time_us)
 from padgraph.llm.models.llama import LlamaConfig, LlamaModel  # noqa: E402
@@ -110,21 +106,15 @@ class Step:
         return {"next_token": nxt, "finished": fin}
 
 
-# the sampled variants: name -> `SampledStep.conditional`
-SAMPLED = {"padgraph+compile+sample": None, "padgraph+compile+sample+every-pass": False}
-
-
 class SampledStep(Step):
     """The decode body with the sampler in place of the argmax: every row at `SAMPLING`'s
     settings on logits * factor, seeded per row, drawn at its position."""
 
     SAMPLING = dict(temperature=0.6, top_p=0.9)      # Llama 3's generation_config
 
-    def __init__(self, model: LlamaModel, kv: KVCache, factor: float,
-                 conditional: bool | None = None):
+    def __init__(self, model: LlamaModel, kv: KVCache, factor: float):
         super().__init__(model, kv)
         self.factor = factor
-        self.conditional = conditional      # None: `sample` as users call it
         dev = kv.req_to_token.device
         self.lanes = (torch.full((MAX_BS,), self.SAMPLING["temperature"], device=dev),
                       torch.zeros(MAX_BS, dtype=torch.int32, device=dev),
@@ -134,10 +124,8 @@ class SampledStep(Step):
     def pick(self, logits, temperature, positions):
         """The sampler at `SAMPLING`'s lanes (the program's temperature input is unused)."""
         n = logits.shape[0]
-        lanes = (logits * self.factor, *(t[:n] for t in self.lanes), positions, PURPOSE_DECODE)
-        if self.conditional is None:
-            return sample(*lanes)
-        return sample_stages(*lanes, conditional=self.conditional).tokens
+        return sample(logits * self.factor, *(t[:n] for t in self.lanes), positions,
+                      PURPOSE_DECODE)
 
     def nucleus(self, raw: dict) -> tuple[torch.Tensor, float]:
         """(kept [n, V] bool: the tokens the eager model's sampling distribution can draw, the
@@ -270,16 +258,15 @@ def build_variants(names, step, program, device, pg_compile=True, sample_factor=
                                      "compiles": r.stats.compiles, "recompiles": r.stats.recompiles,
                                      "compile_seconds": r.stats.compile_seconds}
         variants["padgraph+compile"] = r
-    for name, conditional in SAMPLED.items():
-        if name not in names:
-            continue
-        sstep = SampledStep(step.model, step.kv, sample_factor, conditional)
+    if "padgraph+compile+sample" in names:
+        sstep = SampledStep(step.model, step.kv, sample_factor)
         t0 = time.perf_counter()
         r = pg.compile(program, sstep.body, backend="cuda", progress=False, torch_compile=pg_compile)
-        setup[name] = {"warmup_seconds": time.perf_counter() - t0,
-                       "sampling": SampledStep.SAMPLING, "logit_factor": sample_factor}
+        setup["padgraph+compile+sample"] = {"warmup_seconds": time.perf_counter() - t0,
+                                            "sampling": SampledStep.SAMPLING,
+                                            "logit_factor": sample_factor}
         r.nucleus = sstep.nucleus
-        variants[name] = r
+        variants["padgraph+compile+sample"] = r
     if "padgraph+compile+pdl" in names:
         # inductor's own kernels launched with programmatic dependent launch (torch's
         # triton.enable_pdl: each kernel waits on the previous one's writes inside the graph)
@@ -518,23 +505,22 @@ def report(rows, setup, names, sizes, bw, weight_bytes, cfg, args):
 
 
 def sampling_lines(by: dict, setup: dict, sizes) -> list[str]:
-    """What the sampler adds to the compiled step (each sampled variant over padgraph+compile,
+    """What the sampler adds to the compiled step (padgraph+compile+sample over padgraph+compile,
     back to back), with the sampled tokens' nucleus check and the logits' entropy."""
-    out = []
-    for name in SAMPLED:
-        if name not in setup or "padgraph+compile" not in setup:
-            continue
-        st = setup[name]
-        out += ["", f"sampling ({name}: temperature {st['sampling']['temperature']}, top-p "
-                    f"{st['sampling']['top_p']} on the logits times {st['logit_factor']}) against "
-                    "the argmax (padgraph+compile), back to back:", ""]
-        for n in sizes:
-            g, smp = by.get((n, "padgraph+compile")), by.get((n, name))
-            if g and smp:
-                out.append(f"- bs {n}: {smp['b2b_us']:.0f} against {g['b2b_us']:.0f} µs, "
-                           f"{100 * (smp['b2b_us'] / g['b2b_us'] - 1):+.1f} %; tokens in the eager "
-                           f"model's nucleus {smp['token_match_vs_eager']:.3f}; entropy at the "
-                           f"temperature {st.get('entropy_nats', {}).get(n, float('nan')):.2f} nats")
+    name = "padgraph+compile+sample"
+    if name not in setup or "padgraph+compile" not in setup:
+        return []
+    st = setup[name]
+    out = ["", f"sampling ({name}: temperature {st['sampling']['temperature']}, top-p "
+               f"{st['sampling']['top_p']} on the logits times {st['logit_factor']}) against the "
+               "argmax (padgraph+compile), back to back:", ""]
+    for n in sizes:
+        g, smp = by.get((n, "padgraph+compile")), by.get((n, name))
+        if g and smp:
+            out.append(f"- bs {n}: {smp['b2b_us']:.0f} against {g['b2b_us']:.0f} µs, "
+                       f"{100 * (smp['b2b_us'] / g['b2b_us'] - 1):+.1f} %; tokens in the eager "
+                       f"model's nucleus {smp['token_match_vs_eager']:.3f}; entropy at the "
+                       f"temperature {st.get('entropy_nats', {}).get(n, float('nan')):.2f} nats")
     return out
 
 

@@ -18,15 +18,16 @@ each working through its rows in turn). Writes sampling.md / sampling.json to $O
 
 --sweep times greedy, temperature 0.7 and sharp / flat top-p over the select passes' launch
 choices (`SelectPolicy`: row groups G, warps a program, the draw in the gather on or off,
-programmatic dependent launch on or off, the passes in conditional nodes or all launched; the
-chunk of logits a program reads doubled; the keys a row may gather halved), each checked against the torch reference, and writes sampling_sweep.md / .json: the data
+programmatic dependent launch on or off; the chunk of logits a program reads, halved and
+doubled; the select kernel's register cap raised to 192 and 255; the keys a row may gather
+halved, with and without half the chunk),
+each checked against the torch reference, and writes sampling_sweep.md / .json: the data
 `select_policy` is chosen from.
 
     python -m bench.bench_sampling --passes   # each launch's own GPU time instead
 
---passes profiles the same cases at `select_policy`'s launch with PDL and the conditional nodes
-off (so that no launch's time holds its wait for the one before, and every pass launches):
-torch.profiler over graph replays, each launch's median
+--passes profiles the same cases at `select_policy`'s launch with PDL off (so that no launch's
+time holds its wait for the one before): torch.profiler over graph replays, each launch's median
 kernel time by its place in the call (the chunk max, then select passes 1 to 12), so a call's
 time splits into what each pass costs; writes sampling_passes.md / .json.
 """
@@ -109,28 +110,32 @@ def table(title, names, rows, key, fmt):
 SWEEP_CASES = ("sample greedy", "temperature 0.7", "top-p 0.9 (sharp)", "top-p 0.9 (flat)")
 
 
-def sweep_configs(bs: int) -> list[dict]:
-    """`sample_stages` launch keywords to time at bs rows: the policy's, then each field moved
-    (groups and warps; the draw in the gather; PDL; the passes in conditional nodes; chunk: the
-    logits a program reads, `kernels.CHUNK` by default; cap: the keys a row may gather,
-    `kernels.CAP`)."""
-    pol = kernels.select_policy(bs)
-    base = dict(groups=pol.groups, warps=pol.warps, gather_draw=pol.gather_draw, pdl=pol.pdl,
-                conditional=pol.conditional, chunk=kernels.CHUNK, cap=kernels.CAP)
-    out = [base]
-    for g in sorted({pol.groups, bs, max(1, bs // 2), max(1, bs // 4)}):
-        out += [{**base, "groups": g, "warps": w} for w in (4, 8) if (g, w) != (pol.groups, pol.warps)]
-    out += [{**base, f: not base[f]} for f in ("gather_draw", "pdl", "conditional")]
-    out += [{**base, "chunk": 2 * kernels.CHUNK}, {**base, "cap": kernels.CAP // 2}]
+def sweep_configs(bs: int) -> list[tuple[int, int, bool, bool, int, int, int]]:
+    """(G, warps, gather_draw, pdl, chunk, regs, cap) launches to time at bs rows: the policy's,
+    then each field moved (chunk: the logits a program reads, `kernels.CHUNK` by default; regs:
+    the select kernel's register cap, `kernels.SELECT_REGS`; cap: the keys a row may gather,
+    `kernels.CAP`). At 4 warps the default cap makes ptxas spill; half the cap with half the
+    chunk does not (Triton 3.9, sm_90: 124 registers, no stack)."""
+    pol, chunk, regs, cap = kernels.select_policy(bs), kernels.CHUNK, kernels.SELECT_REGS, kernels.CAP
+    groups = sorted({pol.groups, bs, max(1, bs // 2), max(1, bs // 4)})
+    base = (pol.groups, pol.warps, pol.gather_draw, pol.pdl)
+    out = [(*base, chunk, regs, cap)]
+    out += [(g, w, pol.gather_draw, pol.pdl, chunk, regs, cap) for g in groups for w in (4, 8)
+            if (g, w) != base[:2]]
+    out += [(pol.groups, pol.warps, not pol.gather_draw, pol.pdl, chunk, regs, cap),
+            (pol.groups, pol.warps, pol.gather_draw, not pol.pdl, chunk, regs, cap)]
+    out += [(*base, c, regs, cap) for c in (chunk // 2, 2 * chunk)]
+    out += [(*base, chunk, r, cap) for r in (192, 255)]
+    out += [(*base, chunk, regs, cap // 2), (*base, chunk // 2, regs, cap // 2)]
     return out
 
 
-def launch_key(cfg: dict) -> str:
-    """A launch's name: G, warps and the switches, then chunk / cap where not the defaults."""
-    return (f"G={cfg['groups']} warps={cfg['warps']} draw={int(cfg['gather_draw'])} "
-            f"pdl={int(cfg['pdl'])} cond={int(cfg['conditional'])}"
-            + ("" if cfg["chunk"] == kernels.CHUNK else f" chunk={cfg['chunk']}")
-            + ("" if cfg["cap"] == kernels.CAP else f" cap={cfg['cap']}"))
+def launch_key(g: int, w: int, draw: bool, pdl: bool, chunk: int = kernels.CHUNK,
+               regs: int = kernels.SELECT_REGS, cap: int = kernels.CAP) -> str:
+    return (f"G={g} warps={w} draw={int(draw)} pdl={int(pdl)}"
+            + ("" if chunk == kernels.CHUNK else f" chunk={chunk}")
+            + ("" if regs == kernels.SELECT_REGS else f" regs={regs}")
+            + ("" if cap == kernels.CAP else f" cap={cap}"))
 
 
 def run_sweep(V: int, sizes, device) -> None:
@@ -143,10 +148,11 @@ def run_sweep(V: int, sizes, device) -> None:
             x = (logits * scale).to(torch.bfloat16)
             args = lanes(bs, *params, x.device)
             want = sample(x, *args, PURPOSE_DECODE, impl="torch")
-            for cfg in sweep_configs(bs):
-                def f(cfg=cfg):
-                    return kernels.sample_stages(x, *args, PURPOSE_DECODE, **cfg).tokens
-                key = launch_key(cfg)
+            for g, w, draw, pdl, chunk, regs, cap in sweep_configs(bs):
+                def f(g=g, w=w, draw=draw, pdl=pdl, chunk=chunk, regs=regs, cap=cap):
+                    return kernels.sample_stages(x, *args, PURPOSE_DECODE, chunk=chunk, cap=cap, groups=g,
+                                                 warps=w, gather_draw=draw, pdl=pdl, regs=regs).tokens
+                key = launch_key(g, w, draw, pdl, chunk, regs, cap)
                 assert torch.equal(f(), want), f"{name} {key}: mismatch"
                 got = {}
                 replay = graph_of(lambda: got.update(tokens=f()))
@@ -161,7 +167,7 @@ def run_sweep(V: int, sizes, device) -> None:
         md += [f"bs {r['bs']}:", "", "| launch | " + " | ".join(SWEEP_CASES) + " |",
                "|---" * (len(SWEEP_CASES) + 1) + "|"]
         for cfg in sweep_configs(r["bs"]):
-            key = launch_key(cfg)
+            key = launch_key(*cfg)
             md.append(f"| {key} | " + " | ".join(f"{r['us'][f'{c} | {key}']:.1f}"
                                                  for c in SWEEP_CASES) + " |")
         md.append("")
@@ -201,8 +207,7 @@ def run_passes(V: int, sizes, device) -> None:
             want = sample(x, *args, PURPOSE_DECODE, impl="torch")
             stages = kernels.sample_stages(x, *args, PURPOSE_DECODE, pdl=False)
             assert torch.equal(stages.tokens, want), f"{name}: mismatch"
-            replay = graph_of(lambda: kernels.sample_stages(x, *args, PURPOSE_DECODE, pdl=False,
-                                                            conditional=False).tokens)
+            replay = graph_of(lambda: kernels.sample_stages(x, *args, PURPOSE_DECODE, pdl=False).tokens)
             row["kernels"], row["us"][name] = pass_times(replay)
             row["passes"][name] = int(stages.passes.max())
         rows.append(row)

@@ -15,9 +15,8 @@ the keys up to K, the smallest key whose kept-by-top-k keys at or below it weigh
 top_p * their total (the reference's prefix rule, in fp64). Both are found by narrowing a
 bracket of keys with counts and integer weights summed over chunks, so they are exact.
 
-1 + PASSES launches a call eagerly, whatever the logits hold (captured in a CUDA graph, 1 + the
-passes a replay's rows need, below); each row finds its own way through them (one batch mixes
-greedy, temperature-only and filtered rows):
+1 + PASSES launches a call, whatever the logits hold; each row finds its own way through them
+(one batch mixes greedy, temperature-only and filtered rows):
 
 1. `_chunk_max_kernel`, grid (n, C chunks of CHUNK logits): each chunk's share of torch's argmax
    (greedy rows) and of max(x), x = l * (1 / temperature); it also clears the row's counters.
@@ -48,9 +47,6 @@ greedy, temperature-only and filtered rows):
    (31 bits), top-p at most 7 (the table's intervals span at most 2**28 keys, five equal splits
    leave 256), the draw 1: PASSES = 12. A pass whose rows are all done costs its programs one
    load each. G, the warps of a program and whether a gather draws are `select_policy(n)`'s.
-   Each row's last program flags the next pass (live[s + 1]) unless the row is done, so a
-   CUDA graph can skip what no row needs: captured, passes 2 and on sit in nested IF nodes on
-   those flags (`sample_stages(conditional=)`), and a replay launches only the passes used.
 
 There is no host work and no sync: graph-safe. The result does not depend on the order in
 which chunks finish (integer sums, the gathered keys searched as a set). The kernels are
@@ -59,8 +55,6 @@ do.
 """
 from __future__ import annotations
 
-import contextlib
-import os
 from typing import NamedTuple
 
 import torch
@@ -73,7 +67,7 @@ from .pdl import wait_for_previous
 
 __all__ = ["PURPOSE_DECODE", "PURPOSE_ACCEPT", "PURPOSE_RESIDUAL", "PURPOSE_DRAFT",
            "FIXED_ONE", "V_MAX", "PASSES", "random_bits", "fixed_exp", "mulhi62",
-           "sample_triton", "sample_stages", "Stages", "conditional_passes", "node_mass", "NodeMass", "resolve_impl"]
+           "sample_triton", "sample_stages", "Stages", "node_mass", "NodeMass", "resolve_impl"]
 
 # The stream's purposes: a token drawn for the same (seed, position) for another reason reads
 # other bits.
@@ -287,12 +281,12 @@ def _mass_key(key, w, live, thr, base):
 # ------------------------------------------------------------------------ the chunk maxima
 
 @triton.jit
-def _chunk_max_kernel(L, stride_l, Temp, PartV, PartI, PartNan, PartM, Count, Arrive, CBase, Live,
-                      V, C, S, CHUNK: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr):
+def _chunk_max_kernel(L, stride_l, Temp, PartV, PartI, PartNan, PartM, Count, Arrive, CBase, V,
+                      C, S, CHUNK: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr):
     """Grid (n, C). Chunk c's share of torch's argmax (its largest non-NaN logit, the first
     index holding it, its first NaN) and of max(l * inv_t) with NaN as -inf; it clears the
     chunk's weight below the splits' brackets (CBase). Chunk 0 clears the row's gather and
-    arrival counters of the select passes; program (0, 0) the call's pass flags (Live)."""
+    arrival counters of the select passes."""
     row = tl.program_id(0)
     c = tl.program_id(1)
     offs = c * CHUNK + tl.arange(0, CHUNK)
@@ -315,8 +309,6 @@ def _chunk_max_kernel(L, stride_l, Temp, PartV, PartI, PartNan, PartM, Count, Ar
         ss = tl.arange(0, SP)
         tl.store(Count + row * S + ss, 0, mask=ss < S)
         tl.store(Arrive + row * S + ss, 0, mask=ss < S)
-        if row == 0:
-            tl.store(Live + ss, 0, mask=ss <= S)
 
 
 @triton.jit
@@ -740,12 +732,11 @@ def _row_state(st, mode, FIRST: tl.constexpr):
 @triton.jit(noinline=True)
 def _select_row(row, c, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI, PartNan,
                 PartM, State, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count, Span,
-                CBase, Pref, Arrive, Live, Out, V, C, S, purpose, s, FIRST: tl.constexpr,
+                CBase, Pref, Arrive, Out, V, C, S, purpose, s, FIRST: tl.constexpr,
                 CHUNK: tl.constexpr, SUB: tl.constexpr, CP: tl.constexpr, CAP: tl.constexpr,
                 DRAW: tl.constexpr):
     """Chunk c's part of the row's pass in the row's mode; the row's last program to finish
-    moves the row to its next mode (module doc) and, unless the row is done, flags the next
-    pass as needed (Live[s + 1])."""
+    moves the row to its next mode (module doc)."""
     row = tl.cast(row, tl.int32)                      # the interpreter's loops give ints
     st = State + row * NSTATE_K
     m, pinf = _row_max(PartM, row, C, CP)
@@ -797,15 +788,12 @@ def _select_row(row, c, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, P
                              fresh, base, zk, trace, CP, CAP)
             else:
                 _row_p_hist(st, HistPart, row, C, top_p, lo, base, zk, trace, CP)
-            tl.debug_barrier()                             # the row's next mode, as just set
-            if tl.load(st, volatile=True) != DONE_K:
-                tl.store(Live + s + 1, 1)
 
 
 @triton.jit(do_not_specialize=["n", "s"])
 def _select_kernel(L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI, PartNan,
                    PartM, State, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count,
-                   Span, CBase, Pref, Arrive, Live, Out, n, V, C, S, purpose, s, FIRST: tl.constexpr,
+                   Span, CBase, Pref, Arrive, Out, n, V, C, S, purpose, s, FIRST: tl.constexpr,
                    CHUNK: tl.constexpr, SUB: tl.constexpr, CP: tl.constexpr,
                    CAP: tl.constexpr, DRAW: tl.constexpr, PDL: tl.constexpr):
     """Grid (G, C), pass s of S: program (g, c) does chunk c of rows g, g + G, ...; it returns
@@ -826,7 +814,7 @@ def _select_kernel(L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI,
         for row in tl.range(g, n, G, num_stages=1):
             _select_row(row, c, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI,
                         PartNan, PartM, State, HistPart, CntPart, MassPart, BoundPart, ZPart,
-                        Buf, Count, Span, CBase, Pref, Arrive, Live, Out, V, C, S, purpose, s, FIRST,
+                        Buf, Count, Span, CBase, Pref, Arrive, Out, V, C, S, purpose, s, FIRST,
                         CHUNK, SUB, CP, CAP, DRAW)
 
 
@@ -842,15 +830,12 @@ STATE_FIELDS = ("mode", "lo", "hi", "shift", "fresh", "base", "zk", "kf", "sel",
 class Stages(NamedTuple):
     """What the kernels leave for a call: the tokens, and each row's final state (for tests):
     kf its key threshold (KEY_INF: none), mode (0, done, once every pass ran), the modes it
-    went through (bit 1 << i for MODES[i]) and the number of passes it took; and the call's
-    pass flags: live[s] (s >= 1) is set when some row had work left for select pass s (what a
-    conditional pass's IF node reads; live[0] is never set)."""
+    went through (bit 1 << i for MODES[i]) and the number of passes it took."""
     tokens: torch.Tensor      # [n] int64
     kf: torch.Tensor          # [n] int64
     mode: torch.Tensor        # [n] int64
     modes: torch.Tensor       # [n] int64
     passes: torch.Tensor      # [n] int64
-    live: torch.Tensor        # [PASSES + 1] bool
 
 
 class SelectPolicy(NamedTuple):
@@ -859,31 +844,6 @@ class SelectPolicy(NamedTuple):
     warps: int            # num_warps of a select program
     gather_draw: bool     # a threshold found in a gather draws in that pass (min-p off)
     pdl: bool = True      # the launches with programmatic dependent launch (where supported)
-    conditional: bool = True  # captured: passes 2.. in nested IF nodes (`conditional_passes`)
-
-
-def conditional_passes(device: torch.device | str) -> bool:
-    """Whether the select passes can sit in CUDA-graph conditional (IF) nodes on `device`: a
-    CUDA device, a torch whose CUDAGraph captures IF nodes (`begin_capture_to_if_node`, CUDA
-    12.4 or later), kernels compiled (not TRITON_INTERPRET=1)."""
-    device = torch.device(device)
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    if not hasattr(torch._C._CUDAGraph, "begin_capture_to_if_node"):
-        return False
-    major, minor = (int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
-    return (major, minor) >= (12, 4)
-
-
-def _capturing_graph(device: torch.device):
-    """The CUDAGraph capturing the current stream, where the passes can be conditional; else
-    None (eager, or a capture torch's CUDAGraph did not start)."""
-    if not conditional_passes(device) or not torch.cuda.is_current_stream_capturing():
-        return None
-    try:
-        return torch.cuda.CUDAGraph.get_currently_capturing_graph()
-    except RuntimeError:
-        return None
 
 
 def select_policy(n: int) -> SelectPolicy:
@@ -910,8 +870,7 @@ def select_policy(n: int) -> SelectPolicy:
 def sample_stages(logits, temperature, top_k, top_p, min_p, seed, position, purpose: int,
                   chunk: int = CHUNK, cap: int = CAP, groups: int | None = None,
                   warps: int | None = None, gather_draw: bool | None = None,
-                  pdl: bool | None = None, regs: int | None = None,
-                  conditional: bool | None = None) -> Stages:
+                  pdl: bool | None = None, regs: int | None = None) -> Stages:
     """`sample_triton`'s launches and the rows' final state. chunk and cap: powers of two;
     groups, warps, gather_draw, pdl: `SelectPolicy`'s fields (`select_policy(n)`'s where None;
     the tokens are the same whatever they are); regs: the select kernel's register cap
@@ -919,14 +878,7 @@ def sample_stages(logits, temperature, top_k, top_p, min_p, seed, position, purp
     (568 bytes of stack a thread for Triton 3.9's sm_90 code, none at 8 warps), which a launch
     sweep weighs against the occupancy a higher cap costs. pdl: the 1 + PASSES launches with
     programmatic dependent launch where `pdl.supported` (each waits for the one before before
-    any read), so a pass's launch overlaps the end of the one before.
-
-    conditional (`SelectPolicy.conditional` where None): while a CUDA graph captures the call
-    (`conditional_passes`), select pass s >= 1 and everything after it sit in an IF node on
-    live[s], nested: a replay runs the passes its rows need and one flag check after the last,
-    instead of every pass (an idle pass costs its programs a load each, 1.5 to 3 µs a launch on
-    an H100). The first launch of each body has no earlier kernel in its graph, so it launches
-    without PDL. Eager calls launch every pass; the tokens are the same either way."""
+    any read), so a pass's launch overlaps the end of the one before."""
     x = logits if logits.stride(1) == 1 else logits.contiguous()
     n, V = x.shape
     lanes = [t.contiguous() for t in (temperature, top_k, top_p, min_p, seed, position)]
@@ -945,38 +897,27 @@ def sample_stages(logits, temperature, top_k, top_p, min_p, seed, position, purp
     span, cbase, pref = (buf(n, C, 2, dtype=torch.int32), buf(n, C, dtype=torch.int64),
                          buf(n, cap, dtype=torch.int64))
     count, arrive = buf(n, PASSES, dtype=torch.int32), buf(n, PASSES, dtype=torch.int32)
-    live = buf(PASSES + 1, dtype=torch.bool)       # cleared by the chunk max
-    if not n:
-        live.zero_()
     out = buf(n, dtype=torch.int64)
     policy = select_policy(n)
     on = (policy.pdl if pdl is None else pdl) and _pdl.supported(x.device)
     launch = dict(PDL=on, **_pdl.launch_options(x.device, on))
     if n:
-        _chunk_max_kernel[(n, C)](x, x.stride(0), lanes[0], *parts, count, arrive, cbase, live,
-                                  V, C, PASSES,
-                                  CHUNK=chunk, SP=triton.next_power_of_2(PASSES + 1),
+        _chunk_max_kernel[(n, C)](x, x.stride(0), lanes[0], *parts, count, arrive, cbase, V, C,
+                                  PASSES,
+                                  CHUNK=chunk, SP=triton.next_power_of_2(PASSES),
                                   num_warps=CHUNK_WARPS, enable_fp_fusion=False, **launch)
     G = groups or policy.groups
-    graph = _capturing_graph(x.device) if (policy.conditional if conditional is None
-                                           else conditional) else None
-    with contextlib.ExitStack() as nest:
-        for s in range(PASSES if n else 0):
-            opts = launch
-            if graph is not None and s > 0:
-                graph.begin_capture_to_if_node(live[s])
-                nest.callback(graph.end_capture_to_conditional_node)
-                opts = dict(PDL=False)               # the body's first kernel: nothing before it
-            _select_kernel[(G, C)](x, x.stride(0), *lanes, *parts, state, *work, count, span,
-                                   cbase, pref, arrive, live, out,
-                                   n, V, C, PASSES, purpose, s, FIRST=s == 0, CHUNK=chunk,
-                                   SUB=max(min(chunk, SUB), chunk // 8), CP=CP, CAP=cap,
-                                   DRAW=policy.gather_draw if gather_draw is None else gather_draw,
-                                   num_warps=warps or policy.warps, maxnreg=regs or SELECT_REGS,
-                                   enable_fp_fusion=False, **opts)
+    for s in range(PASSES if n else 0):
+        _select_kernel[(G, C)](x, x.stride(0), *lanes, *parts, state, *work, count, span, cbase,
+                               pref, arrive, out,
+                               n, V, C, PASSES, purpose, s, FIRST=s == 0, CHUNK=chunk,
+                               SUB=max(min(chunk, SUB), chunk // 8), CP=CP, CAP=cap,
+                               DRAW=policy.gather_draw if gather_draw is None else gather_draw,
+                               num_warps=warps or policy.warps, maxnreg=regs or SELECT_REGS,
+                               enable_fp_fusion=False, **launch)
     trace = state[:, STATE_FIELDS.index("trace")]
     return Stages(out, state[:, STATE_FIELDS.index("kf")], state[:, STATE_FIELDS.index("mode")],
-                  trace & (PASS_ONE.value - 1), trace // PASS_ONE.value, live)
+                  trace & (PASS_ONE.value - 1), trace // PASS_ONE.value)
 
 
 @triton.jit
