@@ -18,10 +18,13 @@ compared (bf16: they may differ where the top-2 logits nearly tie).
 (`launch_routed`, one MoE layer's experts) at each size with those tiles. --profile lists the
 default path's step at each size by kernel class (`bench.common.kernel_classes`: count, µs and
 share of the step a class takes, and the GPU span of a replay) from torch.profiler over ITERS
-replays, and its slowest kernels.
+replays, and its slowest kernels. --compile compiles each decoder layer first (`torch.compile`,
+fullgraph, static shapes: what padgraph.llm's engine runs inside its graphs on a GPU), so the
+steps and the profile are those of the compiled body; the MoE layer alone stays eager.
 Writes bench_moe.{md,json} under $OUT (or results/local).
 
     python -m bench.bench_moe [--sizes 1,16] [--layers 6] [--context 256] [--tiles ...] [--profile]
+                              [--compile]
     python -m bench.bench_moe --tiny     # CPU smoke run (no graphs; torch reference)
 """
 from __future__ import annotations
@@ -124,7 +127,8 @@ def run_size(model, bs: int, args, device, gen, bw: float) -> dict:
     logits = {}
     with torch.no_grad():
         model.set_moe_policy(PATHS["routed"])
-        row["distinct_experts"] = distinct_experts(model, ids, pos, batch)
+        with torch.compiler.set_stance("force_eager"):      # its hooks count on the host
+            row["distinct_experts"] = distinct_experts(model, ids, pos, batch)
         row["bytes"] = weight_bytes(model, bs, row["distinct_experts"])
         for name, policy in PATHS.items():
             model.set_moe_policy(policy)
@@ -191,11 +195,16 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="CPU smoke run at the tiny preset")
     p.add_argument("--profile", action="store_true",
                    help="the default path's step by kernel class at each size (torch.profiler; a GPU)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile each decoder layer (fullgraph, static shapes) before timing")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     cfg = DeepSeekConfig.tiny() if args.tiny else DeepSeekConfig.lite(n_layers=args.layers)
     model = DeepSeekModel(cfg).to(device)
     model = (model if device.type == "cpu" else model.bfloat16()).eval()
+    if args.compile:
+        for layer in model.layers:
+            layer.compile(fullgraph=True, dynamic=False)
     gen = torch.Generator().manual_seed(0)
     bw = copy_bandwidth(device) if device.type == "cuda" else 0.0
     rows = []
@@ -205,7 +214,8 @@ def main() -> None:
     meta = {**env_info(), "context": args.context, "copy_bw_gbs": bw / 1e9,
             "model": ("tiny" if args.tiny else f"lite, {args.layers} layers") + f", "
                      f"{cfg.n_routed_experts} experts top-{cfg.top_k}, "
-                     f"{len(moe_layers(model))} MoE layers"}
+                     f"{len(moe_layers(model))} MoE layers"
+                     + (", decoder layers compiled (the MoE layer alone eager)" if args.compile else "")}
     out = out_dir()
     (out / "bench_moe.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     (out / "bench_moe.md").write_text(report(rows, meta))
