@@ -31,7 +31,8 @@
 #   bench-hybrid     the hybrid reference model's step against its floor, and EAGLE on it, with the Mamba updates as
 #                    opaque kernel ops (the default) and as inductor's code (bench/bench_hybrid.py --recurrent-ops)
 #   bench-eagle-sampling  EAGLE with sampling against plain sampling (bench/bench_eagle_sampling.py)
-#   bench-moe        the DeepSeek-like MoE, routed against dense, and its step by kernel class (bench/bench_moe.py)
+#   bench-moe        the DeepSeek-like MoE, routed against dense, eager body against compiled layers, and each
+#                    step by kernel class (bench/bench_moe.py)
 #   bench-sampling   the sampler against argmax at bs 1/16/64, and sharp top-p by row groups (bench/bench_sampling.py)
 #   bench-sampling-sweep  the sampler's select-pass launch grid (row groups, warps, the draw in the gather, PDL,
 #                    chunk, register cap)
@@ -107,6 +108,6 @@ want bench-sampling && run bench_sampling python3 -m bench.bench_sampling
 want bench-sampling-sweep && run bench_sampling_sweep python3 -m bench.bench_sampling --sweep
 want bench-sampling-passes && run bench_sampling_passes python3 -m bench.bench_sampling --passes
 want bench-fused-tc && run bench_fused_tc python3 -m bench.sweep_fused_tc --rows 16,4 --grid
-want bench-moe && run bench_moe python3 -m bench.bench_moe --sizes 1,16 --profile
+want bench-moe && run bench_moe python3 -m bench.bench_moe --sizes 1,16 --profile --bodies eager,compiled
 echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/pytest_cuda*.log "$OUT"/spec_cuda.log 2>/dev/null | tail -6
 exit $rc
