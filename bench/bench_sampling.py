@@ -208,13 +208,12 @@ def run_passes(V: int, sizes, device) -> None:
             stages = kernels.sample_stages(x, *args, PURPOSE_DECODE, pdl=False)
             assert torch.equal(stages.tokens, want), f"{name}: mismatch"
             replay = graph_of(lambda: kernels.sample_stages(x, *args, PURPOSE_DECODE, pdl=False).tokens)
-            row["kernels"], row["us"][name] = pass_times(replay)
+            names, row["us"][name] = pass_times(replay)
+            assert len(names) == 1 + kernels.PASSES, f"{name}: a call launched {names}"
             row["passes"][name] = int(stages.passes.max())
         rows.append(row)
         print(row, flush=True)
     heads = ["max", *(f"pass {i}" for i in range(1, kernels.PASSES + 1)), "sum"]
-    if rows and len(rows[0]["kernels"]) != 1 + kernels.PASSES:       # launches other than the passes
-        heads = [*rows[0]["kernels"], "sum"]
     md = ["# Sampler launches one by one: median kernel µs, [bs, V] bf16 logits, V = %d" % V, "",
           f"`{json.dumps(env_info())}`", "",
           "select_policy's launch, PDL off; a row works in at most `passes` of the 12 select passes.", ""]
