@@ -829,13 +829,21 @@ STATE_FIELDS = ("mode", "lo", "hi", "shift", "fresh", "base", "zk", "kf", "sel",
 
 class Stages(NamedTuple):
     """What the kernels leave for a call: the tokens, and each row's final state (for tests):
-    kf its key threshold (KEY_INF: none), mode (0, done, once every pass ran), the modes it
-    went through (bit 1 << i for MODES[i]) and the number of passes it took."""
+    kf its key threshold (KEY_INF: none), mode (0, done, once every pass ran), its trace; from
+    the trace, on access only (so a call that reads the tokens launches nothing more), the
+    modes it went through (bit 1 << i for MODES[i]) and the number of passes it took."""
     tokens: torch.Tensor      # [n] int64
     kf: torch.Tensor          # [n] int64
     mode: torch.Tensor        # [n] int64
-    modes: torch.Tensor       # [n] int64
-    passes: torch.Tensor      # [n] int64
+    trace: torch.Tensor       # [n] int64: the modes' bits, plus PASS_ONE a pass
+
+    @property
+    def modes(self) -> torch.Tensor:
+        return self.trace & (PASS_ONE.value - 1)
+
+    @property
+    def passes(self) -> torch.Tensor:
+        return self.trace // PASS_ONE.value
 
 
 class SelectPolicy(NamedTuple):
@@ -915,9 +923,7 @@ def sample_stages(logits, temperature, top_k, top_p, min_p, seed, position, purp
                                DRAW=policy.gather_draw if gather_draw is None else gather_draw,
                                num_warps=warps or policy.warps, maxnreg=regs or SELECT_REGS,
                                enable_fp_fusion=False, **launch)
-    trace = state[:, STATE_FIELDS.index("trace")]
-    return Stages(out, state[:, STATE_FIELDS.index("kf")], state[:, STATE_FIELDS.index("mode")],
-                  trace & (PASS_ONE.value - 1), trace // PASS_ONE.value)
+    return Stages(out, *(state[:, STATE_FIELDS.index(f)] for f in ("kf", "mode", "trace")))
 
 
 @triton.jit
