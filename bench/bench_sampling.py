@@ -20,7 +20,8 @@ each working through its rows in turn). Writes sampling.md / sampling.json to $O
 choices (`SelectPolicy`: row groups G, warps a program, the draw in the gather on or off,
 programmatic dependent launch on or off; the chunk of logits a program reads, halved and
 doubled; the select kernel's register cap raised to 192 and 255; the keys a row may gather
-halved, with and without half the chunk),
+halved, with and without half the chunk; the small-gather registers off and doubled; the
+split's packing off, halved and doubled; `--fields small,pack` moves only those),
 each checked against the torch reference, and writes sampling_sweep.md / .json: the data
 `select_policy` is chosen from.
 
@@ -38,6 +39,7 @@ import json
 import os
 import statistics
 import sys
+from typing import NamedTuple
 
 if "--smoke" in sys.argv:  # before triton is imported: kernels run interpreted on CPU tensors
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -110,35 +112,68 @@ def table(title, names, rows, key, fmt):
 SWEEP_CASES = ("sample greedy", "temperature 0.7", "top-p 0.9 (sharp)", "top-p 0.9 (flat)")
 
 
-def sweep_configs(bs: int) -> list[tuple[int, int, bool, bool, int, int, int]]:
-    """(G, warps, gather_draw, pdl, chunk, regs, cap) launches to time at bs rows: the policy's,
-    then each field moved (chunk: the logits a program reads, `kernels.CHUNK` by default; regs:
-    the select kernel's register cap, `kernels.SELECT_REGS`; cap: the keys a row may gather,
-    `kernels.CAP`). At 4 warps the default cap makes ptxas spill; half the cap with half the
-    chunk does not (Triton 3.9, sm_90: 124 registers, no stack)."""
-    pol, chunk, regs, cap = kernels.select_policy(bs), kernels.CHUNK, kernels.SELECT_REGS, kernels.CAP
-    groups = sorted({pol.groups, bs, max(1, bs // 2), max(1, bs // 4)})
-    base = (pol.groups, pol.warps, pol.gather_draw, pol.pdl)
-    out = [(*base, chunk, regs, cap)]
-    out += [(g, w, pol.gather_draw, pol.pdl, chunk, regs, cap) for g in groups for w in (4, 8)
-            if (g, w) != base[:2]]
-    out += [(pol.groups, pol.warps, not pol.gather_draw, pol.pdl, chunk, regs, cap),
-            (pol.groups, pol.warps, pol.gather_draw, not pol.pdl, chunk, regs, cap)]
-    out += [(*base, c, regs, cap) for c in (chunk // 2, 2 * chunk)]
-    out += [(*base, chunk, r, cap) for r in (192, 255)]
-    out += [(*base, chunk, regs, cap // 2), (*base, chunk // 2, regs, cap // 2)]
+class Launch(NamedTuple):
+    """One launch of the sampler's kernels: `SelectPolicy`'s fields and `sample_stages`' knobs
+    (chunk: the logits a program reads; regs: the select kernel's register cap; cap: the keys a
+    row may gather; small: a gather of at most this many keys ends in registers that wide;
+    pack: a split packs a chunk's keys first where at most this many count)."""
+    groups: int
+    warps: int
+    gather_draw: bool
+    pdl: bool
+    chunk: int = kernels.CHUNK
+    regs: int = kernels.SELECT_REGS
+    cap: int = kernels.CAP
+    small: int = kernels.SMALL
+    pack: int = kernels.PACK
+
+    def key(self) -> str:
+        out = f"G={self.groups} warps={self.warps} draw={int(self.gather_draw)} pdl={int(self.pdl)}"
+        for f in ("chunk", "regs", "cap", "small", "pack"):
+            if getattr(self, f) != self._field_defaults[f]:
+                out += f" {f}={getattr(self, f)}"
+        return out
+
+    def run(self, x, args):
+        return kernels.sample_stages(x, *args, PURPOSE_DECODE, chunk=self.chunk, cap=self.cap,
+                                     groups=self.groups, warps=self.warps,
+                                     gather_draw=self.gather_draw, pdl=self.pdl, regs=self.regs,
+                                     small=self.small, pack=self.pack).tokens
+
+
+SWEEP_FIELDS = ("groups", "draw", "pdl", "chunk", "regs", "cap", "small", "pack")
+
+
+def sweep_configs(bs: int, fields=SWEEP_FIELDS) -> list[Launch]:
+    """The launches to time at bs rows: the policy's, then each of `fields` moved. At 4 warps
+    the default cap makes ptxas spill; half the cap with half the chunk does not (Triton 3.9,
+    sm_90: 124 registers, no stack). small = cap and pack = 0 turn those paths off."""
+    pol = kernels.select_policy(bs)
+    base = Launch(pol.groups, pol.warps, pol.gather_draw, pol.pdl)
+    out = [base]
+    if "groups" in fields:
+        groups = sorted({pol.groups, bs, max(1, bs // 2), max(1, bs // 4)})
+        out += [base._replace(groups=g, warps=w) for g in groups for w in (4, 8)
+                if (g, w) != (base.groups, base.warps)]
+    if "draw" in fields:
+        out.append(base._replace(gather_draw=not base.gather_draw))
+    if "pdl" in fields:
+        out.append(base._replace(pdl=not base.pdl))
+    if "chunk" in fields:
+        out += [base._replace(chunk=c) for c in (base.chunk // 2, 2 * base.chunk)]
+    if "regs" in fields:
+        out += [base._replace(regs=r) for r in (192, 255)]
+    if "cap" in fields:
+        out += [base._replace(cap=base.cap // 2), base._replace(chunk=base.chunk // 2, cap=base.cap // 2)]
+    if "small" in fields:
+        out += [base._replace(small=base.cap), base._replace(small=2 * base.small)]
+    if "pack" in fields:
+        out += [base._replace(pack=0), base._replace(pack=base.pack // 2),
+                base._replace(pack=2 * base.pack)]
     return out
 
 
-def launch_key(g: int, w: int, draw: bool, pdl: bool, chunk: int = kernels.CHUNK,
-               regs: int = kernels.SELECT_REGS, cap: int = kernels.CAP) -> str:
-    return (f"G={g} warps={w} draw={int(draw)} pdl={int(pdl)}"
-            + ("" if chunk == kernels.CHUNK else f" chunk={chunk}")
-            + ("" if regs == kernels.SELECT_REGS else f" regs={regs}")
-            + ("" if cap == kernels.CAP else f" cap={cap}"))
-
-
-def run_sweep(V: int, sizes, device) -> None:
+def run_sweep(V: int, sizes, device, fields=SWEEP_FIELDS) -> None:
     rows = []
     for bs in sizes:
         logits = torch.randn(bs, V, generator=torch.Generator().manual_seed(bs)).to(device)
@@ -148,14 +183,11 @@ def run_sweep(V: int, sizes, device) -> None:
             x = (logits * scale).to(torch.bfloat16)
             args = lanes(bs, *params, x.device)
             want = sample(x, *args, PURPOSE_DECODE, impl="torch")
-            for g, w, draw, pdl, chunk, regs, cap in sweep_configs(bs):
-                def f(g=g, w=w, draw=draw, pdl=pdl, chunk=chunk, regs=regs, cap=cap):
-                    return kernels.sample_stages(x, *args, PURPOSE_DECODE, chunk=chunk, cap=cap, groups=g,
-                                                 warps=w, gather_draw=draw, pdl=pdl, regs=regs).tokens
-                key = launch_key(g, w, draw, pdl, chunk, regs, cap)
-                assert torch.equal(f(), want), f"{name} {key}: mismatch"
+            for launch in sweep_configs(bs, fields):
+                key = launch.key()
+                assert torch.equal(launch.run(x, args), want), f"{name} {key}: mismatch"
                 got = {}
-                replay = graph_of(lambda: got.update(tokens=f()))
+                replay = graph_of(lambda launch=launch: got.update(tokens=launch.run(x, args)))
                 replay()
                 assert torch.equal(got["tokens"], want), f"{name} {key}: a replay's tokens differ"
                 row["us"][f"{name} | {key}"] = bench_us(replay)
@@ -166,8 +198,8 @@ def run_sweep(V: int, sizes, device) -> None:
     for r in rows:
         md += [f"bs {r['bs']}:", "", "| launch | " + " | ".join(SWEEP_CASES) + " |",
                "|---" * (len(SWEEP_CASES) + 1) + "|"]
-        for cfg in sweep_configs(r["bs"]):
-            key = launch_key(*cfg)
+        for launch in sweep_configs(r["bs"], fields):
+            key = launch.key()
             md.append(f"| {key} | " + " | ".join(f"{r['us'][f'{c} | {key}']:.1f}"
                                                  for c in SWEEP_CASES) + " |")
         md.append("")
@@ -235,12 +267,18 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny sizes (script check)")
     ap.add_argument("--sweep", action="store_true", help="the select passes' launch grid")
+    ap.add_argument("--fields", default=",".join(SWEEP_FIELDS),
+                    help="--sweep: the launch fields to move, comma-separated (default: all)")
     ap.add_argument("--passes", action="store_true", help="each launch's own GPU time (a GPU)")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     V, sizes = (5000, (2,)) if args.smoke else (128256, (1, 16, 64))
     if args.sweep:
-        return run_sweep(V, (20,) if args.smoke else sizes, device)
+        fields = tuple(f for f in args.fields.split(",") if f)
+        unknown = set(fields) - set(SWEEP_FIELDS)
+        if unknown:
+            raise SystemExit(f"--fields: unknown {sorted(unknown)}; known {SWEEP_FIELDS}")
+        return run_sweep(V, (20,) if args.smoke else sizes, device, fields)
     if args.passes:
         if device != "cuda":
             raise SystemExit("--passes profiles GPU kernels: it needs a GPU")

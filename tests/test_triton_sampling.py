@@ -83,17 +83,21 @@ def kept_weights(logits, temperature, kf):
     return torch.where(key <= kf[:, None], S.fixed_exp(d), 0)
 
 
-@pytest.mark.parametrize("V,chunk,cap,groups", [(37, 16, 4, None), (100, 32, 8, 1),
-                                                  (257, 64, 16, None)])
-def test_kernel_matches_the_reference_bit_for_bit(V, chunk, cap, groups):
+@pytest.mark.parametrize("V,chunk,cap,groups,small,pack", [(37, 16, 4, None, None, None),
+                                                             (100, 32, 8, 1, 2, 8),
+                                                             (257, 64, 16, None, 4, 0)])
+def test_kernel_matches_the_reference_bit_for_bit(V, chunk, cap, groups, small, pack):
     """cap: the keys a row may gather; small ones send rows through radix steps and splits.
-    groups 1: one program a chunk does every row."""
+    groups 1: one program a chunk does every row. small: gathers of at most this many keys
+    end in registers that wide. pack: a split packs a chunk's keys first where at most this
+    many count (None: the default, which is the whole chunk here; 0: never)."""
     g = torch.Generator().manual_seed(V + chunk)
     n = 20 if groups else 16
     logits = awkward_logits(n, V, g)
     args = random_lanes(n, V, g)
     purpose = PURPOSE_DRAFT if V % 2 else PURPOSE_DECODE
-    stages = check_stages(logits, args, purpose, chunk=chunk, cap=cap, groups=groups)
+    stages = check_stages(logits, args, purpose, chunk=chunk, cap=cap, groups=groups,
+                          small=small, pack=pack)
     assert {"greedy", "weights", "k_hist", "p_split"} <= modes_of(stages)
     assert modes_of(stages) & {"k_gather", "p_gather"}
 
@@ -184,13 +188,16 @@ def test_wide_nuclei_match_the_reference():
     assert stages.passes.max() >= 4                         # several splits a row
 
 
-@pytest.mark.parametrize("draw", [True, False])
-def test_a_threshold_found_in_a_gather_draws_without_the_weights_pass(draw):
+@pytest.mark.parametrize("draw,small,pack", [(True, None, None), (False, None, None),
+                                             (True, 4, 64), (False, 4, 0)])
+def test_a_threshold_found_in_a_gather_draws_without_the_weights_pass(draw, small, pack):
     """With `gather_draw`, a row whose key threshold is found among gathered keys draws in that
     same pass (each chunk's kept weight from the splits' per-chunk weights below the bracket and
     its run of gathered keys) unless min-p is on: one pass fewer, the reference's token. Without
     it, every such row takes the weights pass. Flat rows (several splits before the gather) and
-    sharp ones (one), top-p alone and after top-k, many seeds."""
+    sharp ones (one), top-p alone and after top-k, many seeds. small 4: the sharp rows' gathers
+    of a few keys end in [4] registers, the flat rows' in [cap]; pack 64: the splits of chunks
+    with at most 64 keys that count pack them first, the others sum every key (0: all do)."""
     g = torch.Generator().manual_seed(14)
     n, V = 16, 2000
     scale = torch.tensor([1.0, 3.0, 8.0])[torch.arange(n) % 3][:, None]
@@ -199,7 +206,8 @@ def test_a_threshold_found_in_a_gather_draws_without_the_weights_pass(draw):
     min_p = [0.0] * 13 + [0.05] * 3
     args = lanes_of(n, 0.9, top_k, [0.9, 0.5, 0.95, 0.8] * 4, min_p)
     args[4] = torch.randint(0, 2 ** 62, (n,), generator=g)
-    stages = check_stages(logits, args, chunk=256, cap=64, gather_draw=draw)
+    stages = check_stages(logits, args, chunk=256, cap=64, gather_draw=draw, small=small,
+                          pack=pack)
     gathered = (stages.modes & (1 << K.MODES.index("k_gather") | 1 << K.MODES.index("p_gather"))) > 0
     weighed = (stages.modes & 1 << K.MODES.index("weights")) > 0
     no_min_p = torch.tensor(min_p) == 0
@@ -428,12 +436,14 @@ COMPILE_SCRIPT = textwrap.dedent('''
              "PartNan": "*i32", "PartM": "*fp32", "State": "*i64", "HistPart": "*i32",
              "CntPart": "*i32", "MassPart": "*i64", "BoundPart": "*i32", "ZPart": "*i64",
              "Buf": "*i32", "Count": "*i32", "Arrive": "*i32", "Span": "*i32", "CBase": "*i64",
-             "Pref": "*i64"}
+             "Pref": "*i64", "Pack": "*i32"}
     build(K._chunk_max_kernel, lanes, dict(CHUNK=K.CHUNK, SP=16, PDL=False), K.CHUNK_WARPS)
     for first, draw, warps, pdl in ((True, False, 8, False), (False, False, 8, False),
                                     (False, True, 4, False), (False, True, 4, True)):
         k = build(K._select_kernel, lanes, dict(FIRST=first, CHUNK=K.CHUNK, SUB=K.SUB, CP=64,
-                                                CAP=K.CAP, DRAW=draw, PDL=pdl), warps,
+                                                CAP=K.CAP, SMALL=K.SMALL, PACK=K.PACK, DRAW=draw,
+                                                PDL=pdl),
+                  warps,
                   maxnreg=K.SELECT_REGS)
         ptx = k.asm["ptx"]
         if pdl:     # the wait comes before the first global load: nothing of the pass before

@@ -35,6 +35,8 @@ bracket of keys with counts and integer weights summed over chunks, so they are 
      the weight of its keys; the interval where the weight reaches top_p * total becomes the
      bracket, narrowed to the keys present.
    - P_GATHER: a bracket of at most CAP keys: gathered, top-p's key found among them.
+   The searches over gathered keys run in registers as wide as the gather needs: [SMALL] for
+   at most SMALL keys (a sharp row's nucleus), else [CAP].
    - P_HIST: a bracket at most 256 keys wide: a count per key, its weight count * fixed_exp.
    - WEIGHTS: each chunk's kept weight (threshold and min-p applied); the last program draws:
      r = floor(u * Z / 2**62), the chunk whose cumulative kept weight passes r, the index in it.
@@ -432,10 +434,10 @@ def _gather(Buf, Count, Span, row, c, C, s, S, key, act, CAP: tl.constexpr):
 
 
 @triton.jit
-def _gathered(Buf, Count, row, s, S, CAP: tl.constexpr):
-    """(keys [CAP], live [CAP]) the row's gather of this pass left, read by its last program."""
-    n = tl.atomic_add(Count + row * S + s, 0, sem="acquire", scope="gpu")
-    idx = tl.arange(0, CAP)
+def _gathered(Buf, n, row, CAP: tl.constexpr, N: tl.constexpr):
+    """(keys [N], live [N]) the row's gather of this pass left (n <= N keys of its buffer of
+    CAP), read by its last program."""
+    idx = tl.arange(0, N)
     live = idx < n
     key = tl.load(Buf + row.to(tl.int64) * CAP + idx, mask=live, other=KEY_INF_K,
                   cache_modifier=".cg")
@@ -458,33 +460,64 @@ def _idle_interval(CntPart, row, c, C, sel):
 
 
 @triton.jit
-def _split_chunk(l_ptr, first, V, inv_t, m, pinf, lo, hi, fresh, CHUNK: tl.constexpr,
+def _split_sums(key, packed, ends):
+    """For each interval end [16], the count and the weight of the keys below it (key
+    0x7FFFFFFF: not counted; packed = count << 44 + weight)."""
+    acc = tl.where(key[None, :] < ends[:, None], packed[None, :], 0)       # [16, block]
+    return tl.sum((acc >> 44).to(tl.int32), axis=1), tl.sum(acc & ((1 << 44) - 1), axis=1)
+
+
+@triton.jit
+def _split_block(l_ptr, first, V, inv_t, m, pinf, lo, hi, ends, CHUNK: tl.constexpr,
                  SUB: tl.constexpr):
-    """Over the chunk's keys in [lo, hi] that can weigh (key < KEY_CUT): for each interval end
-    of `_split_bound`, the count [16] and the weight [16] of those below it; their smallest
-    and largest key."""
-    tl.static_assert(CHUNK // SUB <= 8)
-    ends = _split_bound(tl.arange(0, 16).to(tl.int64) + 1, lo, hi, fresh).to(tl.int32)
+    """`_split_chunk`'s sums over the whole chunk, SUB keys at a time."""
     acc = tl.zeros([16, SUB], dtype=tl.int64)         # count << 44 + weight: a thread adds at
-    kmin = tl.full([SUB], KEY_INF_K + 1, tl.int32)     # most 8 weights <= 2**40
-    kmax = tl.full([SUB], -1, tl.int32)
-    for start in tl.range(0, CHUNK, SUB, num_stages=1, loop_unroll_factor=1):
+    for start in tl.range(0, CHUNK, SUB, num_stages=1, loop_unroll_factor=1):  # most 8
         d, key, valid = _d_key(l_ptr, first + start + tl.arange(0, SUB), V, inv_t, m, pinf)
         act = valid & (key >= lo) & (key <= hi) & (key < KEY_CUT_K)
-        counted = tl.where(act, key, 0x7FFFFFFF)         # past every end when not counted
+        counted = tl.where(act, key, 0x7FFFFFFF)             # past every end when not counted
         packed = _fixed_exp_t(d) + (1 << 44)
-        acc += tl.where(counted[None, :] < ends[:, None], packed[None, :], 0)  # [16, SUB]
-        kmin = tl.minimum(kmin, tl.where(act, key, KEY_INF_K + 1))
-        kmax = tl.maximum(kmax, tl.where(act, key, -1))
-    cnt = tl.sum((acc >> 44).to(tl.int32), axis=1)
-    mass = tl.sum(acc & ((1 << 44) - 1), axis=1)
-    return cnt, mass, tl.min(kmin, axis=0), tl.max(kmax, axis=0)
+        acc += tl.where(counted[None, :] < ends[:, None], packed[None, :], 0)      # [16, SUB]
+    return tl.sum((acc >> 44).to(tl.int32), axis=1), tl.sum(acc & ((1 << 44) - 1), axis=1)
+
+
+@triton.jit
+def _split_chunk(l_ptr, first, V, inv_t, m, pinf, lo, hi, fresh, Pack, slot,
+                 CHUNK: tl.constexpr, SUB: tl.constexpr, PACK: tl.constexpr):
+    """Over the chunk's keys in [lo, hi] that can weigh (key < KEY_CUT): for each interval end
+    of `_split_bound`, the count [16] and the weight [16] of those below it; their smallest
+    and largest key. The sums cost 16 compares and adds a key, so where at most PACK of the
+    chunk's keys count (a sharp row: most of its logits weigh 0), those keys are packed into
+    the chunk's slot of Pack first and summed there; else the chunk is summed SUB keys at a
+    time (PACK 0: always)."""
+    tl.static_assert(CHUNK // SUB <= 8)
+    ends = _split_bound(tl.arange(0, 16).to(tl.int64) + 1, lo, hi, fresh).to(tl.int32)
+    d, key, valid = _d_key(l_ptr, first + tl.arange(0, CHUNK), V, inv_t, m, pinf)
+    act = valid & (key >= lo) & (key <= hi) & (key < KEY_CUT_K)
+    flags = act.to(tl.int32)
+    n_act = tl.sum(flags, axis=0)
+    kmin = tl.min(tl.where(act, key, KEY_INF_K + 1), axis=0)
+    kmax = tl.max(tl.where(act, key, -1), axis=0)
+    if PACK == 0:
+        cnt, mass = _split_block(l_ptr, first, V, inv_t, m, pinf, lo, hi, ends, CHUNK, SUB)
+    elif n_act <= PACK:
+        pack = Pack + slot.to(tl.int64) * PACK
+        tl.store(pack + tl.cumsum(flags, axis=0) - 1, key, mask=act)
+        tl.debug_barrier()                               # the packed keys, for every thread
+        live = tl.arange(0, PACK) < n_act
+        pk = tl.load(pack + tl.arange(0, PACK), mask=live, other=0x7FFFFFFF,
+                     cache_modifier=".cg")
+        cnt, mass = _split_sums(pk, tl.where(live, _key_weight(pk) + (1 << 44), 0), ends)
+    else:
+        cnt, mass = _split_block(l_ptr, first, V, inv_t, m, pinf, lo, hi, ends, CHUNK, SUB)
+    return cnt, mass, kmin, kmax
 
 
 @triton.jit
 def _chunk_share(mode, l_ptr, row, c, V, C, S, s, inv_t, m, pinf, lo, hi, shift, fresh, kf,
                  sel, min_w, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count, Span,
-                 CHUNK: tl.constexpr, SUB: tl.constexpr, CAP: tl.constexpr):
+                 Pack, CHUNK: tl.constexpr, SUB: tl.constexpr, CAP: tl.constexpr,
+                 PACK: tl.constexpr):
     """Chunk c's share of the row's pass in `mode` (written to the chunk's slots)."""
     first = c * CHUNK
     offs = first + tl.arange(0, CHUNK)
@@ -512,7 +545,7 @@ def _chunk_share(mode, l_ptr, row, c, V, C, S, s, inv_t, m, pinf, lo, hi, shift,
         kmax = tl.full([], -1, tl.int32)
         if _idle_interval(CntPart, row, c, C, sel) == 0:
             cnt, mass, kmin, kmax = _split_chunk(l_ptr, first, V, inv_t, m, pinf, lo, hi, fresh,
-                                                 CHUNK, SUB)
+                                                 Pack, slot, CHUNK, SUB, PACK)
         tl.store(CntPart + slot * 16 + j, cnt)
         tl.store(MassPart + slot * 16 + j, mass)
         tl.store(BoundPart + slot * 2, kmin)
@@ -642,7 +675,7 @@ def _row_p_gather(key, live, top_p, base, zk):
 @triton.jit
 def _row_gather_draw(st, key, live, kf, zk, trace, Span, CBase, Pref, ZPart, Out, l_ptr, row,
                      C, V, inv_t, m, pinf, min_w, u62, CHUNK: tl.constexpr, CP: tl.constexpr,
-                     CAP: tl.constexpr):
+                     CAP: tl.constexpr, N: tl.constexpr):
     """The row's threshold kf was found among gathered keys: draw now, without a weights pass,
     where min-p is off. Chunk c's kept weight is CBase[c] (its keys below the gathered bracket,
     kept by the splits) plus its gathered keys at or below kf, one run of the buffer (its
@@ -650,7 +683,7 @@ def _row_gather_draw(st, key, live, kf, zk, trace, Span, CBase, Pref, ZPart, Out
     the row's next pass weighs every key (`_resolve`)."""
     if min_w == 0:
         w = tl.where(live & (key <= kf), _key_weight(key), 0)
-        idx = tl.arange(0, CAP)
+        idx = tl.arange(0, N)
         pref = Pref + row.to(tl.int64) * CAP
         tl.store(pref + idx, tl.cumsum(w, axis=0))
         tl.debug_barrier()                                 # the prefix sums, for every thread
@@ -729,12 +762,33 @@ def _row_state(st, mode, FIRST: tl.constexpr):
     return lo, hi, shift, fresh, base, zk, kf, sel, trace
 
 
+@triton.jit
+def _row_gathered(st, mode, Buf, n, row, k, top_p, base, zk, trace, Seed, Pos, purpose, Span,
+                  CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m, pinf, min_w,
+                  CHUNK: tl.constexpr, CP: tl.constexpr, CAP: tl.constexpr, DRAW: tl.constexpr,
+                  N: tl.constexpr):
+    """A gather pass's end: the row's n gathered keys searched in registers [N] (N >= n), the
+    threshold found, then the draw (DRAW) or the weights pass."""
+    key, live = _gathered(Buf, n, row, CAP, N)
+    if mode == K_GATHER_K:
+        kg, zg = _row_k_gather(key, live, k, top_p)
+    else:
+        kg = _row_p_gather(key, live, top_p, base, zk)
+        zg = zk
+    if DRAW:
+        bits = _random_bits_t(tl.load(Seed + row), tl.load(Pos + row), purpose, 0)
+        _row_gather_draw(st, key, live, kg, zg, trace, Span, CBase, Pref, ZPart, Out, l_ptr,
+                         row, C, V, inv_t, m, pinf, min_w, _lsr_t(bits, 2), CHUNK, CP, CAP, N)
+    else:
+        _resolve(st, kg, zg, trace)
+
+
 @triton.jit(noinline=True)
 def _select_row(row, c, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI, PartNan,
                 PartM, State, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count, Span,
-                CBase, Pref, Arrive, Out, V, C, S, purpose, s, FIRST: tl.constexpr,
+                CBase, Pref, Pack, Arrive, Out, V, C, S, purpose, s, FIRST: tl.constexpr,
                 CHUNK: tl.constexpr, SUB: tl.constexpr, CP: tl.constexpr, CAP: tl.constexpr,
-                DRAW: tl.constexpr):
+                SMALL: tl.constexpr, PACK: tl.constexpr, DRAW: tl.constexpr):
     """Chunk c's part of the row's pass in the row's mode; the row's last program to finish
     moves the row to its next mode (module doc)."""
     row = tl.cast(row, tl.int32)                      # the interpreter's loops give ints
@@ -758,7 +812,7 @@ def _select_row(row, c, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, P
         min_w = tl.load(MinP + row).to(tl.float64) * 1099511627776.0        # min_p * 2**40
         _chunk_share(mode, l_ptr, row, c, V, C, S, s, inv_t, m, pinf, lo, hi, shift, fresh, kf,
                      sel, min_w, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count, Span,
-                     CHUNK, SUB, CAP)
+                     Pack, CHUNK, SUB, CAP, PACK)
         if _arrive(Arrive, row, s, S, C):
             trace += PASS_ONE
             if mode == WEIGHTS_K:
@@ -770,19 +824,19 @@ def _select_row(row, c, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, P
             elif mode == K_HIST_K:
                 _row_k_hist(st, HistPart, row, C, k, top_p, lo, hi, shift, base, trace, CP, CAP)
             elif (mode == K_GATHER_K) | (mode == P_GATHER_K):
-                key, live = _gathered(Buf, Count, row, s, S, CAP)
-                if mode == K_GATHER_K:
-                    kg, zg = _row_k_gather(key, live, k, top_p)
+                n_g = tl.atomic_add(Count + row * S + s, 0, sem="acquire", scope="gpu")
+                if SMALL == CAP:
+                    _row_gathered(st, mode, Buf, n_g, row, k, top_p, base, zk, trace, Seed, Pos,
+                                  purpose, Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m,
+                                  pinf, min_w, CHUNK, CP, CAP, DRAW, CAP)
+                elif n_g <= SMALL:        # a few keys (a sharp row's nucleus): [SMALL] searches
+                    _row_gathered(st, mode, Buf, n_g, row, k, top_p, base, zk, trace, Seed, Pos,
+                                  purpose, Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m,
+                                  pinf, min_w, CHUNK, CP, CAP, DRAW, SMALL)
                 else:
-                    kg = _row_p_gather(key, live, top_p, base, zk)
-                    zg = zk
-                if DRAW:
-                    bits = _random_bits_t(tl.load(Seed + row), tl.load(Pos + row), purpose, 0)
-                    _row_gather_draw(st, key, live, kg, zg, trace, Span, CBase, Pref, ZPart,
-                                     Out, l_ptr, row, C, V, inv_t, m, pinf, min_w,
-                                     _lsr_t(bits, 2), CHUNK, CP, CAP)
-                else:
-                    _resolve(st, kg, zg, trace)
+                    _row_gathered(st, mode, Buf, n_g, row, k, top_p, base, zk, trace, Seed, Pos,
+                                  purpose, Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m,
+                                  pinf, min_w, CHUNK, CP, CAP, DRAW, CAP)
             elif mode == P_SPLIT_K:
                 _row_p_split(st, CntPart, MassPart, BoundPart, CBase, row, C, top_p, lo, hi,
                              fresh, base, zk, trace, CP, CAP)
@@ -793,9 +847,11 @@ def _select_row(row, c, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, P
 @triton.jit(do_not_specialize=["n", "s"])
 def _select_kernel(L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI, PartNan,
                    PartM, State, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count,
-                   Span, CBase, Pref, Arrive, Out, n, V, C, S, purpose, s, FIRST: tl.constexpr,
+                   Span, CBase, Pref, Pack, Arrive, Out, n, V, C, S, purpose, s,
+                   FIRST: tl.constexpr,
                    CHUNK: tl.constexpr, SUB: tl.constexpr, CP: tl.constexpr,
-                   CAP: tl.constexpr, DRAW: tl.constexpr, PDL: tl.constexpr):
+                   CAP: tl.constexpr, SMALL: tl.constexpr, PACK: tl.constexpr,
+                   DRAW: tl.constexpr, PDL: tl.constexpr):
     """Grid (G, C), pass s of S: program (g, c) does chunk c of rows g, g + G, ...; it returns
     at once when all of them are done (one load for up to 16 rows). PDL: the pass launches
     while the one before runs and waits for it before its first read (everything it reads but
@@ -814,13 +870,15 @@ def _select_kernel(L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI,
         for row in tl.range(g, n, G, num_stages=1):
             _select_row(row, c, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI,
                         PartNan, PartM, State, HistPart, CntPart, MassPart, BoundPart, ZPart,
-                        Buf, Count, Span, CBase, Pref, Arrive, Out, V, C, S, purpose, s, FIRST,
-                        CHUNK, SUB, CP, CAP, DRAW)
+                        Buf, Count, Span, CBase, Pref, Pack, Arrive, Out, V, C, S, purpose, s,
+                        FIRST, CHUNK, SUB, CP, CAP, SMALL, PACK, DRAW)
 
 
 PASSES = 12         # top-k <= 4 passes, top-p <= 7, the draw 1 (module doc)
 CHUNK = 2048
 CAP = 4096          # keys a row may gather
+SMALL = 256         # a gather of at most SMALL keys is searched in [SMALL] registers, not [CAP]
+PACK = 256          # a chunk with at most PACK keys to split packs them before its 16 sums
 SUB = 256           # keys a P_SPLIT step holds at once ([SUB, 16] sums)
 CHUNK_WARPS = 4
 SELECT_REGS = 128   # ptxas fits the select pass without spilling
@@ -878,7 +936,8 @@ def select_policy(n: int) -> SelectPolicy:
 def sample_stages(logits, temperature, top_k, top_p, min_p, seed, position, purpose: int,
                   chunk: int = CHUNK, cap: int = CAP, groups: int | None = None,
                   warps: int | None = None, gather_draw: bool | None = None,
-                  pdl: bool | None = None, regs: int | None = None) -> Stages:
+                  pdl: bool | None = None, regs: int | None = None,
+                  small: int | None = None, pack: int | None = None) -> Stages:
     """`sample_triton`'s launches and the rows' final state. chunk and cap: powers of two;
     groups, warps, gather_draw, pdl: `SelectPolicy`'s fields (`select_policy(n)`'s where None;
     the tokens are the same whatever they are); regs: the select kernel's register cap
@@ -886,7 +945,10 @@ def sample_stages(logits, temperature, top_k, top_p, min_p, seed, position, purp
     (568 bytes of stack a thread for Triton 3.9's sm_90 code, none at 8 warps), which a launch
     sweep weighs against the occupancy a higher cap costs. pdl: the 1 + PASSES launches with
     programmatic dependent launch where `pdl.supported` (each waits for the one before before
-    any read), so a pass's launch overlaps the end of the one before."""
+    any read), so a pass's launch overlaps the end of the one before. small: a gather of at
+    most this many keys (a power of two; SMALL where None, at most cap) ends in registers of
+    that size instead of cap's: the searches over the gathered keys cost in proportion to the
+    registers they span, and a sharp row gathers a few keys."""
     x = logits if logits.stride(1) == 1 else logits.contiguous()
     n, V = x.shape
     lanes = [t.contiguous() for t in (temperature, top_k, top_p, min_p, seed, position)]
@@ -904,6 +966,8 @@ def sample_stages(logits, temperature, top_k, top_p, min_p, seed, position, purp
             buf(n, C, dtype=torch.int64), buf(n, cap, dtype=torch.int32))
     span, cbase, pref = (buf(n, C, 2, dtype=torch.int32), buf(n, C, dtype=torch.int64),
                          buf(n, cap, dtype=torch.int64))
+    pack_size = PACK if pack is None else pack
+    packs = buf(n, C, max(pack_size, 1), dtype=torch.int32)
     count, arrive = buf(n, PASSES, dtype=torch.int32), buf(n, PASSES, dtype=torch.int32)
     out = buf(n, dtype=torch.int64)
     policy = select_policy(n)
@@ -917,9 +981,10 @@ def sample_stages(logits, temperature, top_k, top_p, min_p, seed, position, purp
     G = groups or policy.groups
     for s in range(PASSES if n else 0):
         _select_kernel[(G, C)](x, x.stride(0), *lanes, *parts, state, *work, count, span, cbase,
-                               pref, arrive, out,
+                               pref, packs, arrive, out,
                                n, V, C, PASSES, purpose, s, FIRST=s == 0, CHUNK=chunk,
                                SUB=max(min(chunk, SUB), chunk // 8), CP=CP, CAP=cap,
+                               SMALL=min(cap, small or SMALL), PACK=min(pack_size, chunk),
                                DRAW=policy.gather_draw if gather_draw is None else gather_draw,
                                num_warps=warps or policy.warps, maxnreg=regs or SELECT_REGS,
                                enable_fp_fusion=False, **launch)
