@@ -21,7 +21,8 @@ choices (`SelectPolicy`: row groups G, warps a program, the draw in the gather o
 programmatic dependent launch on or off; the chunk of logits a program reads, halved and
 doubled; the select kernel's register cap raised to 192 and 255; the keys a row may gather
 halved, with and without half the chunk; the small-gather registers off and doubled; the
-split's packing off, halved and doubled; `--fields small,pack` moves only those),
+split's packing off, halved and doubled; 32, 16 and 8 programs sharing a row's chunks;
+`--fields small,pack` moves only those),
 each checked against the torch reference, and writes sampling_sweep.md / .json: the data
 `select_policy` is chosen from.
 
@@ -116,7 +117,8 @@ class Launch(NamedTuple):
     """One launch of the sampler's kernels: `SelectPolicy`'s fields and `sample_stages`' knobs
     (chunk: the logits a program reads; regs: the select kernel's register cap; cap: the keys a
     row may gather; small: a gather of at most this many keys ends in registers that wide;
-    pack: a split packs a chunk's keys first where at most this many count)."""
+    pack: a split packs a chunk's keys first where at most this many count; chunk_groups: the
+    programs that share a row's chunks, 0 for one a chunk)."""
     groups: int
     warps: int
     gather_draw: bool
@@ -126,10 +128,11 @@ class Launch(NamedTuple):
     cap: int = kernels.CAP
     small: int = kernels.SMALL
     pack: int = kernels.PACK
+    chunk_groups: int = 0
 
     def key(self) -> str:
         out = f"G={self.groups} warps={self.warps} draw={int(self.gather_draw)} pdl={int(self.pdl)}"
-        for f in ("chunk", "regs", "cap", "small", "pack"):
+        for f in ("chunk", "regs", "cap", "small", "pack", "chunk_groups"):
             if getattr(self, f) != self._field_defaults[f]:
                 out += f" {f}={getattr(self, f)}"
         return out
@@ -138,10 +141,12 @@ class Launch(NamedTuple):
         return kernels.sample_stages(x, *args, PURPOSE_DECODE, chunk=self.chunk, cap=self.cap,
                                      groups=self.groups, warps=self.warps,
                                      gather_draw=self.gather_draw, pdl=self.pdl, regs=self.regs,
-                                     small=self.small, pack=self.pack).tokens
+                                     small=self.small, pack=self.pack,
+                                     chunk_groups=self.chunk_groups).tokens
 
 
-SWEEP_FIELDS = ("groups", "draw", "pdl", "chunk", "regs", "cap", "small", "pack")
+SWEEP_FIELDS = ("groups", "draw", "pdl", "chunk", "regs", "cap", "small", "pack",
+                "chunk_groups")
 
 
 def sweep_configs(bs: int, fields=SWEEP_FIELDS) -> list[Launch]:
@@ -170,6 +175,8 @@ def sweep_configs(bs: int, fields=SWEEP_FIELDS) -> list[Launch]:
     if "pack" in fields:
         out += [base._replace(pack=0), base._replace(pack=base.pack // 2),
                 base._replace(pack=2 * base.pack)]
+    if "chunk_groups" in fields:        # X programs share a row's C chunks (0: X = C)
+        out += [base._replace(chunk_groups=x) for x in (32, 16, 8) if x != pol.chunk_groups]
     return out
 
 

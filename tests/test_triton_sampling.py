@@ -83,21 +83,22 @@ def kept_weights(logits, temperature, kf):
     return torch.where(key <= kf[:, None], S.fixed_exp(d), 0)
 
 
-@pytest.mark.parametrize("V,chunk,cap,groups,small,pack", [(37, 16, 4, None, None, None),
-                                                             (100, 32, 8, 1, 2, 8),
-                                                             (257, 64, 16, None, 4, 0)])
-def test_kernel_matches_the_reference_bit_for_bit(V, chunk, cap, groups, small, pack):
+@pytest.mark.parametrize("V,chunk,cap,groups,small,pack,xs", [(37, 16, 4, None, None, None, 0),
+                                                                (100, 32, 8, 1, 2, 8, 3),
+                                                                (257, 64, 16, None, 4, 0, 1)])
+def test_kernel_matches_the_reference_bit_for_bit(V, chunk, cap, groups, small, pack, xs):
     """cap: the keys a row may gather; small ones send rows through radix steps and splits.
     groups 1: one program a chunk does every row. small: gathers of at most this many keys
     end in registers that wide. pack: a split packs a chunk's keys first where at most this
-    many count (None: the default, which is the whole chunk here; 0: never)."""
+    many count (None: the default, which is the whole chunk here; 0: never). xs: the programs
+    sharing a row's chunks (0: one a chunk; 1: one program does every chunk)."""
     g = torch.Generator().manual_seed(V + chunk)
     n = 20 if groups else 16
     logits = awkward_logits(n, V, g)
     args = random_lanes(n, V, g)
     purpose = PURPOSE_DRAFT if V % 2 else PURPOSE_DECODE
     stages = check_stages(logits, args, purpose, chunk=chunk, cap=cap, groups=groups,
-                          small=small, pack=pack)
+                          small=small, pack=pack, chunk_groups=xs)
     assert {"greedy", "weights", "k_hist", "p_split"} <= modes_of(stages)
     assert modes_of(stages) & {"k_gather", "p_gather"}
 
@@ -155,7 +156,8 @@ def test_every_threshold_keeps_exactly_the_references_weights():
     temp = (torch.rand(n, generator=g) + 0.2).tolist()
     args = lanes_of(n, temp, [0, 2, 5, 9, 17, 40, 0, 80] * 2,
                     [0.2, 0.5, 0.9, 0.99, 1.0, 0.7, 0.8, 1.0] * 2)
-    stages = check_stages(logits, args, chunk=32, cap=8, groups=3)   # rows g, g + 3, ...
+    stages = check_stages(logits, args, chunk=32, cap=8, groups=3,    # rows g, g + 3, ...
+                          chunk_groups=2)                            # chunks x, x + 2, ...
     want, _ = S.sampling_weights(logits, *args[:4])
     filtered = ((args[1] > 0) & (args[1] < V)) | (args[2] < 1)
     assert filtered.sum() >= 12

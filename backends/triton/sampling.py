@@ -20,8 +20,8 @@ bracket of keys with counts and integer weights summed over chunks, so they are 
 
 1. `_chunk_max_kernel`, grid (n, C chunks of CHUNK logits): each chunk's share of torch's argmax
    (greedy rows) and of max(x), x = l * (1 / temperature); it also clears the row's counters.
-2. `_select_kernel`, PASSES launches, grid (G row groups, C): program (g, c) does chunk c of
-   rows g, g + G, ... In each pass a row is in one mode; every program of the row does its
+2. `_select_kernel`, PASSES launches, grid (G row groups, X chunk groups): program (g, x) does
+   chunks x, x + X, ... of rows g, g + G, ... (X = C: a chunk a program). In each pass a row is in one mode; every program of the row does its
    chunk's share, and the last one to finish (a per-row counter, acq_rel) reads the chunks'
    shares and sets the row's next mode:
    - greedy (first launch only): torch's argmax from the chunk shares.
@@ -48,7 +48,8 @@ bracket of keys with counts and integer weights summed over chunks, so they are 
    A chunk with no key in the new bracket skips the next pass. Top-k takes at most 4 passes
    (31 bits), top-p at most 7 (the table's intervals span at most 2**28 keys, five equal splits
    leave 256), the draw 1: PASSES = 12. A pass whose rows are all done costs its programs one
-   load each. G, the warps of a program and whether a gather draws are `select_policy(n)`'s.
+   load each. G, X, the warps of a program and whether a gather draws are
+   `select_policy(n)`'s.
 
 There is no host work and no sync: graph-safe. The result does not depend on the order in
 which chunks finish (integer sums, the gathered keys searched as a set). The kernels are
@@ -852,13 +853,14 @@ def _select_kernel(L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI,
                    CHUNK: tl.constexpr, SUB: tl.constexpr, CP: tl.constexpr,
                    CAP: tl.constexpr, SMALL: tl.constexpr, PACK: tl.constexpr,
                    DRAW: tl.constexpr, PDL: tl.constexpr):
-    """Grid (G, C), pass s of S: program (g, c) does chunk c of rows g, g + G, ...; it returns
-    at once when all of them are done (one load for up to 16 rows). PDL: the pass launches
-    while the one before runs and waits for it before its first read (everything it reads but
-    the logits and the sampling lanes is the passes' own state)."""
+    """Grid (G, X), pass s of S: program (g, x) does chunks x, x + X, ... of rows g, g + G, ...;
+    it returns at once when all of them are done (one load for up to 16 rows). PDL: the pass
+    launches while the one before runs and waits for it before its first read (everything it
+    reads but the logits and the sampling lanes is the passes' own state)."""
     g = tl.program_id(0)
     G = tl.num_programs(0)
-    c = tl.program_id(1)
+    x = tl.program_id(1)
+    X = tl.num_programs(1)
     wait_for_previous(PDL)
     busy = FIRST
     if not FIRST:
@@ -868,10 +870,11 @@ def _select_kernel(L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI,
             busy = busy | (tl.max(modes, axis=0) > 0)
     if busy:
         for row in tl.range(g, n, G, num_stages=1):
-            _select_row(row, c, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI,
-                        PartNan, PartM, State, HistPart, CntPart, MassPart, BoundPart, ZPart,
-                        Buf, Count, Span, CBase, Pref, Pack, Arrive, Out, V, C, S, purpose, s,
-                        FIRST, CHUNK, SUB, CP, CAP, SMALL, PACK, DRAW)
+            for c in tl.range(x, C, X, num_stages=1):
+                _select_row(row, c, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI,
+                            PartNan, PartM, State, HistPart, CntPart, MassPart, BoundPart,
+                            ZPart, Buf, Count, Span, CBase, Pref, Pack, Arrive, Out, V, C, S,
+                            purpose, s, FIRST, CHUNK, SUB, CP, CAP, SMALL, PACK, DRAW)
 
 
 PASSES = 12         # top-k <= 4 passes, top-p <= 7, the draw 1 (module doc)
@@ -910,6 +913,8 @@ class SelectPolicy(NamedTuple):
     warps: int            # num_warps of a select program
     gather_draw: bool     # a threshold found in a gather draws in that pass (min-p off)
     pdl: bool = True      # the launches with programmatic dependent launch (where supported)
+    chunk_groups: int = 0  # X: the grid is (G, X); program (g, x) does chunks x, x + X, ..
+                           # of its rows (0: X = C, a chunk a program)
 
 
 def select_policy(n: int) -> SelectPolicy:
@@ -937,9 +942,10 @@ def sample_stages(logits, temperature, top_k, top_p, min_p, seed, position, purp
                   chunk: int = CHUNK, cap: int = CAP, groups: int | None = None,
                   warps: int | None = None, gather_draw: bool | None = None,
                   pdl: bool | None = None, regs: int | None = None,
-                  small: int | None = None, pack: int | None = None) -> Stages:
+                  small: int | None = None, pack: int | None = None,
+                  chunk_groups: int | None = None) -> Stages:
     """`sample_triton`'s launches and the rows' final state. chunk and cap: powers of two;
-    groups, warps, gather_draw, pdl: `SelectPolicy`'s fields (`select_policy(n)`'s where None;
+    groups, warps, gather_draw, pdl, chunk_groups: `SelectPolicy`'s fields (`select_policy(n)`'s where None;
     the tokens are the same whatever they are); regs: the select kernel's register cap
     (maxnreg, at most 255; SELECT_REGS where None). At 4 warps SELECT_REGS makes ptxas spill
     (568 bytes of stack a thread for Triton 3.9's sm_90 code, none at 8 warps), which a launch
@@ -979,8 +985,9 @@ def sample_stages(logits, temperature, top_k, top_p, min_p, seed, position, purp
                                   CHUNK=chunk, SP=triton.next_power_of_2(PASSES),
                                   num_warps=CHUNK_WARPS, enable_fp_fusion=False, **launch)
     G = groups or policy.groups
+    X = min(C, (policy.chunk_groups if chunk_groups is None else chunk_groups) or C)
     for s in range(PASSES if n else 0):
-        _select_kernel[(G, C)](x, x.stride(0), *lanes, *parts, state, *work, count, span, cbase,
+        _select_kernel[(G, X)](x, x.stride(0), *lanes, *parts, state, *work, count, span, cbase,
                                pref, packs, arrive, out,
                                n, V, C, PASSES, purpose, s, FIRST=s == 0, CHUNK=chunk,
                                SUB=max(min(chunk, SUB), chunk // 8), CP=CP, CAP=cap,
