@@ -21,7 +21,8 @@ choices (`SelectPolicy`: row groups G, warps a program, the draw in the gather o
 programmatic dependent launch on or off; the chunk of logits a program reads, halved and
 doubled; the select kernel's register cap raised to 192 and 255; the keys a row may gather
 halved, with and without half the chunk; the small-gather registers off and doubled; the
-split's packing off, halved and doubled; 32, 16 and 8 programs sharing a row's chunks;
+split's packing off, halved and doubled; a program a chunk, or 32, 16 and 8 programs
+sharing a row's chunks (X);
 `--fields small,pack` moves only those),
 each checked against the torch reference, and writes sampling_sweep.md / .json: the data
 `select_policy` is chosen from.
@@ -131,8 +132,9 @@ class Launch(NamedTuple):
     chunk_groups: int = 0
 
     def key(self) -> str:
-        out = f"G={self.groups} warps={self.warps} draw={int(self.gather_draw)} pdl={int(self.pdl)}"
-        for f in ("chunk", "regs", "cap", "small", "pack", "chunk_groups"):
+        out = (f"G={self.groups} X={self.chunk_groups or 'C'} warps={self.warps} "
+               f"draw={int(self.gather_draw)} pdl={int(self.pdl)}")
+        for f in ("chunk", "regs", "cap", "small", "pack"):
             if getattr(self, f) != self._field_defaults[f]:
                 out += f" {f}={getattr(self, f)}"
         return out
@@ -154,7 +156,8 @@ def sweep_configs(bs: int, fields=SWEEP_FIELDS) -> list[Launch]:
     the default cap makes ptxas spill; half the cap with half the chunk does not (Triton 3.9,
     sm_90: 124 registers, no stack). small = cap and pack = 0 turn those paths off."""
     pol = kernels.select_policy(bs)
-    base = Launch(pol.groups, pol.warps, pol.gather_draw, pol.pdl)
+    base = Launch(pol.groups, pol.warps, pol.gather_draw, pol.pdl,
+                  chunk_groups=pol.chunk_groups)
     out = [base]
     if "groups" in fields:
         groups = sorted({pol.groups, bs, max(1, bs // 2), max(1, bs // 4)})
@@ -176,7 +179,7 @@ def sweep_configs(bs: int, fields=SWEEP_FIELDS) -> list[Launch]:
         out += [base._replace(pack=0), base._replace(pack=base.pack // 2),
                 base._replace(pack=2 * base.pack)]
     if "chunk_groups" in fields:        # X programs share a row's C chunks (0: X = C)
-        out += [base._replace(chunk_groups=x) for x in (32, 16, 8) if x != pol.chunk_groups]
+        out += [base._replace(chunk_groups=x) for x in (0, 32, 16, 8) if x != pol.chunk_groups]
     return out
 
 

@@ -881,7 +881,8 @@ PASSES = 12         # top-k <= 4 passes, top-p <= 7, the draw 1 (module doc)
 CHUNK = 2048
 CAP = 4096          # keys a row may gather
 SMALL = 256         # a gather of at most SMALL keys is searched in [SMALL] registers, not [CAP]
-PACK = 256          # a chunk with at most PACK keys to split packs them before its 16 sums
+PACK = 128          # a chunk with at most PACK keys to split packs them before its 16 sums
+PROGRAMS = 512      # a select pass launches about this many programs where the rows need more
 SUB = 256           # keys a P_SPLIT step holds at once ([SUB, 16] sums)
 CHUNK_WARPS = 4
 SELECT_REGS = 128   # ptxas fits the select pass without spilling
@@ -913,8 +914,8 @@ class SelectPolicy(NamedTuple):
     warps: int            # num_warps of a select program
     gather_draw: bool     # a threshold found in a gather draws in that pass (min-p off)
     pdl: bool = True      # the launches with programmatic dependent launch (where supported)
-    chunk_groups: int = 0  # X: the grid is (G, X); program (g, x) does chunks x, x + X, ..
-                           # of its rows (0: X = C, a chunk a program)
+    chunk_groups: int = 0  # X: the grid is (G, min(X, C)); program (g, x) does chunks x,
+                           # x + X, .. of its rows (0: X = C, a chunk a program)
 
 
 def select_policy(n: int) -> SelectPolicy:
@@ -932,10 +933,19 @@ def select_policy(n: int) -> SelectPolicy:
     serial work (76 against 69), so it is taken from 16 rows on.
     PDL on (an H100, the same sweep): 31.5 -> 23.7 µs greedy and 73.5 -> 66.0 sharp top-p at
     1 row, 43.1 -> 39.3 and 111.4 -> 107.3 at 16, within 1 µs either way at 64 (65.8 -> 66.8,
-    224.8 -> 226.5): each pass's launch overlaps the tail of the one before."""
+    224.8 -> 226.5): each pass's launch overlaps the tail of the one before.
+    Chunk groups (an H100, `--sweep --fields chunk_groups`, 2026-12-06): at most PROGRAMS
+    programs a pass (about four of 4 warps an SM on 132 SMs), each doing C / X chunks of its
+    rows: a pass over rows that are all done then launches 512 programs instead of G * C (the
+    12 passes cost that whatever the rows need). At 64 rows (G 32) X 16 / 32 / 63 gave
+    greedy 41.1 / 48.5 / 63.9 µs, sharp top-p 156.7 / 162.5 / 176.2, flat 391.7 / 394.4 /
+    404.0, and X 8 is slower (238 sharp, too few programs); at 16 rows (G 16) X 32 / 16 / 63
+    gave 27.3 / 26.4 / 35.4 greedy, 75.6 / 94.0 / 82.7 sharp, 157.2 / 221.2 / 164.3 flat; one
+    row keeps a program a chunk (63 programs)."""
     many = n >= 16
-    return SelectPolicy(groups=max(1, n if n <= 16 else n // 2), warps=4 if many else 8,
-                        gather_draw=many)
+    groups = max(1, n if n <= 16 else n // 2)
+    return SelectPolicy(groups=groups, warps=4 if many else 8, gather_draw=many,
+                        chunk_groups=max(1, PROGRAMS // groups))
 
 
 def sample_stages(logits, temperature, top_k, top_p, min_p, seed, position, purpose: int,
