@@ -48,7 +48,7 @@ if "--smoke" in sys.argv:  # before triton is imported: kernels run interpreted 
 
 import torch  # noqa: E402
 
-from bench.common import env_info, out_dir  # noqa: E402
+from bench.common import env_info, out_dir, pyplot  # noqa: E402
 from bench.gpu_timing import bench_us, graph_of, profile_replays  # noqa: E402
 from padgraph.backends.triton import sampling as kernels  # noqa: E402
 from padgraph.llm.sampling import PURPOSE_DECODE, sample  # noqa: E402
@@ -273,6 +273,34 @@ def run_passes(V: int, sizes, device) -> None:
     print("\n".join(md))
 
 
+def plot(data: dict, path) -> bool:
+    """µs a call by case, a group of bars per batch size, torch's argmax as a dashed line over
+    each group; False without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    rows, names = data["rows"], list(CASES)
+    fig, ax = plt.subplots(figsize=(11, 4.2))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        ax.bar([j + i * width for j in range(len(rows))], [r["us"][name] for r in rows], width,
+               label=name, color=f"C{i}")
+    for j, r in enumerate(rows):
+        ax.hlines(r["us"]["argmax"], j - width / 2, j + 0.8 - width / 2, colors="black",
+                  linestyles="--", label="torch argmax" if j == 0 else None)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))],
+                  [f"bs {r['bs']}" for r in rows])
+    ax.set(ylabel="µs a call (CUDA-graph replay)", yscale="log")
+    ax.legend(fontsize=7, ncol=3)
+    env = data["env"]
+    ax.set_title(f"Sampler on [bs, 128256] bf16 logits, {env.get('gpu', '')}, commit "
+                 f"{env.get('commit', '')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny sizes (script check)")
@@ -315,7 +343,9 @@ def main():
                                            for g, us in r["by_groups"].items()) for r in rows] + [""]
     out = out_dir()
     (out / "sampling.md").write_text("\n".join(md))
-    (out / "sampling.json").write_text(json.dumps({"env": env_info(), "rows": rows}, indent=1))
+    data = {"env": env_info(), "rows": rows}
+    (out / "sampling.json").write_text(json.dumps(data, indent=1))
+    plot(data, out / "sampling.png")
     print("\n".join(md))
 
 
