@@ -224,6 +224,21 @@ def test_a_threshold_found_in_a_gather_draws_without_the_weights_pass(draw, smal
     assert torch.equal(kept_weights(logits, args[0], stages.kf)[no_min_p], want[no_min_p])
 
 
+def test_the_default_launch_matches_the_reference():
+    """The launch serving uses (chunk 2048, cap 4096, SMALL, PACK, select_policy's G and X)
+    over three chunks a row: sharp rows (splits that pack their keys, gathers searched in
+    [SMALL]), flat ones (splits over every key, gathers in [CAP]), top-k, min-p, greedy."""
+    g = torch.Generator().manual_seed(21)
+    n, V = 18, 4100
+    scale = torch.tensor([12.0, 1.0, 4.0])[torch.arange(n) % 3][:, None]
+    logits = torch.randn(n, V, generator=g) * scale
+    args = lanes_of(n, [0.7, 1.0, 0.0] * 6, [0, 0, 0, 50, 2000, 0] * 3,
+                    [0.9, 0.95, 0.5, 0.9, 0.8, 1.0] * 3, [0.0] * 15 + [0.02] * 3)
+    args[4] = torch.randint(0, 2 ** 62, (n,), generator=g)
+    stages = check_stages(logits, args)
+    assert {"greedy", "p_split", "p_gather", "k_hist"} <= modes_of(stages)
+
+
 def test_a_dense_bracket_is_counted_key_by_key():
     """Hundreds of tokens on consecutive floats (a bracket too full to gather but at most 256
     keys wide): its weights come from one count per key."""
