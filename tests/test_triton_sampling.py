@@ -16,7 +16,6 @@ import torch
 from sampling_stats import exact_half_row, one_thread  # noqa: F401 (fixture)
 
 from padgraph.backends.triton import sampling as K
-from padgraph.backends.triton import sampling_ints as KI
 from padgraph.llm import sampling as S
 from padgraph.llm.sampling import PURPOSE_DECODE, PURPOSE_DRAFT
 
@@ -286,10 +285,10 @@ def test_the_kernels_integer_helpers_are_the_references():
     def probe(D, W, U, Z, H, SEED, POS, n, BLOCK: tl.constexpr):
         i = tl.arange(0, BLOCK)
         ok = i < n
-        tl.store(W + i, KI._fixed_exp_t(tl.load(D + i, mask=ok, other=0.0)), mask=ok)
-        tl.store(H + i, KI._random_bits_t(tl.load(SEED + i, mask=ok), tl.load(POS + i, mask=ok),
+        tl.store(W + i, K._fixed_exp_t(tl.load(D + i, mask=ok, other=0.0)), mask=ok)
+        tl.store(H + i, K._random_bits_t(tl.load(SEED + i, mask=ok), tl.load(POS + i, mask=ok),
                                          2, 5), mask=ok)
-        tl.store(U + i, KI._mulhi62_t(tl.load(U + i, mask=ok), tl.load(Z + i, mask=ok)), mask=ok)
+        tl.store(U + i, K._mulhi62_t(tl.load(U + i, mask=ok), tl.load(Z + i, mask=ok)), mask=ok)
 
     g = torch.Generator().manual_seed(5)
     n = 500
@@ -434,8 +433,6 @@ COMPILE_SCRIPT = textwrap.dedent('''
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from padgraph.backends.triton import sampling as K
-    from padgraph.backends.triton.sampling_chunks import _chunk_max_kernel
-    from padgraph.backends.triton.sampling_rows import _select_kernel
 
     def build(kernel, types, constexprs, num_warps, **options):
         params = inspect.signature(kernel.fn).parameters
@@ -457,10 +454,10 @@ COMPILE_SCRIPT = textwrap.dedent('''
              "CntPart": "*i32", "MassPart": "*i64", "BoundPart": "*i32", "ZPart": "*i64",
              "Buf": "*i32", "Count": "*i32", "Arrive": "*i32", "Span": "*i32", "CBase": "*i64",
              "Pref": "*i64", "Pack": "*i32"}
-    build(_chunk_max_kernel, lanes, dict(CHUNK=K.CHUNK, SP=16, PDL=False), K.CHUNK_WARPS)
+    build(K._chunk_max_kernel, lanes, dict(CHUNK=K.CHUNK, SP=16, PDL=False), K.CHUNK_WARPS)
     for first, draw, warps, pdl in ((True, False, 8, False), (False, False, 8, False),
                                     (False, True, 4, False), (False, True, 4, True)):
-        k = build(_select_kernel, lanes, dict(FIRST=first, CHUNK=K.CHUNK, SUB=K.SUB, CP=64,
+        k = build(K._select_kernel, lanes, dict(FIRST=first, CHUNK=K.CHUNK, SUB=K.SUB, CP=64,
                                                 CAP=K.CAP, SMALL=K.SMALL, PACK=K.PACK, DRAW=draw,
                                                 PDL=pdl),
                   warps,

@@ -21,9 +21,9 @@ bracket of keys with counts and integer weights summed over chunks, so they are 
 1. `_chunk_max_kernel`, grid (n, C chunks of CHUNK logits): each chunk's share of torch's argmax
    (greedy rows) and of max(x), x = l * (1 / temperature); it also clears the row's counters.
 2. `_select_kernel`, PASSES launches, grid (G row groups, X chunk groups): program (g, x) does
-   chunks x, x + X, ... of rows g, g + G, ... (X = C: a chunk a program). In each pass a row
-   is in one mode; every program of the row does its chunk's share, and the last one to finish
-   (a per-row counter, acq_rel) reads the chunks' shares and sets the row's next mode:
+   chunks x, x + X, ... of rows g, g + G, ... (X = C: a chunk a program). In each pass a row is in one mode; every program of the row does its
+   chunk's share, and the last one to finish (a per-row counter, acq_rel) reads the chunks'
+   shares and sets the row's next mode:
    - greedy (first launch only): torch's argmax from the chunk shares.
    - K_HIST, top-k's key by radix select: a 256-bin count histogram per chunk of one 8-bit
      digit of the keys in the bracket, the bin where the count reaches k becomes the bracket.
@@ -51,11 +51,6 @@ bracket of keys with counts and integer weights summed over chunks, so they are 
    load each. G, X, the warps of a program and whether a gather draws are
    `select_policy(n)`'s.
 
-The kernels are in two modules: `sampling_chunks` holds the chunk-max kernel and what a
-program does for one chunk of a row, and `sampling_rows` holds what a row's last program does
-with its chunks' shares, plus the select kernel. The integer pieces that the torch reference
-shares are in `sampling_ints`.
-
 There is no host work and no sync: graph-safe. The result does not depend on the order in
 which chunks finish (integer sums, the gathered keys searched as a set). The kernels are
 launched with fp contraction off, so a*b+c is never an FMA and the fp32 steps round as torch's
@@ -71,14 +66,816 @@ import triton.language as tl
 
 from . import pdl as _pdl
 from .kv import resolve_impl
-from .sampling_chunks import MODES, NSTATE_K, PASS_ONE, _chunk_max_kernel
-from .sampling_ints import (FIXED_ONE, PURPOSE_ACCEPT, PURPOSE_DECODE, PURPOSE_DRAFT,
-                            PURPOSE_RESIDUAL, V_MAX, _weights, fixed_exp, mulhi62, random_bits)
-from .sampling_rows import _select_kernel
+from .pdl import wait_for_previous
 
 __all__ = ["PURPOSE_DECODE", "PURPOSE_ACCEPT", "PURPOSE_RESIDUAL", "PURPOSE_DRAFT",
-           "FIXED_ONE", "V_MAX", "PASSES", "MODES", "random_bits", "fixed_exp", "mulhi62",
+           "FIXED_ONE", "V_MAX", "PASSES", "random_bits", "fixed_exp", "mulhi62",
            "sample_triton", "sample_stages", "Stages", "node_mass", "NodeMass", "resolve_impl"]
+
+# The stream's purposes: a token drawn for the same (seed, position) for another reason reads
+# other bits.
+PURPOSE_DECODE = 0      # a sampled next token (decode, prefill's first token, a bonus)
+PURPOSE_ACCEPT = 1      # a speculative acceptance test
+PURPOSE_RESIDUAL = 2    # a draw from the residual after a rejection (or the bonus)
+PURPOSE_DRAFT = 3       # a draft model's own sampled proposal
+
+FIXED_BITS = 40
+FIXED_ONE = 1 << FIXED_BITS     # exp(0) in fixed point: the top token's weight
+V_MAX = 1 << 18                 # V * 2**40 <= 2**58: sums and mulhi62 stay inside int64
+D_MIN = -28.0                   # exp(-28) * 2**40 < 1: every d below weighs 0
+
+KEY_CUT = 0x41E00000            # fp32 bits of 28.0: the key of d = -28
+KEY_INF = 0x7F800000            # the key of d = -inf (larger than every other key)
+
+
+def _i64(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+GAMMA = _i64(0x9E3779B97F4A7C15)     # golden-ratio increment (SplittableRandom's)
+MIX1 = _i64(0xBF58476D1CE4E5B9)      # splitmix64 finaliser multipliers
+MIX2 = _i64(0x94D049BB133111EB)
+
+
+def _f32(x: float) -> float:
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+# exp(d) = 2**n * exp(r): n = floor(d * log2(e) + 1/2), r = d - n * ln2 (Cody-Waite, ln2 split in
+# a 15-bit head, exact times n, and a tail), exp(r) by Horner on Taylor's terms to r**7 (|r| <=
+# 0.35: truncation < 6e-9, below fp32's rounding).
+LOG2E = _f32(1.4426950408889634)
+LN2_HI = _f32(0.693145751953125)
+LN2_LO = _f32(1.4286067653302226e-06)
+C7, C6, C5, C4, C3 = (_f32(1 / 5040), _f32(1 / 720), _f32(1 / 120), _f32(1 / 24), _f32(1 / 6))
+
+
+# ------------------------------------------------------------------ torch (the reference)
+
+def _lsr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    z = (z ^ _lsr(z, 30)) * MIX1
+    z = (z ^ _lsr(z, 27)) * MIX2
+    return z ^ _lsr(z, 31)
+
+
+def random_bits(seed, position, purpose, index=0) -> torch.Tensor:
+    """64 random bits (int64, broadcast over the key tensors) for the key
+    (seed, position, purpose, index): h <- mix64((h ^ word) + GAMMA) over the words."""
+    seed = torch.as_tensor(seed, dtype=torch.int64)
+    h = _mix64(seed + GAMMA)
+    for word in (position, purpose, index):
+        # a Python int goes in as a scalar operand: a tensor of it would be a host-to-device copy
+        # (refused inside CUDA graph capture)
+        w = word.to(h.device, torch.int64) if isinstance(word, torch.Tensor) else _i64(int(word))
+        h = _mix64((h ^ w) + GAMMA)
+    return h
+
+
+def fixed_exp(d: torch.Tensor) -> torch.Tensor:
+    """floor(exp(d) * 2**40) as int64 for fp32 d <= 0 (-inf and d < -28 give 0), from IEEE
+    fp32 adds and multiplies only: the kernel's `_fixed_exp` gives the same integers."""
+    d = d.float().clamp_min(D_MIN)
+    n = torch.floor(d * LOG2E + 0.5)
+    r = d - n * LN2_HI
+    r = r - n * LN2_LO
+    p = r * C7 + C6
+    for c in (C5, C4, C3, 0.5, 1.0, 1.0):
+        p = p * r + c
+    scale = ((n.int() + (FIXED_BITS + 127)) << 23).view(torch.float32)   # 2**(n + 40), exact
+    return torch.floor(p * scale).long()
+
+
+def mulhi62(u: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """floor(u * z / 2**62) exactly, for int64 0 <= u < 2**62 and 0 <= z <= 2**58."""
+    m31 = (1 << 31) - 1
+    uh, ul, zh, zl = u >> 31, u & m31, z >> 31, z & m31
+    mid = uh * zl + ul * zh + ((ul * zl) >> 31)
+    return uh * zh + (mid >> 31)
+
+
+# ------------------------------------------------------------------------------- the kernel
+
+# The constants as the kernels see them (Triton reads only constexpr globals).
+MIX1_K = tl.constexpr(MIX1)
+MIX2_K = tl.constexpr(MIX2)
+GAMMA_K = tl.constexpr(GAMMA)
+D_MIN_K = tl.constexpr(D_MIN)
+LOG2E_K = tl.constexpr(LOG2E)
+LN2_HI_K = tl.constexpr(LN2_HI)
+LN2_LO_K = tl.constexpr(LN2_LO)
+C7_K = tl.constexpr(C7)
+C6_K = tl.constexpr(C6)
+C5_K = tl.constexpr(C5)
+C4_K = tl.constexpr(C4)
+C3_K = tl.constexpr(C3)
+FIXED_BITS_K = tl.constexpr(FIXED_BITS)
+KEY_INF_K = tl.constexpr(KEY_INF)
+KEY_CUT_K = tl.constexpr(KEY_CUT)
+
+
+@triton.jit
+def _lsr_t(x, s: tl.constexpr):
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+@triton.jit
+def _mix64_t(z):
+    z = (z ^ _lsr_t(z, 30)) * MIX1_K
+    z = (z ^ _lsr_t(z, 27)) * MIX2_K
+    return z ^ _lsr_t(z, 31)
+
+
+@triton.jit
+def _random_bits_t(seed, position, purpose, index):
+    h = _mix64_t(seed + GAMMA_K)
+    h = _mix64_t((h ^ position) + GAMMA_K)
+    h = _mix64_t((h ^ purpose) + GAMMA_K)
+    return _mix64_t((h ^ index) + GAMMA_K)
+
+
+@triton.jit
+def _mulhi62_t(u, z):
+    uh = u >> 31
+    ul = u & 2147483647
+    zh = z >> 31
+    zl = z & 2147483647
+    mid = uh * zl + ul * zh + ((ul * zl) >> 31)
+    return uh * zh + (mid >> 31)
+
+
+@triton.jit
+def _fixed_exp_t(d):
+    d = tl.maximum(d, D_MIN_K)
+    n = tl.floor(d * LOG2E_K + 0.5)
+    r = d - n * LN2_HI_K
+    r = r - n * LN2_LO_K
+    p = r * C7_K + C6_K
+    p = p * r + C5_K
+    p = p * r + C4_K
+    p = p * r + C3_K
+    p = p * r + 0.5
+    p = p * r + 1.0
+    p = p * r + 1.0
+    scale = ((n.to(tl.int32) + (FIXED_BITS_K + 127)) << 23).to(tl.float32, bitcast=True)
+    return tl.floor(p * scale).to(tl.int64)
+
+
+@triton.jit
+def _d_key(l_ptr, offs, V, inv_t, m, pinf):
+    """(d [BLOCK] fp32, key [BLOCK] int32, valid) of a chunk; padded lanes get d = -inf."""
+    valid = offs < V
+    x = tl.load(l_ptr + offs, mask=valid, other=float("-inf")).to(tl.float32) * inv_t
+    x = tl.where(x != x, float("-inf"), x)
+    x = tl.where(pinf, tl.where(x == float("inf"), 0.0, float("-inf")), x)
+    d = x - m
+    key = d.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return d, key, valid
+
+
+@triton.jit
+def _key_weight(key):
+    """fixed_exp of the d a key stands for (d = minus the fp32 with bits key: key 0 is -0.0,
+    which weighs as 0.0 does)."""
+    return _fixed_exp_t(-(key.to(tl.float32, bitcast=True)))
+
+
+@triton.jit
+def _weights(l_ptr, offs, V, inv_t, m, pinf, kf, min_w):
+    d, key, valid = _d_key(l_ptr, offs, V, inv_t, m, pinf)
+    w = _fixed_exp_t(d)
+    keep = valid & (key <= kf) & (w.to(tl.float64) >= min_w)
+    return tl.where(keep, w, 0)
+
+
+@triton.jit
+def _kth_key(key, live, k):
+    """The smallest key v with count(live keys <= v) >= k, a live one: a bisection over the
+    keys between the smallest and the largest live one (a reduction a step)."""
+    lo = tl.min(tl.where(live, key, KEY_INF_K + 1), axis=0)
+    hi = tl.max(tl.where(live, key, -1), axis=0)
+    while lo < hi:
+        K = lo + (hi - lo) // 2
+        reached = tl.sum((live & (key <= K)).to(tl.int32), axis=0) >= k
+        hi = tl.where(reached, K, hi)
+        lo = tl.where(reached, lo, K + 1)
+    return lo
+
+
+@triton.jit
+def _mass_key(key, w, live, thr, base):
+    """The smallest key K with base + the weight of the live keys <= K >= thr (in fp64): top-p's
+    key, a live one, when base < thr <= base + their total. Bisection as `_kth_key`."""
+    lo = tl.min(tl.where(live, key, KEY_INF_K + 1), axis=0)
+    hi = tl.max(tl.where(live, key, -1), axis=0)
+    while lo < hi:
+        K = lo + (hi - lo) // 2
+        below = base + tl.sum(tl.where(live & (key <= K), w, 0), axis=0)
+        reached = below.to(tl.float64) >= thr
+        hi = tl.where(reached, K, hi)
+        lo = tl.where(reached, lo, K + 1)
+    return lo
+
+
+# ------------------------------------------------------------------------ the chunk maxima
+
+@triton.jit
+def _chunk_max_kernel(L, stride_l, Temp, PartV, PartI, PartNan, PartM, Count, Arrive, CBase, V,
+                      C, S, CHUNK: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr):
+    """Grid (n, C). Chunk c's share of torch's argmax (its largest non-NaN logit, the first
+    index holding it, its first NaN) and of max(l * inv_t) with NaN as -inf; it clears the
+    chunk's weight below the splits' brackets (CBase). Chunk 0 clears the row's gather and
+    arrival counters of the select passes."""
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    valid = offs < V
+    wait_for_previous(PDL)      # the logits are the kernel before's
+    l = tl.load(L + row.to(tl.int64) * stride_l + offs, mask=valid,
+                other=float("-inf")).to(tl.float32)
+    isnan = (l != l) & valid
+    lv = tl.where(isnan, float("-inf"), l)
+    best = tl.max(lv, axis=0)
+    temp = tl.load(Temp + row)
+    x = l * tl.math.div_rn(1.0, tl.where(temp > 0, temp, 1.0))
+    base = row * C + c
+    tl.store(PartV + base, best)
+    tl.store(PartI + base, tl.min(tl.where((lv == best) & valid & ~isnan, offs, V), axis=0))
+    tl.store(PartNan + base, tl.min(tl.where(isnan, offs, V), axis=0))
+    tl.store(PartM + base, tl.max(tl.where(x != x, float("-inf"), x), axis=0))
+    tl.store(CBase + base, tl.zeros([], dtype=tl.int64))
+    if c == 0:
+        ss = tl.arange(0, SP)
+        tl.store(Count + row * S + ss, 0, mask=ss < S)
+        tl.store(Arrive + row * S + ss, 0, mask=ss < S)
+
+
+@triton.jit
+def _row_max(PartM, row, C, CP: tl.constexpr):
+    cs = tl.arange(0, CP)
+    m = tl.max(tl.load(PartM + row * C + cs, mask=cs < C, other=float("-inf")), axis=0)
+    pinf = m == float("inf")
+    return tl.where(pinf, 0.0, m), pinf
+
+
+@triton.jit
+def _greedy_token(PartV, PartI, PartNan, row, C, V, CP: tl.constexpr):
+    """torch's argmax of the raw row (the first NaN, else the first maximum) from the chunks'
+    shares."""
+    cs = tl.arange(0, CP)
+    ok = cs < C
+    pv = tl.load(PartV + row * C + cs, mask=ok, other=float("-inf"))
+    pi = tl.load(PartI + row * C + cs, mask=ok, other=V)
+    first = tl.min(tl.where(ok & (pv == tl.max(pv, axis=0)), pi, V), axis=0)
+    first = tl.where(first == V, 0, first)               # an all -inf row: index 0, as torch
+    first_nan = tl.min(tl.load(PartNan + row * C + cs, mask=ok, other=V), axis=0)
+    return tl.where(first_nan < V, first_nan, first).to(tl.int64)
+
+
+# ----------------------------------------------------------------------- the select passes
+
+# A row's mode in one select pass (GREEDY only in the first), and its bit in the row's trace.
+MODES = ("done", "weights", "k_hist", "k_gather", "p_split", "p_gather", "p_hist", "greedy")
+DONE_K = tl.constexpr(0)
+WEIGHTS_K = tl.constexpr(1)
+K_HIST_K = tl.constexpr(2)
+K_GATHER_K = tl.constexpr(3)
+P_SPLIT_K = tl.constexpr(4)
+P_GATHER_K = tl.constexpr(5)
+P_HIST_K = tl.constexpr(6)
+GREEDY_K = tl.constexpr(7)
+WEIGHTS_BIT = tl.constexpr(1 << 1)
+K_HIST_BIT = tl.constexpr(1 << 2)
+K_GATHER_BIT = tl.constexpr(1 << 3)
+P_SPLIT_BIT = tl.constexpr(1 << 4)
+P_GATHER_BIT = tl.constexpr(1 << 5)
+P_HIST_BIT = tl.constexpr(1 << 6)
+GREEDY_BIT = tl.constexpr(1 << 7)
+PASS_ONE = tl.constexpr(1 << 16)    # the trace counts the passes a row took above its mode bits
+NSTATE_K = tl.constexpr(16)     # int64 fields a row: mode, lo, hi, shift, fresh, base, zk, kf,
+                                # sel, trace (see `_set_state`)
+
+
+@triton.jit
+def _set_state(st, mode, lo, hi, shift, fresh, base, zk, kf, sel, trace):
+    """The row's state for the next pass: its mode; the bracket of keys [lo, hi]; K_HIST's digit
+    shift; whether P_SPLIT splits by the fixed table (fresh); base, the count (top-k) or weight
+    (top-p) of the keys below lo; zk, the weight top-p's fraction is of; kf, the final key
+    threshold; sel, the interval or bin of the last pass the bracket came from (-1: none); trace,
+    the modes visited (1 << mode each) plus PASS_ONE for each pass taken."""
+    tl.store(st + 0, mode)
+    tl.store(st + 1, lo)
+    tl.store(st + 2, hi)
+    tl.store(st + 3, shift)
+    tl.store(st + 4, fresh)
+    tl.store(st + 5, base)
+    tl.store(st + 6, zk)
+    tl.store(st + 7, kf)
+    tl.store(st + 8, sel)
+    tl.store(st + 9, trace)
+
+
+@triton.jit
+def _resolve(st, kf, zk, trace):
+    """The row's key threshold is kf: next the kept weights and the draw."""
+    _set_state(st, WEIGHTS_K, 0, 0, 0, 0, 0, zk, kf, -1, trace | WEIGHTS_BIT)
+
+
+@triton.jit
+def _first_mode(temp, k, top_p, m, V):
+    """A row's first mode: greedy (temperature 0, or no logit with mass), top-k's search, top-p's,
+    or straight to the weights."""
+    sampled = (temp > 0) & (m > float("-inf"))
+    top_k = (k > 0) & (k < V)
+    mode = tl.where(top_k, K_HIST_K, tl.where(top_p < 1, P_SPLIT_K, WEIGHTS_K))
+    return tl.where(sampled, mode, GREEDY_K)
+
+
+@triton.jit
+def _split_bound(i, lo, hi, fresh):
+    """Boundary i (int64, 0..16) of the 16 intervals [bound(i), bound(i + 1)) that split the
+    keys [lo, hi]. fresh (lo = 0): a fixed table in units of 2**21 keys (a quarter of an octave
+    of |d|): |d| below 2**-95, 2**-63, 2**-31 and 1 in four wide intervals (at most 2**28 keys
+    each), then [1, 2), quarters of [2, 4) and [4, 8), halves of [8, 16), and [16, 28]. Else
+    16 equal parts (the last ones possibly empty)."""
+    top = hi + 1
+    t = tl.where(i <= 3, 128 * i, tl.where(i == 4, 508, tl.where(i <= 12, 507 + i, 494 + 2 * i)))
+    table = tl.where(i == 0, lo, tl.where(i >= 16, top, tl.minimum(t.to(tl.int64) << 21, top)))
+    width = top - lo
+    even = lo + tl.minimum(i * ((width + 15) // 16), width)
+    return tl.where(fresh != 0, table, even)
+
+
+@triton.jit
+def _arrive(Arrive, row, s, S, C):
+    """Whether this program is the row's last to finish the pass (its writes, and every other
+    program's, are then visible to it)."""
+    tl.debug_barrier()
+    return tl.atomic_add(Arrive + row * S + s, 1, sem="acq_rel", scope="gpu") == C - 1
+
+
+@triton.jit
+def _gather(Buf, Count, Span, row, c, C, s, S, key, act, CAP: tl.constexpr):
+    """Appends the keys where act to the row's buffer (in the order chunks arrive: the buffer
+    is searched as a set); the chunk's keys are one run of it, whose start and length go to
+    the chunk's span (read by `_row_gather_draw`)."""
+    flags = act.to(tl.int32)
+    n = tl.sum(flags, axis=0)
+    at = tl.zeros([], dtype=tl.int32)
+    if n > 0:
+        at = tl.atomic_add(Count + row * S + s, n, sem="relaxed", scope="gpu")
+        pos = at + tl.cumsum(flags, axis=0) - 1
+        tl.store(Buf + row.to(tl.int64) * CAP + pos, key, mask=act & (pos < CAP))
+    tl.store(Span + (row * C + c) * 2, at)
+    tl.store(Span + (row * C + c) * 2 + 1, n)
+
+
+@triton.jit
+def _gathered(Buf, n, row, CAP: tl.constexpr, N: tl.constexpr):
+    """(keys [N], live [N]) the row's gather of this pass left (n <= N keys of its buffer of
+    CAP), read by its last program."""
+    idx = tl.arange(0, N)
+    live = idx < n
+    key = tl.load(Buf + row.to(tl.int64) * CAP + idx, mask=live, other=KEY_INF_K,
+                  cache_modifier=".cg")
+    return key, live
+
+
+@triton.jit
+def _idle_bin(HistPart, row, c, C, sel):
+    """Whether chunk c had no key in bin sel of the last K_HIST pass (sel < 0: unknown)."""
+    j = tl.maximum(sel, 0)
+    return (sel >= 0) & (tl.load(HistPart + (row * C + c) * 256 + j) == 0)
+
+
+@triton.jit
+def _idle_interval(CntPart, row, c, C, sel):
+    """Whether chunk c had no key in interval sel of the last P_SPLIT pass (sel < 0: unknown)."""
+    p = CntPart + (row * C + c) * 16
+    below = tl.where(sel > 0, tl.load(p + tl.maximum(sel - 1, 0)), 0)
+    return (sel >= 0) & (tl.load(p + tl.maximum(sel, 0)) - below == 0)
+
+
+@triton.jit
+def _split_sums(key, packed, ends):
+    """For each interval end [16], the count and the weight of the keys below it (key
+    0x7FFFFFFF: not counted; packed = count << 44 + weight)."""
+    acc = tl.where(key[None, :] < ends[:, None], packed[None, :], 0)       # [16, block]
+    return tl.sum((acc >> 44).to(tl.int32), axis=1), tl.sum(acc & ((1 << 44) - 1), axis=1)
+
+
+@triton.jit
+def _split_block(l_ptr, first, V, inv_t, m, pinf, lo, hi, ends, CHUNK: tl.constexpr,
+                 SUB: tl.constexpr):
+    """`_split_chunk`'s sums over the whole chunk, SUB keys at a time."""
+    acc = tl.zeros([16, SUB], dtype=tl.int64)         # count << 44 + weight: a thread adds at
+    for start in tl.range(0, CHUNK, SUB, num_stages=1, loop_unroll_factor=1):  # most 8
+        d, key, valid = _d_key(l_ptr, first + start + tl.arange(0, SUB), V, inv_t, m, pinf)
+        act = valid & (key >= lo) & (key <= hi) & (key < KEY_CUT_K)
+        counted = tl.where(act, key, 0x7FFFFFFF)             # past every end when not counted
+        packed = _fixed_exp_t(d) + (1 << 44)
+        acc += tl.where(counted[None, :] < ends[:, None], packed[None, :], 0)      # [16, SUB]
+    return tl.sum((acc >> 44).to(tl.int32), axis=1), tl.sum(acc & ((1 << 44) - 1), axis=1)
+
+
+@triton.jit
+def _split_chunk(l_ptr, first, V, inv_t, m, pinf, lo, hi, fresh, Pack, slot,
+                 CHUNK: tl.constexpr, SUB: tl.constexpr, PACK: tl.constexpr):
+    """Over the chunk's keys in [lo, hi] that can weigh (key < KEY_CUT): for each interval end
+    of `_split_bound`, the count [16] and the weight [16] of those below it; their smallest
+    and largest key. The sums cost 16 compares and adds a key, so where at most PACK of the
+    chunk's keys count (a sharp row: most of its logits weigh 0), those keys are packed into
+    the chunk's slot of Pack first and summed there; else the chunk is summed SUB keys at a
+    time (PACK 0: always)."""
+    tl.static_assert(CHUNK // SUB <= 8)
+    ends = _split_bound(tl.arange(0, 16).to(tl.int64) + 1, lo, hi, fresh).to(tl.int32)
+    d, key, valid = _d_key(l_ptr, first + tl.arange(0, CHUNK), V, inv_t, m, pinf)
+    act = valid & (key >= lo) & (key <= hi) & (key < KEY_CUT_K)
+    flags = act.to(tl.int32)
+    n_act = tl.sum(flags, axis=0)
+    kmin = tl.min(tl.where(act, key, KEY_INF_K + 1), axis=0)
+    kmax = tl.max(tl.where(act, key, -1), axis=0)
+    if PACK == 0:
+        cnt, mass = _split_block(l_ptr, first, V, inv_t, m, pinf, lo, hi, ends, CHUNK, SUB)
+    elif n_act <= PACK:
+        pack = Pack + slot.to(tl.int64) * PACK
+        tl.store(pack + tl.cumsum(flags, axis=0) - 1, key, mask=act)
+        tl.debug_barrier()                               # the packed keys, for every thread
+        live = tl.arange(0, PACK) < n_act
+        pk = tl.load(pack + tl.arange(0, PACK), mask=live, other=0x7FFFFFFF,
+                     cache_modifier=".cg")
+        cnt, mass = _split_sums(pk, tl.where(live, _key_weight(pk) + (1 << 44), 0), ends)
+    else:
+        cnt, mass = _split_block(l_ptr, first, V, inv_t, m, pinf, lo, hi, ends, CHUNK, SUB)
+    return cnt, mass, kmin, kmax
+
+
+@triton.jit
+def _chunk_share(mode, l_ptr, row, c, V, C, S, s, inv_t, m, pinf, lo, hi, shift, fresh, kf,
+                 sel, min_w, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count, Span,
+                 Pack, CHUNK: tl.constexpr, SUB: tl.constexpr, CAP: tl.constexpr,
+                 PACK: tl.constexpr):
+    """Chunk c's share of the row's pass in `mode` (written to the chunk's slots)."""
+    first = c * CHUNK
+    offs = first + tl.arange(0, CHUNK)
+    slot = row * C + c
+    bins = tl.arange(0, 256)
+    if mode == WEIGHTS_K:
+        z = tl.sum(_weights(l_ptr, offs, V, inv_t, m, pinf, kf.to(tl.int32), min_w), axis=0)
+        tl.store(ZPart + slot, z)
+    elif (mode == K_HIST_K) | (mode == P_HIST_K):
+        h = tl.zeros([256], dtype=tl.int32)
+        if mode == K_HIST_K:
+            idle = _idle_bin(HistPart, row, c, C, sel)
+        else:
+            idle = _idle_interval(CntPart, row, c, C, sel)
+        if idle == 0:
+            d, key, valid = _d_key(l_ptr, offs, V, inv_t, m, pinf)
+            act = valid & (key >= lo) & (key <= hi) & ((mode == K_HIST_K) | (key < KEY_CUT_K))
+            h = tl.histogram(tl.where(act, (key - lo) >> shift, 0).to(tl.int32), 256, mask=act)
+        tl.store(HistPart + slot * 256 + bins, h)
+    elif mode == P_SPLIT_K:
+        j = tl.arange(0, 16)
+        cnt = tl.zeros([16], dtype=tl.int32)
+        mass = tl.zeros([16], dtype=tl.int64)
+        kmin = tl.full([], KEY_INF_K + 1, tl.int32)
+        kmax = tl.full([], -1, tl.int32)
+        if _idle_interval(CntPart, row, c, C, sel) == 0:
+            cnt, mass, kmin, kmax = _split_chunk(l_ptr, first, V, inv_t, m, pinf, lo, hi, fresh,
+                                                 Pack, slot, CHUNK, SUB, PACK)
+        tl.store(CntPart + slot * 16 + j, cnt)
+        tl.store(MassPart + slot * 16 + j, mass)
+        tl.store(BoundPart + slot * 2, kmin)
+        tl.store(BoundPart + slot * 2 + 1, kmax)
+    elif mode == K_GATHER_K:
+        d, key, valid = _d_key(l_ptr, offs, V, inv_t, m, pinf)
+        _gather(Buf, Count, Span, row, c, C, s, S, key, valid & (key <= hi), CAP)
+    elif mode == P_GATHER_K:
+        if _idle_interval(CntPart, row, c, C, sel) == 0:
+            d, key, valid = _d_key(l_ptr, offs, V, inv_t, m, pinf)
+            act = valid & (key >= lo) & (key <= hi) & (key < KEY_CUT_K)
+            _gather(Buf, Count, Span, row, c, C, s, S, key, act, CAP)
+        else:
+            tl.store(Span + slot * 2, 0)
+            tl.store(Span + slot * 2 + 1, 0)
+
+
+@triton.jit
+def _sum_hist(HistPart, row, C, CP: tl.constexpr):
+    """[256] int64: the row's chunk histograms summed (16 chunks a load)."""
+    b = tl.arange(0, 256)
+    total = tl.zeros([256], dtype=tl.int64)
+    for c0 in range(0, CP, 16):
+        cs = c0 + tl.arange(0, 16)
+        tile = tl.load(HistPart + (row * C + cs[:, None]) * 256 + b[None, :],
+                       mask=(cs < C)[:, None], other=0, cache_modifier=".cg")
+        total += tl.sum(tile, axis=0).to(tl.int64)
+    return total
+
+
+@triton.jit
+def _row_k_hist(st, HistPart, row, C, k, top_p, lo, hi, shift, base, trace,
+                CP: tl.constexpr, CAP: tl.constexpr):
+    """Top-k's radix step: the bin where the count of keys reaches k becomes the bracket. The
+    key is found when the bracket is one key (or holds only keys that weigh 0: every such key
+    keeps the same weights); a bracket with at most CAP keys at or below it is gathered."""
+    h = _sum_hist(HistPart, row, C, CP)
+    cum = base + tl.cumsum(h, axis=0)
+    b = tl.arange(0, 256)
+    j = tl.min(tl.where(cum >= k, b, 256), axis=0)
+    upto = tl.sum(tl.where(b == j, cum, 0), axis=0)          # keys <= the new bracket's end
+    below = upto - tl.sum(tl.where(b == j, h, 0), axis=0)
+    lo2 = lo + (j.to(tl.int64) << shift)
+    hi2 = tl.minimum(hi, lo2 + (tl.full([], 1, tl.int64) << shift) - 1)
+    found = (lo2 == hi2) | (lo2 >= KEY_CUT_K)
+    if found & ((top_p < 1) == 0):                    # top-p off (NaN too, as the reference)
+        _resolve(st, hi2, 0, trace)
+    elif upto <= CAP:
+        _set_state(st, K_GATHER_K, 0, hi2, 0, 0, 0, 0, KEY_INF_K, -1,
+                   trace | K_GATHER_BIT)
+    elif found:
+        _set_state(st, P_SPLIT_K, 0, tl.minimum(hi2, KEY_CUT_K), 0, 1, 0, 0, KEY_INF_K, -1,
+                   trace | P_SPLIT_BIT)
+    else:
+        _set_state(st, K_HIST_K, lo2, hi2, tl.maximum(shift - 8, 0), 0, below, 0, KEY_INF_K,
+                   j, trace | K_HIST_BIT)
+
+
+@triton.jit
+def _row_k_gather(key, live, k, top_p):
+    """Every key at or below the bracket was gathered (key, live): top-k's key is the k-th
+    smallest, and top-p's is found among the keys up to it. Returns (kf, zk)."""
+    kf = _kth_key(key, live, k)
+    zk = tl.zeros([], dtype=tl.int64)
+    if top_p < 1:
+        w = tl.where(live, _key_weight(key), 0)
+        keep = live & (key <= kf)
+        zk = tl.sum(tl.where(keep, w, 0), axis=0)
+        thr = zk.to(tl.float64) * top_p.to(tl.float64)
+        kf = tl.where(thr > 0, _mass_key(key, w, keep, thr, 0), 0)
+    return kf, zk
+
+
+@triton.jit
+def _row_p_split(st, CntPart, MassPart, BoundPart, CBase, row, C, top_p, lo, hi, fresh, base,
+                 zk, trace, CP: tl.constexpr, CAP: tl.constexpr):
+    """Top-p's step: the interval where base + the weight below its end first reaches top_p *
+    zk (zk: the first split's total) becomes the bracket, narrowed to the keys present; the
+    next pass gathers it (at most CAP keys), counts its keys one by one (at most 256 wide) or
+    splits it again. Each chunk's weight below the new bracket is added to its CBase (base,
+    chunk by chunk)."""
+    j = tl.arange(0, 16)
+    cs = tl.arange(0, CP)
+    live = cs < C
+    at = (row * C + cs[:, None]) * 16 + j[None, :]
+    cnt = tl.sum(tl.load(CntPart + at, mask=live[:, None], other=0, cache_modifier=".cg"),
+                 axis=0)
+    chunk_mass = tl.load(MassPart + at, mask=live[:, None], other=0, cache_modifier=".cg")
+    mass = tl.sum(chunk_mass, axis=0)
+    bmin = tl.min(tl.load(BoundPart + (row * C + cs) * 2, mask=live, other=KEY_INF_K + 1,
+                          cache_modifier=".cg"), axis=0)
+    bmax = tl.max(tl.load(BoundPart + (row * C + cs) * 2 + 1, mask=live, other=-1,
+                          cache_modifier=".cg"), axis=0)
+    zk = tl.where(fresh != 0, tl.sum(tl.where(j == 15, mass, 0), axis=0), zk)
+    thr = zk.to(tl.float64) * top_p.to(tl.float64)
+    js = tl.min(tl.where((base + mass).to(tl.float64) >= thr, j, 15), axis=0)
+    base2 = base + tl.sum(tl.where(j == js - 1, mass, 0), axis=0)
+    below = tl.sum(tl.where(j[None, :] == js - 1, chunk_mass, 0), axis=1)           # [CP]
+    cbase = CBase + row * C + cs
+    tl.store(cbase, tl.load(cbase, mask=live, other=0) + below, mask=live)
+    n_in = tl.sum(tl.where(j == js, cnt, 0) - tl.where(j == js - 1, cnt, 0), axis=0)
+    lo2 = tl.maximum(_split_bound(js.to(tl.int64), lo, hi, fresh), bmin)
+    hi2 = tl.minimum(_split_bound(js.to(tl.int64) + 1, lo, hi, fresh) - 1, bmax)
+    if thr <= 0:
+        _resolve(st, 0, zk, trace)                       # top_p <= 0: the top key alone
+    elif lo2 >= hi2:
+        _resolve(st, lo2, zk, trace)
+    elif n_in <= CAP:
+        _set_state(st, P_GATHER_K, lo2, hi2, 0, 0, base2, zk, KEY_INF_K, js,
+                   trace | P_GATHER_BIT)
+    elif hi2 - lo2 < 256:
+        _set_state(st, P_HIST_K, lo2, hi2, 0, 0, base2, zk, KEY_INF_K, js,
+                   trace | P_HIST_BIT)
+    else:
+        _set_state(st, P_SPLIT_K, lo2, hi2, 0, 0, base2, zk, KEY_INF_K, js,
+                   trace | P_SPLIT_BIT)
+
+
+@triton.jit
+def _row_p_gather(key, live, top_p, base, zk):
+    """The bracket's keys were gathered (key, live): top-p's key among them."""
+    w = tl.where(live, _key_weight(key), 0)
+    thr = zk.to(tl.float64) * top_p.to(tl.float64)
+    return _mass_key(key, w, live, thr, base)
+
+
+@triton.jit
+def _row_gather_draw(st, key, live, kf, zk, trace, Span, CBase, Pref, ZPart, Out, l_ptr, row,
+                     C, V, inv_t, m, pinf, min_w, u62, CHUNK: tl.constexpr, CP: tl.constexpr,
+                     CAP: tl.constexpr, N: tl.constexpr):
+    """The row's threshold kf was found among gathered keys: draw now, without a weights pass,
+    where min-p is off. Chunk c's kept weight is CBase[c] (its keys below the gathered bracket,
+    kept by the splits) plus its gathered keys at or below kf, one run of the buffer (its
+    span): a prefix sum over the buffer, read at the runs' ends. Then `_row_draw`. With min-p,
+    the row's next pass weighs every key (`_resolve`)."""
+    if min_w == 0:
+        w = tl.where(live & (key <= kf), _key_weight(key), 0)
+        idx = tl.arange(0, N)
+        pref = Pref + row.to(tl.int64) * CAP
+        tl.store(pref + idx, tl.cumsum(w, axis=0))
+        tl.debug_barrier()                                 # the prefix sums, for every thread
+        cs = tl.arange(0, CP)
+        ok = cs < C
+        at = tl.load(Span + (row * C + cs) * 2, mask=ok, other=0, cache_modifier=".cg")
+        n = tl.load(Span + (row * C + cs) * 2 + 1, mask=ok, other=0, cache_modifier=".cg")
+        upto = tl.load(pref + at + n - 1, mask=ok & (n > 0), other=0, cache_modifier=".cg")
+        before = tl.load(pref + at - 1, mask=ok & (n > 0) & (at > 0), other=0,
+                         cache_modifier=".cg")
+        base = tl.load(CBase + row * C + cs, mask=ok, other=0, cache_modifier=".cg")
+        tl.store(ZPart + row * C + cs, base + upto - before, mask=ok)
+        tl.debug_barrier()                                 # the chunks' weights, for the draw
+        tl.store(Out + row, _row_draw(l_ptr, ZPart, row, C, V, inv_t, m, pinf, kf.to(tl.int32),
+                                      min_w, u62, CHUNK, CP))
+        _set_state(st, DONE_K, 0, 0, 0, 0, 0, zk, kf, -1, trace)
+    else:
+        _resolve(st, kf, zk, trace)
+
+
+@triton.jit
+def _row_p_hist(st, HistPart, row, C, top_p, lo, base, zk, trace, CP: tl.constexpr):
+    """A count per key of the bracket: its weight is count * fixed_exp(key), exact; top-p's key
+    is the first where base + the weight up to it reaches top_p * zk."""
+    h = _sum_hist(HistPart, row, C, CP)
+    b = tl.arange(0, 256)
+    key = tl.minimum(lo + b, KEY_CUT_K).to(tl.int32)
+    cum = base + tl.cumsum(h * _key_weight(key), axis=0)
+    thr = zk.to(tl.float64) * top_p.to(tl.float64)
+    j = tl.min(tl.where(cum.to(tl.float64) >= thr, b, 255), axis=0)
+    _resolve(st, lo + j, zk, trace)
+
+
+@triton.jit
+def _row_draw(l_ptr, ZPart, row, C, V, inv_t, m, pinf, kf, min_w, u62, CHUNK: tl.constexpr,
+              CP: tl.constexpr):
+    """r = floor(u62 * Z / 2**62); the chunk whose cumulative kept weight passes r, then the
+    first index in it whose cumulative kept weight does."""
+    cs = tl.arange(0, CP)
+    ok = cs < C
+    z = tl.load(ZPart + row * C + cs, mask=ok, other=0, cache_modifier=".cg")
+    cum = tl.cumsum(z, axis=0)
+    r = _mulhi62_t(u62, tl.sum(z, axis=0))
+    j = tl.min(tl.where(ok & (cum > r), cs, C), axis=0)
+    below = tl.sum(tl.where(cs == j, cum - z, 0), axis=0)
+    offs = j * CHUNK + tl.arange(0, CHUNK)
+    w = _weights(l_ptr, offs, V, inv_t, m, pinf, kf, min_w)
+    hit = tl.min(tl.where((below + tl.cumsum(w, axis=0) > r) & (offs < V), offs, V), axis=0)
+    return tl.where(hit < V, hit, V - 1).to(tl.int64)
+
+
+@triton.jit
+def _row_state(st, mode, FIRST: tl.constexpr):
+    """(lo, hi, shift, fresh, base, zk, kf, sel, trace), `_set_state`'s fields: as the first pass
+    starts a row in `mode`, else as the last pass left them."""
+    if FIRST:
+        lo = tl.zeros([], dtype=tl.int64)
+        hi = tl.where(mode == K_HIST_K, KEY_INF_K, KEY_CUT_K).to(tl.int64)
+        shift = tl.full([], 23, tl.int64)
+        fresh = tl.full([], 1, tl.int64)
+        base = tl.zeros([], dtype=tl.int64)
+        zk = tl.zeros([], dtype=tl.int64)
+        kf = tl.full([], KEY_INF_K, tl.int64)
+        sel = tl.full([], -1, tl.int64)
+        trace = tl.full([], 1, tl.int64) << mode.to(tl.int64)
+    else:
+        lo = tl.load(st + 1)
+        hi = tl.load(st + 2)
+        shift = tl.load(st + 3)
+        fresh = tl.load(st + 4)
+        base = tl.load(st + 5)
+        zk = tl.load(st + 6)
+        kf = tl.load(st + 7)
+        sel = tl.load(st + 8)
+        trace = tl.load(st + 9)
+    return lo, hi, shift, fresh, base, zk, kf, sel, trace
+
+
+@triton.jit
+def _row_gathered(st, mode, Buf, n, row, k, top_p, base, zk, trace, Seed, Pos, purpose, Span,
+                  CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m, pinf, min_w,
+                  CHUNK: tl.constexpr, CP: tl.constexpr, CAP: tl.constexpr, DRAW: tl.constexpr,
+                  N: tl.constexpr):
+    """A gather pass's end: the row's n gathered keys searched in registers [N] (N >= n), the
+    threshold found, then the draw (DRAW) or the weights pass."""
+    key, live = _gathered(Buf, n, row, CAP, N)
+    if mode == K_GATHER_K:
+        kg, zg = _row_k_gather(key, live, k, top_p)
+    else:
+        kg = _row_p_gather(key, live, top_p, base, zk)
+        zg = zk
+    if DRAW:
+        bits = _random_bits_t(tl.load(Seed + row), tl.load(Pos + row), purpose, 0)
+        _row_gather_draw(st, key, live, kg, zg, trace, Span, CBase, Pref, ZPart, Out, l_ptr,
+                         row, C, V, inv_t, m, pinf, min_w, _lsr_t(bits, 2), CHUNK, CP, CAP, N)
+    else:
+        _resolve(st, kg, zg, trace)
+
+
+@triton.jit(noinline=True)
+def _select_row(row, c, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI, PartNan,
+                PartM, State, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count, Span,
+                CBase, Pref, Pack, Arrive, Out, V, C, S, purpose, s, FIRST: tl.constexpr,
+                CHUNK: tl.constexpr, SUB: tl.constexpr, CP: tl.constexpr, CAP: tl.constexpr,
+                SMALL: tl.constexpr, PACK: tl.constexpr, DRAW: tl.constexpr):
+    """Chunk c's part of the row's pass in the row's mode; the row's last program to finish
+    moves the row to its next mode (module doc)."""
+    row = tl.cast(row, tl.int32)                      # the interpreter's loops give ints
+    st = State + row * NSTATE_K
+    m, pinf = _row_max(PartM, row, C, CP)
+    temp = tl.load(Temp + row)
+    k = tl.load(TopK + row)
+    top_p = tl.load(TopP + row)
+    if FIRST:
+        mode = _first_mode(temp, k, top_p, m, V)
+    else:
+        mode = tl.load(st).to(tl.int32)
+    if mode == GREEDY_K:
+        if c == 0:
+            tl.store(Out + row, _greedy_token(PartV, PartI, PartNan, row, C, V, CP))
+            _set_state(st, DONE_K, 0, 0, 0, 0, 0, 0, KEY_INF_K, -1, GREEDY_BIT + PASS_ONE)
+    elif mode != DONE_K:
+        lo, hi, shift, fresh, base, zk, kf, sel, trace = _row_state(st, mode, FIRST)
+        l_ptr = L + row.to(tl.int64) * stride_l
+        inv_t = tl.math.div_rn(1.0, tl.where(temp > 0, temp, 1.0))
+        min_w = tl.load(MinP + row).to(tl.float64) * 1099511627776.0        # min_p * 2**40
+        _chunk_share(mode, l_ptr, row, c, V, C, S, s, inv_t, m, pinf, lo, hi, shift, fresh, kf,
+                     sel, min_w, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count, Span,
+                     Pack, CHUNK, SUB, CAP, PACK)
+        if _arrive(Arrive, row, s, S, C):
+            trace += PASS_ONE
+            if mode == WEIGHTS_K:
+                bits = _random_bits_t(tl.load(Seed + row), tl.load(Pos + row), purpose, 0)
+                tl.store(Out + row, _row_draw(l_ptr, ZPart, row, C, V, inv_t, m, pinf,
+                                              kf.to(tl.int32), min_w, _lsr_t(bits, 2),
+                                              CHUNK, CP))
+                _set_state(st, DONE_K, 0, 0, 0, 0, 0, zk, kf, -1, trace)
+            elif mode == K_HIST_K:
+                _row_k_hist(st, HistPart, row, C, k, top_p, lo, hi, shift, base, trace, CP, CAP)
+            elif (mode == K_GATHER_K) | (mode == P_GATHER_K):
+                n_g = tl.atomic_add(Count + row * S + s, 0, sem="acquire", scope="gpu")
+                if SMALL == CAP:
+                    _row_gathered(st, mode, Buf, n_g, row, k, top_p, base, zk, trace, Seed, Pos,
+                                  purpose, Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m,
+                                  pinf, min_w, CHUNK, CP, CAP, DRAW, CAP)
+                elif n_g <= SMALL:        # a few keys (a sharp row's nucleus): [SMALL] searches
+                    _row_gathered(st, mode, Buf, n_g, row, k, top_p, base, zk, trace, Seed, Pos,
+                                  purpose, Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m,
+                                  pinf, min_w, CHUNK, CP, CAP, DRAW, SMALL)
+                else:
+                    _row_gathered(st, mode, Buf, n_g, row, k, top_p, base, zk, trace, Seed, Pos,
+                                  purpose, Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m,
+                                  pinf, min_w, CHUNK, CP, CAP, DRAW, CAP)
+            elif mode == P_SPLIT_K:
+                _row_p_split(st, CntPart, MassPart, BoundPart, CBase, row, C, top_p, lo, hi,
+                             fresh, base, zk, trace, CP, CAP)
+            else:
+                _row_p_hist(st, HistPart, row, C, top_p, lo, base, zk, trace, CP)
+
+
+@triton.jit(do_not_specialize=["n", "s"])
+def _select_kernel(L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI, PartNan,
+                   PartM, State, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count,
+                   Span, CBase, Pref, Pack, Arrive, Out, n, V, C, S, purpose, s,
+                   FIRST: tl.constexpr,
+                   CHUNK: tl.constexpr, SUB: tl.constexpr, CP: tl.constexpr,
+                   CAP: tl.constexpr, SMALL: tl.constexpr, PACK: tl.constexpr,
+                   DRAW: tl.constexpr, PDL: tl.constexpr):
+    """Grid (G, X), pass s of S: program (g, x) does chunks x, x + X, ... of rows g, g + G, ...;
+    it returns at once when all of them are done (one load for up to 16 rows). PDL: the pass
+    launches while the one before runs and waits for it before its first read (everything it
+    reads but the logits and the sampling lanes is the passes' own state)."""
+    g = tl.program_id(0)
+    G = tl.num_programs(0)
+    x = tl.program_id(1)
+    X = tl.num_programs(1)
+    wait_for_previous(PDL)
+    busy = FIRST
+    if not FIRST:
+        for r0 in tl.range(g, n, 16 * G, num_stages=1):
+            rows = r0 + G * tl.arange(0, 16)
+            modes = tl.load(State + rows * NSTATE_K, mask=rows < n, other=0)
+            busy = busy | (tl.max(modes, axis=0) > 0)
+    if busy:
+        for row in tl.range(g, n, G, num_stages=1):
+            for c in tl.range(x, C, X, num_stages=1):
+                _select_row(row, c, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI,
+                            PartNan, PartM, State, HistPart, CntPart, MassPart, BoundPart,
+                            ZPart, Buf, Count, Span, CBase, Pref, Pack, Arrive, Out, V, C, S,
+                            purpose, s, FIRST, CHUNK, SUB, CP, CAP, SMALL, PACK, DRAW)
+
 
 PASSES = 12         # top-k <= 4 passes, top-p <= 7, the draw 1 (module doc)
 CHUNK = 2048
@@ -158,18 +955,16 @@ def sample_stages(logits, temperature, top_k, top_p, min_p, seed, position, purp
                   small: int | None = None, pack: int | None = None,
                   chunk_groups: int | None = None) -> Stages:
     """`sample_triton`'s launches and the rows' final state. chunk and cap: powers of two;
-    groups, warps, gather_draw, pdl, chunk_groups: `SelectPolicy`'s fields (`select_policy(n)`'s
-    where None; the tokens are the same whatever they are); regs: the select kernel's register cap
+    groups, warps, gather_draw, pdl, chunk_groups: `SelectPolicy`'s fields (`select_policy(n)`'s where None;
+    the tokens are the same whatever they are); regs: the select kernel's register cap
     (maxnreg, at most 255; SELECT_REGS where None). At 4 warps SELECT_REGS makes ptxas spill
-    (504 bytes of stack a thread for Triton 3.9's sm_90 code, none at 8 warps), which a launch
+    (568 bytes of stack a thread for Triton 3.9's sm_90 code, none at 8 warps), which a launch
     sweep weighs against the occupancy a higher cap costs. pdl: the 1 + PASSES launches with
     programmatic dependent launch where `pdl.supported` (each waits for the one before before
     any read), so a pass's launch overlaps the end of the one before. small: a gather of at
     most this many keys (a power of two; SMALL where None, at most cap) ends in registers of
     that size instead of cap's: the searches over the gathered keys cost in proportion to the
-    registers they span, and a sharp row gathers a few keys. pack: a split of a chunk where at
-    most this many keys can weigh packs them before its 16 sums (a power of two; PACK where
-    None; 0: never), so a sharp row's split costs in proportion to its few such keys."""
+    registers they span, and a sharp row gathers a few keys."""
     x = logits if logits.stride(1) == 1 else logits.contiguous()
     n, V = x.shape
     lanes = [t.contiguous() for t in (temperature, top_k, top_p, min_p, seed, position)]
