@@ -21,9 +21,9 @@ bracket of keys with counts and integer weights summed over chunks, so they are 
 1. `_chunk_max_kernel`, grid (n, C chunks of CHUNK logits): each chunk's share of torch's argmax
    (greedy rows) and of max(x), x = l * (1 / temperature); it also clears the row's counters.
 2. `_select_kernel`, PASSES launches, grid (G row groups, X chunk groups): program (g, x) does
-   chunks x, x + X, ... of rows g, g + G, ... (X = C: a chunk a program). In each pass a row is in one mode; every program of the row does its
-   chunk's share, and the last one to finish (a per-row counter, acq_rel) reads the chunks'
-   shares and sets the row's next mode:
+   chunks x, x + X, ... of rows g, g + G, ... (X = C: a chunk a program). In each pass a row
+   is in one mode; every program of the row does its chunk's share, and the last one to finish
+   (a per-row counter, acq_rel) reads the chunks' shares and sets the row's next mode:
    - greedy (first launch only): torch's argmax from the chunk shares.
    - K_HIST, top-k's key by radix select: a 256-bin count histogram per chunk of one 8-bit
      digit of the keys in the bracket, the bin where the count reaches k becomes the bracket.
@@ -955,16 +955,18 @@ def sample_stages(logits, temperature, top_k, top_p, min_p, seed, position, purp
                   small: int | None = None, pack: int | None = None,
                   chunk_groups: int | None = None) -> Stages:
     """`sample_triton`'s launches and the rows' final state. chunk and cap: powers of two;
-    groups, warps, gather_draw, pdl, chunk_groups: `SelectPolicy`'s fields (`select_policy(n)`'s where None;
-    the tokens are the same whatever they are); regs: the select kernel's register cap
+    groups, warps, gather_draw, pdl, chunk_groups: `SelectPolicy`'s fields (`select_policy(n)`'s
+    where None; the tokens are the same whatever they are); regs: the select kernel's register cap
     (maxnreg, at most 255; SELECT_REGS where None). At 4 warps SELECT_REGS makes ptxas spill
-    (568 bytes of stack a thread for Triton 3.9's sm_90 code, none at 8 warps), which a launch
+    (504 bytes of stack a thread for Triton 3.9's sm_90 code, none at 8 warps), which a launch
     sweep weighs against the occupancy a higher cap costs. pdl: the 1 + PASSES launches with
     programmatic dependent launch where `pdl.supported` (each waits for the one before before
     any read), so a pass's launch overlaps the end of the one before. small: a gather of at
     most this many keys (a power of two; SMALL where None, at most cap) ends in registers of
     that size instead of cap's: the searches over the gathered keys cost in proportion to the
-    registers they span, and a sharp row gathers a few keys."""
+    registers they span, and a sharp row gathers a few keys. pack: a split of a chunk where at
+    most this many keys can weigh packs them before its 16 sums (a power of two; PACK where
+    None; 0: never), so a sharp row's split costs in proportion to its few such keys."""
     x = logits if logits.stride(1) == 1 else logits.contiguous()
     n, V = x.shape
     lanes = [t.contiguous() for t in (temperature, top_k, top_p, min_p, seed, position)]
