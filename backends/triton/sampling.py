@@ -885,7 +885,7 @@ PACK = 128          # a chunk with at most PACK keys to split packs them before 
 PROGRAMS = 512      # a select pass launches about this many programs where the rows need more
 SUB = 256           # keys a P_SPLIT step holds at once ([SUB, 16] sums)
 CHUNK_WARPS = 4
-SELECT_REGS = 128   # ptxas fits the select pass without spilling
+SELECT_REGS = 128   # a select program's register cap (at 4 warps ptxas spills: sample_stages)
 STATE_FIELDS = ("mode", "lo", "hi", "shift", "fresh", "base", "zk", "kf", "sel", "trace")
 
 
