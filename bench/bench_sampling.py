@@ -89,9 +89,10 @@ GROUPS_CASE = "top-p 0.9 (sharp)"
 
 
 def run_groups(logits, bs: int) -> tuple[int, dict]:
-    """`GROUPS_CASE` with the select passes over several row-group counts G (grid (G, C); each
-    program works through rows g, g + G, ... in turn): (the default G, {G: µs a call}), each
-    G's tokens checked against the torch reference first."""
+    """`GROUPS_CASE` with the select passes over several row-group counts G (grid (G, X), X the
+    policy's chunk groups whatever G is; each program works through rows g, g + G, ... in
+    turn): (the default G, {G: µs a call}), each G's tokens checked against the torch
+    reference first."""
     scale, *params = CASES[GROUPS_CASE]
     x = (logits * scale).to(torch.bfloat16)
     args = lanes(bs, *params, x.device)
@@ -140,11 +141,8 @@ class Launch(NamedTuple):
         return out
 
     def run(self, x, args):
-        return kernels.sample_stages(x, *args, PURPOSE_DECODE, chunk=self.chunk, cap=self.cap,
-                                     groups=self.groups, warps=self.warps,
-                                     gather_draw=self.gather_draw, pdl=self.pdl, regs=self.regs,
-                                     small=self.small, pack=self.pack,
-                                     chunk_groups=self.chunk_groups).tokens
+        """The tokens of this launch (the fields are `sample_stages`' keywords)."""
+        return kernels.sample_stages(x, *args, PURPOSE_DECODE, **self._asdict()).tokens
 
 
 SWEEP_FIELDS = ("groups", "draw", "pdl", "chunk", "regs", "cap", "small", "pack",
