@@ -224,36 +224,6 @@ def test_a_threshold_found_in_a_gather_draws_without_the_weights_pass(draw, smal
     assert torch.equal(kept_weights(logits, args[0], stages.kf)[no_min_p], want[no_min_p])
 
 
-@pytest.mark.parametrize("draw", [True, False])
-def test_a_split_whose_chunks_all_packed_gathers_in_the_same_pass(draw):
-    """Where every chunk of a split packed its keys that count, the split's last program
-    gathers the new bracket from the packs (no pass reads the logits for it): a sharp top-p
-    row is then done in one select pass with `gather_draw` (else the weights pass follows),
-    a flat row whose chunks hold more keys than a pack goes through the gather pass, and a
-    bracket of one key (the top token alone) is gathered too. The tokens and thresholds are
-    the reference's; with pack 0 the sharp rows take the gather pass (a bracket of one key
-    resolves without one, then weighs every key)."""
-    g = torch.Generator().manual_seed(23)
-    n, V = 12, 1500
-    scale = torch.tensor([12.0, 0.3, 40.0, 25.0])[torch.arange(n) % 4][:, None]
-    logits = torch.randn(n, V, generator=g) * scale
-    args = lanes_of(n, 1.0, 0, [0.9, 0.9, 0.5, 0.95] * 3)
-    args[4] = torch.randint(0, 2 ** 62, (n,), generator=g)
-    gather = 1 << K.MODES.index("p_gather")
-    one_pass = 1 if draw else 2
-    stages = check_stages(logits, args, chunk=256, cap=512, pack=128, gather_draw=draw)
-    sharp = scale[:, 0] != 0.3
-    assert ((stages.modes & gather) > 0).all()
-    assert (stages.passes[sharp] == one_pass).all(), stages.passes
-    assert (stages.passes[~sharp] > one_pass).all(), stages.passes
-    want, _ = S.sampling_weights(logits, *args[:4])
-    assert torch.equal(kept_weights(logits, args[0], stages.kf), want)
-    unpacked = check_stages(logits, args, chunk=256, cap=512, pack=0, gather_draw=draw)
-    assert (unpacked.passes >= stages.passes).all(), unpacked.passes
-    assert (unpacked.passes == one_pass + 1)[sharp].sum() >= 6, unpacked.passes   # the gather
-    assert torch.equal(unpacked.kf, stages.kf)
-
-
 def test_the_default_launch_matches_the_reference():
     """The launch serving uses (chunk 2048, cap 4096, SMALL, PACK, select_policy's G and X)
     over three chunks a row: sharp rows (splits that pack their keys, gathers searched in

@@ -33,10 +33,7 @@ bracket of keys with counts and integer weights summed over chunks, so they are 
      table, fine where a flat row's nucleus ends: |d| in [1, 2), quarters of [2, 8), halves of
      [8, 16); then 16 equal parts); each chunk sums, below each interval's end, the count and
      the weight of its keys; the interval where the weight reaches top_p * total becomes the
-     bracket, narrowed to the keys present. A chunk where at most PACK keys count (most of a
-     sharp row's logits weigh 0) packs them before its sums; where every chunk did, the last
-     program gathers a bracket of at most CAP keys from the packs at once and ends as
-     P_GATHER's does: a sharp row's threshold is found, and drawn, in its first pass.
+     bracket, narrowed to the keys present.
    - P_GATHER: a bracket of at most CAP keys: gathered, top-p's key found among them.
    The searches over gathered keys run in registers as wide as the gather needs: [SMALL] for
    at most SMALL keys (a sharp row's nucleus), else [CAP].
@@ -625,7 +622,7 @@ def _row_k_gather(key, live, k, top_p):
 
 @triton.jit
 def _row_p_split(st, CntPart, MassPart, BoundPart, CBase, row, C, top_p, lo, hi, fresh, base,
-                 zk, trace, CP: tl.constexpr, CAP: tl.constexpr, PACK: tl.constexpr):
+                 zk, trace, CP: tl.constexpr, CAP: tl.constexpr):
     """Top-p's step: the interval where base + the weight below its end first reaches top_p *
     zk (zk: the first split's total) becomes the bracket, narrowed to the keys present; the
     next pass gathers it (at most CAP keys), counts its keys one by one (at most 256 wide) or
@@ -635,8 +632,8 @@ def _row_p_split(st, CntPart, MassPart, BoundPart, CBase, row, C, top_p, lo, hi,
     cs = tl.arange(0, CP)
     live = cs < C
     at = (row * C + cs[:, None]) * 16 + j[None, :]
-    chunk_cnt = tl.load(CntPart + at, mask=live[:, None], other=0, cache_modifier=".cg")
-    cnt = tl.sum(chunk_cnt, axis=0)
+    cnt = tl.sum(tl.load(CntPart + at, mask=live[:, None], other=0, cache_modifier=".cg"),
+                 axis=0)
     chunk_mass = tl.load(MassPart + at, mask=live[:, None], other=0, cache_modifier=".cg")
     mass = tl.sum(chunk_mass, axis=0)
     bmin = tl.min(tl.load(BoundPart + (row * C + cs) * 2, mask=live, other=KEY_INF_K + 1,
@@ -653,7 +650,6 @@ def _row_p_split(st, CntPart, MassPart, BoundPart, CBase, row, C, top_p, lo, hi,
     n_in = tl.sum(tl.where(j == js, cnt, 0) - tl.where(j == js - 1, cnt, 0), axis=0)
     lo2 = tl.maximum(_split_bound(js.to(tl.int64), lo, hi, fresh), bmin)
     hi2 = tl.minimum(_split_bound(js.to(tl.int64) + 1, lo, hi, fresh) - 1, bmax)
-    packed = tl.max(tl.max(tl.where(j[None, :] == 15, chunk_cnt, 0), axis=1), axis=0) <= PACK
     if thr <= 0:
         _resolve(st, 0, zk, trace)                       # top_p <= 0: the top key alone
     elif lo2 >= hi2:
@@ -667,35 +663,6 @@ def _row_p_split(st, CntPart, MassPart, BoundPart, CBase, row, C, top_p, lo, hi,
     else:
         _set_state(st, P_SPLIT_K, lo2, hi2, 0, 0, base2, zk, KEY_INF_K, js,
                    trace | P_SPLIT_BIT)
-    fuse = (PACK > 0) & packed & (thr > 0) & (n_in > 0) & (n_in <= CAP)
-    return fuse, lo2, hi2, base2, zk, trace | P_GATHER_BIT
-
-
-@triton.jit
-def _gather_packed(Pack, CntPart, Buf, Span, row, C, lo, hi, CP: tl.constexpr,
-                   PACK: tl.constexpr, CAP: tl.constexpr):
-    """The split's last program gathers the bracket [lo, hi] from the chunks' packs (every
-    chunk packed its keys that count: CntPart's last interval holds their number), as a
-    P_GATHER pass would from the logits: the keys to the row's buffer, each chunk's run (in
-    chunk order) to its span. Returns the number gathered (at most CAP, the caller's check)."""
-    t = tl.arange(0, PACK)
-    at = tl.zeros([], dtype=tl.int32)
-    for c0 in range(0, CP, 16):
-        cs = c0 + tl.arange(0, 16)
-        ok = cs < C
-        nc = tl.load(CntPart + (row * C + cs) * 16 + 15, mask=ok, other=0, cache_modifier=".cg")
-        keys = tl.load(Pack + (row * C + cs[:, None]).to(tl.int64) * PACK + t[None, :],
-                       mask=t[None, :] < nc[:, None], other=KEY_INF_K, cache_modifier=".cg")
-        flags = ((keys >= lo) & (keys <= hi)).to(tl.int32)
-        per = tl.sum(flags, axis=1)
-        start = at + tl.cumsum(per, axis=0) - per
-        pos = start[:, None] + tl.cumsum(flags, axis=1) - 1
-        tl.store(Buf + row.to(tl.int64) * CAP + pos, keys, mask=(flags > 0) & (pos < CAP))
-        tl.store(Span + (row * C + cs) * 2, start, mask=ok)
-        tl.store(Span + (row * C + cs) * 2 + 1, per, mask=ok)
-        at += tl.sum(per, axis=0)
-    tl.debug_barrier()                                   # the buffer, for every thread
-    return at
 
 
 @triton.jit
@@ -817,36 +784,14 @@ def _row_gathered(st, mode, Buf, n, row, k, top_p, base, zk, trace, Seed, Pos, p
         _resolve(st, kg, zg, trace)
 
 
-@triton.jit
-def _row_gather_end(st, mode, Buf, n_g, row, k, top_p, base, zk, trace, Seed, Pos, purpose,
-                    Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m, pinf, min_w,
-                    CHUNK: tl.constexpr, CP: tl.constexpr, CAP: tl.constexpr, DRAW: tl.constexpr,
-                    SMALL: tl.constexpr):
-    """`_row_gathered` over registers [SMALL] where the n_g gathered keys fit (a sharp row's
-    nucleus), else [CAP] (one compiled copy where SMALL == CAP)."""
-    if SMALL == CAP:
-        _row_gathered(st, mode, Buf, n_g, row, k, top_p, base, zk, trace, Seed, Pos, purpose,
-                      Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m, pinf, min_w, CHUNK,
-                      CP, CAP, DRAW, CAP)
-    elif n_g <= SMALL:
-        _row_gathered(st, mode, Buf, n_g, row, k, top_p, base, zk, trace, Seed, Pos, purpose,
-                      Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m, pinf, min_w, CHUNK,
-                      CP, CAP, DRAW, SMALL)
-    else:
-        _row_gathered(st, mode, Buf, n_g, row, k, top_p, base, zk, trace, Seed, Pos, purpose,
-                      Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m, pinf, min_w, CHUNK,
-                      CP, CAP, DRAW, CAP)
-
-
 @triton.jit(noinline=True)
-def _select_row(row, x, X, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI, PartNan,
+def _select_row(row, c, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI, PartNan,
                 PartM, State, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count, Span,
                 CBase, Pref, Pack, Arrive, Out, V, C, S, purpose, s, FIRST: tl.constexpr,
                 CHUNK: tl.constexpr, SUB: tl.constexpr, CP: tl.constexpr, CAP: tl.constexpr,
                 SMALL: tl.constexpr, PACK: tl.constexpr, DRAW: tl.constexpr):
-    """Chunks x, x + X, ... of the row's pass in the row's mode (the row's state read once),
-    then one arrival: the last of the row's X programs to finish moves the row to its next mode
-    (module doc)."""
+    """Chunk c's part of the row's pass in the row's mode; the row's last program to finish
+    moves the row to its next mode (module doc)."""
     row = tl.cast(row, tl.int32)                      # the interpreter's loops give ints
     st = State + row * NSTATE_K
     m, pinf = _row_max(PartM, row, C, CP)
@@ -858,7 +803,7 @@ def _select_row(row, x, X, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV
     else:
         mode = tl.load(st).to(tl.int32)
     if mode == GREEDY_K:
-        if x == 0:
+        if c == 0:
             tl.store(Out + row, _greedy_token(PartV, PartI, PartNan, row, C, V, CP))
             _set_state(st, DONE_K, 0, 0, 0, 0, 0, 0, KEY_INF_K, -1, GREEDY_BIT + PASS_ONE)
     elif mode != DONE_K:
@@ -866,11 +811,10 @@ def _select_row(row, x, X, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV
         l_ptr = L + row.to(tl.int64) * stride_l
         inv_t = tl.math.div_rn(1.0, tl.where(temp > 0, temp, 1.0))
         min_w = tl.load(MinP + row).to(tl.float64) * 1099511627776.0        # min_p * 2**40
-        for c in tl.range(x, C, X, num_stages=1):
-            _chunk_share(mode, l_ptr, row, c, V, C, S, s, inv_t, m, pinf, lo, hi, shift, fresh,
-                         kf, sel, min_w, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf,
-                         Count, Span, Pack, CHUNK, SUB, CAP, PACK)
-        if _arrive(Arrive, row, s, S, X):
+        _chunk_share(mode, l_ptr, row, c, V, C, S, s, inv_t, m, pinf, lo, hi, shift, fresh, kf,
+                     sel, min_w, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count, Span,
+                     Pack, CHUNK, SUB, CAP, PACK)
+        if _arrive(Arrive, row, s, S, C):
             trace += PASS_ONE
             if mode == WEIGHTS_K:
                 bits = _random_bits_t(tl.load(Seed + row), tl.load(Pos + row), purpose, 0)
@@ -882,21 +826,21 @@ def _select_row(row, x, X, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV
                 _row_k_hist(st, HistPart, row, C, k, top_p, lo, hi, shift, base, trace, CP, CAP)
             elif (mode == K_GATHER_K) | (mode == P_GATHER_K):
                 n_g = tl.atomic_add(Count + row * S + s, 0, sem="acquire", scope="gpu")
-                _row_gather_end(st, mode, Buf, n_g, row, k, top_p, base, zk, trace, Seed, Pos,
-                                purpose, Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m,
-                                pinf, min_w, CHUNK, CP, CAP, DRAW, SMALL)
+                if SMALL == CAP:
+                    _row_gathered(st, mode, Buf, n_g, row, k, top_p, base, zk, trace, Seed, Pos,
+                                  purpose, Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m,
+                                  pinf, min_w, CHUNK, CP, CAP, DRAW, CAP)
+                elif n_g <= SMALL:        # a few keys (a sharp row's nucleus): [SMALL] searches
+                    _row_gathered(st, mode, Buf, n_g, row, k, top_p, base, zk, trace, Seed, Pos,
+                                  purpose, Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m,
+                                  pinf, min_w, CHUNK, CP, CAP, DRAW, SMALL)
+                else:
+                    _row_gathered(st, mode, Buf, n_g, row, k, top_p, base, zk, trace, Seed, Pos,
+                                  purpose, Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m,
+                                  pinf, min_w, CHUNK, CP, CAP, DRAW, CAP)
             elif mode == P_SPLIT_K:
-                fuse, lo2, hi2, base2, zk2, trace2 = _row_p_split(
-                    st, CntPart, MassPart, BoundPart, CBase, row, C, top_p, lo, hi, fresh, base,
-                    zk, trace, CP, CAP, PACK)
-                if PACK > 0:
-                    if fuse:              # the bracket's keys are in the packs: gather them now
-                        n_g = _gather_packed(Pack, CntPart, Buf, Span, row, C, lo2, hi2, CP,
-                                             PACK, CAP)
-                        _row_gather_end(st, P_GATHER_K, Buf, n_g, row, k, top_p, base2, zk2,
-                                        trace2, Seed, Pos, purpose, Span, CBase, Pref, ZPart,
-                                        Out, l_ptr, C, V, inv_t, m, pinf, min_w, CHUNK, CP, CAP,
-                                        DRAW, SMALL)
+                _row_p_split(st, CntPart, MassPart, BoundPart, CBase, row, C, top_p, lo, hi,
+                             fresh, base, zk, trace, CP, CAP)
             else:
                 _row_p_hist(st, HistPart, row, C, top_p, lo, base, zk, trace, CP)
 
@@ -926,10 +870,11 @@ def _select_kernel(L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI,
             busy = busy | (tl.max(modes, axis=0) > 0)
     if busy:
         for row in tl.range(g, n, G, num_stages=1):
-            _select_row(row, x, X, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI,
-                        PartNan, PartM, State, HistPart, CntPart, MassPart, BoundPart, ZPart,
-                        Buf, Count, Span, CBase, Pref, Pack, Arrive, Out, V, C, S, purpose, s,
-                        FIRST, CHUNK, SUB, CP, CAP, SMALL, PACK, DRAW)
+            for c in tl.range(x, C, X, num_stages=1):
+                _select_row(row, c, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI,
+                            PartNan, PartM, State, HistPart, CntPart, MassPart, BoundPart,
+                            ZPart, Buf, Count, Span, CBase, Pref, Pack, Arrive, Out, V, C, S,
+                            purpose, s, FIRST, CHUNK, SUB, CP, CAP, SMALL, PACK, DRAW)
 
 
 PASSES = 12         # top-k <= 4 passes, top-p <= 7, the draw 1 (module doc)
