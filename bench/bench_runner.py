@@ -19,9 +19,11 @@ All variants run side by side in one process on the same body, weights and KV ca
   padgraph+compile+sample  padgraph+compile with the sampler in place of the argmax: Llama 3's
                    own generation settings (temperature 0.6, top-p 0.9) on the logits times
                    --sample-factor (a random model's logits are nearly flat; the factor sharpens
-                   them, and the run prints their mean entropy at that temperature); what sampling
-                   adds to the step is its time over padgraph+compile's. Its check: every token
-                   lies in the eager model's nucleus (the share that does)
+                   them, and the run prints their mean entropy at that temperature). The factor
+                   goes into the temperature lanes (0.6 / factor on the logits is the same
+                   distribution), so the step runs no kernel a trained model's would not; what
+                   sampling adds to the step is its time over padgraph+compile's. Its check:
+                   every token lies in the eager model's nucleus (the share that does)
   padgraph+fused   the same weights through the fused per-layer kernels and fused tail
                    (`LlamaModel(fused=FusedDecodePolicy(pdl=False))`, steps of at most its max_rows;
                    larger steps run the model's own path), captured by padgraph; +pdl: with PDL
@@ -108,7 +110,9 @@ class Step:
 
 class SampledStep(Step):
     """The decode body with the sampler in place of the argmax: every row at `SAMPLING`'s
-    settings on logits * factor, seeded per row, drawn at its position."""
+    settings on logits * factor, seeded per row, drawn at its position. The factor is in the
+    temperature lanes (temperature / factor on the logits: the same distribution), not a
+    multiply of the logits: a trained model's step would run no such kernel."""
 
     SAMPLING = dict(temperature=0.6, top_p=0.9)      # Llama 3's generation_config
 
@@ -116,7 +120,8 @@ class SampledStep(Step):
         super().__init__(model, kv)
         self.factor = factor
         dev = kv.req_to_token.device
-        self.lanes = (torch.full((MAX_BS,), self.SAMPLING["temperature"], device=dev),
+        self.temperature = self.SAMPLING["temperature"] / factor
+        self.lanes = (torch.full((MAX_BS,), self.temperature, device=dev),
                       torch.zeros(MAX_BS, dtype=torch.int32, device=dev),
                       torch.full((MAX_BS,), self.SAMPLING["top_p"], device=dev),
                       torch.zeros(MAX_BS, device=dev), torch.arange(MAX_BS, device=dev) + 1)
@@ -124,7 +129,7 @@ class SampledStep(Step):
     def pick(self, logits, temperature, positions):
         """The sampler at `SAMPLING`'s lanes (the program's temperature input is unused)."""
         n = logits.shape[0]
-        return sample(logits * self.factor, *(t[:n] for t in self.lanes), positions,
+        return sample(logits, *(t[:n] for t in self.lanes), positions,
                       PURPOSE_DECODE)
 
     def nucleus(self, raw: dict) -> tuple[torch.Tensor, float]:
@@ -134,9 +139,9 @@ class SampledStep(Step):
         batch = Batch(self.kv, self.kv.req_to_token, raw["req_pool_indices"], raw["seq_lens"],
                       raw["out_cache_loc"])
         logits, _ = self.model.forward_decode(raw["input_ids"], raw["positions"], batch)
-        x = logits.float() * self.factor
+        x = logits.float()
         w, _ = sampling_weights(x, *(t[:n] for t in self.lanes[:4]))
-        logp = torch.log_softmax(x / self.SAMPLING["temperature"], -1)
+        logp = torch.log_softmax(x / self.temperature, -1)
         return w > 0, float(-(logp.exp() * logp).sum(-1).mean())
 
 
@@ -511,9 +516,10 @@ def sampling_lines(by: dict, setup: dict, sizes) -> list[str]:
     if name not in setup or "padgraph+compile" not in setup:
         return []
     st = setup[name]
-    out = ["", f"sampling ({name}: temperature {st['sampling']['temperature']}, top-p "
-               f"{st['sampling']['top_p']} on the logits times {st['logit_factor']}) against the "
-               "argmax (padgraph+compile), back to back:", ""]
+    t, f = st['sampling']['temperature'], st['logit_factor']
+    out = ["", f"sampling ({name}: temperature {t}, top-p {st['sampling']['top_p']} on the "
+               f"logits times {f}, run as temperature {t} / {f} = {t / f:.4g} on the logits) "
+               "against the argmax (padgraph+compile), back to back:", ""]
     for n in sizes:
         g, smp = by.get((n, "padgraph+compile")), by.get((n, name))
         if g and smp:

@@ -19,16 +19,26 @@ bracket of keys with counts and integer weights summed over chunks, so they are 
 (one batch mixes greedy, temperature-only and filtered rows):
 
 1. `_chunk_max_kernel`, grid (n, C chunks of CHUNK logits): each chunk's share of torch's argmax
-   (greedy rows) and of max(x), x = l * (1 / temperature); it also clears the row's counters.
+   (greedy rows) and of max(x), x = l * (1 / temperature), and how many of its x lie within
+   NEAR of its own maximum; it also clears the row's counters.
 2. `_select_kernel`, PASSES launches, grid (G row groups, X chunk groups): program (g, x) does
    chunks x, x + X, ... of rows g, g + G, ... (X = C: a chunk a program). In each pass a row
-   is in one mode; every program of the row does its chunk's share, and the last one to finish
-   (a per-row counter, acq_rel) reads the chunks' shares and sets the row's next mode:
+   is in one mode; every program of the row does its chunks' shares (reading the row's state
+   once) and arrives once, and the last one to finish (a per-row counter, acq_rel) reads the
+   chunks' shares and sets the row's next mode:
    - greedy (first launch only): torch's argmax from the chunk shares.
    - K_HIST, top-k's key by radix select: a 256-bin count histogram per chunk of one 8-bit
      digit of the keys in the bracket, the bin where the count reaches k becomes the bracket.
    - K_GATHER: at most CAP keys lie at or below the bracket: they are gathered, top-k's key and
      then top-p's are found among them in registers.
+   - P_NEAR (first launch only), top-p's key where few keys lie near the maximum: a top-p
+     row (no top-k) whose chunks hold at most CAP keys within NEAR = 8 of their own maxima (a
+     bound on the row's keys with |d| < NEAR) gathers those keys while every chunk sums its
+     whole weight Z (packing its keys that weigh first, as P_SPLIT does). Where the gathered
+     keys weigh at least top_p * Z, top-p's key is among them (every key below it was
+     gathered) and is found as P_GATHER's is: a sharp row has its threshold, and with the
+     draw in the gather its token, after one pass. Else the row starts P_SPLIT in the next
+     pass. A flat row, whose bound exceeds CAP, starts in P_SPLIT.
    - P_SPLIT, top-p's key: the bracket is split into 16 intervals (on the first split a fixed
      table, fine where a flat row's nucleus ends: |d| in [1, 2), quarters of [2, 8), halves of
      [8, 16); then 16 equal parts); each chunk sums, below each interval's end, the count and
@@ -40,14 +50,15 @@ bracket of keys with counts and integer weights summed over chunks, so they are 
    - P_HIST: a bracket at most 256 keys wide: a count per key, its weight count * fixed_exp.
    - WEIGHTS: each chunk's kept weight (threshold and min-p applied); the last program draws:
      r = floor(u * Z / 2**62), the chunk whose cumulative kept weight passes r, the index in it.
-     A row whose threshold was found in a gather (K_GATHER, P_GATHER) draws in that pass
+     A row whose threshold was found in a gather (K_GATHER, P_GATHER, P_NEAR) draws in that pass
      instead, when min-p is off and the launch asks for it (`SelectPolicy.gather_draw`): a
      chunk's kept weight is then its weight below the bracket (each P_SPLIT adds the chunk's
      weight below the new bracket to CBase) plus that of its gathered keys up to the
      threshold (one run of the buffer, whose span the chunk records).
    A chunk with no key in the new bracket skips the next pass. Top-k takes at most 4 passes
    (31 bits), top-p at most 7 (the table's intervals span at most 2**28 keys, five equal splits
-   leave 256), the draw 1: PASSES = 12. A pass whose rows are all done costs its programs one
+   leave 256; a top-p row that tries P_NEAR and falls short has no top-k, so at most 8), the
+   draw 1: PASSES = 12. A pass whose rows are all done costs its programs one
    load each. G, X, the warps of a program and whether a gather draws are
    `select_policy(n)`'s.
 
@@ -85,6 +96,8 @@ V_MAX = 1 << 18                 # V * 2**40 <= 2**58: sums and mulhi62 stay insi
 D_MIN = -28.0                   # exp(-28) * 2**40 < 1: every d below weighs 0
 
 KEY_CUT = 0x41E00000            # fp32 bits of 28.0: the key of d = -28
+NEAR = 8.0                      # top-p's first pass gathers the keys with |d| < NEAR
+KEY_NEAR = 0x41000000           # fp32 bits of 8.0
 KEY_INF = 0x7F800000            # the key of d = -inf (larger than every other key)
 
 
@@ -176,6 +189,8 @@ C3_K = tl.constexpr(C3)
 FIXED_BITS_K = tl.constexpr(FIXED_BITS)
 KEY_INF_K = tl.constexpr(KEY_INF)
 KEY_CUT_K = tl.constexpr(KEY_CUT)
+NEAR_K = tl.constexpr(NEAR)
+KEY_NEAR_K = tl.constexpr(KEY_NEAR)
 
 
 @triton.jit
@@ -284,12 +299,13 @@ def _mass_key(key, w, live, thr, base):
 # ------------------------------------------------------------------------ the chunk maxima
 
 @triton.jit
-def _chunk_max_kernel(L, stride_l, Temp, PartV, PartI, PartNan, PartM, Count, Arrive, CBase, V,
-                      C, S, CHUNK: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr):
+def _chunk_max_kernel(L, stride_l, Temp, PartV, PartI, PartNan, PartM, PartN, Count, Arrive,
+                      CBase, V, C, S, CHUNK: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr):
     """Grid (n, C). Chunk c's share of torch's argmax (its largest non-NaN logit, the first
-    index holding it, its first NaN) and of max(l * inv_t) with NaN as -inf; it clears the
-    chunk's weight below the splits' brackets (CBase). Chunk 0 clears the row's gather and
-    arrival counters of the select passes."""
+    index holding it, its first NaN) and of max(l * inv_t) with NaN as -inf, and the number of
+    its x within NEAR of its own maximum (`_near_bound`); it clears the chunk's weight below the
+    splits' brackets (CBase). Chunk 0 clears the row's gather and arrival counters of the
+    select passes."""
     row = tl.program_id(0)
     c = tl.program_id(1)
     offs = c * CHUNK + tl.arange(0, CHUNK)
@@ -306,7 +322,11 @@ def _chunk_max_kernel(L, stride_l, Temp, PartV, PartI, PartNan, PartM, Count, Ar
     tl.store(PartV + base, best)
     tl.store(PartI + base, tl.min(tl.where((lv == best) & valid & ~isnan, offs, V), axis=0))
     tl.store(PartNan + base, tl.min(tl.where(isnan, offs, V), axis=0))
-    tl.store(PartM + base, tl.max(tl.where(x != x, float("-inf"), x), axis=0))
+    mc = tl.max(tl.where(x != x, float("-inf"), x), axis=0)
+    tl.store(PartM + base, mc)
+    same = x == mc
+    d = tl.where(same, 0.0, x) - tl.where(same, 0.0, mc)          # no inf - inf
+    tl.store(PartN + base, tl.sum((valid & (d > -NEAR_K)).to(tl.int32), axis=0))
     tl.store(CBase + base, tl.zeros([], dtype=tl.int64))
     if c == 0:
         ss = tl.arange(0, SP)
@@ -320,6 +340,20 @@ def _row_max(PartM, row, C, CP: tl.constexpr):
     m = tl.max(tl.load(PartM + row * C + cs, mask=cs < C, other=float("-inf")), axis=0)
     pinf = m == float("inf")
     return tl.where(pinf, 0.0, m), pinf
+
+
+@triton.jit
+def _near_bound(PartM, PartN, row, m, C, CP: tl.constexpr):
+    """At least the number of the row's keys with |d| < NEAR (d = x - m, x <= m_c in chunk c,
+    fp32 subtraction monotone): chunk c's x within NEAR of m_c, over the chunks where
+    m_c - m > -NEAR (elsewhere none)."""
+    cs = tl.arange(0, CP)
+    ok = cs < C
+    mc = tl.load(PartM + row * C + cs, mask=ok, other=float("-inf"))
+    nc = tl.load(PartN + row * C + cs, mask=ok, other=0)
+    same = mc == m
+    gap = tl.where(same, 0.0, mc) - tl.where(same, 0.0, m)         # no inf - inf
+    return tl.sum(tl.where(ok & (gap > -NEAR_K), nc, 0), axis=0)
 
 
 @triton.jit
@@ -339,7 +373,8 @@ def _greedy_token(PartV, PartI, PartNan, row, C, V, CP: tl.constexpr):
 # ----------------------------------------------------------------------- the select passes
 
 # A row's mode in one select pass (GREEDY only in the first), and its bit in the row's trace.
-MODES = ("done", "weights", "k_hist", "k_gather", "p_split", "p_gather", "p_hist", "greedy")
+MODES = ("done", "weights", "k_hist", "k_gather", "p_split", "p_gather", "p_hist", "greedy",
+         "p_near")
 DONE_K = tl.constexpr(0)
 WEIGHTS_K = tl.constexpr(1)
 K_HIST_K = tl.constexpr(2)
@@ -348,6 +383,7 @@ P_SPLIT_K = tl.constexpr(4)
 P_GATHER_K = tl.constexpr(5)
 P_HIST_K = tl.constexpr(6)
 GREEDY_K = tl.constexpr(7)
+P_NEAR_K = tl.constexpr(8)
 WEIGHTS_BIT = tl.constexpr(1 << 1)
 K_HIST_BIT = tl.constexpr(1 << 2)
 K_GATHER_BIT = tl.constexpr(1 << 3)
@@ -355,6 +391,7 @@ P_SPLIT_BIT = tl.constexpr(1 << 4)
 P_GATHER_BIT = tl.constexpr(1 << 5)
 P_HIST_BIT = tl.constexpr(1 << 6)
 GREEDY_BIT = tl.constexpr(1 << 7)
+P_NEAR_BIT = tl.constexpr(1 << 8)
 PASS_ONE = tl.constexpr(1 << 16)    # the trace counts the passes a row took above its mode bits
 NSTATE_K = tl.constexpr(16)     # int64 fields a row: mode, lo, hi, shift, fresh, base, zk, kf,
                                 # sel, trace (see `_set_state`)
@@ -411,11 +448,11 @@ def _split_bound(i, lo, hi, fresh):
 
 
 @triton.jit
-def _arrive(Arrive, row, s, S, C):
-    """Whether this program is the row's last to finish the pass (its writes, and every other
-    program's, are then visible to it)."""
+def _arrive(Arrive, row, s, S, X):
+    """Whether this program is the last of the row's X to finish the pass (its writes, and
+    every other program's, are then visible to it)."""
     tl.debug_barrier()
-    return tl.atomic_add(Arrive + row * S + s, 1, sem="acq_rel", scope="gpu") == C - 1
+    return tl.atomic_add(Arrive + row * S + s, 1, sem="acq_rel", scope="gpu") == X - 1
 
 
 @triton.jit
@@ -515,15 +552,57 @@ def _split_chunk(l_ptr, first, V, inv_t, m, pinf, lo, hi, fresh, Pack, slot,
 
 
 @triton.jit
+def _near_share(l_ptr, row, c, V, C, S, s, inv_t, m, pinf, ZPart, MassPart, Buf, Count, Span,
+                Pack, slot, CHUNK: tl.constexpr, CAP: tl.constexpr, PACK: tl.constexpr):
+    """P_NEAR: the chunk's whole weight (ZPart) and its keys with |d| < NEAR gathered (their
+    weight to MassPart's first slot). Where at most PACK of its keys weigh (|d| < 28), they are
+    packed first and weighed there (a sharp row's chunk), else every key is."""
+    d, key, valid = _d_key(l_ptr, c * CHUNK + tl.arange(0, CHUNK), V, inv_t, m, pinf)
+    act = valid & (key < KEY_CUT_K)
+    if PACK > 0:
+        flags = act.to(tl.int32)
+        if tl.sum(flags, axis=0) <= PACK:
+            pack = Pack + slot.to(tl.int64) * PACK
+            tl.store(pack + tl.cumsum(flags, axis=0) - 1, key, mask=act)
+            tl.debug_barrier()                           # the packed keys, for every thread
+            live = tl.arange(0, PACK) < tl.sum(flags, axis=0)
+            pk = tl.load(pack + tl.arange(0, PACK), mask=live, other=KEY_INF_K,
+                         cache_modifier=".cg")
+            _near_keys(pk, tl.where(live, _key_weight(pk), 0), live, row, c, C, s, S, ZPart,
+                       MassPart, Buf, Count, Span, slot, CAP)
+        else:
+            _near_keys(key, _fixed_exp_t(d), act, row, c, C, s, S, ZPart, MassPart, Buf, Count,
+                       Span, slot, CAP)
+    else:
+        _near_keys(key, _fixed_exp_t(d), act, row, c, C, s, S, ZPart, MassPart, Buf, Count, Span,
+                   slot, CAP)
+
+
+@triton.jit
+def _near_keys(key, w, act, row, c, C, s, S, ZPart, MassPart, Buf, Count, Span, slot,
+               CAP: tl.constexpr):
+    """`_near_share`'s sums and gather over keys (act: the ones that count) of weights w."""
+    near = act & (key < KEY_NEAR_K)
+    _gather(Buf, Count, Span, row, c, C, s, S, key, near, CAP)
+    tl.store(ZPart + slot, tl.sum(tl.where(act, w, 0), axis=0))
+    tl.store(MassPart + slot * 16, tl.sum(tl.where(near, w, 0), axis=0))
+
+
+@triton.jit
 def _chunk_share(mode, l_ptr, row, c, V, C, S, s, inv_t, m, pinf, lo, hi, shift, fresh, kf,
                  sel, min_w, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count, Span,
-                 Pack, CHUNK: tl.constexpr, SUB: tl.constexpr, CAP: tl.constexpr,
-                 PACK: tl.constexpr):
-    """Chunk c's share of the row's pass in `mode` (written to the chunk's slots)."""
+                 Pack, FIRST: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
+                 CAP: tl.constexpr, PACK: tl.constexpr):
+    """Chunk c's share of the row's pass in `mode` (written to the chunk's slots; P_NEAR only
+    in the first pass)."""
     first = c * CHUNK
     offs = first + tl.arange(0, CHUNK)
     slot = row * C + c
     bins = tl.arange(0, 256)
+    if FIRST:
+        if mode == P_NEAR_K:
+            _near_share(l_ptr, row, c, V, C, S, s, inv_t, m, pinf, ZPart, MassPart, Buf, Count,
+                        Span, Pack, slot, CHUNK, CAP, PACK)
     if mode == WEIGHTS_K:
         z = tl.sum(_weights(l_ptr, offs, V, inv_t, m, pinf, kf.to(tl.int32), min_w), axis=0)
         tl.store(ZPart + slot, z)
@@ -784,14 +863,62 @@ def _row_gathered(st, mode, Buf, n, row, k, top_p, base, zk, trace, Seed, Pos, p
         _resolve(st, kg, zg, trace)
 
 
+@triton.jit
+def _row_gather_end(st, mode, Buf, n_g, row, k, top_p, base, zk, trace, Seed, Pos, purpose,
+                    Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m, pinf, min_w,
+                    CHUNK: tl.constexpr, CP: tl.constexpr, CAP: tl.constexpr, DRAW: tl.constexpr,
+                    SMALL: tl.constexpr):
+    """`_row_gathered` over registers [SMALL] where the n_g gathered keys fit (a sharp row's
+    nucleus), else [CAP] (one compiled copy where SMALL == CAP)."""
+    if SMALL == CAP:
+        _row_gathered(st, mode, Buf, n_g, row, k, top_p, base, zk, trace, Seed, Pos, purpose,
+                      Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m, pinf, min_w, CHUNK,
+                      CP, CAP, DRAW, CAP)
+    elif n_g <= SMALL:
+        _row_gathered(st, mode, Buf, n_g, row, k, top_p, base, zk, trace, Seed, Pos, purpose,
+                      Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m, pinf, min_w, CHUNK,
+                      CP, CAP, DRAW, SMALL)
+    else:
+        _row_gathered(st, mode, Buf, n_g, row, k, top_p, base, zk, trace, Seed, Pos, purpose,
+                      Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m, pinf, min_w, CHUNK,
+                      CP, CAP, DRAW, CAP)
+
+
+@triton.jit
+def _row_near(st, Buf, Count, ZPart, MassPart, row, C, S, s, top_p, trace, Seed, Pos, purpose,
+              Span, CBase, Pref, Out, l_ptr, V, inv_t, m, pinf, min_w, CHUNK: tl.constexpr,
+              CP: tl.constexpr, CAP: tl.constexpr, DRAW: tl.constexpr, SMALL: tl.constexpr):
+    """P_NEAR's end: Z, the row's whole weight, from the chunks' shares. Where the gathered keys
+    (every key with |d| < NEAR) weigh at least top_p * Z, top-p's key is among them: found (and
+    drawn) as a gather's (CBase is 0: no key lies below them). Else the row splits from the
+    start in the next pass, as if this one had not been."""
+    cs = tl.arange(0, CP)
+    ok = cs < C
+    z = tl.sum(tl.load(ZPart + row * C + cs, mask=ok, other=0, cache_modifier=".cg"), axis=0)
+    near = tl.sum(tl.load(MassPart + (row * C + cs) * 16, mask=ok, other=0,
+                          cache_modifier=".cg"), axis=0)
+    thr = z.to(tl.float64) * top_p.to(tl.float64)
+    if thr <= 0:
+        _resolve(st, 0, z, trace)                        # top_p <= 0: the top key alone
+    elif near.to(tl.float64) >= thr:
+        n_g = tl.atomic_add(Count + row * S + s, 0, sem="acquire", scope="gpu")
+        _row_gather_end(st, P_GATHER_K, Buf, n_g, row, 0, top_p, 0, z, trace, Seed, Pos,
+                        purpose, Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m, pinf,
+                        min_w, CHUNK, CP, CAP, DRAW, SMALL)
+    else:
+        _set_state(st, P_SPLIT_K, 0, KEY_CUT_K, 23, 1, 0, 0, KEY_INF_K, -1,
+                   trace | P_SPLIT_BIT)
+
+
 @triton.jit(noinline=True)
-def _select_row(row, c, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI, PartNan,
-                PartM, State, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count, Span,
+def _select_row(row, x, X, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI, PartNan,
+                PartM, PartN, State, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count, Span,
                 CBase, Pref, Pack, Arrive, Out, V, C, S, purpose, s, FIRST: tl.constexpr,
                 CHUNK: tl.constexpr, SUB: tl.constexpr, CP: tl.constexpr, CAP: tl.constexpr,
                 SMALL: tl.constexpr, PACK: tl.constexpr, DRAW: tl.constexpr):
-    """Chunk c's part of the row's pass in the row's mode; the row's last program to finish
-    moves the row to its next mode (module doc)."""
+    """Chunks x, x + X, ... of the row's pass in the row's mode (the row's maximum, parameters
+    and state read once), then one arrival: the last of the row's X programs to finish moves
+    the row to its next mode (module doc)."""
     row = tl.cast(row, tl.int32)                      # the interpreter's loops give ints
     st = State + row * NSTATE_K
     m, pinf = _row_max(PartM, row, C, CP)
@@ -800,10 +927,12 @@ def _select_row(row, c, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, P
     top_p = tl.load(TopP + row)
     if FIRST:
         mode = _first_mode(temp, k, top_p, m, V)
+        near = (mode == P_SPLIT_K) & (pinf == 0) & (_near_bound(PartM, PartN, row, m, C, CP) <= CAP)
+        mode = tl.where(near, P_NEAR_K, mode)
     else:
         mode = tl.load(st).to(tl.int32)
     if mode == GREEDY_K:
-        if c == 0:
+        if x == 0:
             tl.store(Out + row, _greedy_token(PartV, PartI, PartNan, row, C, V, CP))
             _set_state(st, DONE_K, 0, 0, 0, 0, 0, 0, KEY_INF_K, -1, GREEDY_BIT + PASS_ONE)
     elif mode != DONE_K:
@@ -811,10 +940,11 @@ def _select_row(row, c, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, P
         l_ptr = L + row.to(tl.int64) * stride_l
         inv_t = tl.math.div_rn(1.0, tl.where(temp > 0, temp, 1.0))
         min_w = tl.load(MinP + row).to(tl.float64) * 1099511627776.0        # min_p * 2**40
-        _chunk_share(mode, l_ptr, row, c, V, C, S, s, inv_t, m, pinf, lo, hi, shift, fresh, kf,
-                     sel, min_w, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count, Span,
-                     Pack, CHUNK, SUB, CAP, PACK)
-        if _arrive(Arrive, row, s, S, C):
+        for c in tl.range(x, C, X, num_stages=1):
+            _chunk_share(mode, l_ptr, row, c, V, C, S, s, inv_t, m, pinf, lo, hi, shift, fresh,
+                         kf, sel, min_w, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf,
+                         Count, Span, Pack, FIRST, CHUNK, SUB, CAP, PACK)
+        if _arrive(Arrive, row, s, S, X):
             trace += PASS_ONE
             if mode == WEIGHTS_K:
                 bits = _random_bits_t(tl.load(Seed + row), tl.load(Pos + row), purpose, 0)
@@ -826,28 +956,23 @@ def _select_row(row, c, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, P
                 _row_k_hist(st, HistPart, row, C, k, top_p, lo, hi, shift, base, trace, CP, CAP)
             elif (mode == K_GATHER_K) | (mode == P_GATHER_K):
                 n_g = tl.atomic_add(Count + row * S + s, 0, sem="acquire", scope="gpu")
-                if SMALL == CAP:
-                    _row_gathered(st, mode, Buf, n_g, row, k, top_p, base, zk, trace, Seed, Pos,
-                                  purpose, Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m,
-                                  pinf, min_w, CHUNK, CP, CAP, DRAW, CAP)
-                elif n_g <= SMALL:        # a few keys (a sharp row's nucleus): [SMALL] searches
-                    _row_gathered(st, mode, Buf, n_g, row, k, top_p, base, zk, trace, Seed, Pos,
-                                  purpose, Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m,
-                                  pinf, min_w, CHUNK, CP, CAP, DRAW, SMALL)
-                else:
-                    _row_gathered(st, mode, Buf, n_g, row, k, top_p, base, zk, trace, Seed, Pos,
-                                  purpose, Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m,
-                                  pinf, min_w, CHUNK, CP, CAP, DRAW, CAP)
+                _row_gather_end(st, mode, Buf, n_g, row, k, top_p, base, zk, trace, Seed, Pos,
+                                purpose, Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m,
+                                pinf, min_w, CHUNK, CP, CAP, DRAW, SMALL)
             elif mode == P_SPLIT_K:
                 _row_p_split(st, CntPart, MassPart, BoundPart, CBase, row, C, top_p, lo, hi,
                              fresh, base, zk, trace, CP, CAP)
-            else:
+            elif FIRST:                                  # the first pass's last mode: P_NEAR
+                _row_near(st, Buf, Count, ZPart, MassPart, row, C, S, s, top_p, trace, Seed, Pos,
+                          purpose, Span, CBase, Pref, Out, l_ptr, V, inv_t, m, pinf, min_w,
+                          CHUNK, CP, CAP, DRAW, SMALL)
+            else:                                        # a later pass's: P_HIST
                 _row_p_hist(st, HistPart, row, C, top_p, lo, base, zk, trace, CP)
 
 
 @triton.jit(do_not_specialize=["n", "s"])
 def _select_kernel(L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI, PartNan,
-                   PartM, State, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count,
+                   PartM, PartN, State, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count,
                    Span, CBase, Pref, Pack, Arrive, Out, n, V, C, S, purpose, s,
                    FIRST: tl.constexpr,
                    CHUNK: tl.constexpr, SUB: tl.constexpr, CP: tl.constexpr,
@@ -870,11 +995,10 @@ def _select_kernel(L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI,
             busy = busy | (tl.max(modes, axis=0) > 0)
     if busy:
         for row in tl.range(g, n, G, num_stages=1):
-            for c in tl.range(x, C, X, num_stages=1):
-                _select_row(row, c, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI,
-                            PartNan, PartM, State, HistPart, CntPart, MassPart, BoundPart,
-                            ZPart, Buf, Count, Span, CBase, Pref, Pack, Arrive, Out, V, C, S,
-                            purpose, s, FIRST, CHUNK, SUB, CP, CAP, SMALL, PACK, DRAW)
+            _select_row(row, x, X, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI,
+                        PartNan, PartM, PartN, State, HistPart, CntPart, MassPart, BoundPart, ZPart,
+                        Buf, Count, Span, CBase, Pref, Pack, Arrive, Out, V, C, S, purpose, s,
+                        FIRST, CHUNK, SUB, CP, CAP, SMALL, PACK, DRAW)
 
 
 PASSES = 12         # top-k <= 4 passes, top-p <= 7, the draw 1 (module doc)
@@ -977,7 +1101,8 @@ def sample_stages(logits, temperature, top_k, top_p, min_p, seed, position, purp
         return torch.empty(*shape, dtype=dtype, device=x.device)
 
     parts = (buf(n, C, dtype=torch.float32), buf(n, C, dtype=torch.int32),
-             buf(n, C, dtype=torch.int32), buf(n, C, dtype=torch.float32))
+             buf(n, C, dtype=torch.int32), buf(n, C, dtype=torch.float32),
+             buf(n, C, dtype=torch.int32))
     state = buf(n, NSTATE_K.value, dtype=torch.int64)
     work = (buf(n, C, 256, dtype=torch.int32), buf(n, C, 16, dtype=torch.int32),
             buf(n, C, 16, dtype=torch.int64), buf(n, C, 2, dtype=torch.int32),
