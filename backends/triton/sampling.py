@@ -556,7 +556,7 @@ def _split_chunk(l_ptr, first, V, inv_t, m, pinf, lo, hi, fresh, Pack, slot,
 @triton.jit
 def _near_share(l_ptr, row, c, V, C, S, s, inv_t, m, pinf, topk, ZPart, MassPart, HistPart, Buf,
                 Count, Span, Pack, slot, CHUNK: tl.constexpr, CAP: tl.constexpr,
-                PACK: tl.constexpr):
+                PACK: tl.constexpr, SUB: tl.constexpr):
     """P_NEAR: the chunk's whole weight (ZPart) and its keys with |d| < NEAR gathered (their
     weight to MassPart's first slot). Where at most PACK of its keys weigh (|d| < 28), they are
     packed first and weighed there (a sharp row's chunk), else every key is. A top-k row also
@@ -576,24 +576,35 @@ def _near_share(l_ptr, row, c, V, C, S, s, inv_t, m, pinf, topk, ZPart, MassPart
             live = tl.arange(0, PACK) < tl.sum(flags, axis=0)
             pk = tl.load(pack + tl.arange(0, PACK), mask=live, other=KEY_INF_K,
                          cache_modifier=".cg")
-            _near_keys(pk, tl.where(live, _key_weight(pk), 0), live, row, c, C, s, S, ZPart,
-                       MassPart, Buf, Count, Span, slot, CAP)
+            near = live & (pk < KEY_NEAR_K)
+            _gather(Buf, Count, Span, row, c, C, s, S, pk, near, CAP)
+            w = tl.where(live, _key_weight(pk), 0)
+            tl.store(ZPart + slot, tl.sum(w, axis=0))
+            tl.store(MassPart + slot * 16, tl.sum(tl.where(near, w, 0), axis=0))
         else:
-            _near_keys(key, _fixed_exp_t(d), act, row, c, C, s, S, ZPart, MassPart, Buf, Count,
-                       Span, slot, CAP)
+            _near_block(l_ptr, c * CHUNK, V, inv_t, m, pinf, key, act, row, c, C, s, S, ZPart,
+                        MassPart, Buf, Count, Span, slot, CHUNK, CAP, SUB)
     else:
-        _near_keys(key, _fixed_exp_t(d), act, row, c, C, s, S, ZPart, MassPart, Buf, Count, Span,
-                   slot, CAP)
+        _near_block(l_ptr, c * CHUNK, V, inv_t, m, pinf, key, act, row, c, C, s, S, ZPart,
+                    MassPart, Buf, Count, Span, slot, CHUNK, CAP, SUB)
 
 
 @triton.jit
-def _near_keys(key, w, act, row, c, C, s, S, ZPart, MassPart, Buf, Count, Span, slot,
-               CAP: tl.constexpr):
-    """`_near_share`'s sums and gather over keys (act: the ones that count) of weights w."""
-    near = act & (key < KEY_NEAR_K)
-    _gather(Buf, Count, Span, row, c, C, s, S, key, near, CAP)
-    tl.store(ZPart + slot, tl.sum(tl.where(act, w, 0), axis=0))
-    tl.store(MassPart + slot * 16, tl.sum(tl.where(near, w, 0), axis=0))
+def _near_block(l_ptr, first, V, inv_t, m, pinf, key, act, row, c, C, s, S, ZPart, MassPart,
+                Buf, Count, Span, slot, CHUNK: tl.constexpr, CAP: tl.constexpr,
+                SUB: tl.constexpr):
+    """`_near_share` over every key of the chunk: the near ones gathered, the weights summed
+    SUB logits at a time (a weight is int64: the whole chunk's would spill)."""
+    _gather(Buf, Count, Span, row, c, C, s, S, key, act & (key < KEY_NEAR_K), CAP)
+    z = tl.zeros([], dtype=tl.int64)
+    zn = tl.zeros([], dtype=tl.int64)
+    for start in tl.range(0, CHUNK, SUB, num_stages=1, loop_unroll_factor=1):
+        d, k2, valid = _d_key(l_ptr, first + start + tl.arange(0, SUB), V, inv_t, m, pinf)
+        w = tl.where(valid & (k2 < KEY_CUT_K), _fixed_exp_t(d), 0)
+        z += tl.sum(w, axis=0)
+        zn += tl.sum(tl.where(k2 < KEY_NEAR_K, w, 0), axis=0)
+    tl.store(ZPart + slot, z)
+    tl.store(MassPart + slot * 16, zn)
 
 
 @triton.jit
@@ -610,7 +621,7 @@ def _chunk_share(mode, l_ptr, row, c, V, C, S, s, inv_t, m, pinf, lo, hi, shift,
     if FIRST:
         if mode == P_NEAR_K:
             _near_share(l_ptr, row, c, V, C, S, s, inv_t, m, pinf, (k > 0) & (k < V), ZPart,
-                        MassPart, HistPart, Buf, Count, Span, Pack, slot, CHUNK, CAP, PACK)
+                        MassPart, HistPart, Buf, Count, Span, Pack, slot, CHUNK, CAP, PACK, SUB)
     if mode == WEIGHTS_K:
         z = tl.sum(_weights(l_ptr, offs, V, inv_t, m, pinf, kf.to(tl.int32), min_w), axis=0)
         tl.store(ZPart + slot, z)
@@ -898,7 +909,9 @@ def _row_near(st, Buf, Count, ZPart, MassPart, HistPart, row, C, S, s, k, top_p,
               CHUNK: tl.constexpr, CP: tl.constexpr, CAP: tl.constexpr, DRAW: tl.constexpr,
               SMALL: tl.constexpr):
     """P_NEAR's end. The gathered keys are every key with |d| < NEAR, so (CBase is 0: no key
-    lies below them) a threshold among them is found, and drawn, as a gather's:
+    lies below them) a threshold among them is found, and drawn, as a gather's, in [SMALL]
+    registers (more than SMALL keys: the next pass gathers them again and ends as K_GATHER or
+    P_GATHER, so the first pass's kernel holds no [CAP] search):
     - top-k: where at least k keys were gathered, top-k's key is among them, and so is every
       key top-p weighs (K_GATHER's end); else the row ends K_HIST's first step, whose digits
       this pass counted (so a row takes no more passes than without P_NEAR);
@@ -907,10 +920,13 @@ def _row_near(st, Buf, Count, ZPart, MassPart, HistPart, row, C, S, s, k, top_p,
       splits. A row that falls short goes on as if this pass had not been."""
     n_g = tl.atomic_add(Count + row * S + s, 0, sem="acquire", scope="gpu")
     if (k > 0) & (k < V):
-        if n_g >= k:
-            _row_gather_end(st, K_GATHER_K, Buf, n_g, row, k, top_p, 0, 0, trace, Seed, Pos,
-                            purpose, Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m, pinf,
-                            min_w, CHUNK, CP, CAP, DRAW, SMALL)
+        if (n_g >= k) & (n_g <= SMALL):
+            _row_gathered(st, K_GATHER_K, Buf, n_g, row, k, top_p, 0, 0, trace, Seed, Pos,
+                          purpose, Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m, pinf,
+                          min_w, CHUNK, CP, CAP, DRAW, SMALL)
+        elif n_g >= k:                                   # K_GATHER's pass over the same keys
+            _set_state(st, K_GATHER_K, 0, KEY_NEAR_K - 1, 0, 0, 0, 0, KEY_INF_K, -1,
+                       trace | K_GATHER_BIT)
         else:                       # K_HIST's first step, from the digits this pass counted
             _row_k_hist(st, HistPart, row, C, k, top_p, 0, KEY_INF_K, 23, 0, trace | K_HIST_BIT,
                         CP, CAP)
@@ -923,10 +939,13 @@ def _row_near(st, Buf, Count, ZPart, MassPart, HistPart, row, C, S, s, k, top_p,
         thr = z.to(tl.float64) * top_p.to(tl.float64)
         if thr <= 0:
             _resolve(st, 0, z, trace)                    # top_p <= 0: the top key alone
-        elif near.to(tl.float64) >= thr:
-            _row_gather_end(st, P_GATHER_K, Buf, n_g, row, k, top_p, 0, z, trace, Seed, Pos,
-                            purpose, Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m, pinf,
-                            min_w, CHUNK, CP, CAP, DRAW, SMALL)
+        elif (near.to(tl.float64) >= thr) & (n_g <= SMALL):
+            _row_gathered(st, P_GATHER_K, Buf, n_g, row, k, top_p, 0, z, trace, Seed, Pos,
+                          purpose, Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m, pinf,
+                          min_w, CHUNK, CP, CAP, DRAW, SMALL)
+        elif near.to(tl.float64) >= thr:                 # P_GATHER's pass over the same keys
+            _set_state(st, P_GATHER_K, 0, KEY_NEAR_K - 1, 0, 0, 0, z, KEY_INF_K, -1,
+                       trace | P_GATHER_BIT)
         else:
             _set_state(st, P_SPLIT_K, 0, KEY_CUT_K, 23, 1, 0, 0, KEY_INF_K, -1,
                        trace | P_SPLIT_BIT)
