@@ -240,26 +240,28 @@ def test_the_default_launch_matches_the_reference():
 
 
 @pytest.mark.parametrize("draw,pack", [(True, None), (False, None), (True, 0)])
-def test_a_sharp_row_finds_its_thresholds_in_its_first_pass(draw, pack):
-    """A top-k or top-p row whose chunks hold at most CAP keys within NEAR of their maxima
+def test_a_sharp_row_finds_top_p_in_its_first_pass(draw, pack):
+    """A top-p row (no top-k) whose chunks hold at most CAP keys within NEAR of their maxima
     gathers its keys with |d| < NEAR in its first pass while it weighs the whole row (P_NEAR).
-    Where at least k keys were gathered (top-k, then top-p among them) or those keys hold
-    top_p of the weight, the thresholds are found among them and the row is drawn in that
-    pass (min-p off, `gather_draw`), else it takes the weights pass; the thresholds stay the
-    reference's. pack 0: every chunk weighs all its keys instead of packing them."""
+    Where those keys hold top_p of the weight, top-p's key is found among them and the row is
+    drawn in that pass (min-p off, `gather_draw`), else it takes the weights pass; the
+    thresholds stay the reference's. pack 0: every chunk weighs all its keys instead of
+    packing them. Top-k rows (the last lane of each three) take K_HIST as before."""
     g = torch.Generator().manual_seed(31)
     n, V = 12, 3000
     scale = torch.tensor([15.0, 25.0, 40.0])[torch.arange(n) % 3][:, None]
     logits = torch.randn(n, V, generator=g) * scale
     min_p = [0.0] * 10 + [0.01] * 2
-    args = lanes_of(n, [0.7, 1.0, 1.3] * 4, [0, 0, 3, 0, 0, 0, 2, 0, 0, 1, 0, 0],
-                    [0.9, 0.5, 0.99, 0.8] * 3, min_p)
+    top_k = [0, 0, 0, 0, 0, 0, 0, 0, 3, 0, 0, 2]
+    args = lanes_of(n, [0.7, 1.0, 1.3] * 4, top_k, [0.9, 0.5, 0.99, 0.8] * 3, min_p)
     args[4] = torch.randint(0, 2 ** 62, (n,), generator=g)
     stages = check_stages(logits, args, chunk=256, cap=64, gather_draw=draw, pack=pack)
-    assert modes_of(stages) == {"p_near"} | ({"weights"} if not draw or any(min_p) else set())
+    near = (stages.modes & 1 << K.MODES.index("p_near")) > 0
+    assert near.tolist() == [k == 0 for k in top_k]
+    assert modes_of(stages) >= {"p_near", "k_hist"}
     no_min_p = torch.tensor(min_p) == 0
-    assert (stages.passes[no_min_p] == (1 if draw else 2)).all()
-    assert (stages.passes[~no_min_p] == 2).all()
+    assert (stages.passes[no_min_p & near] == (1 if draw else 2)).all()
+    assert (stages.passes[~no_min_p & near] == 2).all()
     want, _ = S.sampling_weights(logits, *args[:4])
     assert torch.equal(kept_weights(logits, args[0], stages.kf)[no_min_p], want[no_min_p])
 
@@ -268,9 +270,8 @@ def test_a_near_gather_short_of_top_p_splits_from_the_start():
     """The top token, then a thousand tokens just past NEAR (|d| = 8.5, each e**-8.5 of the
     top): few keys lie within NEAR, so the row starts in P_NEAR, but they weigh less than
     top_p of the row. The row then splits from the start as if P_NEAR had not been: the
-    reference's token. With top-k 500 it gathered fewer than k keys: it goes on from the
-    radix digits P_NEAR counted. A row whose chunks hold more than CAP keys within NEAR of
-    their maxima (flat) never tries P_NEAR."""
+    reference's token. A row whose chunks hold more than CAP keys within NEAR of their maxima
+    (flat) never tries P_NEAR, nor does a top-k row."""
     V = 1500
     x = torch.full((V,), -40.0)
     x[:1000] = -8.5
@@ -284,7 +285,7 @@ def test_a_near_gather_short_of_top_p_splits_from_the_start():
     assert {"p_near", "p_split"} <= modes[0]                # short: split from the start
     assert modes[1] == {"p_near"}                           # top_p 0.3: the top token holds it
     assert "p_near" not in modes[2] and "p_split" in modes[2]
-    assert {"p_near", "k_hist"} <= modes[3]
+    assert "p_near" not in modes[3] and "k_hist" in modes[3]
 
 
 def test_a_dense_bracket_is_counted_key_by_key():

@@ -31,16 +31,15 @@ bracket of keys with counts and integer weights summed over chunks, so they are 
      digit of the keys in the bracket, the bin where the count reaches k becomes the bracket.
    - K_GATHER: at most CAP keys lie at or below the bracket: they are gathered, top-k's key and
      then top-p's are found among them in registers.
-   - P_NEAR (first launch only), the thresholds where few keys lie near the maximum: a top-k
-     or top-p row whose chunks hold at most CAP keys within NEAR = 8 of their own maxima (a
-     bound on the row's keys with |d| < NEAR) gathers those keys while every chunk sums its
-     whole weight Z (packing its keys that weigh first, as P_SPLIT does). Every key below the
-     gathered ones' largest was gathered, so where at least k keys were gathered (top-k), or
-     they weigh at least top_p * Z (top-p alone), the thresholds are among them and are found
-     as K_GATHER's or P_GATHER's are: a sharp row has its thresholds, and with the draw in
-     the gather its token, after one pass. Else the row starts K_HIST or P_SPLIT in the next
-     pass (top-k: its first radix step is this pass's). A flat row, whose bound exceeds CAP,
-     starts there.
+   - P_NEAR (first launch only), top-p's key where few keys lie near the maximum: a top-p
+     row without top-k whose chunks hold at most CAP keys within NEAR = 8 of their own maxima
+     (a bound on the row's keys with |d| < NEAR) gathers those keys while every chunk sums its
+     whole weight Z (packing its keys that weigh first, as P_SPLIT does). Where the gathered
+     keys weigh at least top_p * Z, top-p's key is among them (every key below it was
+     gathered) and is found as P_GATHER's is: a sharp row has its threshold, and with the
+     draw in the gather its token, after one pass. Else the row starts P_SPLIT in the next
+     pass. A flat row, whose bound exceeds CAP, starts in P_SPLIT. (Top-k rows start in
+     K_HIST: weighing the whole row in that pass cost more than the pass it saves.)
    - P_SPLIT, top-p's key: the bracket is split into 16 intervals (on the first split a fixed
      table, fine where a flat row's nucleus ends: |d| in [1, 2), quarters of [2, 8), halves of
      [8, 16); then 16 equal parts); each chunk sums, below each interval's end, the count and
@@ -554,18 +553,13 @@ def _split_chunk(l_ptr, first, V, inv_t, m, pinf, lo, hi, fresh, Pack, slot,
 
 
 @triton.jit
-def _near_share(l_ptr, row, c, V, C, S, s, inv_t, m, pinf, topk, ZPart, MassPart, HistPart, Buf,
-                Count, Span, Pack, slot, CHUNK: tl.constexpr, CAP: tl.constexpr,
+def _near_share(l_ptr, row, c, V, C, S, s, inv_t, m, pinf, ZPart, MassPart, Buf, Count, Span,
+                Pack, slot, CHUNK: tl.constexpr, CAP: tl.constexpr,
                 PACK: tl.constexpr, SUB: tl.constexpr):
     """P_NEAR: the chunk's whole weight (ZPart) and its keys with |d| < NEAR gathered (their
     weight to MassPart's first slot). Where at most PACK of its keys weigh (|d| < 28), they are
-    packed first and weighed there (a sharp row's chunk), else every key is. A top-k row also
-    counts its keys' first radix digit (K_HIST's first pass), for its way on if P_NEAR falls
-    short."""
+    packed first and weighed there (a sharp row's chunk), else every key is."""
     d, key, valid = _d_key(l_ptr, c * CHUNK + tl.arange(0, CHUNK), V, inv_t, m, pinf)
-    if topk:
-        tl.store(HistPart + slot * 256 + tl.arange(0, 256),
-                 tl.histogram(tl.where(valid, key >> 23, 0).to(tl.int32), 256, mask=valid))
     act = valid & (key < KEY_CUT_K)
     if PACK > 0:
         flags = act.to(tl.int32)
@@ -608,7 +602,7 @@ def _near_block(l_ptr, first, V, inv_t, m, pinf, key, act, row, c, C, s, S, ZPar
 
 
 @triton.jit
-def _chunk_share(mode, l_ptr, row, c, V, C, S, s, inv_t, m, pinf, lo, hi, shift, fresh, k, kf,
+def _chunk_share(mode, l_ptr, row, c, V, C, S, s, inv_t, m, pinf, lo, hi, shift, fresh, kf,
                  sel, min_w, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count, Span,
                  Pack, FIRST: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
                  CAP: tl.constexpr, PACK: tl.constexpr):
@@ -620,8 +614,8 @@ def _chunk_share(mode, l_ptr, row, c, V, C, S, s, inv_t, m, pinf, lo, hi, shift,
     bins = tl.arange(0, 256)
     if FIRST:
         if mode == P_NEAR_K:
-            _near_share(l_ptr, row, c, V, C, S, s, inv_t, m, pinf, (k > 0) & (k < V), ZPart,
-                        MassPart, HistPart, Buf, Count, Span, Pack, slot, CHUNK, CAP, PACK, SUB)
+            _near_share(l_ptr, row, c, V, C, S, s, inv_t, m, pinf, ZPart, MassPart, Buf, Count,
+                        Span, Pack, slot, CHUNK, CAP, PACK, SUB)
     if mode == WEIGHTS_K:
         z = tl.sum(_weights(l_ptr, offs, V, inv_t, m, pinf, kf.to(tl.int32), min_w), axis=0)
         tl.store(ZPart + slot, z)
@@ -904,51 +898,34 @@ def _row_gather_end(st, mode, Buf, n_g, row, k, top_p, base, zk, trace, Seed, Po
 
 
 @triton.jit
-def _row_near(st, Buf, Count, ZPart, MassPart, HistPart, row, C, S, s, k, top_p, trace, Seed, Pos,
-              purpose, Span, CBase, Pref, Out, l_ptr, V, inv_t, m, pinf, min_w,
-              CHUNK: tl.constexpr, CP: tl.constexpr, CAP: tl.constexpr, DRAW: tl.constexpr,
-              SMALL: tl.constexpr):
-    """P_NEAR's end. The gathered keys are every key with |d| < NEAR, so (CBase is 0: no key
-    lies below them) a threshold among them is found, and drawn, as a gather's, in [SMALL]
-    registers (more than SMALL keys: the next pass gathers them again and ends as K_GATHER or
-    P_GATHER, so the first pass's kernel holds no [CAP] search):
-    - top-k: where at least k keys were gathered, top-k's key is among them, and so is every
-      key top-p weighs (K_GATHER's end); else the row ends K_HIST's first step, whose digits
-      this pass counted (so a row takes no more passes than without P_NEAR);
-    - top-p alone: where they weigh at least top_p * Z (Z, the row's whole weight, from the
-      chunks' shares), top-p's key is among them (P_GATHER's end); else the row starts its
-      splits. A row that falls short goes on as if this pass had not been."""
+def _row_near(st, Buf, Count, ZPart, MassPart, row, C, S, s, top_p, trace, Seed, Pos, purpose,
+              Span, CBase, Pref, Out, l_ptr, V, inv_t, m, pinf, min_w, CHUNK: tl.constexpr,
+              CP: tl.constexpr, CAP: tl.constexpr, DRAW: tl.constexpr, SMALL: tl.constexpr):
+    """P_NEAR's end: Z, the row's whole weight, from the chunks' shares. The gathered keys are
+    every key with |d| < NEAR, so where they weigh at least top_p * Z, top-p's key is among
+    them and is found, and drawn, as a gather's (CBase is 0: no key lies below them) in
+    [SMALL] registers; more than SMALL such keys are gathered again by the next pass, which
+    ends as P_GATHER (so the first pass's kernel holds no [CAP] search). Where they weigh
+    less, the row splits from the start in the next pass, as if this one had not been."""
+    cs = tl.arange(0, CP)
+    ok = cs < C
+    z = tl.sum(tl.load(ZPart + row * C + cs, mask=ok, other=0, cache_modifier=".cg"), axis=0)
+    near = tl.sum(tl.load(MassPart + (row * C + cs) * 16, mask=ok, other=0,
+                          cache_modifier=".cg"), axis=0)
+    thr = z.to(tl.float64) * top_p.to(tl.float64)
     n_g = tl.atomic_add(Count + row * S + s, 0, sem="acquire", scope="gpu")
-    if (k > 0) & (k < V):
-        if (n_g >= k) & (n_g <= SMALL):
-            _row_gathered(st, K_GATHER_K, Buf, n_g, row, k, top_p, 0, 0, trace, Seed, Pos,
-                          purpose, Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m, pinf,
-                          min_w, CHUNK, CP, CAP, DRAW, SMALL)
-        elif n_g >= k:                                   # K_GATHER's pass over the same keys
-            _set_state(st, K_GATHER_K, 0, KEY_NEAR_K - 1, 0, 0, 0, 0, KEY_INF_K, -1,
-                       trace | K_GATHER_BIT)
-        else:                       # K_HIST's first step, from the digits this pass counted
-            _row_k_hist(st, HistPart, row, C, k, top_p, 0, KEY_INF_K, 23, 0, trace | K_HIST_BIT,
-                        CP, CAP)
+    if thr <= 0:
+        _resolve(st, 0, z, trace)                        # top_p <= 0: the top key alone
+    elif (near.to(tl.float64) >= thr) & (n_g <= SMALL):
+        _row_gathered(st, P_GATHER_K, Buf, n_g, row, 0, top_p, 0, z, trace, Seed, Pos, purpose,
+                      Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m, pinf, min_w, CHUNK,
+                      CP, CAP, DRAW, SMALL)
+    elif near.to(tl.float64) >= thr:                     # P_GATHER's pass over the same keys
+        _set_state(st, P_GATHER_K, 0, KEY_NEAR_K - 1, 0, 0, 0, z, KEY_INF_K, -1,
+                   trace | P_GATHER_BIT)
     else:
-        cs = tl.arange(0, CP)
-        ok = cs < C
-        z = tl.sum(tl.load(ZPart + row * C + cs, mask=ok, other=0, cache_modifier=".cg"), axis=0)
-        near = tl.sum(tl.load(MassPart + (row * C + cs) * 16, mask=ok, other=0,
-                              cache_modifier=".cg"), axis=0)
-        thr = z.to(tl.float64) * top_p.to(tl.float64)
-        if thr <= 0:
-            _resolve(st, 0, z, trace)                    # top_p <= 0: the top key alone
-        elif (near.to(tl.float64) >= thr) & (n_g <= SMALL):
-            _row_gathered(st, P_GATHER_K, Buf, n_g, row, k, top_p, 0, z, trace, Seed, Pos,
-                          purpose, Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m, pinf,
-                          min_w, CHUNK, CP, CAP, DRAW, SMALL)
-        elif near.to(tl.float64) >= thr:                 # P_GATHER's pass over the same keys
-            _set_state(st, P_GATHER_K, 0, KEY_NEAR_K - 1, 0, 0, 0, z, KEY_INF_K, -1,
-                       trace | P_GATHER_BIT)
-        else:
-            _set_state(st, P_SPLIT_K, 0, KEY_CUT_K, 23, 1, 0, 0, KEY_INF_K, -1,
-                       trace | P_SPLIT_BIT)
+        _set_state(st, P_SPLIT_K, 0, KEY_CUT_K, 23, 1, 0, 0, KEY_INF_K, -1,
+                   trace | P_SPLIT_BIT)
 
 
 @triton.jit(noinline=True)
@@ -968,8 +945,7 @@ def _select_row(row, x, X, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV
     top_p = tl.load(TopP + row)
     if FIRST:
         mode = _first_mode(temp, k, top_p, m, V)
-        near = ((mode == P_SPLIT_K) | (mode == K_HIST_K)) & (pinf == 0)
-        near = near & (_near_bound(PartM, PartN, row, m, C, CP) <= CAP)
+        near = (mode == P_SPLIT_K) & (pinf == 0) & (_near_bound(PartM, PartN, row, m, C, CP) <= CAP)
         mode = tl.where(near, P_NEAR_K, mode)
     else:
         mode = tl.load(st).to(tl.int32)
@@ -984,7 +960,7 @@ def _select_row(row, x, X, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV
         min_w = tl.load(MinP + row).to(tl.float64) * 1099511627776.0        # min_p * 2**40
         for c in tl.range(x, C, X, num_stages=1):
             _chunk_share(mode, l_ptr, row, c, V, C, S, s, inv_t, m, pinf, lo, hi, shift, fresh,
-                         k, kf, sel, min_w, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf,
+                         kf, sel, min_w, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf,
                          Count, Span, Pack, FIRST, CHUNK, SUB, CAP, PACK)
         if _arrive(Arrive, row, s, S, X):
             trace += PASS_ONE
@@ -1005,8 +981,8 @@ def _select_row(row, x, X, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV
                 _row_p_split(st, CntPart, MassPart, BoundPart, CBase, row, C, top_p, lo, hi,
                              fresh, base, zk, trace, CP, CAP)
             elif FIRST:                                  # the first pass's last mode: P_NEAR
-                _row_near(st, Buf, Count, ZPart, MassPart, HistPart, row, C, S, s, k, top_p, trace, Seed,
-                          Pos, purpose, Span, CBase, Pref, Out, l_ptr, V, inv_t, m, pinf, min_w,
+                _row_near(st, Buf, Count, ZPart, MassPart, row, C, S, s, top_p, trace, Seed, Pos,
+                          purpose, Span, CBase, Pref, Out, l_ptr, V, inv_t, m, pinf, min_w,
                           CHUNK, CP, CAP, DRAW, SMALL)
             else:                                        # a later pass's: P_HIST
                 _row_p_hist(st, HistPart, row, C, top_p, lo, base, zk, trace, CP)
