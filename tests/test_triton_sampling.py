@@ -266,6 +266,23 @@ def test_a_sharp_row_finds_top_p_in_its_first_pass(draw, pack):
     assert torch.equal(kept_weights(logits, args[0], stages.kf)[no_min_p], want[no_min_p])
 
 
+def test_a_near_gather_wider_than_small_is_gathered_again():
+    """P_NEAR ends in [SMALL] registers: a row that gathered more keys near its maximum than
+    SMALL (but at most CAP) gathers them again in the next pass, which ends as P_GATHER's
+    does (drawn there, `gather_draw`); the reference's tokens and thresholds."""
+    g = torch.Generator().manual_seed(32)
+    n, V = 8, 3000
+    logits = torch.randn(n, V, generator=g) * 12
+    args = lanes_of(n, 1.0, 0, [0.9, 0.99] * 4)
+    args[4] = torch.randint(0, 2 ** 62, (n,), generator=g)
+    stages = check_stages(logits, args, chunk=256, cap=64, small=4, gather_draw=True)
+    near = (stages.modes & 1 << K.MODES.index("p_near")) > 0
+    again = near & ((stages.modes & 1 << K.MODES.index("p_gather")) > 0)
+    assert near.all() and again.any() and (stages.passes[again] == 2).all()
+    want, _ = S.sampling_weights(logits, *args[:4])
+    assert torch.equal(kept_weights(logits, args[0], stages.kf), want)
+
+
 def test_a_near_gather_short_of_top_p_splits_from_the_start():
     """The top token, then a thousand tokens just past NEAR (|d| = 8.5, each e**-8.5 of the
     top): few keys lie within NEAR, so the row starts in P_NEAR, but they weigh less than
