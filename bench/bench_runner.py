@@ -118,7 +118,6 @@ class SampledStep(Step):
 
     def __init__(self, model: LlamaModel, kv: KVCache, factor: float):
         super().__init__(model, kv)
-        self.factor = factor
         dev = kv.req_to_token.device
         self.temperature = self.SAMPLING["temperature"] / factor
         self.lanes = (torch.full((MAX_BS,), self.temperature, device=dev),

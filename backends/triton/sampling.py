@@ -98,7 +98,6 @@ D_MIN = -28.0                   # exp(-28) * 2**40 < 1: every d below weighs 0
 
 KEY_CUT = 0x41E00000            # fp32 bits of 28.0: the key of d = -28
 NEAR = 8.0                      # top-p's first pass gathers the keys with |d| < NEAR
-KEY_NEAR = 0x41000000           # fp32 bits of 8.0
 KEY_INF = 0x7F800000            # the key of d = -inf (larger than every other key)
 
 
@@ -113,6 +112,9 @@ MIX2 = _i64(0x94D049BB133111EB)
 
 def _f32(x: float) -> float:
     return torch.tensor(x, dtype=torch.float32).item()
+
+
+KEY_NEAR = torch.tensor(NEAR, dtype=torch.float32).view(torch.int32).item()    # the key of -NEAR
 
 
 # exp(d) = 2**n * exp(r): n = floor(d * log2(e) + 1/2), r = d - n * ln2 (Cody-Waite, ln2 split in
@@ -521,6 +523,18 @@ def _split_block(l_ptr, first, V, inv_t, m, pinf, lo, hi, ends, CHUNK: tl.conste
 
 
 @triton.jit
+def _pack(Pack, slot, key, flags, n, PACK: tl.constexpr):
+    """(keys [PACK], live [PACK]): the chunk's n keys where flags, packed into its slot of Pack
+    (in chunk order; the rest KEY_INF, past every bracket) and read back by every thread."""
+    pack = Pack + slot.to(tl.int64) * PACK
+    tl.store(pack + tl.cumsum(flags, axis=0) - 1, key, mask=flags > 0)
+    tl.debug_barrier()                                   # the packed keys, for every thread
+    live = tl.arange(0, PACK) < n
+    return tl.load(pack + tl.arange(0, PACK), mask=live, other=KEY_INF_K,
+                   cache_modifier=".cg"), live
+
+
+@triton.jit
 def _split_chunk(l_ptr, first, V, inv_t, m, pinf, lo, hi, fresh, Pack, slot,
                  CHUNK: tl.constexpr, SUB: tl.constexpr, PACK: tl.constexpr):
     """Over the chunk's keys in [lo, hi] that can weigh (key < KEY_CUT): for each interval end
@@ -540,12 +554,7 @@ def _split_chunk(l_ptr, first, V, inv_t, m, pinf, lo, hi, fresh, Pack, slot,
     if PACK == 0:
         cnt, mass = _split_block(l_ptr, first, V, inv_t, m, pinf, lo, hi, ends, CHUNK, SUB)
     elif n_act <= PACK:
-        pack = Pack + slot.to(tl.int64) * PACK
-        tl.store(pack + tl.cumsum(flags, axis=0) - 1, key, mask=act)
-        tl.debug_barrier()                               # the packed keys, for every thread
-        live = tl.arange(0, PACK) < n_act
-        pk = tl.load(pack + tl.arange(0, PACK), mask=live, other=0x7FFFFFFF,
-                     cache_modifier=".cg")
+        pk, live = _pack(Pack, slot, key, flags, n_act, PACK)
         cnt, mass = _split_sums(pk, tl.where(live, _key_weight(pk) + (1 << 44), 0), ends)
     else:
         cnt, mass = _split_block(l_ptr, first, V, inv_t, m, pinf, lo, hi, ends, CHUNK, SUB)
@@ -563,13 +572,9 @@ def _near_share(l_ptr, row, c, V, C, S, s, inv_t, m, pinf, ZPart, MassPart, Buf,
     act = valid & (key < KEY_CUT_K)
     if PACK > 0:
         flags = act.to(tl.int32)
-        if tl.sum(flags, axis=0) <= PACK:
-            pack = Pack + slot.to(tl.int64) * PACK
-            tl.store(pack + tl.cumsum(flags, axis=0) - 1, key, mask=act)
-            tl.debug_barrier()                           # the packed keys, for every thread
-            live = tl.arange(0, PACK) < tl.sum(flags, axis=0)
-            pk = tl.load(pack + tl.arange(0, PACK), mask=live, other=KEY_INF_K,
-                         cache_modifier=".cg")
+        n_act = tl.sum(flags, axis=0)
+        if n_act <= PACK:
+            pk, live = _pack(Pack, slot, key, flags, n_act, PACK)
             near = live & (pk < KEY_NEAR_K)
             _gather(Buf, Count, Span, row, c, C, s, S, pk, near, CAP)
             w = tl.where(live, _key_weight(pk), 0)
@@ -945,8 +950,8 @@ def _select_row(row, x, X, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV
     top_p = tl.load(TopP + row)
     if FIRST:
         mode = _first_mode(temp, k, top_p, m, V)
-        near = (mode == P_SPLIT_K) & (pinf == 0) & (_near_bound(PartM, PartN, row, m, C, CP) <= CAP)
-        mode = tl.where(near, P_NEAR_K, mode)
+        if (mode == P_SPLIT_K) & (pinf == 0):        # only a top-p row reads the bound
+            mode = tl.where(_near_bound(PartM, PartN, row, m, C, CP) <= CAP, P_NEAR_K, mode)
     else:
         mode = tl.load(st).to(tl.int32)
     if mode == GREEDY_K:
