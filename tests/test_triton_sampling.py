@@ -521,11 +521,15 @@ COMPILE_SCRIPT = textwrap.dedent('''
              "Buf": "*i32", "Count": "*i32", "Arrive": "*i32", "Span": "*i32", "CBase": "*i64",
              "Pref": "*i64", "Pack": "*i32"}
     build(K._chunk_max_kernel, lanes, dict(CHUNK=K.CHUNK, SP=16, PDL=False), K.CHUNK_WARPS)
-    for first, draw, warps, pdl in ((True, False, 8, False), (False, False, 8, False),
-                                    (False, True, 4, False), (False, True, 4, True)):
+    # one row: 8 warps, a program a chunk (ONE); 16 rows and more: 4 warps, a chunk loop
+    for first, draw, warps, pdl, one in ((True, False, 8, False, True),
+                                         (False, False, 8, False, True),
+                                         (True, True, 4, False, False),
+                                         (False, True, 4, False, False),
+                                         (False, True, 4, True, False)):
         k = build(K._select_kernel, lanes, dict(FIRST=first, CHUNK=K.CHUNK, SUB=K.SUB, CP=64,
                                                 CAP=K.CAP, SMALL=K.SMALL, PACK=K.PACK, DRAW=draw,
-                                                PDL=pdl),
+                                                ONE=one, PDL=pdl),
                   warps,
                   maxnreg=K.SELECT_REGS)
         ptx = k.asm["ptx"]
@@ -552,4 +556,4 @@ def test_kernels_compile_for_sm90_without_fp32_fmas(tmp_path):
     if p.returncode and "ptxas" in p.stderr and "not found" in p.stderr.lower():
         pytest.skip("no ptxas for sm_90 in this Triton")
     assert p.returncode == 0, p.stderr[-4000:]
-    assert p.stdout.count("compiled") == 5
+    assert p.stdout.count("compiled") == 6

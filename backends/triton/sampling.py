@@ -938,7 +938,8 @@ def _select_row(row, x, X, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV
                 PartM, PartN, State, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count, Span,
                 CBase, Pref, Pack, Arrive, Out, V, C, S, purpose, s, FIRST: tl.constexpr,
                 CHUNK: tl.constexpr, SUB: tl.constexpr, CP: tl.constexpr, CAP: tl.constexpr,
-                SMALL: tl.constexpr, PACK: tl.constexpr, DRAW: tl.constexpr):
+                SMALL: tl.constexpr, PACK: tl.constexpr, DRAW: tl.constexpr,
+                ONE: tl.constexpr):
     """Chunks x, x + X, ... of the row's pass in the row's mode (the row's maximum, parameters
     and state read once), then one arrival: the last of the row's X programs to finish moves
     the row to its next mode (module doc)."""
@@ -963,10 +964,15 @@ def _select_row(row, x, X, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV
         l_ptr = L + row.to(tl.int64) * stride_l
         inv_t = tl.math.div_rn(1.0, tl.where(temp > 0, temp, 1.0))
         min_w = tl.load(MinP + row).to(tl.float64) * 1099511627776.0        # min_p * 2**40
-        for c in tl.range(x, C, X, num_stages=1):
-            _chunk_share(mode, l_ptr, row, c, V, C, S, s, inv_t, m, pinf, lo, hi, shift, fresh,
+        if ONE:                                          # X == C: chunk x alone, no loop
+            _chunk_share(mode, l_ptr, row, x, V, C, S, s, inv_t, m, pinf, lo, hi, shift, fresh,
                          kf, sel, min_w, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf,
                          Count, Span, Pack, FIRST, CHUNK, SUB, CAP, PACK)
+        else:
+            for c in tl.range(x, C, X, num_stages=1):
+                _chunk_share(mode, l_ptr, row, c, V, C, S, s, inv_t, m, pinf, lo, hi, shift,
+                             fresh, kf, sel, min_w, HistPart, CntPart, MassPart, BoundPart,
+                             ZPart, Buf, Count, Span, Pack, FIRST, CHUNK, SUB, CAP, PACK)
         if _arrive(Arrive, row, s, S, X):
             trace += PASS_ONE
             if mode == WEIGHTS_K:
@@ -1000,9 +1006,11 @@ def _select_kernel(L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI,
                    FIRST: tl.constexpr,
                    CHUNK: tl.constexpr, SUB: tl.constexpr, CP: tl.constexpr,
                    CAP: tl.constexpr, SMALL: tl.constexpr, PACK: tl.constexpr,
-                   DRAW: tl.constexpr, PDL: tl.constexpr):
+                   DRAW: tl.constexpr, ONE: tl.constexpr, PDL: tl.constexpr):
     """Grid (G, X), pass s of S: program (g, x) does chunks x, x + X, ... of rows g, g + G, ...;
-    it returns at once when all of them are done (one load for up to 16 rows). PDL: the pass
+    it returns at once when all of them are done (one load for up to 16 rows). ONE: X == C,
+    a program's one chunk without a loop around it (a row's registers then hold no loop
+    state, which at 8 warps spared the later passes' kernel a spill). PDL: the pass
     launches while the one before runs and waits for it before its first read (everything it
     reads but the logits and the sampling lanes is the passes' own state)."""
     g = tl.program_id(0)
@@ -1021,7 +1029,7 @@ def _select_kernel(L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI,
             _select_row(row, x, X, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI,
                         PartNan, PartM, PartN, State, HistPart, CntPart, MassPart, BoundPart, ZPart,
                         Buf, Count, Span, CBase, Pref, Pack, Arrive, Out, V, C, S, purpose, s,
-                        FIRST, CHUNK, SUB, CP, CAP, SMALL, PACK, DRAW)
+                        FIRST, CHUNK, SUB, CP, CAP, SMALL, PACK, DRAW, ONE)
 
 
 PASSES = 12         # top-k <= 4 passes, top-p <= 7, the draw 1 (module doc)
@@ -1153,6 +1161,7 @@ def sample_stages(logits, temperature, top_k, top_p, min_p, seed, position, purp
                                SUB=max(min(chunk, SUB), chunk // 8), CP=CP, CAP=cap,
                                SMALL=min(cap, small or SMALL), PACK=min(pack_size, chunk),
                                DRAW=policy.gather_draw if gather_draw is None else gather_draw,
+                               ONE=X == C,
                                num_warps=warps or policy.warps, maxnreg=regs or SELECT_REGS,
                                enable_fp_fusion=False, **launch)
     return Stages(out, *(state[:, STATE_FIELDS.index(f)] for f in ("kf", "mode", "trace")))
