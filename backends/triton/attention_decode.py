@@ -159,29 +159,26 @@ def _split_kv_kernel(
     r = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    # the length, the request's row and the queries are loaded together, before the split's
-    # bounds are known: at short contexts a split is one tile, and its time is its chain of
-    # dependent loads (length and row -> slots -> K, V -> partials)
     seq_len = tl.load(SeqLens + r)
-    row = tl.load(ReqPoolIdx + r).to(tl.int64)
-    offs_m = tl.arange(0, BLOCK_M)
-    qi = offs_m // GROUP  # query index within the request
-    qh = kvh * GROUP + offs_m % GROUP  # query head
-    m_ok = offs_m < NUM_Q * GROUP
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < head_dim
-    q_row = (r * NUM_Q + qi).to(tl.int64)
-    q = tl.load(Q + q_row[:, None] * stride_q_t + qh[:, None] * stride_q_h + offs_d[None, :],
-                mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     share = split_len(seq_len, num_splits, BLOCK_N)
     n_used = tl.cdiv(seq_len, share)
     start = split * share
     end = tl.minimum(start + share, seq_len)
-    # empty splits read no KV and write nothing (the merge skips them); split 0 of a request
+    # empty splits read nothing and write nothing (the merge skips them); split 0 of a request
     # with seq_len 0 runs with no tile and writes the 0 the reference gives (nothing to attend)
     if (start < end) | (split == 0):
+        row = tl.load(ReqPoolIdx + r).to(tl.int64)
+        offs_m = tl.arange(0, BLOCK_M)
+        qi = offs_m // GROUP  # query index within the request
+        qh = kvh * GROUP + offs_m % GROUP  # query head
+        m_ok = offs_m < NUM_Q * GROUP
+        offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
+        d_ok = offs_d < head_dim
         dv_ok = offs_dv < v_head_dim
+        q_row = (r * NUM_Q + qi).to(tl.int64)
+        q = tl.load(Q + q_row[:, None] * stride_q_t + qh[:, None] * stride_q_h + offs_d[None, :],
+                    mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
         prefix = tl.maximum(seq_len - NUM_Q, 0)  # positions every query sees (tree mode)
 
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: all-masked rows stay 0
