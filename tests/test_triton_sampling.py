@@ -134,6 +134,24 @@ def test_kernel_is_exact_at_parameter_edges():
     check_stages(logits.repeat(len(edges), 1), args, chunk=32, cap=4)
 
 
+def test_extreme_temperatures_match_the_reference():
+    """A subnormal temperature (1 / t is inf: a 0 logit times it is NaN, so a row whose largest
+    logit is 0 has no finite x) and a huge one, on rows with NaN, +-inf, zeros and ties, greedy
+    and sampled parameters alike."""
+    g = torch.Generator().manual_seed(12)
+    V = 96
+    x = awkward_logits(12, V, g)
+    x[0] = -torch.rand(V, generator=g)
+    x[0, 7] = 0.0                                         # the largest logit is 0
+    x[1] = torch.where(torch.rand(V, generator=g) < 0.5, 0.0, -1.0)
+    x[2, :5] = 0.0
+    rows = x.repeat(3, 1)
+    n = rows.shape[0]
+    temps = [1e-40] * 12 + [3e-39] * 12 + [1e30] * 12
+    for top_k, top_p, min_p in ((0, 1.0, 0.0), (5, 0.9, 0.0), (0, 0.5, 0.1)):
+        check_stages(rows, lanes_of(n, temps, top_k, top_p, min_p), chunk=32, cap=8)
+
+
 @pytest.mark.parametrize("cap", [2, 8])
 def test_thresholds_are_exact_under_heavy_ties(cap):
     """Five distinct logits in 64: a tie group holds more tokens than a row may gather, so the

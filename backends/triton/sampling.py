@@ -320,12 +320,19 @@ def _chunk_max_kernel(L, stride_l, Temp, PartV, PartI, PartNan, PartM, PartN, Co
     lv = tl.where(isnan, float("-inf"), l)
     best = tl.max(lv, axis=0)
     temp = tl.load(Temp + row)
-    x = l * tl.math.div_rn(1.0, tl.where(temp > 0, temp, 1.0))
+    inv_t = tl.math.div_rn(1.0, tl.where(temp > 0, temp, 1.0))
+    x = l * inv_t
     base = row * C + c
     tl.store(PartV + base, best)
-    tl.store(PartI + base, tl.min(tl.where((lv == best) & valid & ~isnan, offs, V), axis=0))
-    tl.store(PartNan + base, tl.min(tl.where(isnan, offs, V), axis=0))
-    mc = tl.max(tl.where(x != x, float("-inf"), x), axis=0)
+    # one reduction for both indices: the first NaN (< V), else V + the first maximum; a chunk
+    # with a NaN keeps no maximum index (the row's first NaN is its token then)
+    idx = tl.min(tl.where(isnan, offs, tl.where((lv == best) & valid, V + offs, 2 * V)), axis=0)
+    tl.store(PartI + base, tl.where(idx >= V, idx - V, V))
+    tl.store(PartNan + base, tl.where(idx < V, idx, V))
+    if inv_t < float("inf"):
+        mc = best * inv_t        # x = l * inv_t rounds monotonically: the max of x, no NaN
+    else:                        # a subnormal temperature: 0 * inf is NaN, so reduce x itself
+        mc = tl.max(tl.where(x != x, float("-inf"), x), axis=0)
     tl.store(PartM + base, mc)
     same = x == mc
     d = tl.where(same, 0.0, x) - tl.where(same, 0.0, mc)          # no inf - inf
