@@ -41,8 +41,11 @@ def command_line(argv: list[str] | None = None) -> str:
 
 
 def git_commit() -> str:
-    """The checkout's short commit hash; outside a git checkout (e.g. a `git archive` copy run on
-    another machine) the PADGRAPH_COMMIT environment variable, else 'unknown'."""
+    """The PADGRAPH_COMMIT environment variable where set (a copy of a tree run on another
+    machine, whose own git data may be older than the tree), else the checkout's short commit
+    hash, else 'unknown'."""
+    if os.environ.get("PADGRAPH_COMMIT", "").strip():
+        return os.environ["PADGRAPH_COMMIT"].strip()[:12]
     try:
         done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parents[1],
                               capture_output=True, text=True, timeout=10)

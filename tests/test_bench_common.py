@@ -88,3 +88,13 @@ def test_git_commit_outside_a_checkout(monkeypatch):
     assert common.env_info("x")["commit"] == "abc1234"
     monkeypatch.delenv("PADGRAPH_COMMIT")
     assert common.git_commit() == "unknown"
+
+
+def test_git_commit_prefers_padgraph_commit_over_the_checkouts_git(monkeypatch):
+    """A tree copied onto another machine may carry older git data than the tree itself: the
+    PADGRAPH_COMMIT its runner sets wins over what git says there."""
+    from bench import common
+    monkeypatch.delenv("PADGRAPH_COMMIT", raising=False)
+    here = common.git_commit()
+    monkeypatch.setenv("PADGRAPH_COMMIT", "f00dcafe")
+    assert common.git_commit() == "f00dcafe" != here
