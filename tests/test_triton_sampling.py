@@ -152,6 +152,41 @@ def test_extreme_temperatures_match_the_reference():
         check_stages(rows, lanes_of(n, temps, top_k, top_p, min_p), chunk=32, cap=8)
 
 
+def test_generated_launches_match_the_reference():
+    """Generated calls (hypothesis, fixed derandomized examples): vocabulary, rows, chunk, cap,
+    SMALL, PACK, chunk groups X (a chunk a program or several), row groups, logits (awkward,
+    Gaussian at any scale, tied), fp32 or bf16, every purpose, extreme temperatures; the
+    tokens are the torch reference's and every row ends within the passes."""
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    @settings(max_examples=20, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(V=st.integers(4, 300), n=st.integers(1, 6), chunk=st.sampled_from([16, 32, 64]),
+           cap=st.sampled_from([2, 4, 8, 64]), small=st.sampled_from([2, 4, 256]),
+           pack=st.sampled_from([0, 8, 64]), xs=st.sampled_from([0, 1, 2, 3, None]),
+           groups=st.sampled_from([1, 2, None]), kind=st.sampled_from(["awkward", "gauss", "ties"]),
+           bf16=st.booleans(), purpose=st.integers(0, 3), extreme=st.booleans(),
+           seed=st.integers(0, 2 ** 31 - 1))
+    def run(V, n, chunk, cap, small, pack, xs, groups, kind, bf16, purpose, extreme, seed):
+        g = torch.Generator().manual_seed(seed)
+        if kind == "awkward":
+            x = awkward_logits(n, V, g)
+        elif kind == "gauss":
+            x = torch.randn(n, V, generator=g) * float(torch.rand(1, generator=g) * 30)
+        else:
+            x = torch.randint(-3, 3, (n, V), generator=g).float() * 4
+        args = random_lanes(n, V, g)
+        if extreme:
+            temps = torch.tensor([1e-40, 3e-39, 1e30, 1e-20, 0.0, 5.0, 1e-38, 2e-45])
+            args[0] = temps[torch.randint(len(temps), (n,), generator=g)]
+        chunks = -(-V // chunk)
+        x_groups = None if xs is None else (chunks if xs == 0 else xs)   # 0: X = C
+        check_stages(x.to(torch.bfloat16) if bf16 else x, args, purpose, chunk=chunk, cap=cap,
+                     small=min(small, cap), pack=pack, chunk_groups=x_groups, groups=groups)
+
+    run()
+
+
 @pytest.mark.parametrize("cap", [2, 8])
 def test_thresholds_are_exact_under_heavy_ties(cap):
     """Five distinct logits in 64: a tie group holds more tokens than a row may gather, so the
