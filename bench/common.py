@@ -53,7 +53,7 @@ def git_commit() -> str:
         done = None
     if done is not None and done.returncode == 0 and done.stdout.strip():
         return done.stdout.strip()
-    return os.environ.get("PADGRAPH_COMMIT", "").strip()[:12] or "unknown"
+    return "unknown"
 
 
 def env_info(command: str | None = None) -> dict:

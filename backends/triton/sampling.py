@@ -304,11 +304,11 @@ def _mass_key(key, w, live, thr, base):
 @triton.jit
 def _chunk_max_kernel(L, stride_l, Temp, PartV, PartI, PartNan, PartM, PartN, Count, Arrive,
                       CBase, V, C, S, CHUNK: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr):
-    """Grid (n, C). Chunk c's share of torch's argmax (its largest non-NaN logit, the first
-    index holding it, its first NaN) and of max(l * inv_t) with NaN as -inf, and the number of
-    its x within NEAR of its own maximum (`_near_bound`); it clears the chunk's weight below the
-    splits' brackets (CBase). Chunk 0 clears the row's gather and arrival counters of the
-    select passes."""
+    """Grid (n, C). Chunk c's share of torch's argmax (its largest non-NaN logit; its first
+    NaN, else the first index holding that logit) and of max(l * inv_t) with NaN as -inf, and
+    the number of its x within NEAR of its own maximum (`_near_bound`); it clears the chunk's
+    weight below the splits' brackets (CBase). Chunk 0 clears the row's gather and arrival
+    counters of the select passes."""
     row = tl.program_id(0)
     c = tl.program_id(1)
     offs = c * CHUNK + tl.arange(0, CHUNK)
