@@ -3,6 +3,8 @@
     python -m bench.bench_attention              # everything (< 3 min on an H200)
     python -m bench.bench_attention --no-sweep --no-cold
     python -m bench.bench_attention --smoke      # CPU, tiny sizes, interpreted: a script check
+    python -m bench.bench_attention --ab REV     # the decode kernel at git revision REV beside
+                                                 # today's and SDPA, in a graph, same process
 
 32 q heads, 8 kv heads, head_dim 128, bf16, every request at full length.
 - decode: bs {1, 8, 32, 128} x context {512, 4096, 32768}, random and contiguous slot layouts;
@@ -48,7 +50,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-from bench.common import command_line, random_tree_masks  # noqa: E402
+from bench.common import command_line, git_commit, module_at, random_tree_masks  # noqa: E402
 from padgraph.backends.triton.attention import (  # noqa: E402
     decode_attention, decode_attention_reference, extend_attention, extend_attention_reference,
     tree_verify_attention, tree_verify_attention_reference)
@@ -293,6 +295,56 @@ def sweep_case(bs, ctx, layout, copy_bw, gen, device, splits_list, tiles) -> dic
                 best=best, policy=mine[0] if mine else None, all=results)
 
 
+def ab_rows(source: str, cases, l2_bytes, gen, device, calls: int = 20, rounds: int = 3) -> list:
+    """The decode kernel (`split_kv_attention`, its default policy) at git revision (or .py
+    file) `source` beside today's and the fastest agreeing SDPA, one process: at each (bs, ctx)
+    of `cases` (random slots), each in a graph of `calls` calls after an L2-sized write each
+    (`in_graph_us`), in turn, `rounds` times; the median. Outputs are checked against SDPA's."""
+    other = module_at(source, "backends/triton/attention_decode.py", "padgraph.backends.triton")
+    flush_buf = torch.empty(max(1, l2_bytes // 4), dtype=torch.int32, device=device)
+    rows = []
+    for bs, ctx in cases:
+        case = PagedCase(bs, ctx, "random", gen, device)
+        args = case.paged_args()
+        meta = PagedMeta.decode(*args[3:])
+        ref = case.ours()()
+        backend = best_sdpa_backend(case, ref)
+        fns = {source: lambda: other.split_kv_attention(*args[:3], meta, HEAD_DIM ** -0.5),
+               "today": lambda: split_kv_attention(*args[:3], meta, HEAD_DIM ** -0.5)}
+        if backend is not None:
+            fns["sdpa"] = case.sdpa(backend)
+        for side, fn in fns.items():
+            if rel_err(fn(), ref) >= 1e-2:
+                raise AssertionError(f"{side} disagrees with the default kernel at {bs=} {ctx=}")
+        times = {side: [] for side in fns}
+        for _ in range(rounds):
+            for side, fn in fns.items():
+                times[side].append(in_graph_us([fn], calls, flush_buf.zero_))
+        us = {side: sorted(t)[len(t) // 2] for side, t in times.items()}
+        rows.append(dict(bs=bs, ctx=ctx, us=us,
+                         sdpa_backend=backend.name if backend is not None else None))
+        print(f"ab bs={bs} ctx={ctx}: " + "  ".join(f"{k} {v:.1f}" for k, v in us.items()),
+              flush=True)
+        del case
+    return rows
+
+
+def ab_markdown(meta: dict, source: str, rows: list) -> str:
+    lines = [f"# Decode attention A/B: {source} against today's and SDPA, in a graph", "",
+             f"`{json.dumps(meta)}`", "",
+             "µs a call inside a CUDA graph of 20 calls, each after an L2-sized write (the writes' "
+             "own graph subtracted); median of three rounds taken in turn; random slot layout.", "",
+             f"| bs | ctx | {source} | today | SDPA | SDPA backend | today / SDPA as speed |",
+             "|---:|---:|---:|---:|---:|---|---:|"]
+    for r in rows:
+        u = r["us"]
+        sdpa, today = u.get("sdpa"), u["today"]
+        cells = ("-", "-") if sdpa is None else (f"{sdpa:.1f}", f"{sdpa / today:.2f}x")
+        lines.append(f"| {r['bs']} | {r['ctx']} | {u[source]:.1f} | {today:.1f} | {cells[0]} | "
+                     f"{r['sdpa_backend']} | {cells[1]} |")
+    return "\n".join(lines) + "\n"
+
+
 def section(name, fn, *args):
     """Run one benchmark section; a failure is reported and the others still run."""
     try:
@@ -316,6 +368,11 @@ def main():
     parser.add_argument("--in-graph", type=int, default=0, metavar="N",
                         help="decode: also time calls inside a graph of N calls (0: off)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes (script check)")
+    parser.add_argument("--ab", metavar="REV", default=None,
+                        help="only: the decode kernel at git revision REV (or a .py file) beside "
+                             "today's and SDPA, in a graph, at --ab-cases")
+    parser.add_argument("--ab-cases", default="1:512,8:512,32:512,1:4096,8:4096,32:4096,128:512",
+                        metavar="BS:CTX,...")
     parser.add_argument("--cold-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cold_child:
@@ -332,8 +389,20 @@ def main():
     copy_bw = copy_bandwidth(device)
     meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), gpu=gpu,
                 n_sm=sm_count(device), torch=torch.__version__, triton=triton.__version__,
-                command=command_line(), copy_bw_GBps=copy_bw / 1e9)
+                command=command_line(), commit=git_commit(), copy_bw_GBps=copy_bw / 1e9)
     layouts = ("random", "contiguous") if args.layout == "both" else (args.layout,)
+    out_dir = Path(os.environ.get("OUT") or Path(__file__).resolve().parents[1] / "results/local")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.ab:
+        cases = SMOKE["sweep"] if args.smoke else \
+            [tuple(int(v) for v in c.split(":")) for c in args.ab_cases.split(",")]
+        rows = ab_rows(args.ab, cases, l2_bytes, gen, device)
+        report = ab_markdown(meta, args.ab, rows)
+        print(report)
+        (out_dir / "attention_ab.md").write_text(report)
+        (out_dir / "attention_ab.json").write_text(json.dumps(dict(meta=meta, source=args.ab,
+                                                                   rows=rows), indent=1))
+        return None
 
     def decode_rows():
         rows = []
@@ -376,8 +445,6 @@ def main():
     cold = [] if args.no_cold or args.smoke else section("cold capture", cold_capture)
     report = markdown(meta, rows, spec, sweep, cold)
     print(report)
-    out_dir = Path(os.environ.get("OUT") or Path(__file__).resolve().parents[1] / "results/local")
-    out_dir.mkdir(parents=True, exist_ok=True)
     name = "attention_smoke" if args.smoke else "attention"
     (out_dir / f"{name}.md").write_text(report)
     (out_dir / f"{name}.json").write_text(json.dumps(dict(meta=meta, rows=rows, spec=spec,

@@ -33,6 +33,12 @@ each checked against the torch reference, and writes sampling_sweep.md / .json: 
 time holds its wait for the one before): torch.profiler over graph replays, each launch's median
 kernel time by its place in the call (the chunk max, then select passes 1 to 12), so a call's
 time splits into what each pass costs; writes sampling_passes.md / .json.
+
+    python -m bench.bench_sampling --ab REV   # the sampler at git revision REV beside today's
+
+--ab imports `backends/triton/sampling.py` as it was at REV (or from a .py file) beside today's
+and times every case with both in one process, in turn, each side's tokens checked against the
+torch reference first; writes sampling_ab.md / .json.
 """
 from __future__ import annotations
 
@@ -48,10 +54,12 @@ if "--smoke" in sys.argv:  # before triton is imported: kernels run interpreted 
 
 import torch  # noqa: E402
 
-from bench.common import env_info, out_dir, pyplot  # noqa: E402
+from bench.common import env_info, module_at, out_dir, pyplot  # noqa: E402
 from bench.gpu_timing import bench_us, graph_of, profile_replays  # noqa: E402
 from padgraph.backends.triton import sampling as kernels  # noqa: E402
 from padgraph.llm.sampling import PURPOSE_DECODE, sample  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 CASES = {   # name: (logit scale, temperature, top_k, top_p, min_p)
     "sample greedy": (4.0, 0.0, 0, 1.0, 0.0),
@@ -271,6 +279,47 @@ def run_passes(V: int, sizes, device) -> None:
     print("\n".join(md))
 
 
+def run_ab(V: int, sizes, source: str, rounds: int = 3) -> None:
+    """The sampler module at git revision (or .py file) `source` beside today's, in one process:
+    every case of `CASES` at each size, each side's tokens checked against the torch reference,
+    then both timed as CUDA-graph replays in turn, `rounds` times; the median of the rounds."""
+    sides = {source: module_at(source, "backends/triton/sampling.py", "padgraph.backends.triton"),
+             "today": kernels}
+    rows = []
+    for bs in sizes:
+        logits = torch.randn(bs, V, generator=torch.Generator().manual_seed(bs)).to(DEVICE)
+        row = {"bs": bs, "us": {}}
+        for name, (scale, *params) in CASES.items():
+            x = (logits * scale).to(torch.bfloat16)
+            args = lanes(bs, *params, x.device)
+            want = sample(x, *args, PURPOSE_DECODE, impl="torch")
+            replays = {}
+            for side, module in sides.items():
+                got = module.sample_stages(x, *args, PURPOSE_DECODE).tokens
+                assert torch.equal(got, want), f"{side}, {name}, bs {bs}: not the reference's tokens"
+                replays[side] = graph_of(lambda m=module: m.sample_stages(x, *args, PURPOSE_DECODE).tokens)
+            times = {side: [] for side in sides}
+            for _ in range(rounds):
+                for side, replay in replays.items():
+                    times[side].append(bench_us(replay))
+            row["us"][name] = {side: statistics.median(t) for side, t in times.items()}
+        rows.append(row)
+        print(row, flush=True)
+    md = [f"# Sampler A/B: {source} against today's, µs a call, [bs, V] bf16 logits, V = {V}", "",
+          f"`{json.dumps(env_info())}`", "",
+          f"Same process, CUDA-graph replays, median of {rounds} `do_bench` medians taken in turn.", "",
+          f"| bs | case | {source} | today | change |", "|---|---|---|---|---|"]
+    for r in rows:
+        for name, t in r["us"].items():
+            md.append(f"| {r['bs']} | {name} | {t[source]:.1f} | {t['today']:.1f} | "
+                      f"{100 * (t['today'] / t[source] - 1):+.1f} % |")
+    out = out_dir()
+    (out / "sampling_ab.md").write_text("\n".join(md) + "\n")
+    (out / "sampling_ab.json").write_text(json.dumps({"env": env_info(), "source": source,
+                                                      "rows": rows}, indent=1))
+    print("\n".join(md))
+
+
 def plot(data: dict, path) -> bool:
     """µs a call by case, a group of bars per batch size, torch's argmax as a dashed line over
     each group; False without matplotlib."""
@@ -306,9 +355,14 @@ def main():
     ap.add_argument("--fields", default=",".join(SWEEP_FIELDS),
                     help="--sweep: the launch fields to move, comma-separated (default: all)")
     ap.add_argument("--passes", action="store_true", help="each launch's own GPU time (a GPU)")
+    ap.add_argument("--ab", metavar="REV", default=None,
+                    help="the sampler at git revision REV (or a .py file) beside today's, same "
+                         "process")
     args = ap.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = DEVICE
     V, sizes = (5000, (2,)) if args.smoke else (128256, (1, 16, 64))
+    if args.ab:
+        return run_ab(V, sizes, args.ab)
     if args.sweep:
         fields = tuple(f for f in args.fields.split(",") if f)
         unknown = set(fields) - set(SWEEP_FIELDS)

@@ -56,6 +56,33 @@ def git_commit() -> str:
     return "unknown"
 
 
+def module_at(source: str, path: str, package: str):
+    """The module at repository path `path` as it was at git revision `source` (or read from
+    `source` itself where that is a .py file), imported beside today's as `package`._at_<hash>,
+    so its relative imports resolve to today's package: the other side of a same-process A/B
+    (`bench_sampling --ab`, `bench_attention --ab`)."""
+    import hashlib
+    import importlib.util
+    import tempfile
+    if source.endswith(".py") and Path(source).is_file():
+        text = Path(source).read_text()
+    else:
+        done = subprocess.run(["git", "show", f"{source}:{path}"], cwd=ROOT, capture_output=True,
+                              text=True)
+        if done.returncode:
+            raise SystemExit(f"--ab {source}: {done.stderr.strip()}")
+        text = done.stdout
+    name = f"{package}._at_{hashlib.sha1(text.encode()).hexdigest()[:12]}"
+    if name not in sys.modules:
+        file = Path(tempfile.mkdtemp(prefix="padgraph_ab_")) / f"{name.rsplit('.', 1)[1]}.py"
+        file.write_text(text)
+        spec = importlib.util.spec_from_file_location(name, file)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
 def env_info(command: str | None = None) -> dict:
     import triton
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (cpu)"

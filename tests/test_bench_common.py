@@ -98,3 +98,23 @@ def test_git_commit_prefers_padgraph_commit_over_the_checkouts_git(monkeypatch):
     here = common.git_commit()
     monkeypatch.setenv("PADGRAPH_COMMIT", "f00dcafe")
     assert common.git_commit() == "f00dcafe" != here
+
+
+def test_module_at_imports_an_older_module_beside_todays(tmp_path):
+    """`module_at` loads a module's other version (a .py file here; a git revision in the
+    benchmarks) as a separate module whose relative imports resolve to today's package, once
+    per text; a revision git does not know stops the run with its message."""
+    from bench import common
+    from padgraph.backends.triton import sampling as today
+    text = (common.ROOT / "backends" / "triton" / "sampling.py").read_text()
+    old = tmp_path / "old_sampling.py"
+    old.write_text(text.replace("PASSES = 12 ", "PASSES = 13 "))
+    other = common.module_at(str(old), "backends/triton/sampling.py", "padgraph.backends.triton")
+    assert other is not today and other.PASSES == 13 and today.PASSES == 12
+    assert other.__name__.startswith("padgraph.backends.triton._at_")
+    assert other._pdl is today._pdl                       # `from . import pdl`: today's package
+    assert common.module_at(str(old), "backends/triton/sampling.py",
+                            "padgraph.backends.triton") is other
+    with pytest.raises(SystemExit, match="--ab no-such-revision"):
+        common.module_at("no-such-revision", "backends/triton/sampling.py",
+                         "padgraph.backends.triton")

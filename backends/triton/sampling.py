@@ -1039,7 +1039,7 @@ def _select_kernel(L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI,
                         FIRST, CHUNK, SUB, CP, CAP, SMALL, PACK, DRAW, ONE)
 
 
-PASSES = 12         # top-k <= 4 passes, top-p <= 7, the draw 1 (module doc)
+PASSES = 12         # top-k <= 4 passes, top-p <= 8, the draw 1 (module doc)
 CHUNK = 2048
 CAP = 4096          # keys a row may gather
 SMALL = 256         # a gather of at most SMALL keys is searched in [SMALL] registers, not [CAP]
