@@ -15,8 +15,11 @@ the keys up to K, the smallest key whose kept-by-top-k keys at or below it weigh
 top_p * their total (the reference's prefix rule, in fp64). Both are found by narrowing a
 bracket of keys with counts and integer weights summed over chunks, so they are exact.
 
-1 + PASSES launches a call, whatever the logits hold; each row finds its own way through them
-(one batch mixes greedy, temperature-only and filtered rows):
+1 + PASSES launches a call eagerly, whatever the logits hold; each row finds its own way through
+them (one batch mixes greedy, temperature-only and filtered rows). Captured in a CUDA graph, the
+passes from 1, 2, 4 and 8 on are nested conditional bodies (`SKIP_AT`, `graph_if`): a replay
+runs the passes its rows need, rounded up to the next of those points (most rows finish in
+the first):
 
 1. `_chunk_max_kernel`, grid (n, C chunks of CHUNK logits): each chunk's share of torch's argmax
    (greedy rows) and of max(x), x = l * (1 / temperature), and how many of its x lie within
@@ -60,10 +63,12 @@ bracket of keys with counts and integer weights summed over chunks, so they are 
    (31 bits), top-p at most 7 (the table's intervals span at most 2**28 keys, five equal splits
    leave 256; a top-p row alone that tries P_NEAR and falls short takes one pass more, 8),
    the draw 1: PASSES = 12. A pass whose rows are all done costs its programs one
-   load each. G, X, the warps of a program and whether a gather draws are
-   `select_policy(n)`'s.
+   load each, and a launch, where it is not skipped. G, X, the warps of a program and whether
+   a gather draws are `select_policy(n)`'s.
 
-There is no host work and no sync: graph-safe. The result does not depend on the order in
+There is no host work and no sync: graph-safe (the flags a replay's conditional bodies read are
+written by the passes themselves: the one byte per pass `More`, set by a row's last program
+when it leaves the row with work, cleared by the chunk-max kernel). The result does not depend on the order in
 which chunks finish (integer sums, the gathered keys searched as a set). The kernels are
 launched with fp contraction off, so a*b+c is never an FMA and the fp32 steps round as torch's
 do.
