@@ -8,10 +8,9 @@ Each case draws one token a row from bf16 logits [bs, 128256], timed as CUDA-gra
 temperature 0 (greedy through the sampler), temperature only, then the filters on sharp logits
 (a trained model's shape: the nucleus is a few tokens) and on flat ones (a random model's:
 top-p 0.9 keeps about 60 % of the vocabulary, top-k 5000 then top-p, min-p beside top-p).
-Every case is first checked against the torch reference, token for token. The kernels run up
-to 12 select passes; the second table gives the most any row of the case used (in a CUDA graph
-the replay skips the passes after it from the next of `SKIP_AT`'s points on; eagerly they run
-and find nothing to do). Last, sharp top-p over several row-group counts of a
+Every case is first checked against the torch reference, token for token. The kernels run a
+fixed number of passes; the second table gives the most any row of the case used (the
+rest of the passes find nothing to do). Last, sharp top-p over several row-group counts of a
 select pass (`select_policy(bs).groups` the default: how many programs share a chunk's rows,
 each working through its rows in turn). Writes sampling.md / sampling.json to $OUT.
 
@@ -19,8 +18,7 @@ each working through its rows in turn). Writes sampling.md / sampling.json to $O
 
 --sweep times greedy, temperature 0.7 and sharp / flat top-p over the select passes' launch
 choices (`SelectPolicy`: row groups G, warps a program, the draw in the gather on or off,
-programmatic dependent launch on or off; the passes no row needs skipped in graph replays or
-launched; the chunk of logits a program reads, halved and
+programmatic dependent launch on or off; the chunk of logits a program reads, halved and
 doubled; the select kernel's register cap raised to 192 and 255; the keys a row may gather
 halved, with and without half the chunk; the small-gather registers off and doubled; the
 split's packing off, halved and doubled; a program a chunk, or 32, 16 and 8 programs
@@ -141,12 +139,11 @@ class Launch(NamedTuple):
     small: int = kernels.SMALL
     pack: int = kernels.PACK
     chunk_groups: int = 0
-    skip: bool = True
 
     def key(self) -> str:
         out = (f"G={self.groups} X={self.chunk_groups or 'C'} warps={self.warps} "
                f"draw={int(self.gather_draw)} pdl={int(self.pdl)}")
-        for f in ("chunk", "regs", "cap", "small", "pack", "skip"):
+        for f in ("chunk", "regs", "cap", "small", "pack"):
             if getattr(self, f) != self._field_defaults[f]:
                 out += f" {f}={getattr(self, f)}"
         return out
@@ -157,7 +154,7 @@ class Launch(NamedTuple):
 
 
 SWEEP_FIELDS = ("groups", "draw", "pdl", "chunk", "regs", "cap", "small", "pack",
-                "chunk_groups", "skip")
+                "chunk_groups")
 
 
 def sweep_configs(bs: int, fields=SWEEP_FIELDS) -> list[Launch]:
@@ -189,8 +186,6 @@ def sweep_configs(bs: int, fields=SWEEP_FIELDS) -> list[Launch]:
                 base._replace(pack=2 * base.pack)]
     if "chunk_groups" in fields:        # X programs share a row's C chunks (0: X = C)
         out += [base._replace(chunk_groups=x) for x in (0, 32, 16, 8) if x != pol.chunk_groups]
-    if "skip" in fields:                # every pass launched at every replay
-        out.append(base._replace(skip=False))
     return out
 
 
@@ -247,15 +242,6 @@ def pass_times(replay, reps: int = 20) -> tuple[list[str], list[float]]:
     return [e.name for e in calls[0]], [statistics.median(c[i].device_time for c in calls) for i in range(n)]
 
 
-def passes_run(needed: int) -> int:
-    """The select launches a graph replay runs when its rows need at most `needed` passes: up
-    to the next of SKIP_AT's points where conditional bodies apply, else all of them."""
-    from padgraph.backends.triton import graph_if
-    if not graph_if.enabled():
-        return kernels.PASSES
-    return min(b for b in (*kernels.SKIP_AT, kernels.PASSES) if b >= needed)
-
-
 def run_passes(V: int, sizes, device) -> None:
     """Each launch's time of the `SWEEP_CASES` at `select_policy`'s launch, PDL off."""
     rows = []
@@ -271,23 +257,20 @@ def run_passes(V: int, sizes, device) -> None:
             assert torch.equal(stages.tokens, want), f"{name}: mismatch"
             replay = graph_of(lambda: kernels.sample_stages(x, *args, PURPOSE_DECODE, pdl=False).tokens)
             names, row["us"][name] = pass_times(replay)
+            assert len(names) == 1 + kernels.PASSES, f"{name}: a call launched {names}"
             row["passes"][name] = int(stages.passes.max())
-            ran = passes_run(row["passes"][name])
-            assert len(names) == 1 + ran, f"{name}: a replay ran {names}, not {1 + ran} launches"
         rows.append(row)
         print(row, flush=True)
     heads = ["max", *(f"pass {i}" for i in range(1, kernels.PASSES + 1)), "sum"]
     md = ["# Sampler launches one by one: median kernel µs, [bs, V] bf16 logits, V = %d" % V, "",
           f"`{json.dumps(env_info())}`", "",
-          "select_policy's launch, PDL off; a row works in at most `passes` of the 12 select "
-          "passes; '-': a pass the replay skipped (`SelectPolicy.skip`: no row needed it).", ""]
+          "select_policy's launch, PDL off; a row works in at most `passes` of the 12 select passes.", ""]
     for r in rows:
         md += [f"bs {r['bs']}:", "", "| case | passes | " + " | ".join(heads) + " |",
                "|---" * (len(heads) + 2) + "|"]
         for name in SWEEP_CASES:
             t = r["us"][name]
-            cells = [f"{v:.1f}" for v in t] + ["-"] * (1 + kernels.PASSES - len(t))
-            md.append(f"| {name} | {r['passes'][name]} | " + " | ".join(cells)
+            md.append(f"| {name} | {r['passes'][name]} | " + " | ".join(f"{v:.1f}" for v in t)
                       + f" | {sum(t):.1f} |")
         md.append("")
     out = out_dir()

@@ -15,11 +15,8 @@ the keys up to K, the smallest key whose kept-by-top-k keys at or below it weigh
 top_p * their total (the reference's prefix rule, in fp64). Both are found by narrowing a
 bracket of keys with counts and integer weights summed over chunks, so they are exact.
 
-1 + PASSES launches a call eagerly, whatever the logits hold; each row finds its own way through
-them (one batch mixes greedy, temperature-only and filtered rows). Captured in a CUDA graph, the
-passes from 1, 2, 4 and 8 on are nested conditional bodies (`SKIP_AT`, `graph_if`): a replay
-runs the passes its rows need, rounded up to the next of those points (most rows finish in
-the first):
+1 + PASSES launches a call, whatever the logits hold; each row finds its own way through them
+(one batch mixes greedy, temperature-only and filtered rows):
 
 1. `_chunk_max_kernel`, grid (n, C chunks of CHUNK logits): each chunk's share of torch's argmax
    (greedy rows) and of max(x), x = l * (1 / temperature), and how many of its x lie within
@@ -63,26 +60,22 @@ the first):
    (31 bits), top-p at most 7 (the table's intervals span at most 2**28 keys, five equal splits
    leave 256; a top-p row alone that tries P_NEAR and falls short takes one pass more, 8),
    the draw 1: PASSES = 12. A pass whose rows are all done costs its programs one
-   load each, and a launch, where it is not skipped. G, X, the warps of a program and whether
-   a gather draws are `select_policy(n)`'s.
+   load each. G, X, the warps of a program and whether a gather draws are
+   `select_policy(n)`'s.
 
-There is no host work and no sync: graph-safe (the flags a replay's conditional bodies read are
-written by the passes themselves: the one byte per pass `More`, set by a row's last program
-when it leaves the row with work, cleared by the chunk-max kernel). The result does not depend on the order in
+There is no host work and no sync: graph-safe. The result does not depend on the order in
 which chunks finish (integer sums, the gathered keys searched as a set). The kernels are
 launched with fp contraction off, so a*b+c is never an FMA and the fp32 steps round as torch's
 do.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from . import graph_if
 from . import pdl as _pdl
 from .kv import resolve_impl
 from .pdl import wait_for_previous
@@ -310,13 +303,12 @@ def _mass_key(key, w, live, thr, base):
 
 @triton.jit
 def _chunk_max_kernel(L, stride_l, Temp, PartV, PartI, PartNan, PartM, PartN, Count, Arrive,
-                      More, CBase, V, C, S, CHUNK: tl.constexpr, SP: tl.constexpr,
-                      PDL: tl.constexpr):
+                      CBase, V, C, S, CHUNK: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr):
     """Grid (n, C). Chunk c's share of torch's argmax (its largest non-NaN logit; its first
     NaN, else the first index holding that logit) and of max(l * inv_t) with NaN as -inf, and
     the number of its x within NEAR of its own maximum (`_near_bound`); it clears the chunk's
     weight below the splits' brackets (CBase). Chunk 0 clears the row's gather and arrival
-    counters of the select passes, and program (0, 0) the passes' flags (More)."""
+    counters of the select passes."""
     row = tl.program_id(0)
     c = tl.program_id(1)
     offs = c * CHUNK + tl.arange(0, CHUNK)
@@ -350,8 +342,6 @@ def _chunk_max_kernel(L, stride_l, Temp, PartV, PartI, PartNan, PartM, PartN, Co
         ss = tl.arange(0, SP)
         tl.store(Count + row * S + ss, 0, mask=ss < S)
         tl.store(Arrive + row * S + ss, 0, mask=ss < S)
-        if row == 0:
-            tl.store(More + ss, 0, mask=ss < S)
 
 
 @triton.jit
@@ -418,15 +408,12 @@ NSTATE_K = tl.constexpr(16)     # int64 fields a row: mode, lo, hi, shift, fresh
 
 
 @triton.jit
-def _set_state(st, more, mode, lo, hi, shift, fresh, base, zk, kf, sel, trace):
+def _set_state(st, mode, lo, hi, shift, fresh, base, zk, kf, sel, trace):
     """The row's state for the next pass: its mode; the bracket of keys [lo, hi]; K_HIST's digit
     shift; whether P_SPLIT splits by the fixed table (fresh); base, the count (top-k) or weight
     (top-p) of the keys below lo; zk, the weight top-p's fraction is of; kf, the final key
     threshold; sel, the interval or bin of the last pass the bracket came from (-1: none); trace,
-    the modes visited (1 << mode each) plus PASS_ONE for each pass taken. A row left with work
-    sets more, this pass's flag that some row needs the next pass (`sample_stages`' skip)."""
-    if mode != DONE_K:
-        tl.store(more, 1)
+    the modes visited (1 << mode each) plus PASS_ONE for each pass taken."""
     tl.store(st + 0, mode)
     tl.store(st + 1, lo)
     tl.store(st + 2, hi)
@@ -440,9 +427,9 @@ def _set_state(st, more, mode, lo, hi, shift, fresh, base, zk, kf, sel, trace):
 
 
 @triton.jit
-def _resolve(st, more, kf, zk, trace):
+def _resolve(st, kf, zk, trace):
     """The row's key threshold is kf: next the kept weights and the draw."""
-    _set_state(st, more, WEIGHTS_K, 0, 0, 0, 0, 0, zk, kf, -1, trace | WEIGHTS_BIT)
+    _set_state(st, WEIGHTS_K, 0, 0, 0, 0, 0, zk, kf, -1, trace | WEIGHTS_BIT)
 
 
 @triton.jit
@@ -695,7 +682,7 @@ def _sum_hist(HistPart, row, C, CP: tl.constexpr):
 
 
 @triton.jit
-def _row_k_hist(st, more, HistPart, row, C, k, top_p, lo, hi, shift, base, trace,
+def _row_k_hist(st, HistPart, row, C, k, top_p, lo, hi, shift, base, trace,
                 CP: tl.constexpr, CAP: tl.constexpr):
     """Top-k's radix step: the bin where the count of keys reaches k becomes the bracket. The
     key is found when the bracket is one key (or holds only keys that weigh 0: every such key
@@ -710,15 +697,15 @@ def _row_k_hist(st, more, HistPart, row, C, k, top_p, lo, hi, shift, base, trace
     hi2 = tl.minimum(hi, lo2 + (tl.full([], 1, tl.int64) << shift) - 1)
     found = (lo2 == hi2) | (lo2 >= KEY_CUT_K)
     if found & ((top_p < 1) == 0):                    # top-p off (NaN too, as the reference)
-        _resolve(st, more, hi2, 0, trace)
+        _resolve(st, hi2, 0, trace)
     elif upto <= CAP:
-        _set_state(st, more, K_GATHER_K, 0, hi2, 0, 0, 0, 0, KEY_INF_K, -1,
+        _set_state(st, K_GATHER_K, 0, hi2, 0, 0, 0, 0, KEY_INF_K, -1,
                    trace | K_GATHER_BIT)
     elif found:
-        _set_state(st, more, P_SPLIT_K, 0, tl.minimum(hi2, KEY_CUT_K), 0, 1, 0, 0, KEY_INF_K, -1,
+        _set_state(st, P_SPLIT_K, 0, tl.minimum(hi2, KEY_CUT_K), 0, 1, 0, 0, KEY_INF_K, -1,
                    trace | P_SPLIT_BIT)
     else:
-        _set_state(st, more, K_HIST_K, lo2, hi2, tl.maximum(shift - 8, 0), 0, below, 0, KEY_INF_K,
+        _set_state(st, K_HIST_K, lo2, hi2, tl.maximum(shift - 8, 0), 0, below, 0, KEY_INF_K,
                    j, trace | K_HIST_BIT)
 
 
@@ -738,7 +725,7 @@ def _row_k_gather(key, live, k, top_p):
 
 
 @triton.jit
-def _row_p_split(st, more, CntPart, MassPart, BoundPart, CBase, row, C, top_p, lo, hi, fresh, base,
+def _row_p_split(st, CntPart, MassPart, BoundPart, CBase, row, C, top_p, lo, hi, fresh, base,
                  zk, trace, CP: tl.constexpr, CAP: tl.constexpr):
     """Top-p's step: the interval where base + the weight below its end first reaches top_p *
     zk (zk: the first split's total) becomes the bracket, narrowed to the keys present; the
@@ -768,17 +755,17 @@ def _row_p_split(st, more, CntPart, MassPart, BoundPart, CBase, row, C, top_p, l
     lo2 = tl.maximum(_split_bound(js.to(tl.int64), lo, hi, fresh), bmin)
     hi2 = tl.minimum(_split_bound(js.to(tl.int64) + 1, lo, hi, fresh) - 1, bmax)
     if thr <= 0:
-        _resolve(st, more, 0, zk, trace)                       # top_p <= 0: the top key alone
+        _resolve(st, 0, zk, trace)                       # top_p <= 0: the top key alone
     elif lo2 >= hi2:
-        _resolve(st, more, lo2, zk, trace)
+        _resolve(st, lo2, zk, trace)
     elif n_in <= CAP:
-        _set_state(st, more, P_GATHER_K, lo2, hi2, 0, 0, base2, zk, KEY_INF_K, js,
+        _set_state(st, P_GATHER_K, lo2, hi2, 0, 0, base2, zk, KEY_INF_K, js,
                    trace | P_GATHER_BIT)
     elif hi2 - lo2 < 256:
-        _set_state(st, more, P_HIST_K, lo2, hi2, 0, 0, base2, zk, KEY_INF_K, js,
+        _set_state(st, P_HIST_K, lo2, hi2, 0, 0, base2, zk, KEY_INF_K, js,
                    trace | P_HIST_BIT)
     else:
-        _set_state(st, more, P_SPLIT_K, lo2, hi2, 0, 0, base2, zk, KEY_INF_K, js,
+        _set_state(st, P_SPLIT_K, lo2, hi2, 0, 0, base2, zk, KEY_INF_K, js,
                    trace | P_SPLIT_BIT)
 
 
@@ -791,7 +778,7 @@ def _row_p_gather(key, live, top_p, base, zk):
 
 
 @triton.jit
-def _row_gather_draw(st, more, key, live, kf, zk, trace, Span, CBase, Pref, ZPart, Out, l_ptr, row,
+def _row_gather_draw(st, key, live, kf, zk, trace, Span, CBase, Pref, ZPart, Out, l_ptr, row,
                      C, V, inv_t, m, pinf, min_w, u62, CHUNK: tl.constexpr, CP: tl.constexpr,
                      CAP: tl.constexpr, N: tl.constexpr):
     """The row's threshold kf was found among gathered keys: draw now, without a weights pass,
@@ -817,13 +804,13 @@ def _row_gather_draw(st, more, key, live, kf, zk, trace, Span, CBase, Pref, ZPar
         tl.debug_barrier()                                 # the chunks' weights, for the draw
         tl.store(Out + row, _row_draw(l_ptr, ZPart, row, C, V, inv_t, m, pinf, kf.to(tl.int32),
                                       min_w, u62, CHUNK, CP))
-        _set_state(st, more, DONE_K, 0, 0, 0, 0, 0, zk, kf, -1, trace)
+        _set_state(st, DONE_K, 0, 0, 0, 0, 0, zk, kf, -1, trace)
     else:
-        _resolve(st, more, kf, zk, trace)
+        _resolve(st, kf, zk, trace)
 
 
 @triton.jit
-def _row_p_hist(st, more, HistPart, row, C, top_p, lo, base, zk, trace, CP: tl.constexpr):
+def _row_p_hist(st, HistPart, row, C, top_p, lo, base, zk, trace, CP: tl.constexpr):
     """A count per key of the bracket: its weight is count * fixed_exp(key), exact; top-p's key
     is the first where base + the weight up to it reaches top_p * zk."""
     h = _sum_hist(HistPart, row, C, CP)
@@ -832,7 +819,7 @@ def _row_p_hist(st, more, HistPart, row, C, top_p, lo, base, zk, trace, CP: tl.c
     cum = base + tl.cumsum(h * _key_weight(key), axis=0)
     thr = zk.to(tl.float64) * top_p.to(tl.float64)
     j = tl.min(tl.where(cum.to(tl.float64) >= thr, b, 255), axis=0)
-    _resolve(st, more, lo + j, zk, trace)
+    _resolve(st, lo + j, zk, trace)
 
 
 @triton.jit
@@ -881,7 +868,7 @@ def _row_state(st, mode, FIRST: tl.constexpr):
 
 
 @triton.jit
-def _row_gathered(st, more, mode, Buf, n, row, k, top_p, base, zk, trace, Seed, Pos, purpose, Span,
+def _row_gathered(st, mode, Buf, n, row, k, top_p, base, zk, trace, Seed, Pos, purpose, Span,
                   CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m, pinf, min_w,
                   CHUNK: tl.constexpr, CP: tl.constexpr, CAP: tl.constexpr, DRAW: tl.constexpr,
                   N: tl.constexpr):
@@ -895,35 +882,35 @@ def _row_gathered(st, more, mode, Buf, n, row, k, top_p, base, zk, trace, Seed, 
         zg = zk
     if DRAW:
         bits = _random_bits_t(tl.load(Seed + row), tl.load(Pos + row), purpose, 0)
-        _row_gather_draw(st, more, key, live, kg, zg, trace, Span, CBase, Pref, ZPart, Out, l_ptr,
+        _row_gather_draw(st, key, live, kg, zg, trace, Span, CBase, Pref, ZPart, Out, l_ptr,
                          row, C, V, inv_t, m, pinf, min_w, _lsr_t(bits, 2), CHUNK, CP, CAP, N)
     else:
-        _resolve(st, more, kg, zg, trace)
+        _resolve(st, kg, zg, trace)
 
 
 @triton.jit
-def _row_gather_end(st, more, mode, Buf, n_g, row, k, top_p, base, zk, trace, Seed, Pos, purpose,
+def _row_gather_end(st, mode, Buf, n_g, row, k, top_p, base, zk, trace, Seed, Pos, purpose,
                     Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m, pinf, min_w,
                     CHUNK: tl.constexpr, CP: tl.constexpr, CAP: tl.constexpr, DRAW: tl.constexpr,
                     SMALL: tl.constexpr):
     """`_row_gathered` over registers [SMALL] where the n_g gathered keys fit (a sharp row's
     nucleus), else [CAP] (one compiled copy where SMALL == CAP)."""
     if SMALL == CAP:
-        _row_gathered(st, more, mode, Buf, n_g, row, k, top_p, base, zk, trace, Seed, Pos, purpose,
+        _row_gathered(st, mode, Buf, n_g, row, k, top_p, base, zk, trace, Seed, Pos, purpose,
                       Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m, pinf, min_w, CHUNK,
                       CP, CAP, DRAW, CAP)
     elif n_g <= SMALL:
-        _row_gathered(st, more, mode, Buf, n_g, row, k, top_p, base, zk, trace, Seed, Pos, purpose,
+        _row_gathered(st, mode, Buf, n_g, row, k, top_p, base, zk, trace, Seed, Pos, purpose,
                       Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m, pinf, min_w, CHUNK,
                       CP, CAP, DRAW, SMALL)
     else:
-        _row_gathered(st, more, mode, Buf, n_g, row, k, top_p, base, zk, trace, Seed, Pos, purpose,
+        _row_gathered(st, mode, Buf, n_g, row, k, top_p, base, zk, trace, Seed, Pos, purpose,
                       Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m, pinf, min_w, CHUNK,
                       CP, CAP, DRAW, CAP)
 
 
 @triton.jit
-def _row_near(st, more, Buf, Count, ZPart, MassPart, row, C, S, s, top_p, trace, Seed, Pos, purpose,
+def _row_near(st, Buf, Count, ZPart, MassPart, row, C, S, s, top_p, trace, Seed, Pos, purpose,
               Span, CBase, Pref, Out, l_ptr, V, inv_t, m, pinf, min_w, CHUNK: tl.constexpr,
               CP: tl.constexpr, CAP: tl.constexpr, DRAW: tl.constexpr, SMALL: tl.constexpr):
     """P_NEAR's end: Z, the row's whole weight, from the chunks' shares. The gathered keys are
@@ -940,23 +927,23 @@ def _row_near(st, more, Buf, Count, ZPart, MassPart, row, C, S, s, top_p, trace,
     thr = z.to(tl.float64) * top_p.to(tl.float64)
     n_g = tl.atomic_add(Count + row * S + s, 0, sem="acquire", scope="gpu")
     if thr <= 0:
-        _resolve(st, more, 0, z, trace)                        # top_p <= 0: the top key alone
+        _resolve(st, 0, z, trace)                        # top_p <= 0: the top key alone
     elif (near.to(tl.float64) >= thr) & (n_g <= SMALL):
-        _row_gathered(st, more, P_GATHER_K, Buf, n_g, row, 0, top_p, 0, z, trace, Seed, Pos, purpose,
+        _row_gathered(st, P_GATHER_K, Buf, n_g, row, 0, top_p, 0, z, trace, Seed, Pos, purpose,
                       Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m, pinf, min_w, CHUNK,
                       CP, CAP, DRAW, SMALL)
     elif near.to(tl.float64) >= thr:                     # P_GATHER's pass over the same keys
-        _set_state(st, more, P_GATHER_K, 0, KEY_NEAR_K - 1, 0, 0, 0, z, KEY_INF_K, -1,
+        _set_state(st, P_GATHER_K, 0, KEY_NEAR_K - 1, 0, 0, 0, z, KEY_INF_K, -1,
                    trace | P_GATHER_BIT)
     else:
-        _set_state(st, more, P_SPLIT_K, 0, KEY_CUT_K, 23, 1, 0, 0, KEY_INF_K, -1,
+        _set_state(st, P_SPLIT_K, 0, KEY_CUT_K, 23, 1, 0, 0, KEY_INF_K, -1,
                    trace | P_SPLIT_BIT)
 
 
 @triton.jit(noinline=True)
 def _select_row(row, x, X, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI, PartNan,
                 PartM, PartN, State, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count, Span,
-                CBase, Pref, Pack, Arrive, More, Out, V, C, S, purpose, s, FIRST: tl.constexpr,
+                CBase, Pref, Pack, Arrive, Out, V, C, S, purpose, s, FIRST: tl.constexpr,
                 CHUNK: tl.constexpr, SUB: tl.constexpr, CP: tl.constexpr, CAP: tl.constexpr,
                 SMALL: tl.constexpr, PACK: tl.constexpr, DRAW: tl.constexpr,
                 ONE: tl.constexpr):
@@ -965,7 +952,6 @@ def _select_row(row, x, X, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV
     the row to its next mode (module doc)."""
     row = tl.cast(row, tl.int32)                      # the interpreter's loops give ints
     st = State + row * NSTATE_K
-    more = More + s                                   # set where the row needs the next pass
     m, pinf = _row_max(PartM, row, C, CP)
     temp = tl.load(Temp + row)
     k = tl.load(TopK + row)
@@ -979,7 +965,7 @@ def _select_row(row, x, X, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV
     if mode == GREEDY_K:
         if x == 0:
             tl.store(Out + row, _greedy_token(PartV, PartI, PartNan, row, C, V, CP))
-            _set_state(st, more, DONE_K, 0, 0, 0, 0, 0, 0, KEY_INF_K, -1, GREEDY_BIT + PASS_ONE)
+            _set_state(st, DONE_K, 0, 0, 0, 0, 0, 0, KEY_INF_K, -1, GREEDY_BIT + PASS_ONE)
     elif mode != DONE_K:
         lo, hi, shift, fresh, base, zk, kf, sel, trace = _row_state(st, mode, FIRST)
         l_ptr = L + row.to(tl.int64) * stride_l
@@ -1001,29 +987,29 @@ def _select_row(row, x, X, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV
                 tl.store(Out + row, _row_draw(l_ptr, ZPart, row, C, V, inv_t, m, pinf,
                                               kf.to(tl.int32), min_w, _lsr_t(bits, 2),
                                               CHUNK, CP))
-                _set_state(st, more, DONE_K, 0, 0, 0, 0, 0, zk, kf, -1, trace)
+                _set_state(st, DONE_K, 0, 0, 0, 0, 0, zk, kf, -1, trace)
             elif mode == K_HIST_K:
-                _row_k_hist(st, more, HistPart, row, C, k, top_p, lo, hi, shift, base, trace, CP, CAP)
+                _row_k_hist(st, HistPart, row, C, k, top_p, lo, hi, shift, base, trace, CP, CAP)
             elif (mode == K_GATHER_K) | (mode == P_GATHER_K):
                 n_g = tl.atomic_add(Count + row * S + s, 0, sem="acquire", scope="gpu")
-                _row_gather_end(st, more, mode, Buf, n_g, row, k, top_p, base, zk, trace, Seed, Pos,
+                _row_gather_end(st, mode, Buf, n_g, row, k, top_p, base, zk, trace, Seed, Pos,
                                 purpose, Span, CBase, Pref, ZPart, Out, l_ptr, C, V, inv_t, m,
                                 pinf, min_w, CHUNK, CP, CAP, DRAW, SMALL)
             elif mode == P_SPLIT_K:
-                _row_p_split(st, more, CntPart, MassPart, BoundPart, CBase, row, C, top_p, lo, hi,
+                _row_p_split(st, CntPart, MassPart, BoundPart, CBase, row, C, top_p, lo, hi,
                              fresh, base, zk, trace, CP, CAP)
             elif FIRST:                                  # the first pass's last mode: P_NEAR
-                _row_near(st, more, Buf, Count, ZPart, MassPart, row, C, S, s, top_p, trace, Seed, Pos,
+                _row_near(st, Buf, Count, ZPart, MassPart, row, C, S, s, top_p, trace, Seed, Pos,
                           purpose, Span, CBase, Pref, Out, l_ptr, V, inv_t, m, pinf, min_w,
                           CHUNK, CP, CAP, DRAW, SMALL)
             else:                                        # a later pass's: P_HIST
-                _row_p_hist(st, more, HistPart, row, C, top_p, lo, base, zk, trace, CP)
+                _row_p_hist(st, HistPart, row, C, top_p, lo, base, zk, trace, CP)
 
 
 @triton.jit(do_not_specialize=["n", "s"])
 def _select_kernel(L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI, PartNan,
                    PartM, PartN, State, HistPart, CntPart, MassPart, BoundPart, ZPart, Buf, Count,
-                   Span, CBase, Pref, Pack, Arrive, More, Out, n, V, C, S, purpose, s,
+                   Span, CBase, Pref, Pack, Arrive, Out, n, V, C, S, purpose, s,
                    FIRST: tl.constexpr,
                    CHUNK: tl.constexpr, SUB: tl.constexpr, CP: tl.constexpr,
                    CAP: tl.constexpr, SMALL: tl.constexpr, PACK: tl.constexpr,
@@ -1049,12 +1035,11 @@ def _select_kernel(L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI,
         for row in tl.range(g, n, G, num_stages=1):
             _select_row(row, x, X, L, stride_l, Temp, TopK, TopP, MinP, Seed, Pos, PartV, PartI,
                         PartNan, PartM, PartN, State, HistPart, CntPart, MassPart, BoundPart, ZPart,
-                        Buf, Count, Span, CBase, Pref, Pack, Arrive, More, Out, V, C, S, purpose,
-                        s, FIRST, CHUNK, SUB, CP, CAP, SMALL, PACK, DRAW, ONE)
+                        Buf, Count, Span, CBase, Pref, Pack, Arrive, Out, V, C, S, purpose, s,
+                        FIRST, CHUNK, SUB, CP, CAP, SMALL, PACK, DRAW, ONE)
 
 
 PASSES = 12         # top-k <= 4 passes, top-p <= 8, the draw 1 (module doc)
-SKIP_AT = (1, 2, 4, 8)  # in a CUDA graph, passes from these on run only where a row needs them
 CHUNK = 2048
 CAP = 4096          # keys a row may gather
 SMALL = 256         # a gather of at most SMALL keys is searched in [SMALL] registers, not [CAP]
@@ -1068,15 +1053,13 @@ STATE_FIELDS = ("mode", "lo", "hi", "shift", "fresh", "base", "zk", "kf", "sel",
 
 class Stages(NamedTuple):
     """What the kernels leave for a call: the tokens, and each row's final state (for tests):
-    kf its key threshold (KEY_INF: none), mode (0, done, once every pass ran), its trace, and
-    the passes' flags that decide which conditional bodies a graph replay enters; from
+    kf its key threshold (KEY_INF: none), mode (0, done, once every pass ran), its trace; from
     the trace, on access only (so a call that reads the tokens launches nothing more), the
     modes it went through (bit 1 << i for MODES[i]) and the number of passes it took."""
     tokens: torch.Tensor      # [n] int64
     kf: torch.Tensor          # [n] int64
     mode: torch.Tensor        # [n] int64
     trace: torch.Tensor       # [n] int64: the modes' bits, plus PASS_ONE a pass
-    more: torch.Tensor        # [PASSES] int8: pass s left some row with work (nonzero)
 
     @property
     def modes(self) -> torch.Tensor:
@@ -1095,8 +1078,6 @@ class SelectPolicy(NamedTuple):
     pdl: bool = True      # the launches with programmatic dependent launch (where supported)
     chunk_groups: int = 0  # X: the grid is (G, min(X, C)); program (g, x) does chunks x,
                            # x + X, .. of its rows (0: X = C, a chunk a program)
-    skip: bool = True     # in a CUDA graph capture, the passes from each of SKIP_AT on in a
-                          # conditional body that a replay runs only where a row needs them
 
 
 def select_policy(n: int) -> SelectPolicy:
@@ -1134,7 +1115,7 @@ def sample_stages(logits, temperature, top_k, top_p, min_p, seed, position, purp
                   warps: int | None = None, gather_draw: bool | None = None,
                   pdl: bool | None = None, regs: int | None = None,
                   small: int | None = None, pack: int | None = None,
-                  chunk_groups: int | None = None, skip: bool | None = None) -> Stages:
+                  chunk_groups: int | None = None) -> Stages:
     """`sample_triton`'s launches and the rows' final state. chunk and cap: powers of two;
     groups, warps, gather_draw, pdl, chunk_groups: `SelectPolicy`'s fields (`select_policy(n)`'s
     where None; the tokens are the same whatever they are); regs: the select kernel's register cap
@@ -1147,13 +1128,7 @@ def sample_stages(logits, temperature, top_k, top_p, min_p, seed, position, purp
     that size instead of cap's: the searches over the gathered keys cost in proportion to the
     registers they span, and a sharp row gathers a few keys. pack: a split of a chunk where at
     most this many keys can weigh packs them before its 16 sums (a power of two; PACK where
-    None; 0: never), so a sharp row's split costs in proportion to its few such keys.
-    skip: where the call is captured into a `torch.cuda.CUDAGraph` that can hold conditional
-    nodes (`graph_if`), the passes from each of SKIP_AT on are captured into nested IF bodies
-    that a replay enters only where the pass before left a row with work (the flag its last
-    programs set, `_set_state`): most rows finish in the first pass, and the eleven passes
-    after it cost a launch each otherwise. Eager calls run every pass (those with nothing
-    left return at once); the tokens are the same either way."""
+    None; 0: never), so a sharp row's split costs in proportion to its few such keys."""
     x = logits if logits.stride(1) == 1 else logits.contiguous()
     n, V = x.shape
     lanes = [t.contiguous() for t in (temperature, top_k, top_p, min_p, seed, position)]
@@ -1175,34 +1150,28 @@ def sample_stages(logits, temperature, top_k, top_p, min_p, seed, position, purp
     pack_size = PACK if pack is None else pack
     packs = buf(n, C, max(pack_size, 1), dtype=torch.int32)
     count, arrive = buf(n, PASSES, dtype=torch.int32), buf(n, PASSES, dtype=torch.int32)
-    more = buf(PASSES, dtype=torch.int8)           # pass s left some row with work
     out = buf(n, dtype=torch.int64)
     policy = select_policy(n)
     on = (policy.pdl if pdl is None else pdl) and _pdl.supported(x.device)
     launch = dict(PDL=on, **_pdl.launch_options(x.device, on))
     if n:
-        _chunk_max_kernel[(n, C)](x, x.stride(0), lanes[0], *parts, count, arrive, more, cbase,
-                                  V, C, PASSES,
+        _chunk_max_kernel[(n, C)](x, x.stride(0), lanes[0], *parts, count, arrive, cbase, V, C,
+                                  PASSES,
                                   CHUNK=chunk, SP=triton.next_power_of_2(PASSES),
                                   num_warps=CHUNK_WARPS, enable_fp_fusion=False, **launch)
     G = groups or policy.groups
     X = min(C, (policy.chunk_groups if chunk_groups is None else chunk_groups) or C)
-    args = (x, x.stride(0), *lanes, *parts, state, *work, count, span, cbase, pref, packs, arrive,
-            more, out, n, V, C, PASSES, purpose)
-    fixed = dict(CHUNK=chunk, SUB=max(min(chunk, SUB), chunk // 8), CP=CP, CAP=cap,
-                 SMALL=min(cap, small or SMALL), PACK=min(pack_size, chunk),
-                 DRAW=policy.gather_draw if gather_draw is None else gather_draw, ONE=X == C,
-                 num_warps=warps or policy.warps, maxnreg=regs or SELECT_REGS,
-                 enable_fp_fusion=False, **launch)
-    skipping = policy.skip if skip is None else skip
-    graph = graph_if.capturing(x.device) if skipping and n else None
-    with contextlib.ExitStack() as bodies:
-        for s in range(PASSES if n else 0):
-            if graph is not None and s in SKIP_AT:      # nested: a skipped body skips the rest
-                bodies.enter_context(graph_if.only_if(graph, more[s - 1]))
-            _select_kernel[(G, X)](*args, s, FIRST=s == 0, **fixed)
-    return Stages(out, *(state[:, STATE_FIELDS.index(f)] for f in ("kf", "mode", "trace")),
-                  more)
+    for s in range(PASSES if n else 0):
+        _select_kernel[(G, X)](x, x.stride(0), *lanes, *parts, state, *work, count, span, cbase,
+                               pref, packs, arrive, out,
+                               n, V, C, PASSES, purpose, s, FIRST=s == 0, CHUNK=chunk,
+                               SUB=max(min(chunk, SUB), chunk // 8), CP=CP, CAP=cap,
+                               SMALL=min(cap, small or SMALL), PACK=min(pack_size, chunk),
+                               DRAW=policy.gather_draw if gather_draw is None else gather_draw,
+                               ONE=X == C,
+                               num_warps=warps or policy.warps, maxnreg=regs or SELECT_REGS,
+                               enable_fp_fusion=False, **launch)
+    return Stages(out, *(state[:, STATE_FIELDS.index(f)] for f in ("kf", "mode", "trace")))
 
 
 @triton.jit
