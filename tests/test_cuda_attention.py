@@ -122,12 +122,14 @@ def n_compiled(kernel) -> int:
 
 def test_every_split_count_runs_one_compiled_kernel():
     # the split count, the fold flag and the partials' strides are runtime values: a ladder of
-    # buckets (split counts 1 .. 128, folded and not) compiles the split kernel once
+    # buckets (split counts 1 .. 128, folded and not) compiles the split kernel once for each
+    # loop (bs 1's double-buffered one, `choose_prefetch`, and the one of larger batches)
     cache = Paged(n_slots=16384, n_rows=40, max_context=8192)
     rows, seq_lens = cache.requests([5000, 1, 64] + [PAD] * 29)
     q = cache.q(32)
-    runs = [(bs, None) for bs in (1, 2, 4, 8, 16, 32)] + [(4, 1), (4, 3), (4, 128)]
-    for bs, splits in runs[:1]:
+    runs = [(bs, None) for bs in (1, 2, 4, 8, 16, 32)] + [(4, 1), (4, 3), (4, 128), (1, 128),
+                                                          (1, 1)]
+    for bs, splits in runs[:2]:
         decode_attention(q[:bs], cache.k, cache.v, cache.req_to_token, rows[:bs], seq_lens[:bs])
     before = n_compiled(_split_kv_kernel), n_compiled(_merge_kernel)
     for bs, splits in runs:

@@ -298,6 +298,36 @@ def test_merge_unroll_depends_on_tiles_only():
     assert mid_o.shape == (2, 3, 5, 24) and mid_o.stride() == (3 * 5 * 32, 5 * 32, 32, 1)
 
 
+PREFETCH_LENS = [130, PAD, 1, 31, 32, 33, 64, 97]
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("num_splits,block_n,fold", [(1, 16, True), (3, 16, True), (3, 32, False),
+                                                     (8, 32, True), (130, 16, True)])
+def test_decode_prefetch_reads_only_its_tiles(prefetch, num_splits, block_n, fold):
+    """The double-buffered loop (each step issues the next tile's K / V) gives the reference's
+    output at every split count and tile width, lengths at and around the tile edges, and never
+    reads a poisoned sink or past-the-end slot (the next tile's loads are masked to the split)."""
+    k_cache, v_cache, r2t, rows, lens = make_paged(PREFETCH_LENS, 64, poison=True)
+    q = rand_q(len(PREFETCH_LENS), 8, 64)
+    real = [i for i, n in enumerate(PREFETCH_LENS) if n is not PAD]
+    ref = decode_attention_reference(q, unpoisoned(k_cache), unpoisoned(v_cache), r2t, rows,
+                                     lens)
+    out = split_kv_attention(q, k_cache, v_cache, PagedMeta.decode(r2t, rows, lens), 64 ** -0.5,
+                             SplitPolicy(num_splits=num_splits, block_n=block_n, fold=fold,
+                                         prefetch=prefetch))
+    assert torch.isfinite(out[real]).all(), "a real lane read a poisoned slot"
+    assert_close(out[real], ref[real], torch.float32)
+    assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
+
+
+def test_choose_prefetch_for_decode_with_few_pairs():
+    from padgraph.backends.triton.attention_decode import PREFETCH_MAX_PAIRS, choose_prefetch
+    assert choose_prefetch(1, 1, 8) and PREFETCH_MAX_PAIRS == 8       # bs 1 at 8 kv heads
+    assert not choose_prefetch(1, 2, 8) and not choose_prefetch(1, 8, 8)
+    assert not choose_prefetch(4, 1, 2)                               # tree verify keeps its loop
+
+
 # long requests, a short one and a padded lane; BLOCK_N 16 so that most of the splits are used:
 # 37 splits -> (19, 1, 19, 3) non-empty, 130 -> (38, 1, 19, 3) (MERGE_UNROLL 4 here)
 MANY_SPLIT_LENS = [600, PAD, 300, 37]

@@ -36,10 +36,10 @@ SCRIPT = textwrap.dedent('''
     dec.update({"ReqToToken": "*i32", "ReqPoolIdx": "*i32", "SeqLens": "*i32", "TreeMask": "*u8",
                 "MidO": "*fp32", "MidLse": "*fp32", "Counters": "*i32", "sm_scale": "fp32"})
     if GROUP == "attention-gemv-topk":
-        for tree in (False, True):
+        for tree, prefetch in ((False, False), (True, False), (False, True)):
             build(ad._split_kv_kernel, dec, dict(GROUP=4, NUM_Q=8 if tree else 1, HAS_TREE=tree,
-                  UPCAST=False, BLOCK_M=32 if tree else 16, BLOCK_N=64, BLOCK_D=64, BLOCK_DV=64,
-                  MERGE_UNROLL=2))
+                  UPCAST=False, BLOCK_M=32 if tree else 16, BLOCK_N=32 if prefetch else 64,
+                  BLOCK_D=64, BLOCK_DV=64, MERGE_UNROLL=2, PREFETCH=prefetch))
         # extend: packed row tiles found by a prefix sum over qo_indptr (attention_extend.tile_owner)
         from padgraph.backends.triton import attention_extend as ae
         ext = dict(dec, QoIndptr="*i32")
@@ -95,7 +95,7 @@ def run_compiler(args, tmp_path) -> str:
     return p.stdout
 
 
-GROUPS = {"attention-gemv-topk": 7, "moe": 6, "pdl": 2}    # group -> kernels built
+GROUPS = {"attention-gemv-topk": 8, "moe": 6, "pdl": 2}    # group -> kernels built
 
 
 @pytest.mark.parametrize("group", list(GROUPS))

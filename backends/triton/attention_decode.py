@@ -75,6 +75,15 @@ MIN_SPLIT_TOKENS = 128
 DECODE_MIN_SPLIT_TOKENS = 64
 MAX_SPLITS = 128
 CPU_SM_COUNT = 4  # under the interpreter: few programs keep tests fast
+# Decode with few (request, kv head) pairs (bs 1 at 8 kv heads) runs a double-buffered loop over
+# 32-token tiles: each step issues the next tile's K and V before computing its own, so a split
+# keeps two tiles in flight (the kernel's loop is not software-pipelined by Triton: its K / V
+# addresses come from the slot table). H100, `bench.bench_attention --ab` in a graph, same
+# process, 32 / 8 heads, d 128: bs 1 ctx 512 7.6 us against 8.1 (SDPA 8.5), ctx 4096 14.3
+# against 15.0 (SDPA 14.0); at bs 8 and more it was slower (ctx 512: 16.7 against 14.0; with
+# 64-token tiles 18.6), so larger batches keep the single-buffered loop.
+PREFETCH_MAX_PAIRS = 8
+PREFETCH_BLOCK_N = 32
 
 
 # ----------------------------------------------------------------------------- reference
@@ -150,7 +159,7 @@ def _split_kv_kernel(
     head_dim, v_head_dim, num_splits, fold,
     GROUP: tl.constexpr, NUM_Q: tl.constexpr, HAS_TREE: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, MERGE_UNROLL: tl.constexpr,
+    BLOCK_DV: tl.constexpr, MERGE_UNROLL: tl.constexpr, PREFETCH: tl.constexpr = False,
 ):
     # program (r, kv_head, split): rows m = (query i, head g) of request r's NUM_Q * GROUP
     # query heads sharing kv_head, against one split of r's positions (attention_split.py).
@@ -186,15 +195,33 @@ def _split_kv_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         idx = ReqToToken + row * stride_rt
         slot = tile_slots(idx, start + tl.arange(0, BLOCK_N), end)
+        if PREFETCH:  # the split's first tile before the loop: each step issues the next one's
+            n_ok = (start + tl.arange(0, BLOCK_N)) < end
+            k = tl.load(K + slot[None, :] * stride_k_s + kvh * stride_k_h + offs_d[:, None],
+                        mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+            v = tl.load(V + slot[:, None] * stride_v_s + kvh * stride_v_h + offs_dv[None, :],
+                        mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+            slot = tile_slots(idx, start + BLOCK_N + tl.arange(0, BLOCK_N), end)
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < end
-            k = tl.load(K + slot[None, :] * stride_k_s + kvh * stride_k_h + offs_d[:, None],
-                        mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-            v = tl.load(V + slot[:, None] * stride_v_s + kvh * stride_v_h + offs_dv[None, :],
-                        mask=n_ok[:, None] & dv_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
-            # issue K, V and the next tile's slot indices together: one memory round trip a tile
-            slot = tile_slots(idx, offs_n + BLOCK_N, end)
+            if PREFETCH:
+                # the next tile's K and V, and the slots after them, in flight while this one
+                # computes (two tiles' registers: small tiles, few programs)
+                nx_ok = (offs_n + BLOCK_N) < end
+                k_nx = tl.load(K + slot[None, :] * stride_k_s + kvh * stride_k_h
+                               + offs_d[:, None], mask=nx_ok[None, :] & d_ok[:, None], other=0.0)
+                v_nx = tl.load(V + slot[:, None] * stride_v_s + kvh * stride_v_h
+                               + offs_dv[None, :], mask=nx_ok[:, None] & dv_ok[None, :],
+                               other=0.0)
+                slot = tile_slots(idx, offs_n + 2 * BLOCK_N, end)
+            else:
+                k = tl.load(K + slot[None, :] * stride_k_s + kvh * stride_k_h + offs_d[:, None],
+                            mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+                v = tl.load(V + slot[:, None] * stride_v_s + kvh * stride_v_h + offs_dv[None, :],
+                            mask=n_ok[:, None] & dv_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
+                # issue K, V and the next tile's slot indices together: one round trip a tile
+                slot = tile_slots(idx, offs_n + BLOCK_N, end)
             s = (mma(q, k, UPCAST) * sm_scale).to(tl.float32)  # [BLOCK_M, BLOCK_N]; inductor may pass a fp64 scale
             visible = n_ok[None, :] & m_ok[:, None]
             if HAS_TREE:
@@ -210,6 +237,9 @@ def _split_kv_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST)
             m_i = m_new
+            if PREFETCH:
+                k = k_nx
+                v = v_nx
 
         finish_split(acc, m_i, l_i, split, tl.maximum(n_used, 1), fold,
                      Counters + r * tl.num_programs(1) + kvh,
@@ -246,6 +276,12 @@ def choose_num_splits(bs: int, n_kv_heads: int, max_context: int, n_sm: int,
         return max(1, min(want, cap, DECODE_MAX_SPLITS))
     want = triton.cdiv(PROGRAMS_PER_SM * n_sm, pairs)
     return max(1, min(want, cap, MAX_SPLITS))
+
+
+def choose_prefetch(num_q: int, bs: int, n_kv_heads: int) -> bool:
+    """Decode (one query a request) with at most PREFETCH_MAX_PAIRS (request, kv head) pairs:
+    the double-buffered loop over PREFETCH_BLOCK_N-token tiles."""
+    return num_q == 1 and bs * n_kv_heads <= PREFETCH_MAX_PAIRS
 
 
 def choose_fold(num_splits: int, num_q: int, group: int, v_head_dim: int) -> bool:
@@ -316,12 +352,15 @@ def check_kernel_dtypes(q, k_cache, v_cache):
 class SplitPolicy:
     """How `split_kv_attention` launches. num_splits / fold None: chosen from shapes
     (`choose_num_splits`, `choose_fold`); block_n None: `kernel_blocks`' tile; num_warps and
-    num_stages: the kernel's. Benchmarks set knobs to sweep them."""
+    num_stages: the kernel's; prefetch None: `choose_prefetch` (each step issues the next tile's
+    K and V before computing its own; with block_n None, tiles of PREFETCH_BLOCK_N). Benchmarks
+    set knobs to sweep them."""
     num_splits: int | None = None
     fold: bool | None = None
     block_n: int | None = None
     num_warps: int = 4
     num_stages: int = 2
+    prefetch: bool | None = None
 
     def __post_init__(self):
         if self.num_splits is not None and not 1 <= self.num_splits <= 2 * MAX_SPLITS:
@@ -348,7 +387,11 @@ def split_kv_attention(q, k_cache, v_cache, meta: PagedMeta, sm_scale: float,
                                        num_q)
     if fold is None:
         fold = choose_fold(num_splits, num_q, group, v_head_dim)
-    blocks = kernel_blocks(head_dim, v_head_dim, num_q * group, policy.block_n)
+    prefetch = policy.prefetch
+    if prefetch is None:
+        prefetch = choose_prefetch(num_q, bs, n_kv_heads)
+    block_n = policy.block_n or (PREFETCH_BLOCK_N if prefetch else None)
+    blocks = kernel_blocks(head_dim, v_head_dim, num_q * group, block_n)
     # the kernels index 1-d metadata with unit stride (a no-op for the dense tensors runners pass)
     req_pool_indices, seq_lens = meta.req_pool_indices.contiguous(), meta.seq_lens.contiguous()
     req_to_token = meta.req_to_token
@@ -374,7 +417,8 @@ def split_kv_attention(q, k_cache, v_cache, meta: PagedMeta, sm_scale: float,
         head_dim, v_head_dim, num_splits, int(fold),
         GROUP=group, NUM_Q=num_q, HAS_TREE=tree_mask is not None,
         UPCAST=upcast_dots(q.dtype), num_warps=num_warps, num_stages=policy.num_stages,
-        MERGE_UNROLL=merge_unroll(blocks["BLOCK_M"], blocks["BLOCK_DV"], num_warps), **blocks,
+        MERGE_UNROLL=merge_unroll(blocks["BLOCK_M"], blocks["BLOCK_DV"], num_warps),
+        PREFETCH=bool(prefetch), **blocks,
     )
     if num_splits > 1 and not fold:
         launch_merge(mid_o, mid_lse, seq_lens, o, num_q, num_splits, blocks["BLOCK_N"])
