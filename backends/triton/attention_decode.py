@@ -6,7 +6,9 @@ The split count S is static: chosen on the host from (bs, n_kv_heads, max_contex
 never from `seq_lens` values, so one captured graph serves every length. On the device, program
 (r, kv_head, s) takes the s-th of S equal shares of request r's *own* length (rounded up to
 BLOCK_N): cost follows real lengths, and splits past the end exit without reading. The split
-count is a runtime argument, so every bucket runs one compiled kernel. The splits' partial
+count is a runtime argument, so every bucket runs one compiled kernel (two where a ladder
+holds a bucket of at most PREFETCH_MAX_PAIRS (request, kv head) pairs, which runs a
+double-buffered loop: `choose_prefetch`). The splits' partial
 outputs are merged by their log-sum-exp in the same launch (the last split of a request to
 finish merges; `attention_split.py`) or, when the partials are large, by a second small
 kernel. A request that fits one split is written directly.
