@@ -22,7 +22,8 @@ programmatic dependent launch on or off; the chunk of logits a program reads, ha
 doubled; the select kernel's register cap raised to 192 and 255; the keys a row may gather
 halved, with and without half the chunk; the small-gather registers off and doubled; the
 split's packing off, halved and doubled; a program a chunk, or 32, 16 and 8 programs
-sharing a row's chunks (X);
+sharing a row's chunks (X); the first pass over twice the row groups, or a row a group,
+the later passes over the policy's;
 `--fields small,pack` moves only those),
 each checked against the torch reference, and writes sampling_sweep.md / .json: the data
 `select_policy` is chosen from.
@@ -139,11 +140,12 @@ class Launch(NamedTuple):
     small: int = kernels.SMALL
     pack: int = kernels.PACK
     chunk_groups: int = 0
+    first_groups: int = 0
 
     def key(self) -> str:
         out = (f"G={self.groups} X={self.chunk_groups or 'C'} warps={self.warps} "
                f"draw={int(self.gather_draw)} pdl={int(self.pdl)}")
-        for f in ("chunk", "regs", "cap", "small", "pack"):
+        for f in ("chunk", "regs", "cap", "small", "pack", "first_groups"):
             if getattr(self, f) != self._field_defaults[f]:
                 out += f" {f}={getattr(self, f)}"
         return out
@@ -154,7 +156,7 @@ class Launch(NamedTuple):
 
 
 SWEEP_FIELDS = ("groups", "draw", "pdl", "chunk", "regs", "cap", "small", "pack",
-                "chunk_groups")
+                "chunk_groups", "first_groups")
 
 
 def sweep_configs(bs: int, fields=SWEEP_FIELDS) -> list[Launch]:
@@ -186,6 +188,9 @@ def sweep_configs(bs: int, fields=SWEEP_FIELDS) -> list[Launch]:
                 base._replace(pack=2 * base.pack)]
     if "chunk_groups" in fields:        # X programs share a row's C chunks (0: X = C)
         out += [base._replace(chunk_groups=x) for x in (0, 32, 16, 8) if x != pol.chunk_groups]
+    if "first_groups" in fields:        # the first pass over more row groups than the rest
+        out += [base._replace(first_groups=g) for g in sorted({2 * base.groups, bs})
+                if g != base.groups and g <= bs]
     return out
 
 

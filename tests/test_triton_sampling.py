@@ -154,7 +154,8 @@ def test_extreme_temperatures_match_the_reference():
 
 def test_generated_launches_match_the_reference():
     """Generated calls (hypothesis, fixed derandomized examples): vocabulary, rows, chunk, cap,
-    SMALL, PACK, chunk groups X (a chunk a program or several), row groups, logits (awkward,
+    SMALL, PACK, chunk groups X (a chunk a program or several), row groups (the first pass's
+    too, which may differ from the later passes'), logits (awkward,
     Gaussian at any scale, tied), fp32 or bf16, every purpose, extreme temperatures; the
     tokens are the torch reference's and every row ends within the passes."""
     from hypothesis import HealthCheck, given, settings, strategies as st
@@ -166,8 +167,8 @@ def test_generated_launches_match_the_reference():
            pack=st.sampled_from([0, 8, 64]), xs=st.sampled_from([0, 1, 2, 3, None]),
            groups=st.sampled_from([1, 2, None]), kind=st.sampled_from(["awkward", "gauss", "ties"]),
            bf16=st.booleans(), purpose=st.integers(0, 3), extreme=st.booleans(),
-           seed=st.integers(0, 2 ** 31 - 1))
-    def run(V, n, chunk, cap, small, pack, xs, groups, kind, bf16, purpose, extreme, seed):
+           first=st.sampled_from([None, 1, 3]), seed=st.integers(0, 2 ** 31 - 1))
+    def run(V, n, chunk, cap, small, pack, xs, groups, kind, bf16, purpose, extreme, first, seed):
         g = torch.Generator().manual_seed(seed)
         if kind == "awkward":
             x = awkward_logits(n, V, g)
@@ -182,7 +183,8 @@ def test_generated_launches_match_the_reference():
         chunks = -(-V // chunk)
         x_groups = None if xs is None else (chunks if xs == 0 else xs)   # 0: X = C
         check_stages(x.to(torch.bfloat16) if bf16 else x, args, purpose, chunk=chunk, cap=cap,
-                     small=min(small, cap), pack=pack, chunk_groups=x_groups, groups=groups)
+                     small=min(small, cap), pack=pack, chunk_groups=x_groups, groups=groups,
+                     first_groups=first)
 
     run()
 
@@ -210,7 +212,8 @@ def test_every_threshold_keeps_exactly_the_references_weights():
     args = lanes_of(n, temp, [0, 2, 5, 9, 17, 40, 0, 80] * 2,
                     [0.2, 0.5, 0.9, 0.99, 1.0, 0.7, 0.8, 1.0] * 2)
     stages = check_stages(logits, args, chunk=32, cap=8, groups=3,    # rows g, g + 3, ...
-                          chunk_groups=2)                            # chunks x, x + 2, ...
+                          chunk_groups=2,                            # chunks x, x + 2, ...
+                          first_groups=5)                # in the first pass rows g, g + 5, ...
     want, _ = S.sampling_weights(logits, *args[:4])
     filtered = ((args[1] > 0) & (args[1] < V)) | (args[2] < 1)
     assert filtered.sum() >= 12

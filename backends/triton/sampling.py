@@ -1078,6 +1078,11 @@ class SelectPolicy(NamedTuple):
     pdl: bool = True      # the launches with programmatic dependent launch (where supported)
     chunk_groups: int = 0  # X: the grid is (G, min(X, C)); program (g, x) does chunks x,
                            # x + X, .. of its rows (0: X = C, a chunk a program)
+    first_groups: int = 0  # G of the first pass alone (0: groups). Rows keep no program
+                           # between passes (state, counters and buffers are per row), so
+                           # the first pass, where most rows do all their work, may spread
+                           # them over more programs than the later ones, whose launches
+                           # mostly find nothing to do
 
 
 def select_policy(n: int) -> SelectPolicy:
@@ -1115,10 +1120,11 @@ def sample_stages(logits, temperature, top_k, top_p, min_p, seed, position, purp
                   warps: int | None = None, gather_draw: bool | None = None,
                   pdl: bool | None = None, regs: int | None = None,
                   small: int | None = None, pack: int | None = None,
-                  chunk_groups: int | None = None) -> Stages:
+                  chunk_groups: int | None = None, first_groups: int | None = None) -> Stages:
     """`sample_triton`'s launches and the rows' final state. chunk and cap: powers of two;
-    groups, warps, gather_draw, pdl, chunk_groups: `SelectPolicy`'s fields (`select_policy(n)`'s
-    where None; the tokens are the same whatever they are); regs: the select kernel's register cap
+    groups, warps, gather_draw, pdl, chunk_groups, first_groups: `SelectPolicy`'s fields
+    (`select_policy(n)`'s where None; the tokens are the same whatever they are); regs: the
+    select kernel's register cap
     (maxnreg, at most 255; SELECT_REGS where None). At 4 warps SELECT_REGS makes ptxas spill
     (504 bytes of stack a thread for Triton 3.9's sm_90 code, none at 8 warps), which a launch
     sweep weighs against the occupancy a higher cap costs. pdl: the 1 + PASSES launches with
@@ -1160,17 +1166,19 @@ def sample_stages(logits, temperature, top_k, top_p, min_p, seed, position, purp
                                   CHUNK=chunk, SP=triton.next_power_of_2(PASSES),
                                   num_warps=CHUNK_WARPS, enable_fp_fusion=False, **launch)
     G = groups or policy.groups
+    G0 = (policy.first_groups if first_groups is None else first_groups) or G
     X = min(C, (policy.chunk_groups if chunk_groups is None else chunk_groups) or C)
     for s in range(PASSES if n else 0):
-        _select_kernel[(G, X)](x, x.stride(0), *lanes, *parts, state, *work, count, span, cbase,
-                               pref, packs, arrive, out,
-                               n, V, C, PASSES, purpose, s, FIRST=s == 0, CHUNK=chunk,
-                               SUB=max(min(chunk, SUB), chunk // 8), CP=CP, CAP=cap,
-                               SMALL=min(cap, small or SMALL), PACK=min(pack_size, chunk),
-                               DRAW=policy.gather_draw if gather_draw is None else gather_draw,
-                               ONE=X == C,
-                               num_warps=warps or policy.warps, maxnreg=regs or SELECT_REGS,
-                               enable_fp_fusion=False, **launch)
+        grid = (G0 if s == 0 else G, X)
+        _select_kernel[grid](x, x.stride(0), *lanes, *parts, state, *work, count, span, cbase,
+                             pref, packs, arrive, out,
+                             n, V, C, PASSES, purpose, s, FIRST=s == 0, CHUNK=chunk,
+                             SUB=max(min(chunk, SUB), chunk // 8), CP=CP, CAP=cap,
+                             SMALL=min(cap, small or SMALL), PACK=min(pack_size, chunk),
+                             DRAW=policy.gather_draw if gather_draw is None else gather_draw,
+                             ONE=X == C,
+                             num_warps=warps or policy.warps, maxnreg=regs or SELECT_REGS,
+                             enable_fp_fusion=False, **launch)
     return Stages(out, *(state[:, STATE_FIELDS.index(f)] for f in ("kf", "mode", "trace")))
 
 
