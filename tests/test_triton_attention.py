@@ -298,6 +298,21 @@ def test_merge_unroll_depends_on_tiles_only():
     assert mid_o.shape == (2, 3, 5, 24) and mid_o.stride() == (3 * 5 * 32, 5 * 32, 32, 1)
 
 
+def check_poisoned_decode(lens_list, policy):
+    """`split_kv_attention` under `policy` on a cache whose sink and past-the-end slots hold NaN:
+    the real lanes are finite and the reference's, and the ticket counters end zeroed."""
+    k_cache, v_cache, r2t, rows, lens = make_paged(lens_list, 64, poison=True)
+    q = rand_q(len(lens_list), 8, 64)
+    real = [i for i, n in enumerate(lens_list) if n is not PAD]
+    ref = decode_attention_reference(q, unpoisoned(k_cache), unpoisoned(v_cache), r2t, rows,
+                                     lens)
+    out = split_kv_attention(q, k_cache, v_cache, PagedMeta.decode(r2t, rows, lens), 64 ** -0.5,
+                             policy)
+    assert torch.isfinite(out[real]).all(), "a real lane read a poisoned slot"
+    assert_close(out[real], ref[real], torch.float32)
+    assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
+
+
 PREFETCH_LENS = [130, PAD, 1, 31, 32, 33, 64, 97]
 
 
@@ -308,17 +323,8 @@ def test_decode_prefetch_reads_only_its_tiles(prefetch, num_splits, block_n, fol
     """The double-buffered loop (each step issues the next tile's K / V) gives the reference's
     output at every split count and tile width, lengths at and around the tile edges, and never
     reads a poisoned sink or past-the-end slot (the next tile's loads are masked to the split)."""
-    k_cache, v_cache, r2t, rows, lens = make_paged(PREFETCH_LENS, 64, poison=True)
-    q = rand_q(len(PREFETCH_LENS), 8, 64)
-    real = [i for i, n in enumerate(PREFETCH_LENS) if n is not PAD]
-    ref = decode_attention_reference(q, unpoisoned(k_cache), unpoisoned(v_cache), r2t, rows,
-                                     lens)
-    out = split_kv_attention(q, k_cache, v_cache, PagedMeta.decode(r2t, rows, lens), 64 ** -0.5,
-                             SplitPolicy(num_splits=num_splits, block_n=block_n, fold=fold,
-                                         prefetch=prefetch))
-    assert torch.isfinite(out[real]).all(), "a real lane read a poisoned slot"
-    assert_close(out[real], ref[real], torch.float32)
-    assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
+    check_poisoned_decode(PREFETCH_LENS, SplitPolicy(num_splits=num_splits, block_n=block_n,
+                                                     fold=fold, prefetch=prefetch))
 
 
 def test_choose_prefetch_for_decode_with_few_pairs():
@@ -336,16 +342,8 @@ MANY_SPLIT_REQS = [(600, 5), (PAD, 0), (300, 2)]  # extend: (seq_len, new tokens
 
 @pytest.mark.parametrize("num_splits,fold", [(37, True), (37, False), (130, True)])
 def test_decode_many_splits(num_splits, fold):
-    k_cache, v_cache, r2t, rows, lens = make_paged(MANY_SPLIT_LENS, 64, poison=True)
-    q = rand_q(len(MANY_SPLIT_LENS), 8, 64)
-    real = [i for i, n in enumerate(MANY_SPLIT_LENS) if n is not PAD]
-    ref = decode_attention_reference(q, unpoisoned(k_cache), unpoisoned(v_cache), r2t, rows,
-                                     lens)
-    out = split_kv_attention(q, k_cache, v_cache, PagedMeta.decode(r2t, rows, lens), 64 ** -0.5,
-                             SplitPolicy(num_splits=num_splits, block_n=16, fold=fold))
-    assert torch.isfinite(out[real]).all()
-    assert_close(out[real], ref[real], torch.float32)
-    assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
+    check_poisoned_decode(MANY_SPLIT_LENS, SplitPolicy(num_splits=num_splits, block_n=16,
+                                                       fold=fold))
 
 
 # ----------------------------------------------------------------------------- extend
