@@ -81,9 +81,9 @@ CPU_SM_COUNT = 4  # under the interpreter: few programs keep tests fast
 # 32-token tiles: each step issues the next tile's K and V before computing its own, so a split
 # keeps two tiles in flight (the kernel's loop is not software-pipelined by Triton: its K / V
 # addresses come from the slot table). H100, `bench.bench_attention --ab` in a graph, same
-# process, 32 / 8 heads, d 128: bs 1 ctx 512 7.6 us against 8.1 (SDPA 8.5), ctx 4096 14.3
-# against 15.0 (SDPA 14.0); at bs 8 and more it was slower (ctx 512: 16.7 against 14.0; with
-# 64-token tiles 18.6), so larger batches keep the single-buffered loop.
+# process, 32 / 8 heads, d 128: bs 1 ctx 512 7.6 us against 8.1 (cuDNN SDPA 8.2), ctx 4096 14.3
+# against 15.0 (SDPA 13.9); at bs 8 and more it was slower (ctx 512: 16.7 against 14.0; with
+# 64-token tiles 18.6), so larger batches keep the single-buffered loop (results/attention.md).
 PREFETCH_MAX_PAIRS = 8
 PREFETCH_BLOCK_N = 32
 

@@ -1124,10 +1124,10 @@ def sample_stages(logits, temperature, top_k, top_p, min_p, seed, position, purp
     """`sample_triton`'s launches and the rows' final state. chunk and cap: powers of two;
     groups, warps, gather_draw, pdl, chunk_groups, first_groups: `SelectPolicy`'s fields
     (`select_policy(n)`'s where None; the tokens are the same whatever they are); regs: the
-    select kernel's register cap
-    (maxnreg, at most 255; SELECT_REGS where None). At 4 warps SELECT_REGS makes ptxas spill
-    (504 bytes of stack a thread for Triton 3.9's sm_90 code, none at 8 warps), which a launch
-    sweep weighs against the occupancy a higher cap costs. pdl: the 1 + PASSES launches with
+    select kernel's register cap (maxnreg, at most 255; SELECT_REGS where None). At 4 warps
+    SELECT_REGS makes ptxas spill (504 bytes of stack a thread for Triton 3.9's sm_90 code,
+    none at 8 warps), which a launch sweep weighs against the occupancy a higher cap costs.
+    pdl: the 1 + PASSES launches with
     programmatic dependent launch where `pdl.supported` (each waits for the one before before
     any read), so a pass's launch overlaps the end of the one before. small: a gather of at
     most this many keys (a power of two; SMALL where None, at most cap) ends in registers of
