@@ -363,9 +363,11 @@ def main():
     ap.add_argument("--ab", metavar="REV", default=None,
                     help="the sampler at git revision REV (or a .py file) beside today's, same "
                          "process")
+    ap.add_argument("--sizes", default="1,16,64",
+                    help="batch sizes (rows of logits), comma-separated; --smoke: 2")
     args = ap.parse_args()
     device = DEVICE
-    V, sizes = (5000, (2,)) if args.smoke else (128256, (1, 16, 64))
+    V, sizes = (5000, (2,)) if args.smoke else (128256, tuple(int(b) for b in args.sizes.split(",")))
     if args.ab:
         return run_ab(V, sizes, args.ab)
     if args.sweep:
