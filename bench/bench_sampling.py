@@ -165,7 +165,7 @@ def sweep_configs(bs: int, fields=SWEEP_FIELDS) -> list[Launch]:
     sm_90: 124 registers, no stack). small = cap and pack = 0 turn those paths off."""
     pol = kernels.select_policy(bs)
     base = Launch(pol.groups, pol.warps, pol.gather_draw, pol.pdl,
-                  chunk_groups=pol.chunk_groups)
+                  chunk_groups=pol.chunk_groups, first_groups=pol.first_groups)
     out = [base]
     if "groups" in fields:
         groups = sorted({pol.groups, bs, max(1, bs // 2), max(1, bs // 4)})
@@ -189,8 +189,9 @@ def sweep_configs(bs: int, fields=SWEEP_FIELDS) -> list[Launch]:
     if "chunk_groups" in fields:        # X programs share a row's C chunks (0: X = C)
         out += [base._replace(chunk_groups=x) for x in (0, 32, 16, 8) if x != pol.chunk_groups]
     if "first_groups" in fields:        # the first pass over more row groups than the rest
-        out += [base._replace(first_groups=g) for g in sorted({2 * base.groups, bs})
-                if g != base.groups and g <= bs]
+        first = base.first_groups or base.groups
+        out += [base._replace(first_groups=0 if g == base.groups else g)
+                for g in sorted({base.groups, 2 * base.groups, bs}) if g != first and g <= bs]
     return out
 
 

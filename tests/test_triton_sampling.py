@@ -295,14 +295,15 @@ def test_the_default_launch_matches_the_reference():
     assert {"greedy", "p_split", "p_gather", "k_hist"} <= modes_of(stages)
 
 
-@pytest.mark.parametrize("draw,pack", [(True, None), (False, None), (True, 0)])
-def test_a_sharp_row_finds_top_p_in_its_first_pass(draw, pack):
+@pytest.mark.parametrize("draw,first", [(True, None), (False, None), (True, 12)])
+def test_a_sharp_row_finds_top_p_in_its_first_pass(draw, first):
     """A top-p row (no top-k) whose chunks hold at most CAP keys within NEAR of their maxima
     gathers its keys with |d| < NEAR in its first pass while it weighs the whole row (P_NEAR).
     Where those keys hold top_p of the weight, top-p's key is found among them and the row is
     drawn in that pass (min-p off, `gather_draw`), else it takes the weights pass; the
-    thresholds stay the reference's. pack 0: every chunk weighs all its keys instead of
-    packing them. Top-k rows (the last lane of each three) take K_HIST as before."""
+    thresholds stay the reference's. first 12: the first pass has a row group a row (the
+    later ones the test's default). Top-k rows (the last lane of each three) take K_HIST as
+    before."""
     g = torch.Generator().manual_seed(31)
     n, V = 12, 3000
     scale = torch.tensor([15.0, 25.0, 40.0])[torch.arange(n) % 3][:, None]
@@ -311,7 +312,7 @@ def test_a_sharp_row_finds_top_p_in_its_first_pass(draw, pack):
     top_k = [0, 0, 0, 0, 0, 0, 0, 0, 3, 0, 0, 2]
     args = lanes_of(n, [0.7, 1.0, 1.3] * 4, top_k, [0.9, 0.5, 0.99, 0.8] * 3, min_p)
     args[4] = torch.randint(0, 2 ** 62, (n,), generator=g)
-    stages = check_stages(logits, args, chunk=256, cap=64, gather_draw=draw, pack=pack)
+    stages = check_stages(logits, args, chunk=256, cap=64, gather_draw=draw, first_groups=first)
     near = (stages.modes & 1 << K.MODES.index("p_near")) > 0
     assert near.tolist() == [k == 0 for k in top_k]
     assert modes_of(stages) >= {"p_near", "k_hist"}

@@ -34,7 +34,7 @@ bracket of keys with counts and integer weights summed over chunks, so they are 
    - P_NEAR (first launch only), top-p's key where few keys lie near the maximum: a top-p
      row without top-k whose chunks hold at most CAP keys within NEAR = 8 of their own maxima
      (a bound on the row's keys with |d| < NEAR) gathers those keys while every chunk sums its
-     whole weight Z (packing its keys that weigh first, as P_SPLIT does). Where the gathered
+     whole weight Z from its keys as loaded. Where the gathered
      keys weigh at least top_p * Z, top-p's key is among them (every key below it was
      gathered) and is found as P_GATHER's is: a sharp row has its threshold, and with the
      draw in the gather its token, after one pass. Else the row starts P_SPLIT in the next
@@ -570,47 +570,20 @@ def _split_chunk(l_ptr, first, V, inv_t, m, pinf, lo, hi, fresh, Pack, slot,
 
 @triton.jit
 def _near_share(l_ptr, row, c, V, C, S, s, inv_t, m, pinf, ZPart, MassPart, Buf, Count, Span,
-                Pack, slot, CHUNK: tl.constexpr, CAP: tl.constexpr,
-                PACK: tl.constexpr, SUB: tl.constexpr):
+                slot, CHUNK: tl.constexpr, CAP: tl.constexpr):
     """P_NEAR: the chunk's whole weight (ZPart) and its keys with |d| < NEAR gathered (their
-    weight to MassPart's first slot). Where at most PACK of its keys weigh (|d| < 28), they are
-    packed first and weighed there (a sharp row's chunk), else every key is."""
+    weight to MassPart's first slot), from the chunk's keys as loaded: no pack, no reload.
+    Packing a sharp chunk's few weighing keys first (as P_SPLIT does) spared the weights'
+    arithmetic but added a round trip through memory a chunk; an H200 A/B (`bench_sampling
+    --ab`, same process) without it: sharp top-p 114.1 against 123.6 us at 64 rows, 57.7
+    against 65.1 at 16, 47.9 against 48.1 at 1, every other case within 2 %."""
     d, key, valid = _d_key(l_ptr, c * CHUNK + tl.arange(0, CHUNK), V, inv_t, m, pinf)
     act = valid & (key < KEY_CUT_K)
-    if PACK > 0:
-        flags = act.to(tl.int32)
-        n_act = tl.sum(flags, axis=0)
-        if n_act <= PACK:
-            pk, live = _pack(Pack, slot, key, flags, n_act, PACK)
-            near = live & (pk < KEY_NEAR_K)
-            _gather(Buf, Count, Span, row, c, C, s, S, pk, near, CAP)
-            w = tl.where(live, _key_weight(pk), 0)
-            tl.store(ZPart + slot, tl.sum(w, axis=0))
-            tl.store(MassPart + slot * 16, tl.sum(tl.where(near, w, 0), axis=0))
-        else:
-            _near_block(l_ptr, c * CHUNK, V, inv_t, m, pinf, key, act, row, c, C, s, S, ZPart,
-                        MassPart, Buf, Count, Span, slot, CHUNK, CAP, SUB)
-    else:
-        _near_block(l_ptr, c * CHUNK, V, inv_t, m, pinf, key, act, row, c, C, s, S, ZPart,
-                    MassPart, Buf, Count, Span, slot, CHUNK, CAP, SUB)
-
-
-@triton.jit
-def _near_block(l_ptr, first, V, inv_t, m, pinf, key, act, row, c, C, s, S, ZPart, MassPart,
-                Buf, Count, Span, slot, CHUNK: tl.constexpr, CAP: tl.constexpr,
-                SUB: tl.constexpr):
-    """`_near_share` over every key of the chunk: the near ones gathered, the weights summed
-    SUB logits at a time (a weight is int64: the whole chunk's would spill)."""
-    _gather(Buf, Count, Span, row, c, C, s, S, key, act & (key < KEY_NEAR_K), CAP)
-    z = tl.zeros([], dtype=tl.int64)
-    zn = tl.zeros([], dtype=tl.int64)
-    for start in tl.range(0, CHUNK, SUB, num_stages=1, loop_unroll_factor=1):
-        d, k2, valid = _d_key(l_ptr, first + start + tl.arange(0, SUB), V, inv_t, m, pinf)
-        w = tl.where(valid & (k2 < KEY_CUT_K), _fixed_exp_t(d), 0)
-        z += tl.sum(w, axis=0)
-        zn += tl.sum(tl.where(k2 < KEY_NEAR_K, w, 0), axis=0)
-    tl.store(ZPart + slot, z)
-    tl.store(MassPart + slot * 16, zn)
+    near = act & (key < KEY_NEAR_K)
+    _gather(Buf, Count, Span, row, c, C, s, S, key, near, CAP)
+    w = tl.where(act, _fixed_exp_t(d), 0)
+    tl.store(ZPart + slot, tl.sum(w, axis=0))
+    tl.store(MassPart + slot * 16, tl.sum(tl.where(near, w, 0), axis=0))
 
 
 @triton.jit
@@ -627,7 +600,7 @@ def _chunk_share(mode, l_ptr, row, c, V, C, S, s, inv_t, m, pinf, lo, hi, shift,
     if FIRST:
         if mode == P_NEAR_K:
             _near_share(l_ptr, row, c, V, C, S, s, inv_t, m, pinf, ZPart, MassPart, Buf, Count,
-                        Span, Pack, slot, CHUNK, CAP, PACK, SUB)
+                        Span, slot, CHUNK, CAP)
     if mode == WEIGHTS_K:
         z = tl.sum(_weights(l_ptr, offs, V, inv_t, m, pinf, kf.to(tl.int32), min_w), axis=0)
         tl.store(ZPart + slot, z)
@@ -1108,11 +1081,16 @@ def select_policy(n: int) -> SelectPolicy:
     greedy 41.1 / 48.5 / 63.9 µs, sharp top-p 156.7 / 162.5 / 176.2, flat 391.7 / 394.4 /
     404.0, and X 8 is slower (238 sharp, too few programs); at 16 rows (G 16) X 32 / 16 / 63
     gave 27.3 / 26.4 / 35.4 greedy, 75.6 / 94.0 / 82.7 sharp, 157.2 / 221.2 / 164.3 flat; one
-    row keeps a program a chunk (63 programs)."""
+    row keeps a program a chunk (63 programs).
+    First groups (an H200, `--sweep --fields pack,first_groups`, 2026-12-06): above 16 rows
+    the first pass, where most rows do all their work, runs a row group a row (G = n) while
+    the later passes keep G = n // 2: at 64 rows sharp top-p 111.3 against 123.8 µs,
+    temperature 67.7 against 70.7, flat top-p 364.4 against 368.5, greedy 35.3 against 33.4."""
     many = n >= 16
     groups = max(1, n if n <= 16 else n // 2)
     return SelectPolicy(groups=groups, warps=4 if many else 8, gather_draw=many,
-                        chunk_groups=max(1, PROGRAMS // groups))
+                        chunk_groups=max(1, PROGRAMS // groups),
+                        first_groups=n if n > 16 else 0)
 
 
 def sample_stages(logits, temperature, top_k, top_p, min_p, seed, position, purpose: int,
