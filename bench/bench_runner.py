@@ -27,6 +27,11 @@ All variants run side by side in one process on the same body, weights and KV ca
   padgraph+fused   the same weights through the fused per-layer kernels and fused tail
                    (`LlamaModel(fused=FusedDecodePolicy(pdl=False))`, steps of at most its max_rows;
                    larger steps run the model's own path), captured by padgraph; +pdl: with PDL
+  padgraph+fused+greedy  the engine's greedy body on the fused kernels at their default policy
+                   (`FusedDecodePolicy()`: PDL for the one-row kernels and the tail, what
+                   `examples/eagle.py --fused` sets): the argmax in the lm_head kernel, no
+                   logits written, where the other fused variants write the logits and take
+                   the Step's temperature-scaled torch argmax of them (`GreedyStep`)
   padgraph+fused+split  padgraph+fused+pdl with the tensor-core layer's o and down projections in
                    K splits (`--fused-splits O,D`: FusedDecodePolicy.tc_o_splits / tc_down_splits)
 Per raw batch size: step time (CUDA events, median), host time per call (median), a
@@ -106,6 +111,21 @@ class Step:
         nxt, fin = self(x.input_ids, x.positions, x.seq_lens, x.req_pool_indices, x.out_cache_loc,
                         x.temperature, x.stop_token, x.done)
         return {"next_token": nxt, "finished": fin}
+
+
+class GreedyStep(Step):
+    """The engine's greedy decode body (`padgraph.llm.bodies.decode_body`): the next tokens from
+    the model's `forward_decode_greedy`, which with the fused kernels takes the argmax in the
+    lm_head kernel and writes no [bs, V] logits. The temperature input is unused: argmax(l / T)
+    is argmax(l) for T > 0 except where the division's rounding makes two logits equal, which
+    the next-token check against the eager Step reports."""
+
+    def __call__(self, input_ids, positions, seq_lens, req_pool_indices, out_cache_loc,
+                 temperature, stop_token, done):
+        batch = Batch(self.kv, self.kv.req_to_token, req_pool_indices, seq_lens, out_cache_loc)
+        ids, _, _ = self.model.forward_decode_greedy(input_ids, positions, batch)
+        nxt = torch.where(done, stop_token, ids)
+        return nxt, done | (nxt == stop_token)
 
 
 class SampledStep(Step):
@@ -286,20 +306,23 @@ def build_variants(names, step, program, device, pg_compile=True, sample_factor=
             variants["padgraph+compile+pdl"] = r
     from padgraph.backends.triton.fused_decode import FusedDecodePolicy
     o_splits, down_splits = fused_splits
-    for name, policy in (("padgraph+fused", FusedDecodePolicy(pdl=False)),
-                         ("padgraph+fused+pdl", FusedDecodePolicy(pdl=True)),
-                         ("padgraph+fused+split", FusedDecodePolicy(
-                             pdl=True, tc_o_splits=o_splits, tc_down_splits=down_splits))):
+    for name, policy, body in (("padgraph+fused", FusedDecodePolicy(pdl=False), Step),
+                               ("padgraph+fused+pdl", FusedDecodePolicy(pdl=True), Step),
+                               ("padgraph+fused+split", FusedDecodePolicy(
+                                   pdl=True, tc_o_splits=o_splits, tc_down_splits=down_splits),
+                                Step),
+                               ("padgraph+fused+greedy", FusedDecodePolicy(), GreedyStep)):
         if name in names:
             # the same weights through the fused per-layer kernels and fused tail (bs <= their
             # max_rows; larger steps run the model's own path), captured by the same runner
             fused = copy.copy(step.model)
             fused.fused = policy
-            fstep = Step(fused, step.kv)
+            fstep = body(fused, step.kv)
             t0 = time.perf_counter()
             r = pg.compile(program, fstep.body, backend="cuda", progress=False)
             setup[name] = {"capture_seconds": time.perf_counter() - t0, "pool_bytes": r.pool_bytes(),
-                           "max_rows": fused.fused.max_rows}
+                           "max_rows": fused.fused.max_rows, "pdl": policy.pdl,
+                           "body": body.__name__}
             variants[name] = r
     if "compile-ro" in names:
         variants["compile-ro"] = torch.compile(step, mode="reduce-overhead")

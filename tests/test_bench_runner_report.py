@@ -28,3 +28,17 @@ def test_the_report_gives_the_runner_against_the_hand_written_one_where_both_ran
     table = (tmp_path / "bench_runner.md").read_text()
     assert "| bs | floor | handwritten | padgraph | padgraph/handwritten |" in table, table
     assert "| 1 | 40 | 200 / 200 / 10 | 198 / 198 / 10 | 0.990 |" in table, table
+
+
+def test_the_greedy_body_takes_the_steps_tokens():
+    """`GreedyStep` (the engine's greedy body: `forward_decode_greedy`) gives the next tokens
+    the Step's temperature-scaled argmax gives, and finishes rows as it does (stop token, done
+    mask), on the tiny model on the CPU."""
+    import torch
+    cfg, model, kv, step = bench_runner.build_step(True, "cpu")
+    raw = bench_runner.make_batch(5, kv, cfg, torch.Generator().manual_seed(3), "cpu")
+    raw["done"][1] = True
+    want_next, want_fin = step(**raw)
+    got_next, got_fin = bench_runner.GreedyStep(model, kv)(**raw)
+    assert torch.equal(got_next, want_next) and torch.equal(got_fin, want_fin)
+    assert got_next[1] == raw["stop_token"][1] and bool(got_fin[1])
