@@ -152,6 +152,17 @@ def mma(a, b, UPCAST: tl.constexpr):
     return tl.dot(a, b)
 
 
+@triton.jit
+def _kv_tile(K, V, slot, ok, kv_k, kv_v, stride_k_s, stride_v_s, offs_d, d_ok, offs_dv, dv_ok):
+    """A tile's K [BLOCK_D, BLOCK_N] and V [BLOCK_N, BLOCK_DV] at its slots (0 where not ok);
+    kv_k / kv_v: the kv head's offsets in the caches."""
+    k = tl.load(K + slot[None, :] * stride_k_s + kv_k + offs_d[:, None],
+                mask=ok[None, :] & d_ok[:, None], other=0.0)
+    v = tl.load(V + slot[:, None] * stride_v_s + kv_v + offs_dv[None, :],
+                mask=ok[:, None] & dv_ok[None, :], other=0.0)
+    return k, v
+
+
 @triton.jit(do_not_specialize=["stride_mo_t", "stride_mo_h", "stride_mo_s", "stride_ml_t",
                                "stride_ml_h", "num_splits", "fold"])
 def _split_kv_kernel(
@@ -197,12 +208,11 @@ def _split_kv_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         idx = ReqToToken + row * stride_rt
         slot = tile_slots(idx, start + tl.arange(0, BLOCK_N), end)
+        kv_k = kvh * stride_k_h
+        kv_v = kvh * stride_v_h
         if PREFETCH:  # the split's first tile before the loop: each step issues the next one's
-            n_ok = (start + tl.arange(0, BLOCK_N)) < end
-            k = tl.load(K + slot[None, :] * stride_k_s + kvh * stride_k_h + offs_d[:, None],
-                        mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-            v = tl.load(V + slot[:, None] * stride_v_s + kvh * stride_v_h + offs_dv[None, :],
-                        mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+            k, v = _kv_tile(K, V, slot, (start + tl.arange(0, BLOCK_N)) < end, kv_k, kv_v,
+                            stride_k_s, stride_v_s, offs_d, d_ok, offs_dv, dv_ok)
             slot = tile_slots(idx, start + BLOCK_N + tl.arange(0, BLOCK_N), end)
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -210,18 +220,12 @@ def _split_kv_kernel(
             if PREFETCH:
                 # the next tile's K and V, and the slots after them, in flight while this one
                 # computes (two tiles' registers: small tiles, few programs)
-                nx_ok = (offs_n + BLOCK_N) < end
-                k_nx = tl.load(K + slot[None, :] * stride_k_s + kvh * stride_k_h
-                               + offs_d[:, None], mask=nx_ok[None, :] & d_ok[:, None], other=0.0)
-                v_nx = tl.load(V + slot[:, None] * stride_v_s + kvh * stride_v_h
-                               + offs_dv[None, :], mask=nx_ok[:, None] & dv_ok[None, :],
-                               other=0.0)
+                k_nx, v_nx = _kv_tile(K, V, slot, (offs_n + BLOCK_N) < end, kv_k, kv_v,
+                                      stride_k_s, stride_v_s, offs_d, d_ok, offs_dv, dv_ok)
                 slot = tile_slots(idx, offs_n + 2 * BLOCK_N, end)
             else:
-                k = tl.load(K + slot[None, :] * stride_k_s + kvh * stride_k_h + offs_d[:, None],
-                            mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-                v = tl.load(V + slot[:, None] * stride_v_s + kvh * stride_v_h + offs_dv[None, :],
-                            mask=n_ok[:, None] & dv_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
+                k, v = _kv_tile(K, V, slot, n_ok, kv_k, kv_v, stride_k_s, stride_v_s, offs_d,
+                                d_ok, offs_dv, dv_ok)
                 # issue K, V and the next tile's slot indices together: one round trip a tile
                 slot = tile_slots(idx, offs_n + BLOCK_N, end)
             s = (mma(q, k, UPCAST) * sm_scale).to(tl.float32)  # [BLOCK_M, BLOCK_N]; inductor may pass a fp64 scale
