@@ -1,6 +1,6 @@
 """The fused decode path's tensor-core kernels one by one at the Llama-1B layer shape (bf16):
-norm + qkv + RoPE + KV store, norm + gate/up + SiLU-mul, and the o and down projections with
-their residual add (whole K and in K splits), against cuBLAS `F.linear` of the same weights.
+norm + qkv + RoPE + KV store (whole K and in K splits), norm + gate/up + SiLU-mul, and the o
+and down projections with their residual add (whole K and in K splits), against cuBLAS `F.linear` of the same weights.
 
 Each kernel alone: `--calls` calls captured in one CUDA graph (back to back, the weights read
 from HBM each call: 12.6-67 MB a kernel against a 50 MB L2, most of which the next call's
@@ -133,6 +133,10 @@ def main() -> None:
                                      x, ssq, w, policy=pol)))}
             print(f"rows {m}: the same bits as {args.before}: {same}", flush=True)
             rows.append(dict(rows=m, same_bits_as_before=same))
+        for splits in (2, 4):
+            p = dataclasses.replace(base, tc_qkv_splits=splits)
+            rec(m, "qkv", "now", lambda p=p: fd.norm_qkv_rope_store_tc(
+                x, ssq, w, rope, pos, loc, kc, vc, policy=p), splits=splits)
         for kernel, a, wt in (("o", o, w.wo), ("down", act, w.w_down)):
             for splits in (1, 2, 4):
                 rec(m, kernel, "now", lambda a=a, wt=wt, s=splits: fd.proj_residual_tc(

@@ -153,12 +153,17 @@ def test_residual_norm_matches_reference(m, dtype):
 
 # --------------------------------------------------------------- tensor-core kernels
 
-@pytest.mark.parametrize("m,h,n_q,n_kv,d,f", SHAPES + [(2, 48, 3, 1, 12, 40)])
+@pytest.mark.parametrize("m,h,n_q,n_kv,d,f,splits", [s + (1,) for s in SHAPES]
+                         + [(2, 48, 3, 1, 12, 40, 1), (3, 100, 4, 2, 64, 100, 2),
+                            (16, 80, 2, 2, 32, 48, 3), (1, 80, 3, 1, 32, 72, 4)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_norm_qkv_rope_store_tc_matches_reference(m, h, n_q, n_kv, d, f, dtype):
+def test_norm_qkv_rope_store_tc_matches_reference(m, h, n_q, n_kv, d, f, splits, dtype):
     """The tensor-core qkv kernel, normalizing with the rows' sums of squares given as partials
     (16-column ones, as `proj_residual_tc` writes them), against the reference from x alone;
-    head_dim 12 and 32 give tiles under 16 rows (padded, masked lanes); K loop steps of 32."""
+    head_dim 12 and 32 give tiles under 16 rows (padded, masked lanes); K loop steps of 32.
+    splits > 1: H in K splits of whole steps (100 in 2: 64 + 36; 80 in 3: 32 + 32 + 16; 80 in
+    4 asks for 3 of 32), the tile's last split summing the partials; twice, to show the ticket
+    counters left zeroed, with the same bits."""
     w = _layer(h, n_q, n_kv, d, f, dtype, seed=m)
     g = torch.Generator().manual_seed(h + 1)
     x = torch.randn(m, h, generator=g).to(dtype)
@@ -166,14 +171,19 @@ def test_norm_qkv_rope_store_tc_matches_reference(m, h, n_q, n_kv, d, f, dtype):
     loc = torch.randperm(40, generator=g)[:m] + 1
     loc[-1] = 0 if m > 1 else loc[-1]
     out = {}
-    for impl in ("torch", "triton"):
+    policy = fd.FusedDecodePolicy(tc_block_k=32, tc_qkv_splits=splits)
+    for impl in ("torch", "triton", "again"):
         caches = [torch.full((41, n_kv, d), 7.0, dtype=dtype) for _ in range(2)]
         q = fd.norm_qkv_rope_store_tc(x, fd.ssq_partials_reference(x, 16), w, _rope(d), positions,
-                                      loc, *caches, policy=fd.FusedDecodePolicy(tc_block_k=32),
-                                      impl=impl)
+                                      loc, *caches, policy=policy,
+                                      impl="triton" if impl == "again" else impl)
         out[impl] = (q, *caches)
-    for got, want in zip(out["triton"], out["torch"]):
+    for got, want, again in zip(out["triton"], out["torch"], out["again"]):
         torch.testing.assert_close(got.float(), want.float(), **_tol(dtype))
+        assert torch.equal(got, again)
+    if splits > 1:
+        from padgraph.backends.triton.attention_split import tickets
+        assert not tickets(x.device, 64, True)[0][:64].any()
     untouched = torch.ones(41, dtype=torch.bool)
     untouched[loc] = False
     assert (out["triton"][1][untouched] == 7.0).all() and (out["triton"][2][untouched] == 7.0).all()
@@ -509,7 +519,11 @@ kernels = {
     "residual_norm": (fd._residual_norm_kernel, dict(N_PARTS=policy.down_splits, BLOCK_H=h),
                       policy.num_warps, None),
     "qkv_tc": (fd._norm_qkv_tc_kernel, dict(tc, HEAD_DIM=d, HALF=half_tc, TILE=max(16, half_tc),
-               BLOCK_P=n_ssq), policy.tc_warps, 2 * max(16, half_tc) * policy.tc_block_k * 2),
+               BLOCK_P=n_ssq, SPLITS=1), policy.tc_warps,
+               2 * max(16, half_tc) * policy.tc_block_k * 2),
+    "qkv_tc_split": (fd._norm_qkv_tc_kernel, dict(tc, HEAD_DIM=d, HALF=half_tc,
+                     TILE=max(16, half_tc), BLOCK_P=n_ssq, SPLITS=2), policy.tc_warps,
+                     2 * max(16, half_tc) * policy.tc_block_k * 2),
     "proj_residual_tc": (fd._proj_residual_tc_kernel, dict(tc, BLOCK_N=policy.tc_block_n,
                          BK=policy.tc_proj_block_k), policy.tc_warps,
                          policy.tc_block_n * policy.tc_proj_block_k * 2),
@@ -528,7 +542,7 @@ kernels = {
                       triton.cdiv(vocab, policy.tail_block_v))), 4, 0),
 }
 fp32 = "Parts Cos Sin Ssq Logits Top Second Gap".split()
-types = {"Pos": "*i64", "Loc": "*i64", "Ids": "*i64", "Idx": "*i32", "eps": "fp32",
+types = {"Pos": "*i64", "Loc": "*i64", "Counter": "*i32", "Ids": "*i64", "Idx": "*i32", "eps": "fp32",
          **{a: "*fp32" for a in fp32},
          **{a: "*bf16" for a in "X Resid NormW Wq Wk Wv Q KCache VCache A Wo Out Wg Wu Act Wd W "
                                 "Hidden".split()}}
@@ -589,7 +603,7 @@ def test_kernels_compile_for_sm90_with_pdl_and_no_register_spills(tmp_path):
                          capture_output=True, text=True)   # no timeout: slow is not wrong
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout.splitlines()[-1])
-    assert len(results) == 13
+    assert len(results) == 14
     for name, r in results.items():
         assert r["stack"] == 0, f"{name} spills: {r}"
         assert r["smem"] <= 227 * 1024, f"{name} needs more shared memory than an H100 has: {r}"
@@ -616,6 +630,8 @@ POLICIES = {   # the kernel families and launch modes the CUDA tests run
     "tc+pdl": fd.FusedDecodePolicy(pdl=True, tc_min_rows=1),
     "tc+splits+pdl": fd.FusedDecodePolicy(pdl=True, tc_pdl=True, tc_min_rows=1, tc_o_splits=2,
                                           tc_down_splits=4),
+    "tc+qkv_splits+pdl": fd.FusedDecodePolicy(pdl=True, tc_pdl=True, tc_min_rows=1,
+                                              tc_qkv_splits=2),
 }
 
 
@@ -700,7 +716,7 @@ def test_cuda_fused_greedy_step_gives_the_eager_tokens(cuda_model_full_vocab, m,
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kernels", ["rows", "rows+pdl", "tc", "tc+pdl"])
+@pytest.mark.parametrize("kernels", ["rows", "rows+pdl", "tc", "tc+pdl", "tc+qkv_splits+pdl"])
 def test_cuda_graph_replays_of_the_fused_step_follow_new_data_bit_for_bit(cuda_model, kernels):
     """The greedy step (layers and tail) captured once; replays with new tokens / positions /
     slots written into the static inputs equal the eager model on that data, and two replays

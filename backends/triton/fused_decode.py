@@ -74,6 +74,7 @@ from padgraph.errors import ContractValueError, mismatch
 from . import pdl as _pdl
 from .kv import resolve_impl
 from .pdl import wait_for_previous
+from .attention_split import tickets
 from .store import store_kv_reference
 
 MAX_M = 16              # rows (requests) the kernels take: the small-batch decode steps
@@ -116,7 +117,13 @@ class FusedDecodePolicy:
     of the o and the down projection (`proj_residual_tc`): 1 runs the whole of K in each of
     cdiv(N, tc_block_n) programs; S > 1 runs S times as many, each streaming its share of K into
     fp32 partials [S, M, N], and a small kernel sums them in split order into the residual (one
-    launch more a projection, no atomics). tc_sum_block: columns a program of that sum. The
+    launch more a projection, no atomics). tc_sum_block: columns a program of that sum.
+    tc_qkv_splits: K splits of the qkv kernel (whole K steps each): S times as many programs
+    stream their share of H into fp32 partials; each takes a ticket of its tile's counter
+    (`attention_split.tickets`, left zeroed, one stream at a time), and the tile's last split
+    sums the partials in split order (fixed: replays give the same bits) and runs the RoPE and
+    the stores, in the same launch; 1, or no zeroed counters yet (a first call inside a
+    capture), runs the whole of H a program. The
     defaults compile for sm_90 without spills at the 1B shape, in <= 123 KB of shared memory a
     program.
 
@@ -150,6 +157,7 @@ class FusedDecodePolicy:
     tc_o_splits: int = 1
     tc_down_splits: int = 1
     tc_sum_block: int = 256
+    tc_qkv_splits: int = 1
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -195,7 +203,7 @@ def launch_tc(policy: FusedDecodePolicy, device: torch.device, one_row: bool = F
     for field in ("tc_stages", "tc_ffn_stages"):
         if getattr(policy, field) < 1:
             _refuse(field, getattr(policy, field), ">= 1")
-    for field in ("tc_o_splits", "tc_down_splits"):
+    for field in ("tc_o_splits", "tc_down_splits", "tc_qkv_splits"):
         if getattr(policy, field) < 1:
             _refuse(field, getattr(policy, field), ">= 1")
     if not _pow2(policy.tc_sum_block):
@@ -637,14 +645,18 @@ def _sum_residual_kernel(Parts, Resid, Out, Ssq, M, N, S: tl.constexpr, BLOCK_N:
 
 @triton.jit
 def _norm_qkv_tc_kernel(X, Ssq, NormW, Wq, Wk, Wv, Cos, Sin, Pos, Q, KCache, VCache, Loc,
-                        M, H, n_ssq, n_q_heads, n_kv_heads, stride_x, stride_wq, stride_wk,
-                        stride_wv, stride_cos, stride_q, stride_kc_s, stride_kc_h, stride_vc_s,
-                        stride_vc_h, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-                        TILE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                        BLOCK_P: tl.constexpr, F32: tl.constexpr, PDL: tl.constexpr):
+                        Parts, Counter, M, H, n_ssq, n_q_heads, n_kv_heads, k_per_split,
+                        stride_x, stride_wq, stride_wk, stride_wv, stride_cos, stride_q,
+                        stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, eps,
+                        HEAD_DIM: tl.constexpr, HALF: tl.constexpr, TILE: tl.constexpr,
+                        BM: tl.constexpr, BK: tl.constexpr, BLOCK_P: tl.constexpr,
+                        SPLITS: tl.constexpr, F32: tl.constexpr, PDL: tl.constexpr):
     """`_norm_qkv_kernel`'s tiles (columns c and c + D/2 of one head for HALF consecutive c) on
     the tensor cores: two dots of TILE = max(16, HALF) weight rows (lanes past HALF masked),
-    X RMSNormed on the fly with the rows' rstd from Ssq [n_ssq, M]."""
+    X RMSNormed on the fly with the rows' rstd from Ssq [n_ssq, M]. SPLITS > 1: program
+    (tile, s) streams the s-th k_per_split columns of H into fp32 partials Parts [S, tiles, 2,
+    TILE, BM] and takes a ticket of Counter[tile]; the tile's last split to finish sums the
+    partials in split order (fixed, so replays give the same bits) and writes the tile."""
     pid = tl.program_id(0)
     tiles = HEAD_DIM // 2 // HALF
     t_q = n_q_heads * tiles
@@ -664,22 +676,61 @@ def _norm_qkv_tc_kernel(X, Ssq, NormW, Wq, Wk, Wv, Cos, Sin, Pos, Q, KCache, VCa
     else:
         W = Wv
         stride_w = stride_wv
-    ks = tl.arange(0, BK)
-    w1 = weight_chunk(W, stride_w, rows, c_ok, ks, H)               # [TILE, BK] each
-    w2 = weight_chunk(W, stride_w, rows + HEAD_DIM // 2, c_ok, ks, H)
+    if SPLITS == 1:
+        lo = 0
+        hi = H
+    else:
+        lo = tl.program_id(1) * k_per_split
+        hi = tl.minimum(lo + k_per_split, H)
+    ks = lo + tl.arange(0, BK)
+    w1 = weight_chunk(W, stride_w, rows, c_ok, ks, hi)              # [TILE, BK] each
+    w2 = weight_chunk(W, stride_w, rows + HEAD_DIM // 2, c_ok, ks, hi)
     wait_for_previous(PDL)
 
     m = tl.arange(0, BM)
     m_ok = m < M
     rstd = rows_rstd(Ssq, n_ssq, M, m, m_ok, H, eps, BLOCK_P)
-    x = rows_chunk(X, stride_x, m, m_ok, ks, H, rstd, NormW, True)
+    x = rows_chunk(X, stride_x, m, m_ok, ks, hi, rstd, NormW, True)
     acc1 = mma_rows(tl.zeros([TILE, BM], dtype=tl.float32), w1, x, F32)
     acc2 = mma_rows(tl.zeros([TILE, BM], dtype=tl.float32), w2, x, F32)
-    for k0 in range(BK, H, BK):
-        x = rows_chunk(X, stride_x, m, m_ok, k0 + ks, H, rstd, NormW, True)
-        acc1 = mma_rows(acc1, weight_chunk(W, stride_w, rows, c_ok, k0 + ks, H), x, F32)
-        acc2 = mma_rows(acc2, weight_chunk(W, stride_w, rows + HEAD_DIM // 2, c_ok, k0 + ks, H),
+    for k0 in range(lo + BK, hi, BK):
+        kk = k0 - lo + ks
+        x = rows_chunk(X, stride_x, m, m_ok, kk, hi, rstd, NormW, True)
+        acc1 = mma_rows(acc1, weight_chunk(W, stride_w, rows, c_ok, kk, hi), x, F32)
+        acc2 = mma_rows(acc2, weight_chunk(W, stride_w, rows + HEAD_DIM // 2, c_ok, kk, hi),
                         x, F32)
+    if SPLITS > 1:
+        n_tiles = tl.num_programs(0)
+        tile = (lane[:, None] * BM + m[None, :]).to(tl.int64)       # [TILE, BM]
+        mine = Parts + ((tl.program_id(1) * n_tiles + pid) * 2).to(tl.int64) * TILE * BM
+        tl.store(mine + tile, acc1)
+        tl.store(mine + TILE * BM + tile, acc2)
+        tl.debug_barrier()      # every thread's partial stores precede the (release) ticket
+        ticket = tl.atomic_add(Counter + pid, 1, sem="acq_rel")
+        if ticket == SPLITS - 1:                # the tile's last split to finish
+            tl.store(Counter + pid, 0)          # reset for the next launch (graph replays)
+            first = Parts + (pid * 2).to(tl.int64) * TILE * BM
+            step = (n_tiles * 2).to(tl.int64) * TILE * BM
+            acc1 = tl.load(first + tile, cache_modifier=".cg")
+            acc2 = tl.load(first + TILE * BM + tile, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLITS):
+                acc1 += tl.load(first + s * step + tile, cache_modifier=".cg")
+                acc2 += tl.load(first + s * step + TILE * BM + tile, cache_modifier=".cg")
+            _qkv_tc_epilogue(acc1, acc2, pid, t_q, t_k, head, offs_c, c_ok, m, m_ok, Cos, Sin,
+                             Pos, Q, KCache, VCache, Loc, stride_cos, stride_q, stride_kc_s,
+                             stride_kc_h, stride_vc_s, stride_vc_h, HEAD_DIM)
+    else:
+        _qkv_tc_epilogue(acc1, acc2, pid, t_q, t_k, head, offs_c, c_ok, m, m_ok, Cos, Sin, Pos,
+                         Q, KCache, VCache, Loc, stride_cos, stride_q, stride_kc_s, stride_kc_h,
+                         stride_vc_s, stride_vc_h, HEAD_DIM)
+
+
+@triton.jit
+def _qkv_tc_epilogue(acc1, acc2, pid, t_q, t_k, head, offs_c, c_ok, m, m_ok, Cos, Sin, Pos, Q,
+                     KCache, VCache, Loc, stride_cos, stride_q, stride_kc_s, stride_kc_h,
+                     stride_vc_s, stride_vc_h, HEAD_DIM: tl.constexpr):
+    """A qkv tile's products acc1, acc2 [TILE, BM] fp32 (columns c and c + D/2) rounded, roped
+    (q and k) and stored (q to Q, k and v at each row's cache slot)."""
     dtype = Q.dtype.element_ty
     y1 = acc1.to(dtype).to(tl.float32)                              # [TILE, BM]
     y2 = acc2.to(dtype).to(tl.float32)
@@ -910,14 +961,25 @@ def norm_qkv_rope_store_tc(x, ssq, w: LayerWeights, rope: RopeTables, positions,
         return norm_qkv_rope_store_reference(x, None, w, rope, positions, loc, k_cache,
                                              v_cache)[0]
     half = qkv_tile(d, policy.tc_half_n)
+    tile = max(16, half)
+    opts = launch_tc(policy, x.device)
+    n_tiles = (n_q + 2 * n_kv) * (d // 2 // half)
+    # K splits: each a whole number of K steps, none empty
+    per = triton.cdiv(triton.cdiv(h, policy.tc_qkv_splits), opts["BK"]) * opts["BK"]
+    splits = triton.cdiv(h, per)
+    counter, ok = (tickets(x.device, n_tiles, True) if splits > 1 else (None, False))
+    if not ok:                  # one split, or no zeroed counters yet (a first call in a capture)
+        splits, per = 1, h
     q = torch.empty(m, n_q, d, dtype=x.dtype, device=x.device)
-    _norm_qkv_tc_kernel[((n_q + 2 * n_kv) * (d // 2 // half),)](
+    parts = (torch.empty(splits, n_tiles, 2, tile, ROW_BLOCK, dtype=torch.float32,
+                         device=x.device) if splits > 1 else q)
+    _norm_qkv_tc_kernel[(n_tiles, splits)](
         x, ssq, w.input_norm, w.wq, w.wk, w.wv, rope.cos, rope.sin, positions, q, k_cache,
-        v_cache, loc, m, h, ssq.shape[0], n_q, n_kv, x.stride(0), w.wq.stride(0),
-        w.wk.stride(0), w.wv.stride(0), rope.cos.stride(0), q.stride(0), k_cache.stride(0),
-        k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), w.eps, HEAD_DIM=d, HALF=half,
-        TILE=max(16, half), BM=ROW_BLOCK, BLOCK_P=triton.next_power_of_2(ssq.shape[0]),
-        **launch_tc(policy, x.device))
+        v_cache, loc, parts, counter if splits > 1 else loc, m, h, ssq.shape[0], n_q, n_kv, per,
+        x.stride(0), w.wq.stride(0), w.wk.stride(0), w.wv.stride(0), rope.cos.stride(0),
+        q.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        w.eps, HEAD_DIM=d, HALF=half, TILE=tile, BM=ROW_BLOCK,
+        BLOCK_P=triton.next_power_of_2(ssq.shape[0]), SPLITS=splits, **opts)
     return q
 
 
