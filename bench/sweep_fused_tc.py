@@ -1,6 +1,7 @@
 """The fused decode path's tensor-core kernels one by one at the Llama-1B layer shape (bf16):
 norm + qkv + RoPE + KV store (whole K and in K splits), norm + gate/up + SiLU-mul, and the o
-and down projections with their residual add (whole K and in K splits), against cuBLAS `F.linear` of the same weights.
+and down projections with their residual add (whole K and in K splits, summed by each tile's
+last split or by a second kernel), against cuBLAS `F.linear` of the same weights.
 
 Each kernel alone: `--calls` calls captured in one CUDA graph (back to back, the weights read
 from HBM each call: 12.6-67 MB a kernel against a 50 MB L2, most of which the next call's
@@ -138,9 +139,10 @@ def main() -> None:
             rec(m, "qkv", "now", lambda p=p: fd.norm_qkv_rope_store_tc(
                 x, ssq, w, rope, pos, loc, kc, vc, policy=p), splits=splits)
         for kernel, a, wt in (("o", o, w.wo), ("down", act, w.w_down)):
-            for splits in (1, 2, 4):
-                rec(m, kernel, "now", lambda a=a, wt=wt, s=splits: fd.proj_residual_tc(
-                    a, wt, x, splits=s, policy=base), splits=splits)
+            for splits, fold in ((1, True), (2, True), (4, True), (2, False), (4, False)):
+                p = dataclasses.replace(base, tc_fold=fold)
+                rec(m, kernel, "now", lambda a=a, wt=wt, s=splits, p=p: fd.proj_residual_tc(
+                    a, wt, x, splits=s, policy=p), splits=splits, fold=fold)
         if not (args.grid and i == 0):
             continue
         for half, bk, st, wp in itertools.product((8, 16, 32), (64, 128, 256), (3, 6), (4, 8)):

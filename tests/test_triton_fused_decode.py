@@ -210,22 +210,27 @@ def test_proj_residual_tc_is_the_residual_add_and_its_row_sums_of_squares(m, n, 
 @pytest.mark.parametrize("m,n,k,splits", [(1, 80, 96, 2), (5, 100, 300, 3), (16, 64, 300, 4),
                                           (3, 40, 72, 8)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_proj_residual_tc_in_k_splits_is_the_same_residual_add(m, n, k, splits, dtype):
-    """K in fp32 partials summed in split order by a second kernel: the same out as the whole-K
-    reference (K 300 in 64-column steps over 3 or 4 splits: ragged last splits; K 72 over 8:
-    splits past the end are empty), ssq over each tc_sum_block columns, and the same bits on a
-    second call."""
+@pytest.mark.parametrize("fold", [False, True])
+def test_proj_residual_tc_in_k_splits_is_the_same_residual_add(m, n, k, splits, dtype, fold):
+    """K in fp32 partials summed in split order, by a second kernel or (fold) by each tile's
+    last split: the same out as the whole-K reference (K 300 in 64-column steps over 3 or 4
+    splits: ragged last splits; K 72 over 8: splits past the end are empty), ssq over each
+    tc_sum_block (second kernel) or tc_block_n (fold) columns, the same bits on a second call,
+    and the ticket counters left zeroed."""
+    from padgraph.backends.triton.attention_split import tickets
     g = torch.Generator().manual_seed(k + splits)
     a, resid = torch.randn(m, k, generator=g).to(dtype), torch.randn(m, n, generator=g).to(dtype)
     w = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
-    policy = fd.FusedDecodePolicy(tc_proj_block_k=64, tc_sum_block=32)
+    policy = fd.FusedDecodePolicy(tc_proj_block_k=64, tc_sum_block=32, tc_fold=fold)
+    block = policy.tc_block_n if fold else 32
     out, ssq = fd.proj_residual_tc(a, w, resid, splits=splits, policy=policy, impl="triton")
-    want, _ = fd.proj_residual_reference(a, w, resid, 32)
-    assert ssq.shape == (triton.cdiv(n, 32), m) and ssq.dtype == torch.float32
+    want, want_ssq = fd.proj_residual_tc(a, w, resid, splits=splits, policy=policy, impl="torch")
+    assert ssq.shape == want_ssq.shape == (triton.cdiv(n, block), m) and ssq.dtype == torch.float32
     torch.testing.assert_close(out.float(), want.float(), **_tol(dtype))
-    torch.testing.assert_close(ssq, fd.ssq_partials_reference(out, 32), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(ssq, fd.ssq_partials_reference(out, block), rtol=1e-5, atol=1e-4)
     again, ssq2 = fd.proj_residual_tc(a, w, resid, splits=splits, policy=policy, impl="triton")
     assert torch.equal(again, out) and torch.equal(ssq2, ssq)
+    assert not tickets(a.device, 64, True)[0][:64].any()
 
 
 @pytest.mark.parametrize("m,h,n_q,n_kv,d,f", SHAPES)
@@ -324,22 +329,25 @@ def test_references_are_the_models_decode_step(dtype, tol, policy):
 
 
 @pytest.mark.parametrize("m,n_pad,kernels", [(1, 0, "fold"), (5, 2, "fold"), (5, 2, "reduce"),
-                                             (5, 2, "tc"), (5, 2, "tc-splits")])
+                                             (5, 2, "tc"), (5, 2, "tc-splits"),
+                                             (5, 2, "tc-splits-kernel")])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_kernels_give_the_models_decode_step(m, n_pad, kernels, dtype):
     """Every layer through the kernels (interpreted) against the model's decode step: hidden,
     the greedy tokens where the top two logits are apart, the KV written, the sink only for the
     padded lanes; one-row kernels with the partials summed in the qkv kernel (fold) or by the
     reduce kernel, or the tensor-core ones (K loop steps of 32: several a projection; the o
-    and down projections whole or in K splits)."""
+    and down projections whole or in K splits, summed by the tile's last split or a second
+    kernel; the qkv kernel in 2 K splits)."""
     model = _model(dtype)
     kv, ids, positions, batch = _decode_setup(model, m, seed=m, n_pad=n_pad)
     kv_ref = _clone_kv(kv)
     policy = fd.FusedDecodePolicy(fold_max_m=0 if kernels == "reduce" else fd.MAX_M, down_splits=3,
                                   tc_min_rows=2 if kernels.startswith("tc") else fd.MAX_M + 1,
                                   tc_block_k=32, tc_proj_block_k=32,
-                                  **(dict(tc_o_splits=2, tc_down_splits=3, tc_sum_block=16)
-                                     if kernels == "tc-splits" else {}))
+                                  **(dict(tc_o_splits=2, tc_down_splits=3, tc_sum_block=16,
+                                          tc_qkv_splits=2, tc_fold=kernels == "tc-splits")
+                                     if kernels.startswith("tc-splits") else {}))
     with torch.no_grad():
         logits, want = model.forward_decode(ids, positions, _with_kv(batch, kv_ref))
         got = _fused_hidden(model, ids, positions, batch, policy=policy, impl="triton")
@@ -528,7 +536,7 @@ kernels = {
                          BK=policy.tc_proj_block_k), policy.tc_warps,
                          policy.tc_block_n * policy.tc_proj_block_k * 2),
     "proj_partials_tc": (fd._proj_partials_tc_kernel, dict(tc, BLOCK_N=policy.tc_block_n,
-                         BK=policy.tc_proj_block_k), policy.tc_warps,
+                         BK=policy.tc_proj_block_k, S=4, FOLD=True), policy.tc_warps,
                          policy.tc_block_n * policy.tc_proj_block_k * 2),
     "sum_residual": (fd._sum_residual_kernel, dict(S=4, BLOCK_N=policy.tc_sum_block,
                      BM=fd.ROW_BLOCK), 4, 0),

@@ -118,6 +118,8 @@ class FusedDecodePolicy:
     cdiv(N, tc_block_n) programs; S > 1 runs S times as many, each streaming its share of K into
     fp32 partials [S, M, N], and a small kernel sums them in split order into the residual (one
     launch more a projection, no atomics). tc_sum_block: columns a program of that sum.
+    tc_fold: the o and down projections' K splits summed by each tile's last split in the same
+    launch (a ticket, as tc_qkv_splits below), instead of by a second kernel.
     tc_qkv_splits: K splits of the qkv kernel (whole K steps each): S times as many programs
     stream their share of H into fp32 partials; each takes a ticket of its tile's counter
     (`attention_split.tickets`, left zeroed, one stream at a time), and the tile's last split
@@ -158,6 +160,7 @@ class FusedDecodePolicy:
     tc_down_splits: int = 1
     tc_sum_block: int = 256
     tc_qkv_splits: int = 1
+    tc_fold: bool = True
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -580,17 +583,9 @@ def product_tc(A, W, stride_a, stride_w, n, n_ok, M, lo, hi, BLOCK_N: tl.constex
 
 
 @triton.jit
-def _proj_residual_tc_kernel(A, W, Resid, Out, Ssq, M, N, K, stride_a, stride_w,
-                             BLOCK_N: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                             F32: tl.constexpr, PDL: tl.constexpr):
-    """Out[:, tile] = Resid[:, tile] + A @ W[tile].T over the whole of K, BLOCK_N rows of W a
-    program; Ssq[pid, m] = the sum over the tile of Out[m, :]^2 (the rounded values)."""
-    pid = tl.program_id(0)
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    acc = product_tc(A, W, stride_a, stride_w, n, n_ok, M, 0, K, BLOCK_N, BM, BK, F32, PDL)
-    m = tl.arange(0, BM)
-    m_ok = m < M
+def _residual_epilogue(acc, Resid, Out, Ssq, pid, n, n_ok, m, m_ok, M, N):
+    """Out[:, tile] = Resid[:, tile] + acc [BLOCK_N, BM] (fp32, rounded to the dtype first);
+    Ssq[pid, m] = the sum over the tile of Out[m, :]^2 (the rounded values)."""
     dtype = Out.dtype.element_ty
     ok = n_ok[:, None] & m_ok[None, :]
     offs = m[None, :] * N + n[:, None]                              # [BLOCK_N, BM]
@@ -602,11 +597,29 @@ def _proj_residual_tc_kernel(A, W, Resid, Out, Ssq, M, N, K, stride_a, stride_w,
 
 
 @triton.jit
-def _proj_partials_tc_kernel(A, W, Parts, M, N, K, k_per_split, stride_a, stride_w,
+def _proj_residual_tc_kernel(A, W, Resid, Out, Ssq, M, N, K, stride_a, stride_w,
                              BLOCK_N: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                              F32: tl.constexpr, PDL: tl.constexpr):
+    """Out[:, tile] = Resid[:, tile] + A @ W[tile].T over the whole of K, BLOCK_N rows of W a
+    program; Ssq[pid, m] = the sum over the tile of Out[m, :]^2 (the rounded values)."""
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    acc = product_tc(A, W, stride_a, stride_w, n, n_ok, M, 0, K, BLOCK_N, BM, BK, F32, PDL)
+    m = tl.arange(0, BM)
+    _residual_epilogue(acc, Resid, Out, Ssq, pid, n, n_ok, m, m < M, M, N)
+
+
+@triton.jit
+def _proj_partials_tc_kernel(A, W, Parts, Resid, Out, Ssq, Counter, M, N, K, k_per_split,
+                             stride_a, stride_w, BLOCK_N: tl.constexpr, BM: tl.constexpr,
+                             BK: tl.constexpr, S: tl.constexpr, FOLD: tl.constexpr,
+                             F32: tl.constexpr, PDL: tl.constexpr):
     """Program (tile, s): Parts[s, :, tile] = A[:, K_s] @ W[tile, K_s].T in fp32, K_s the s-th
-    k_per_split columns (a multiple of BK; the last split shorter, or empty: zeros)."""
+    k_per_split columns (a multiple of BK; the last split shorter, or empty: zeros). FOLD: each
+    program then takes a ticket of Counter[tile]; the tile's last split to finish sums the S
+    partials in split order and writes `_proj_residual_tc_kernel`'s Out and Ssq for the tile
+    (else `_sum_residual_kernel` does, in a second launch)."""
     pid = tl.program_id(0)
     s = tl.program_id(1)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -616,8 +629,19 @@ def _proj_partials_tc_kernel(A, W, Parts, M, N, K, k_per_split, stride_a, stride
                      BLOCK_N, BM, BK, F32, PDL)
     m = tl.arange(0, BM)
     m_ok = m < M
-    tl.store(Parts + (s * M + m[None, :]) * N + n[:, None], acc,
-             mask=n_ok[:, None] & m_ok[None, :])
+    ok = n_ok[:, None] & m_ok[None, :]
+    tl.store(Parts + (s * M + m[None, :]) * N + n[:, None], acc, mask=ok)
+    if FOLD:
+        tl.debug_barrier()      # every thread's partial stores precede the (release) ticket
+        ticket = tl.atomic_add(Counter + pid, 1, sem="acq_rel")
+        if ticket == S - 1:                     # the tile's last split to finish
+            tl.store(Counter + pid, 0)          # reset for the next launch (graph replays)
+            offs = m[None, :] * N + n[:, None]
+            acc = tl.load(Parts + offs, mask=ok, other=0.0, cache_modifier=".cg")
+            for t in tl.static_range(1, S):
+                acc += tl.load(Parts + t * M * N + offs, mask=ok, other=0.0,
+                               cache_modifier=".cg")
+            _residual_epilogue(acc, Resid, Out, Ssq, pid, n, n_ok, m, m_ok, M, N)
 
 
 @triton.jit
@@ -988,8 +1012,11 @@ def proj_residual_tc(a, weight, resid, *, splits: int = 1,
     """(out = resid [M, N] + a [M, K] @ weight [N, K].T, ssq [P, M] fp32: each row's sum of
     squares of out over each B columns, P = cdiv(N, B)): the o and the down projection of
     `decode_layer_tc`. splits 1: the whole of K in each program, B = policy.tc_block_n; more:
-    K in `splits` fp32 partials summed in split order by a second kernel, B =
-    policy.tc_sum_block (the policy's tc_o_splits / tc_down_splits)."""
+    K in `splits` fp32 partials summed in split order (the policy's tc_o_splits /
+    tc_down_splits): with policy.tc_fold by the tile's last split in the same launch, B =
+    policy.tc_block_n (a ticket of `attention_split.tickets`' counters; a first call inside a
+    capture, before they are zeroed, takes the second kernel); else by a second kernel, B =
+    policy.tc_sum_block."""
     kernel = resolve_impl(impl, a, weight, resid) != "torch"
     check_rows("a", a, kernel)
     m, k = a.shape
@@ -1001,8 +1028,8 @@ def proj_residual_tc(a, weight, resid, *, splits: int = 1,
     if splits < 1:
         raise ContractValueError(mismatch(PROGRAM, "splits", "K splits", ">= 1", splits))
     if not kernel:
-        return proj_residual_reference(a, weight, resid, policy.tc_block_n if splits == 1
-                                       else policy.tc_sum_block)
+        return proj_residual_reference(a, weight, resid, policy.tc_block_n
+                                       if splits == 1 or policy.tc_fold else policy.tc_sum_block)
     opts = {**launch_tc(policy, a.device), "BK": policy.tc_proj_block_k}
     out = torch.empty_like(resid)
     tiles = triton.cdiv(n, policy.tc_block_n)
@@ -1015,9 +1042,18 @@ def proj_residual_tc(a, weight, resid, *, splits: int = 1,
     # each split a whole number of K steps, so no step straddles two splits
     per = triton.cdiv(triton.cdiv(k, splits), opts["BK"]) * opts["BK"]
     parts = torch.empty(splits, m, n, dtype=torch.float32, device=a.device)
-    _proj_partials_tc_kernel[(tiles, splits)](a, weight, parts, m, n, k, per, a.stride(0),
-                                              weight.stride(0), BLOCK_N=policy.tc_block_n,
-                                              BM=ROW_BLOCK, **opts)
+    counter, fold = tickets(a.device, tiles, True) if policy.tc_fold else (None, False)
+    if fold:                    # the tile's last split writes out and ssq: one launch
+        ssq = torch.empty(tiles, m, dtype=torch.float32, device=a.device)
+        _proj_partials_tc_kernel[(tiles, splits)](
+            a, weight, parts, resid, out, ssq, counter, m, n, k, per, a.stride(0),
+            weight.stride(0), BLOCK_N=policy.tc_block_n, BM=ROW_BLOCK, S=splits, FOLD=True,
+            **opts)
+        return out, ssq
+    _proj_partials_tc_kernel[(tiles, splits)](a, weight, parts, resid, out, parts, parts, m, n,
+                                              k, per, a.stride(0), weight.stride(0),
+                                              BLOCK_N=policy.tc_block_n, BM=ROW_BLOCK,
+                                              S=splits, FOLD=False, **opts)
     p = triton.cdiv(n, policy.tc_sum_block)
     ssq = torch.empty(p, m, dtype=torch.float32, device=a.device)
     _sum_residual_kernel[(p,)](parts, resid, out, ssq, m, n, S=splits,
