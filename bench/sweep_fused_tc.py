@@ -3,9 +3,9 @@ norm + qkv + RoPE + KV store (whole K and in K splits), norm + gate/up + SiLU-mu
 and down projections with their residual add (whole K and in K splits, summed by each tile's
 last split or by a second kernel), against cuBLAS `F.linear` of the same weights.
 
-Each kernel alone: `--calls` calls captured in one CUDA graph (back to back, the weights read
-from HBM each call: 12.6-67 MB a kernel against a 50 MB L2, most of which the next call's
-weights evict), µs a call = median replay time / calls over 15 replays. `--before COMMIT` loads
+Each kernel alone: `--calls` calls captured in one CUDA graph, back to back, each call on the
+next of `--copies` copies of the layer's weights (4: 486 MB, so no call finds its weights in
+the 50-60 MB L2 from the call before), µs a call = median replay time / calls over 15 replays. `--before COMMIT` loads
 that commit's `fused_decode.py` beside the current one (`git show`, same process) and times its
 default kernels too, checking that qkv and gate/up give the same bits. `--grid` sweeps the qkv
 and gate/up launch fields at the first row count (a point that needs more shared memory than the SM
@@ -39,10 +39,21 @@ H, FFN, HQ, HKV, D = 2048, 8192, 32, 8, 64      # the 1B layer
 POSITIONS, SLOTS = 4096, 4096
 
 
+_CALL = [0]     # which weight copy the next captured call binds (`current`)
+
+
 def graph_us(fn, calls: int, reps: int = 15) -> float:
-    """µs a call of fn: `calls` calls in one CUDA graph, the median of `reps` replays."""
+    """µs a call of fn: `calls` calls in one CUDA graph, the median of `reps` replays; each
+    call made after advancing _CALL, so fn binds the next weight copy."""
     fn()                                    # compile outside the capture
-    replay = graph_of(lambda: [fn() for _ in range(calls)])
+
+    def body():
+        out = []
+        for _ in range(calls):
+            _CALL[0] += 1
+            out.append(fn())
+        return out
+    replay = graph_of(body)
     return time_us(replay, reps) / calls
 
 
@@ -81,10 +92,15 @@ def main() -> None:
     ap.add_argument("--before", default=None, metavar="COMMIT")
     ap.add_argument("--grid", action="store_true")
     ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--copies", type=int, default=4)
     args = ap.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
-    w, wqkv, wgu, rope = layer(device)
+    copies = [layer(device) for _ in range(args.copies)]
+    w, wqkv, wgu, rope = copies[0]
+
+    def cur():          # the weight copy of the call being made
+        return copies[_CALL[0] % len(copies)]
     kc = torch.zeros(SLOTS, HKV, D, device=device, dtype=torch.bfloat16)
     vc = torch.zeros_like(kc)
     mb = {"qkv": wqkv.numel() * 2 / 1e6, "gate_up": wgu.numel() * 2 / 1e6,
@@ -116,16 +132,16 @@ def main() -> None:
         loc = torch.arange(1, m + 1, device=device)
         o = (torch.randn(m, HQ * D, device=device) * 0.02).to(torch.bfloat16)
         act = (torch.randn(m, FFN, device=device) * 0.02).to(torch.bfloat16)
-        for kernel, a, wt in (("qkv", x, wqkv), ("gate_up", x, wgu), ("o", o, w.wo),
-                              ("down", act, w.w_down)):
-            rec(m, kernel, "cublas", lambda a=a, wt=wt: F.linear(a, wt))
+        for kernel, a, wt in (("qkv", x, lambda: cur()[1]), ("gate_up", x, lambda: cur()[2]),
+                              ("o", o, lambda: cur()[0].wo), ("down", act, lambda: cur()[0].w_down)):
+            rec(m, kernel, "cublas", lambda a=a, wt=wt: F.linear(a, wt()))
         mods = [("now", fd, base)] + ([("before", before, before.FusedDecodePolicy(pdl=False))]
                                       if before else [])
         for variant, mod, pol in mods:
             rec(m, "qkv", variant, lambda mod=mod, pol=pol: mod.norm_qkv_rope_store_tc(
-                x, ssq, w, rope, pos, loc, kc, vc, policy=pol))
+                x, ssq, cur()[0], rope, pos, loc, kc, vc, policy=pol))
             rec(m, "gate_up", variant,
-                lambda mod=mod, pol=pol: mod.norm_gate_up_silu_tc(x, ssq, w, policy=pol))
+                lambda mod=mod, pol=pol: mod.norm_gate_up_silu_tc(x, ssq, cur()[0], policy=pol))
         if before:
             same = {k: torch.equal(f(fd, base), f(before, before.FusedDecodePolicy(pdl=False)))
                     for k, f in (("qkv", lambda mod, pol: mod.norm_qkv_rope_store_tc(
@@ -137,25 +153,26 @@ def main() -> None:
         for splits in (2, 4):
             p = dataclasses.replace(base, tc_qkv_splits=splits)
             rec(m, "qkv", "now", lambda p=p: fd.norm_qkv_rope_store_tc(
-                x, ssq, w, rope, pos, loc, kc, vc, policy=p), splits=splits)
-        for kernel, a, wt in (("o", o, w.wo), ("down", act, w.w_down)):
+                x, ssq, cur()[0], rope, pos, loc, kc, vc, policy=p), splits=splits)
+        for kernel, a, wt in (("o", o, lambda: cur()[0].wo), ("down", act, lambda: cur()[0].w_down)):
             for splits, fold in ((1, True), (2, True), (4, True), (2, False), (4, False)):
                 p = dataclasses.replace(base, tc_fold=fold)
                 rec(m, kernel, "now", lambda a=a, wt=wt, s=splits, p=p: fd.proj_residual_tc(
-                    a, wt, x, splits=s, policy=p), splits=splits, fold=fold)
+                    a, wt(), x, splits=s, policy=p), splits=splits, fold=fold)
         if not (args.grid and i == 0):
             continue
         for half, bk, st, wp in itertools.product((8, 16, 32), (64, 128, 256), (3, 6), (4, 8)):
             p = dataclasses.replace(base, tc_half_n=half, tc_block_k=bk, tc_stages=st, tc_warps=wp)
             rec(m, "qkv", "grid", lambda p=p: fd.norm_qkv_rope_store_tc(
-                x, ssq, w, rope, pos, loc, kc, vc, policy=p),
+                x, ssq, cur()[0], rope, pos, loc, kc, vc, policy=p),
                 tc_half_n=half, tc_block_k=bk, tc_stages=st, tc_warps=wp)
         for fn_, bk, st in itertools.product((16, 32, 64), (64, 128, 256), (3, 6)):
             p = dataclasses.replace(base, tc_ffn_n=fn_, tc_block_k=bk, tc_ffn_stages=st)
-            rec(m, "gate_up", "grid", lambda p=p: fd.norm_gate_up_silu_tc(x, ssq, w, policy=p),
+            rec(m, "gate_up", "grid", lambda p=p: fd.norm_gate_up_silu_tc(x, ssq, cur()[0], policy=p),
                 tc_ffn_n=fn_, tc_block_k=bk, tc_ffn_stages=st)
     out = out_dir() / "sweep_fused_tc.json"
-    out.write_text(json.dumps({"env": env_info(), "calls": args.calls, "rows": rows}, indent=1))
+    out.write_text(json.dumps({"env": env_info(), "calls": args.calls, "copies": args.copies,
+                               "rows": rows}, indent=1))
     print(f"wrote {out}")
 
 
