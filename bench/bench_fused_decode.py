@@ -16,7 +16,8 @@ Variants, each captured in its own CUDA graph per batch size:
              at every row count, 1 included), +reduce (a reduce kernel sums the one-row down
              partials), and `FusedDecodePolicy` fields: +splitsN, +warpsN, +bnN, +halfN (one-row
              kernels), +tcbnN, +tchalfN, +tcffnN, +tckN, +tcprojkN, +tcstagesN, +tcwarpsN,
-             +tailvN, +tcqkvsN (tensor-core kernels and the tail)
+             +tailvN, +tcqkvsN, +tcosN, +tcdsN (tensor-core kernels and the tail;
+             +nofold: their K splits summed by a second kernel)
 The fused path takes bs <= 16; at a larger bs its rows say so and time nothing (a model hook
 falls back to the current path there).
 
@@ -72,9 +73,10 @@ def batch_of(kv, raw) -> Batch:
 OPTIONS = {"splits": "down_splits", "warps": "num_warps", "bn": "block_n", "half": "half_n",
            "tcbn": "tc_block_n", "tchalf": "tc_half_n", "tcffn": "tc_ffn_n", "tck": "tc_block_k",
            "tcprojk": "tc_proj_block_k", "tcstages": "tc_stages", "tcwarps": "tc_warps",
-           "tailv": "tail_block_v", "tcqkvs": "tc_qkv_splits"}
+           "tailv": "tail_block_v", "tcqkvs": "tc_qkv_splits", "tcos": "tc_o_splits",
+           "tcds": "tc_down_splits"}
 FLAGS = {"pdl": {"pdl": True, "tc_pdl": True}, "reduce": {"fold_max_m": 0}, "rows": {"tc_min_rows": fd.MAX_M + 1},
-         "tc": {"tc_min_rows": 1}, "logits": {}}
+         "tc": {"tc_min_rows": 1}, "logits": {}, "nofold": {"tc_fold": False}}
 NEAR_TIE = 0.05         # a differing token with the current path's top-2 gap under it is a tie
 
 
