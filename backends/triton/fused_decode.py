@@ -39,11 +39,13 @@ that output next (qkv, gate/up, the final norm in `fused_tail`) sums the P parti
 order to get the row's RMS: no separate norm pass, no down partials, no atomics. A layer is
 `norm_qkv_rope_store_tc`, the attention, `proj_residual_tc` (o), `norm_gate_up_silu_tc`,
 `proj_residual_tc` (down): five launches, as the one-row layer at M <= fold_max_m. A policy
-may split the o and down projections' K (`tc_o_splits`, `tc_down_splits`): S times as many
-programs write fp32 partials and a small kernel sums them in split order into the same epilogue
-(one launch more a projection), for shapes whose N alone gives too few programs to keep the
-memory busy; at the 1B shape (N = 2048, 128 programs) two or four splits were slower on an
-H100, so the default is unsplit.
+may split the o and down projections' K (`tc_o_splits`, `tc_down_splits`) and the qkv
+kernel's (`tc_qkv_splits`): S times as many programs write fp32 partials, and each tile's last
+split to finish (a ticket counter a tile) sums them in split order into the same epilogue, in
+the same launch (`tc_fold`; off: a small second kernel sums the projections' partials), for
+shapes whose N alone gives too few programs to keep the memory busy; at the 1B shape (N = 2048,
+128 programs) two or four splits with the second kernel were slower on an H100, so the default
+is unsplit.
 
 PDL: a program issues its weight loads first (the one-row kernels their whole tile, the
 tensor-core kernels the first BLOCK_K chunk of theirs), then waits for the kernel before
