@@ -34,6 +34,9 @@ All variants run side by side in one process on the same body, weights and KV ca
                    the Step's temperature-scaled torch argmax of them (`GreedyStep`)
   padgraph+fused+split  padgraph+fused+pdl with the tensor-core layer's o and down projections in
                    K splits (`--fused-splits O,D`: FusedDecodePolicy.tc_o_splits / tc_down_splits)
+  padgraph+fused+greedy+policy  padgraph+fused+greedy at the default policy with the fields of
+                   `--fused-policy field=value,...` changed (a candidate default, against the
+                   default in the same process)
 Per raw batch size: step time (CUDA events, median), host time per call (median), a
 correctness check of next tokens against eager, and the floor: (weight bytes a step reads + KV
 bytes read) / measured device-to-device copy bandwidth. A step reads every weight but the
@@ -250,8 +253,22 @@ def canary_program(program: pg.Program, kv: KVCache) -> tuple[pg.Program, dict]:
     return prog, {"kv": kv.k + kv.v, "req_to_token": kv.req_to_token}
 
 
+def parse_policy(text: str) -> dict:
+    """`--fused-policy` "field=value,..." -> FusedDecodePolicy fields (ints; true / false)."""
+    from padgraph.backends.triton.fused_decode import FusedDecodePolicy
+    known = FusedDecodePolicy.__dataclass_fields__
+    fields = {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        if name not in known or not value:
+            raise SystemExit(f"--fused-policy {item!r}: expected field=value, field one of "
+                             + ", ".join(known))
+        fields[name] = value.lower() == "true" if value.lower() in ("true", "false") else int(value)
+    return fields
+
+
 def build_variants(names, step, program, device, pg_compile=True, sample_factor=20.0,
-                   fused_splits=(2, 4)):
+                   fused_splits=(2, 4), fused_policy=None):
     variants, setup = {}, {}
     if "eager" in names:
         variants["eager"] = lambda **r: step(**r)
@@ -311,7 +328,9 @@ def build_variants(names, step, program, device, pg_compile=True, sample_factor=
                                ("padgraph+fused+split", FusedDecodePolicy(
                                    pdl=True, tc_o_splits=o_splits, tc_down_splits=down_splits),
                                 Step),
-                               ("padgraph+fused+greedy", FusedDecodePolicy(), GreedyStep)):
+                               ("padgraph+fused+greedy", FusedDecodePolicy(), GreedyStep),
+                               ("padgraph+fused+greedy+policy",
+                                FusedDecodePolicy(**(fused_policy or {})), GreedyStep)):
         if name in names:
             # the same weights through the fused per-layer kernels and fused tail (bs <= their
             # max_rows; larger steps run the model's own path), captured by the same runner
@@ -323,6 +342,8 @@ def build_variants(names, step, program, device, pg_compile=True, sample_factor=
             setup[name] = {"capture_seconds": time.perf_counter() - t0, "pool_bytes": r.pool_bytes(),
                            "max_rows": fused.fused.max_rows, "pdl": policy.pdl,
                            "body": body.__name__}
+            if name.endswith("+policy"):
+                setup[name]["policy"] = dict(fused_policy or {})
             variants[name] = r
     if "compile-ro" in names:
         variants["compile-ro"] = torch.compile(step, mode="reduce-overhead")
@@ -370,6 +391,9 @@ def main() -> None:
                     help="padgraph+compile+sample: the factor on the logits before sampling")
     ap.add_argument("--fused-splits", default="2,4", metavar="O,D",
                     help="padgraph+fused+split: K splits of the o and the down projection")
+    ap.add_argument("--fused-policy", default="", metavar="FIELD=V,..",
+                    help="padgraph+fused+greedy+policy: FusedDecodePolicy fields changed from the "
+                         "default, e.g. tc_qkv_splits=2,half_n=4")
     ap.add_argument("--size-oblivious", action="store_true",
                     help="padgraph+compile: size-oblivious tracing, so bucket 1 shares the graph")
     args = ap.parse_args()
@@ -392,7 +416,8 @@ def main() -> None:
             pg_compile["size_oblivious"] = True
         variants, setup = build_variants(names, step, program, device, pg_compile,
                                          args.sample_factor,
-                                         tuple(int(x) for x in args.fused_splits.split(",")))
+                                         tuple(int(x) for x in args.fused_splits.split(",")),
+                                         parse_policy(args.fused_policy))
         rows = run_all(variants, setup, batches, sizes, args.iters, StepFloor(cfg, step_bytes, bw),
                        lambda rows, done: report(rows, setup, names, done, bw, weight_bytes, cfg, args))
         if "padgraph+canary" in variants:
