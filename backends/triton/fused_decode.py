@@ -74,9 +74,9 @@ import triton.language as tl
 from padgraph.errors import ContractValueError, mismatch
 
 from . import pdl as _pdl
+from .attention_split import tickets
 from .kv import resolve_impl
 from .pdl import wait_for_previous
-from .attention_split import tickets
 from .store import store_kv_reference
 
 MAX_M = 16              # rows (requests) the kernels take: the small-batch decode steps
@@ -118,10 +118,9 @@ class FusedDecodePolicy:
     tail_block_v: lm_head rows a program in `fused_tail`. tc_o_splits, tc_down_splits: K splits
     of the o and the down projection (`proj_residual_tc`): 1 runs the whole of K in each of
     cdiv(N, tc_block_n) programs; S > 1 runs S times as many, each streaming its share of K into
-    fp32 partials [S, M, N], and a small kernel sums them in split order into the residual (one
-    launch more a projection, no atomics). tc_sum_block: columns a program of that sum.
-    tc_fold: the o and down projections' K splits summed by each tile's last split in the same
-    launch (a ticket, as tc_qkv_splits below), instead of by a second kernel.
+    fp32 partials [S, M, N], summed in split order into the residual. tc_fold: by each tile's
+    last split, in the same launch (a ticket counter a tile, as tc_qkv_splits below); off: by a
+    small second kernel (one launch more a projection), tc_sum_block columns a program.
     tc_qkv_splits: K splits of the qkv kernel (whole K steps each): S times as many programs
     stream their share of H into fp32 partials; each takes a ticket of its tile's counter
     (`attention_split.tickets`, left zeroed, one stream at a time), and the tile's last split
