@@ -213,10 +213,13 @@ def _merge_kernel(
 # ----------------------------------------------------------------------------- host side
 
 def tickets(device: torch.device, n: int, fold: bool) -> tuple[torch.Tensor, bool]:
-    """(the device's ticket counters, fold): n zeroed int32 counters for a folded merge, which the
-    kernels leave zeroed. Allocated once, at the first eager call, so every captured graph binds
-    the same live buffer; one stream at a time may run a folded launch. A first call during a
-    graph capture cannot zero them: it gets fold=False (the merge kernel) and an unused buffer."""
+    """(the device's ticket counters, fold): n zeroed int32 counters for a folded merge (or for
+    the K-split tiles of `fused_decode`'s tensor-core kernels), which the kernels leave zeroed.
+    Allocated once, at the first eager call, so every captured graph binds the same live buffer;
+    one stream at a time may run a folded launch (launches in stream order share them: each
+    takes its tickets after the kernel before it has finished). A first call during a graph
+    capture cannot zero them: it gets fold=False (the merge kernel, or unsplit tiles) and an
+    unused buffer."""
     if n > N_COUNTERS:
         raise ValueError(f"a folded merge needs one counter per (request, row block): {n} > "
                          f"N_COUNTERS={N_COUNTERS}; raise N_COUNTERS or pass fold=False")
