@@ -139,6 +139,19 @@ def merge_partials(mid_ptrs, lse_ptrs, stride_mid_s, stride_lse_s, n_used, row_o
 
 
 @triton.jit
+def last_to_arrive(counter, n):
+    """After this program's stores: a ticket of *counter (release / acquire: every store before
+    it, this program's and the others', is visible to the program that takes the last). True
+    for the n-th program to take one, which resets the counter for the next launch (graph
+    replays find it zeroed)."""
+    tl.debug_barrier()      # every thread's stores precede the (release) ticket
+    last = tl.atomic_add(counter, 1, sem="acq_rel") == n - 1
+    if last:
+        tl.store(counter, 0)
+    return last
+
+
+@triton.jit
 def finish_split(acc, m_i, l_i, split, n_used, fold, Counter, out_ptrs, mid_ptrs, lse_ptrs,
                  stride_mid_s, stride_lse_s, row_ok, col_ok, MERGE_UNROLL: tl.constexpr):
     """End of split `split` of one (request, row block): acc [R, C] fp32 (unnormalized),
@@ -154,10 +167,7 @@ def finish_split(acc, m_i, l_i, split, n_used, fold, Counter, out_ptrs, mid_ptrs
         tl.store(mid_ptrs + split * stride_mid_s, o, mask=mask)
         tl.store(lse_ptrs + split * stride_lse_s, lse, mask=row_ok)
         if fold != 0:
-            tl.debug_barrier()  # every thread's partial stores precede the (release) ticket
-            ticket = tl.atomic_add(Counter, 1, sem="acq_rel")
-            if ticket == n_used - 1:  # the last split of this (request, row block) to finish
-                tl.store(Counter, 0)  # reset for the next launch: graph replays find it zeroed
+            if last_to_arrive(Counter, n_used):  # the last split of this (request, row block)
                 o = merge_partials(mid_ptrs, lse_ptrs, stride_mid_s, stride_lse_s, n_used,
                                    row_ok, col_ok, MERGE_UNROLL)
                 tl.store(out_ptrs, o.to(out_ptrs.dtype.element_ty), mask=mask)

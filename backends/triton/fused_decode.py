@@ -74,7 +74,7 @@ import triton.language as tl
 from padgraph.errors import ContractValueError, mismatch
 
 from . import pdl as _pdl
-from .attention_split import tickets
+from .attention_split import last_to_arrive, tickets
 from .kv import resolve_impl
 from .pdl import wait_for_previous
 from .store import store_kv_reference
@@ -633,10 +633,7 @@ def _proj_partials_tc_kernel(A, W, Parts, Resid, Out, Ssq, Counter, M, N, K, k_p
     ok = n_ok[:, None] & m_ok[None, :]
     tl.store(Parts + (s * M + m[None, :]) * N + n[:, None], acc, mask=ok)
     if FOLD:
-        tl.debug_barrier()      # every thread's partial stores precede the (release) ticket
-        ticket = tl.atomic_add(Counter + pid, 1, sem="acq_rel")
-        if ticket == S - 1:                     # the tile's last split to finish
-            tl.store(Counter + pid, 0)          # reset for the next launch (graph replays)
+        if last_to_arrive(Counter + pid, S):    # the tile's last split to finish
             offs = m[None, :] * N + n[:, None]
             acc = tl.load(Parts + offs, mask=ok, other=0.0, cache_modifier=".cg")
             for t in tl.static_range(1, S):
@@ -730,10 +727,7 @@ def _norm_qkv_tc_kernel(X, Ssq, NormW, Wq, Wk, Wv, Cos, Sin, Pos, Q, KCache, VCa
         mine = Parts + ((tl.program_id(1) * n_tiles + pid) * 2).to(tl.int64) * TILE * BM
         tl.store(mine + tile, acc1)
         tl.store(mine + TILE * BM + tile, acc2)
-        tl.debug_barrier()      # every thread's partial stores precede the (release) ticket
-        ticket = tl.atomic_add(Counter + pid, 1, sem="acq_rel")
-        if ticket == SPLITS - 1:                # the tile's last split to finish
-            tl.store(Counter + pid, 0)          # reset for the next launch (graph replays)
+        if last_to_arrive(Counter + pid, SPLITS):   # the tile's last split to finish
             first = Parts + (pid * 2).to(tl.int64) * TILE * BM
             step = (n_tiles * 2).to(tl.int64) * TILE * BM
             acc1 = tl.load(first + tile, cache_modifier=".cg")
