@@ -17,7 +17,8 @@ Variants, each captured in its own CUDA graph per batch size:
              partials), and `FusedDecodePolicy` fields: +splitsN, +warpsN, +bnN, +halfN (one-row
              kernels), +tcbnN, +tchalfN, +tcffnN, +tckN, +tcprojkN, +tcstagesN, +tcwarpsN,
              +tailvN, +tcqkvsN, +tcosN, +tcdsN (tensor-core kernels and the tail;
-             +nofold: their K splits summed by a second kernel)
+             +nofold: their K splits summed by a second kernel), +apdl (the attention
+             launches with PDL too, with +pdl)
 The fused path takes bs <= 16; at a larger bs its rows say so and time nothing (a model hook
 falls back to the current path there).
 
@@ -76,7 +77,8 @@ OPTIONS = {"splits": "down_splits", "warps": "num_warps", "bn": "block_n", "half
            "tailv": "tail_block_v", "tcqkvs": "tc_qkv_splits", "tcos": "tc_o_splits",
            "tcds": "tc_down_splits"}
 FLAGS = {"pdl": {"pdl": True, "tc_pdl": True}, "reduce": {"fold_max_m": 0}, "rows": {"tc_min_rows": fd.MAX_M + 1},
-         "tc": {"tc_min_rows": 1}, "logits": {}, "nofold": {"tc_fold": False}}
+         "tc": {"tc_min_rows": 1}, "logits": {}, "nofold": {"tc_fold": False},
+         "apdl": {"attn_pdl": True}}
 NEAR_TIE = 0.05         # a differing token with the current path's top-2 gap under it is a tie
 
 

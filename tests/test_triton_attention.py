@@ -506,3 +506,73 @@ def test_extend_packed_tiles_match_reference(monkeypatch, owner_block):
         assert torch.isfinite(out).all()
         assert_close(out, ref, torch.float32)
     assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
+
+
+# ----------------------------------------------------------------------------- PDL
+
+PDL_LENS = [130, PAD, 1, 33, 64, 97]
+
+
+@pytest.mark.parametrize("num_q", [1, K_DRAFT])
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("num_splits,block_n,fold", [(1, 16, True), (3, 16, True),
+                                                     (3, 32, False), (8, 16, True)])
+def test_pdl_reads_q_and_new_kv_only_after_its_wait(monkeypatch, num_q, prefetch, num_splits,
+                                                    block_n, fold):
+    """`SplitPolicy.pdl`: before its wait the kernel reads only what the kernel before it (a
+    fused qkv projection) cannot write. Here the wait stands for that kernel finishing: q and
+    the K / V of each request's last num_q positions hold NaN until a program waits, the wait
+    writes them, and each program's end puts the NaN back for the next program (the interpreter
+    runs them one after another). The output is the reference's, so no program read q or a new
+    position before its wait, and none missed the new values after it."""
+    from padgraph.backends.triton import attention_decode as ad
+    lens_list = [n if n is PAD else n + num_q - 1 for n in PDL_LENS]
+    k_cache, v_cache, r2t, rows, lens = make_paged(lens_list, 64, poison=True)
+    n_req = len(lens_list)
+    q = rand_q(n_req * num_q, 8, 64)
+    real_req = [r for r, n in enumerate(lens_list) if n is not PAD]
+    new = torch.cat([r2t[rows[r], lens[r] - num_q:lens[r]].long() for r in real_req])
+    k_new, v_new, q_true = k_cache[new].clone(), v_cache[new].clone(), q.clone()
+    if num_q == 1:
+        mask, meta = None, PagedMeta.decode(r2t, rows, lens)
+        ref = decode_attention_reference(q, unpoisoned(k_cache), unpoisoned(v_cache), r2t, rows,
+                                         lens)
+    else:
+        mask = tree_masks(n_req, pad_rows=[1])
+        meta = PagedMeta.tree(r2t, rows, lens, mask)
+        ref = tree_verify_attention_reference(q, unpoisoned(k_cache), unpoisoned(v_cache), r2t,
+                                              rows, lens, mask)
+
+    def poison():
+        k_cache[new], v_cache[new], q[:] = float("nan"), float("nan"), float("nan")
+    waits = []
+
+    def wait_for_previous(PDL):  # noqa: N803 - the jit helper's constexpr
+        assert PDL
+        k_cache[new], v_cache[new], q[:] = k_new, v_new, q_true
+        waits.append(1)
+    finish = ad.finish_split
+
+    def finish_split(*args):
+        finish(*args)
+        poison()
+    monkeypatch.setattr(ad, "wait_for_previous", wait_for_previous)
+    monkeypatch.setattr(ad, "finish_split", finish_split)
+    poison()
+    out = split_kv_attention(q, k_cache, v_cache, meta, 64 ** -0.5,
+                             SplitPolicy(num_splits=num_splits, block_n=block_n, fold=fold,
+                                         prefetch=prefetch, pdl=True))
+    real = [r * num_q + i for r in real_req for i in range(num_q)]
+    assert waits, "the kernel never waited"
+    assert torch.isfinite(out[real]).all(), "a program read q or a new K / V before its wait"
+    assert_close(out[real], ref[real], torch.float32)
+    assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
+
+
+def test_pdl_off_the_gpu_launches_plainly():
+    """On the CPU `pdl` changes no launch (no PDL there) and no result: the same bits as off."""
+    k_cache, v_cache, r2t, rows, lens = make_paged([70, PAD, 5], 64, dtype=torch.bfloat16)
+    q = rand_q(3, 8, 64, torch.bfloat16)
+    a = decode_attention(q, k_cache, v_cache, r2t, rows, lens, impl="triton")
+    b = decode_attention(q, k_cache, v_cache, r2t, rows, lens, impl="triton", pdl=True)
+    assert torch.equal(a, b)

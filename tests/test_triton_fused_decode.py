@@ -328,9 +328,22 @@ def test_references_are_the_models_decode_step(dtype, tol, policy):
         torch.testing.assert_close(a.float(), b.float(), **tol)
 
 
+def test_attend_options_follow_the_layers_pdl():
+    """attn_pdl asks the attention for PDL only where the layer's own kernels launch with it;
+    otherwise `attend` gets no keyword (any AttendFn takes that)."""
+    P = fd.FusedDecodePolicy
+    assert fd.attend_options(P(), tc=False) == {} == fd.attend_options(P(), tc=True)
+    assert fd.attend_options(P(attn_pdl=True), tc=False) == {"pdl": True}
+    assert fd.attend_options(P(attn_pdl=True), tc=True) == {}          # tc_pdl off
+    assert fd.attend_options(P(attn_pdl=True, tc_pdl=True), tc=True) == {"pdl": True}
+    assert fd.attend_options(P(attn_pdl=True, pdl=False, tc_pdl=True), tc=False) == {}
+    assert fd.attend_options(P(attn_pdl=True, pdl=False, tc_pdl=True), tc=True) == {}
+
+
 @pytest.mark.parametrize("m,n_pad,kernels", [(1, 0, "fold"), (5, 2, "fold"), (5, 2, "reduce"),
                                              (5, 2, "tc"), (5, 2, "tc-splits"),
-                                             (5, 2, "tc-splits-kernel")])
+                                             (5, 2, "tc-splits-kernel"), (1, 0, "fold+apdl"),
+                                             (5, 2, "tc+apdl")])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_kernels_give_the_models_decode_step(m, n_pad, kernels, dtype):
     """Every layer through the kernels (interpreted) against the model's decode step: hidden,
@@ -338,7 +351,7 @@ def test_fused_kernels_give_the_models_decode_step(m, n_pad, kernels, dtype):
     padded lanes; one-row kernels with the partials summed in the qkv kernel (fold) or by the
     reduce kernel, or the tensor-core ones (K loop steps of 32: several a projection; the o
     and down projections whole or in K splits, summed by the tile's last split or a second
-    kernel; the qkv kernel in 2 K splits)."""
+    kernel; the qkv kernel in 2 K splits); +apdl: the attention's PDL shape too."""
     model = _model(dtype)
     kv, ids, positions, batch = _decode_setup(model, m, seed=m, n_pad=n_pad)
     kv_ref = _clone_kv(kv)
@@ -347,7 +360,9 @@ def test_fused_kernels_give_the_models_decode_step(m, n_pad, kernels, dtype):
                                   tc_block_k=32, tc_proj_block_k=32,
                                   **(dict(tc_o_splits=2, tc_down_splits=3, tc_sum_block=16,
                                           tc_qkv_splits=2, tc_fold=kernels == "tc-splits")
-                                     if kernels.startswith("tc-splits") else {}))
+                                     if kernels.startswith("tc-splits") else {}),
+                                  **(dict(attn_pdl=True, tc_pdl=True) if "apdl" in kernels
+                                     else {}))
     with torch.no_grad():
         logits, want = model.forward_decode(ids, positions, _with_kv(batch, kv_ref))
         got = _fused_hidden(model, ids, positions, batch, policy=policy, impl="triton")
@@ -640,6 +655,10 @@ POLICIES = {   # the kernel families and launch modes the CUDA tests run
                                           tc_down_splits=4),
     "tc+qkv_splits+pdl": fd.FusedDecodePolicy(pdl=True, tc_pdl=True, tc_min_rows=1,
                                               tc_qkv_splits=2),
+    "rows+pdl+attn_pdl": fd.FusedDecodePolicy(pdl=True, tc_min_rows=fd.MAX_M + 1,
+                                              attn_pdl=True),
+    "tc+pdl+attn_pdl": fd.FusedDecodePolicy(pdl=True, tc_pdl=True, tc_min_rows=1,
+                                            attn_pdl=True),
 }
 
 
@@ -724,14 +743,17 @@ def test_cuda_fused_greedy_step_gives_the_eager_tokens(cuda_model_full_vocab, m,
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kernels", ["rows", "rows+pdl", "tc", "tc+pdl", "tc+qkv_splits+pdl"])
-def test_cuda_graph_replays_of_the_fused_step_follow_new_data_bit_for_bit(cuda_model, kernels):
+@pytest.mark.parametrize("kernels,m", [("rows", 8), ("rows+pdl", 8), ("tc", 8), ("tc+pdl", 8),
+                                       ("tc+qkv_splits+pdl", 8), ("rows+pdl+attn_pdl", 1),
+                                       ("rows+pdl+attn_pdl", 8), ("tc+pdl+attn_pdl", 8)])
+def test_cuda_graph_replays_of_the_fused_step_follow_new_data_bit_for_bit(cuda_model, kernels,
+                                                                          m):
     """The greedy step (layers and tail) captured once; replays with new tokens / positions /
     slots written into the static inputs equal the eager model on that data, and two replays
-    of one input give the same bits (hidden, ids, gap)."""
+    of one input give the same bits (hidden, ids, gap). attn_pdl at 1 row: the attention's
+    double-buffered loop, its first tile read before the wait."""
     model = cuda_model
     fused = _with_policy(model, POLICIES[kernels])
-    m = 8
     kv, ids, positions, batch = _cuda_case(model, m, seed=0)
     static = [ids.clone(), positions.clone(), batch.out_cache_loc.clone(), batch.seq_lens.clone(),
               batch.req_pool_indices.clone()]

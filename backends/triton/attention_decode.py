@@ -31,6 +31,7 @@ from .attention_meta import DECODE, MODE_NAMES, TREE, PagedMeta, check_tree_mask
 from .attention_split import (aligned, finish_split, launch_merge, merge_unroll, partials,
                               should_fold, split_len, tickets, tile_slots)
 from .kv import resolve_impl
+from .pdl import launch_options, supported as pdl_supported, wait_for_previous
 
 # Split-count policy (see docs/attention.md): aim for ~PROGRAMS_PER_SM programs per SM
 # (2-3 fit at once: 5-8 waves, so the last, partial wave costs <= ~15 %), but never make a
@@ -173,6 +174,7 @@ def _split_kv_kernel(
     GROUP: tl.constexpr, NUM_Q: tl.constexpr, HAS_TREE: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, MERGE_UNROLL: tl.constexpr, PREFETCH: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     # program (r, kv_head, split): rows m = (query i, head g) of request r's NUM_Q * GROUP
     # query heads sharing kv_head, against one split of r's positions (attention_split.py).
@@ -199,21 +201,40 @@ def _split_kv_kernel(
         d_ok = offs_d < head_dim
         dv_ok = offs_dv < v_head_dim
         q_row = (r * NUM_Q + qi).to(tl.int64)
-        q = tl.load(Q + q_row[:, None] * stride_q_t + qh[:, None] * stride_q_h + offs_d[None, :],
-                    mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+        q_at = Q + q_row[:, None] * stride_q_t + qh[:, None] * stride_q_h + offs_d[None, :]
+        q_ok = m_ok[:, None] & d_ok[None, :]
+        if not PDL:
+            q = tl.load(q_at, mask=q_ok, other=0.0)  # [BLOCK_M, BLOCK_D]
         prefix = tl.maximum(seq_len - NUM_Q, 0)  # positions every query sees (tree mode)
 
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: all-masked rows stay 0
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         idx = ReqToToken + row * stride_rt
-        slot = tile_slots(idx, start + tl.arange(0, BLOCK_N), end)
+        first = start + tl.arange(0, BLOCK_N)
+        slot = tile_slots(idx, first, end)
         kv_k = kvh * stride_k_h
         kv_v = kvh * stride_v_h
         if PREFETCH:  # the split's first tile before the loop: each step issues the next one's
-            k, v = _kv_tile(K, V, slot, (start + tl.arange(0, BLOCK_N)) < end, kv_k, kv_v,
-                            stride_k_s, stride_v_s, offs_d, d_ok, offs_dv, dv_ok)
+            if PDL:   # before the wait: only the positions the kernel before cannot write
+                k, v = _kv_tile(K, V, slot, first < tl.minimum(end, prefix), kv_k, kv_v,
+                                stride_k_s, stride_v_s, offs_d, d_ok, offs_dv, dv_ok)
+            else:
+                k, v = _kv_tile(K, V, slot, first < end, kv_k, kv_v, stride_k_s, stride_v_s,
+                                offs_d, d_ok, offs_dv, dv_ok)
+            slot_first = slot
             slot = tile_slots(idx, start + BLOCK_N + tl.arange(0, BLOCK_N), end)
+        # with PDL: everything above read only metadata and past K / V; q and the last NUM_Q
+        # positions' K / V (written by the kernel before: the qkv projection) come after
+        wait_for_previous(PDL)
+        if PDL:
+            if PREFETCH:
+                fresh = (first < end) & (first >= prefix)
+                k_new, v_new = _kv_tile(K, V, slot_first, fresh, kv_k, kv_v, stride_k_s,
+                                        stride_v_s, offs_d, d_ok, offs_dv, dv_ok)
+                k = tl.where(fresh[None, :], k_new, k)
+                v = tl.where(fresh[:, None], v_new, v)
+            q = tl.load(q_at, mask=q_ok, other=0.0)
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < end
@@ -360,13 +381,21 @@ class SplitPolicy:
     (`choose_num_splits`, `choose_fold`); block_n None: `kernel_blocks`' tile; num_warps and
     num_stages: the kernel's; prefetch None: `choose_prefetch` (each step issues the next tile's
     K and V before computing its own; with block_n None, tiles of PREFETCH_BLOCK_N). Benchmarks
-    set knobs to sweep them."""
+    set knobs to sweep them.
+    pdl: launch with programmatic dependent launch where the GPU and Triton have it
+    (`pdl.supported`): the kernel starts while the kernel before it still runs, reads the
+    metadata (seq_lens, req_pool_indices, req_to_token) and, with prefetch, its first tile's K /
+    V of the positions before each request's last num_q, then waits for that kernel, then reads
+    q and the last num_q positions' K / V. So the kernel just before may write q and those
+    positions' K / V (what a fused qkv projection does), and nothing else the attention reads:
+    not the metadata, not older positions (docs/pdl.md). Off: a plain launch."""
     num_splits: int | None = None
     fold: bool | None = None
     block_n: int | None = None
     num_warps: int = 4
     num_stages: int = 2
     prefetch: bool | None = None
+    pdl: bool = False
 
     def __post_init__(self):
         if self.num_splits is not None and not 1 <= self.num_splits <= 2 * MAX_SPLITS:
@@ -413,6 +442,10 @@ def split_kv_attention(q, k_cache, v_cache, meta: PagedMeta, sm_scale: float,
     counters, fold = tickets(q.device, bs * n_kv_heads if fold else 0, fold)
     tree = tree_mask.contiguous().view(torch.uint8) if tree_mask is not None else req_pool_indices
     num_warps = policy.num_warps
+    launch = launch_options(q.device, policy.pdl)
+    # the kernel's PDL shape (loads split around the wait) where it launches with PDL, and on
+    # the CPU interpreter, which runs that shape with the wait a no-op (tested there)
+    pdl = bool(policy.pdl) and (bool(launch) or q.device.type == "cpu")
     _split_kv_kernel[(bs, n_kv_heads, num_splits)](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, tree, o, mid_o, mid_lse,
         counters, sm_scale,
@@ -424,7 +457,7 @@ def split_kv_attention(q, k_cache, v_cache, meta: PagedMeta, sm_scale: float,
         GROUP=group, NUM_Q=num_q, HAS_TREE=tree_mask is not None,
         UPCAST=upcast_dots(q.dtype), num_warps=num_warps, num_stages=policy.num_stages,
         MERGE_UNROLL=merge_unroll(blocks["BLOCK_M"], blocks["BLOCK_DV"], num_warps),
-        PREFETCH=bool(prefetch), **blocks,
+        PREFETCH=bool(prefetch), PDL=pdl, **blocks, **launch,
     )
     if num_splits > 1 and not fold:
         launch_merge(mid_o, mid_lse, seq_lens, o, num_q, num_splits, blocks["BLOCK_N"])
@@ -432,11 +465,12 @@ def split_kv_attention(q, k_cache, v_cache, meta: PagedMeta, sm_scale: float,
 
 
 def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-                     sm_scale=None, num_splits=None, impl="auto"):
+                     sm_scale=None, num_splits=None, impl="auto", pdl=False):
     """Paged decode attention: q [bs, n_q_heads, head_dim] -> [bs, n_q_heads, v_head_dim].
 
     Request r attends to positions 0 .. seq_lens[r]-1 of row req_pool_indices[r]; padded lanes
     (seq_lens 1, row 0) read only the sink slot. `num_splits` overrides the static split count.
+    `pdl`: `SplitPolicy.pdl` (the kernel just before may write only q and the new token's K / V).
     """
     bs = q.shape[0]
     check_paged_args(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, bs)
@@ -446,4 +480,5 @@ def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
         return decode_attention_reference(q, k_cache, v_cache, req_to_token, req_pool_indices,
                                           seq_lens, sm_scale)
     meta = PagedMeta.decode(req_to_token, req_pool_indices, seq_lens)
-    return split_kv_attention(q, k_cache, v_cache, meta, sm_scale, SplitPolicy(num_splits))
+    return split_kv_attention(q, k_cache, v_cache, meta, sm_scale,
+                              SplitPolicy(num_splits, pdl=pdl))

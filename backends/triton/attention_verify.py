@@ -44,9 +44,10 @@ def tree_verify_attention_reference(q, k_cache, v_cache, req_to_token, req_pool_
 
 
 def tree_verify_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-                          tree_mask, sm_scale=None, num_splits=None, impl="auto"):
+                          tree_mask, sm_scale=None, num_splits=None, impl="auto", pdl=False):
     """Draft-tree attention: q [bs * k, n_q_heads, head_dim] (request-major), tree_mask
-    [bs, k, k] bool -> [bs * k, n_q_heads, v_head_dim]."""
+    [bs, k, k] bool -> [bs * k, n_q_heads, v_head_dim]. `pdl`: `SplitPolicy.pdl` (the kernel
+    just before may write only q and the k tree tokens' K / V)."""
     bs, _ = check_tree_args(q, tree_mask)
     check_paged_args(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, bs)
     sm_scale = default_sm_scale(q.shape[-1], sm_scale)
@@ -55,4 +56,5 @@ def tree_verify_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, s
         return tree_verify_attention_reference(q, k_cache, v_cache, req_to_token,
                                                req_pool_indices, seq_lens, tree_mask, sm_scale)
     meta = PagedMeta.tree(req_to_token, req_pool_indices, seq_lens, tree_mask.contiguous())
-    return split_kv_attention(q, k_cache, v_cache, meta, sm_scale, SplitPolicy(num_splits))
+    return split_kv_attention(q, k_cache, v_cache, meta, sm_scale,
+                              SplitPolicy(num_splits, pdl=pdl))

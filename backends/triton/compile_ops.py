@@ -40,11 +40,12 @@ def _topk_outputs(n, k):
 # dtype), or a list of (shape, dtype) for several)
 SCHEMAS: dict[str, tuple[str, Callable]] = {
     "decode_attention": (
-        f"({_PAGED}, float? sm_scale=None, int? num_splits=None, str impl=\"auto\") -> Tensor",
+        f"({_PAGED}, float? sm_scale=None, int? num_splits=None, str impl=\"auto\", "
+        f"bool pdl=False) -> Tensor",
         lambda a: (a["q"].shape[0], a["q"].shape[1], a["v_cache"].shape[2])),
     "tree_verify_attention": (
         f"({_PAGED}, Tensor tree_mask, float? sm_scale=None, int? num_splits=None, "
-        f"str impl=\"auto\") -> Tensor",
+        f"str impl=\"auto\", bool pdl=False) -> Tensor",
         lambda a: (a["q"].shape[0], a["q"].shape[1], a["v_cache"].shape[2])),
     "extend_attention": (
         f"({_PAGED}, Tensor qo_indptr, float? sm_scale=None, str impl=\"auto\", "
