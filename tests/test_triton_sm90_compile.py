@@ -39,7 +39,20 @@ SCRIPT = textwrap.dedent('''
         for tree, prefetch in ((False, False), (True, False), (False, True)):
             build(ad._split_kv_kernel, dec, dict(GROUP=4, NUM_Q=8 if tree else 1, HAS_TREE=tree,
                   UPCAST=False, BLOCK_M=32 if tree else 16, BLOCK_N=32 if prefetch else 64,
-                  BLOCK_D=64, BLOCK_DV=64, MERGE_UNROLL=2, PREFETCH=prefetch))
+                  BLOCK_D=64, BLOCK_DV=64, MERGE_UNROLL=2, PREFETCH=prefetch, PDL=False))
+        # PDL (SplitPolicy.pdl): one wait, then the release; metadata (and with the
+        # double-buffered loop the first tile's past K / V) requested before the wait
+        for tree, prefetch in ((False, True), (True, False)):
+            ptx = build(ad._split_kv_kernel, dec, dict(GROUP=4, NUM_Q=8 if tree else 1,
+                        HAS_TREE=tree, UPCAST=False, BLOCK_M=32 if tree else 16,
+                        BLOCK_N=32 if prefetch else 64, BLOCK_D=64, BLOCK_DV=64,
+                        MERGE_UNROLL=2, PREFETCH=prefetch, PDL=True)).asm["ptx"]
+            wait = ptx.find("griddepcontrol.wait")
+            assert ptx.count("griddepcontrol.wait") == 1, ptx.count("griddepcontrol.wait")
+            assert ptx.count("griddepcontrol.launch_dependents") == 1
+            assert wait < ptx.find("griddepcontrol.launch_dependents")
+            before = ptx[:wait].count("ld.global")
+            assert before >= (3 if prefetch else 2), before   # seq_len, row, slots (+ K, V)
         # extend: packed row tiles found by a prefix sum over qo_indptr (attention_extend.tile_owner)
         from padgraph.backends.triton import attention_extend as ae
         ext = dict(dec, QoIndptr="*i32")
@@ -95,7 +108,7 @@ def run_compiler(args, tmp_path) -> str:
     return p.stdout
 
 
-GROUPS = {"attention-gemv-topk": 8, "moe": 6, "pdl": 2}    # group -> kernels built
+GROUPS = {"attention-gemv-topk": 10, "moe": 6, "pdl": 2}    # group -> kernels built
 
 
 @pytest.mark.parametrize("group", list(GROUPS))
