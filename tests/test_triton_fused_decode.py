@@ -328,16 +328,13 @@ def test_references_are_the_models_decode_step(dtype, tol, policy):
         torch.testing.assert_close(a.float(), b.float(), **tol)
 
 
-def test_attend_options_follow_the_layers_pdl():
-    """attn_pdl asks the attention for PDL only where the layer's own kernels launch with it;
-    otherwise `attend` gets no keyword (any AttendFn takes that)."""
+def test_attend_options_ask_for_pdl_only_with_attn_pdl():
+    """attn_pdl asks the attention for PDL in every layer; otherwise `attend` gets no keyword
+    (any AttendFn takes that)."""
     P = fd.FusedDecodePolicy
-    assert fd.attend_options(P(), tc=False) == {} == fd.attend_options(P(), tc=True)
-    assert fd.attend_options(P(attn_pdl=True), tc=False) == {"pdl": True}
-    assert fd.attend_options(P(attn_pdl=True), tc=True) == {}          # tc_pdl off
-    assert fd.attend_options(P(attn_pdl=True, tc_pdl=True), tc=True) == {"pdl": True}
-    assert fd.attend_options(P(attn_pdl=True, pdl=False, tc_pdl=True), tc=False) == {}
-    assert fd.attend_options(P(attn_pdl=True, pdl=False, tc_pdl=True), tc=True) == {}
+    assert fd.attend_options(P()) == {} == fd.attend_options(P(pdl=False, tc_pdl=True))
+    assert fd.attend_options(P(attn_pdl=True)) == {"pdl": True}
+    assert fd.attend_options(P(attn_pdl=True, pdl=False)) == {"pdl": True}
 
 
 @pytest.mark.parametrize("m,n_pad,kernels", [(1, 0, "fold"), (5, 2, "fold"), (5, 2, "reduce"),
@@ -361,8 +358,7 @@ def test_fused_kernels_give_the_models_decode_step(m, n_pad, kernels, dtype):
                                   **(dict(tc_o_splits=2, tc_down_splits=3, tc_sum_block=16,
                                           tc_qkv_splits=2, tc_fold=kernels == "tc-splits")
                                      if kernels.startswith("tc-splits") else {}),
-                                  **(dict(attn_pdl=True, tc_pdl=True) if "apdl" in kernels
-                                     else {}))
+                                  attn_pdl="apdl" in kernels)
     with torch.no_grad():
         logits, want = model.forward_decode(ids, positions, _with_kv(batch, kv_ref))
         got = _fused_hidden(model, ids, positions, batch, policy=policy, impl="triton")
@@ -657,8 +653,7 @@ POLICIES = {   # the kernel families and launch modes the CUDA tests run
                                               tc_qkv_splits=2),
     "rows+pdl+attn_pdl": fd.FusedDecodePolicy(pdl=True, tc_min_rows=fd.MAX_M + 1,
                                               attn_pdl=True),
-    "tc+pdl+attn_pdl": fd.FusedDecodePolicy(pdl=True, tc_pdl=True, tc_min_rows=1,
-                                            attn_pdl=True),
+    "tc+attn_pdl": fd.FusedDecodePolicy(pdl=True, tc_min_rows=1, attn_pdl=True),
 }
 
 
@@ -745,7 +740,7 @@ def test_cuda_fused_greedy_step_gives_the_eager_tokens(cuda_model_full_vocab, m,
 @pytest.mark.cuda
 @pytest.mark.parametrize("kernels,m", [("rows", 8), ("rows+pdl", 8), ("tc", 8), ("tc+pdl", 8),
                                        ("tc+qkv_splits+pdl", 8), ("rows+pdl+attn_pdl", 1),
-                                       ("rows+pdl+attn_pdl", 8), ("tc+pdl+attn_pdl", 8)])
+                                       ("rows+pdl+attn_pdl", 8), ("tc+attn_pdl", 8)])
 def test_cuda_graph_replays_of_the_fused_step_follow_new_data_bit_for_bit(cuda_model, kernels,
                                                                           m):
     """The greedy step (layers and tail) captured once; replays with new tokens / positions /

@@ -127,11 +127,11 @@ class FusedDecodePolicy:
     sums the partials in split order (fixed: replays give the same bits) and runs the RoPE and
     the stores, in the same launch; 1, or no zeroed counters yet (a first call inside a
     capture), runs the whole of H a program.
-    attn_pdl: the attention between the qkv and the o projection launches with PDL too, where
-    the kernels around it do (pdl, and tc_pdl for the tensor-core steps): it reads the paged
-    metadata and the past K / V before waiting on the qkv kernel, and lets the o projection
-    start (`attention_decode.SplitPolicy.pdl`); `attend` must then take a `pdl` keyword, as
-    padgraph's decode and tree attention do. The
+    attn_pdl: the attention between the qkv and the o projection launches with PDL (where the
+    GPU has it), in every layer, whatever pdl and tc_pdl say of the projections: it reads the
+    paged metadata and the past K / V before waiting on the qkv kernel, and then lets the o
+    projection start (`attention_decode.SplitPolicy.pdl`); `attend` must then take a `pdl`
+    keyword, as padgraph's decode and tree attention do. The
     defaults compile for sm_90 without spills at the 1B shape, in <= 123 KB of shared memory a
     program.
 
@@ -1107,12 +1107,10 @@ def takes(model, input_ids: torch.Tensor, kv, policy: FusedDecodePolicy | None =
             and kv.k[0].dtype == dtype and kv.v[0].dtype == dtype and model.cfg.head_dim % 2 == 0)
 
 
-def attend_options(policy: FusedDecodePolicy, tc: bool) -> dict:
-    """The keywords a layer passes `attend`: {"pdl": True} where policy.attn_pdl and the layer's
-    own kernels launch with PDL (pdl; with tc_pdl too in the tensor-core layers), else none
-    (any `AttendFn` takes that). The attention decides on the device (`pdl.supported`)."""
-    on = policy.attn_pdl and policy.pdl and (policy.tc_pdl or not tc)
-    return {"pdl": True} if on else {}
+def attend_options(policy: FusedDecodePolicy) -> dict:
+    """The keywords a layer passes `attend`: {"pdl": True} where policy.attn_pdl, else none (any
+    `AttendFn` takes that). The attention decides on the device (`pdl.supported`)."""
+    return {"pdl": True} if policy.attn_pdl else {}
 
 
 def decode_layer(x, parts, w: LayerWeights, rope: RopeTables, positions, loc, k_cache, v_cache,
@@ -1125,7 +1123,7 @@ def decode_layer(x, parts, w: LayerWeights, rope: RopeTables, positions, loc, k_
         x, parts = residual_norm(x, parts, w.input_norm, w.eps, policy=policy, impl=impl)[0], None
     q, resid = norm_qkv_rope_store(x, parts, w, rope, positions, loc, k_cache, v_cache,
                                    policy=policy, impl=impl)
-    o = attend(q, k_cache, v_cache, **attend_options(policy, tc=False))      # [M, Hq, D]
+    o = attend(q, k_cache, v_cache, **attend_options(policy))                # [M, Hq, D]
     h = o_proj_residual(o.reshape(o.shape[0], -1), w.wo, resid, policy=policy, impl=impl)
     act = norm_gate_up_silu(h, w, policy=policy, impl=impl)                  # [M, F]
     return h, down_partials(act, w.w_down, policy=policy, impl=impl)
@@ -1138,7 +1136,7 @@ def decode_layer_tc(x, ssq, w: LayerWeights, rope: RopeTables, positions, loc, k
     its rows' sums of squares) -> the layer's output and its ssq, the same way."""
     q = norm_qkv_rope_store_tc(x, ssq, w, rope, positions, loc, k_cache, v_cache,
                                policy=policy, impl=impl)
-    o = attend(q, k_cache, v_cache, **attend_options(policy, tc=True))       # [M, Hq, D]
+    o = attend(q, k_cache, v_cache, **attend_options(policy))                # [M, Hq, D]
     h, ssq_h = proj_residual_tc(o.reshape(o.shape[0], -1), w.wo, x, splits=policy.tc_o_splits,
                                 policy=policy, impl=impl)
     act = norm_gate_up_silu_tc(h, ssq_h, w, policy=policy, impl=impl)        # [M, F]
