@@ -31,7 +31,7 @@ from .attention_meta import DECODE, MODE_NAMES, TREE, PagedMeta, check_tree_mask
 from .attention_split import (aligned, finish_split, launch_merge, merge_unroll, partials,
                               should_fold, split_len, tickets, tile_slots)
 from .kv import resolve_impl
-from .pdl import launch_options, supported as pdl_supported, wait_for_previous
+from .pdl import launch_options, wait_for_previous
 
 # Split-count policy (see docs/attention.md): aim for ~PROGRAMS_PER_SM programs per SM
 # (2-3 fit at once: 5-8 waves, so the last, partial wave costs <= ~15 %), but never make a
