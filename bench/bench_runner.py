@@ -16,6 +16,9 @@ All variants run side by side in one process on the same body, weights and KV ca
   padgraph+compile+pdl  the same, inductor's kernels launched with programmatic dependent launch
                    (torch_compile options {"triton.enable_pdl": True}; skipped, saying so, where
                    torch's inductor lacks the option)
+  padgraph+compile+unfused  padgraph+compile with backends.cuda.passes.unfuse_addmm as inductor's
+                   post-grad pass: the residual adds out of the GEMMs (no copy of the residual
+                   into each GEMM's output, the eager layer's rounding)
   padgraph+compile+sample  padgraph+compile with the sampler in place of the argmax: Llama 3's
                    own generation settings (temperature 0.6, top-p 0.9) on the logits times
                    --sample-factor (a random model's logits are nearly flat; the factor sharpens
@@ -255,6 +258,22 @@ def canary_program(program: pg.Program, kv: KVCache) -> tuple[pg.Program, dict]:
 
 def parse_policy(text: str) -> dict:
     """`--fused-policy` "field=value,..." -> FusedDecodePolicy fields (ints; true / false)."""
+    if "padgraph+compile+unfused" in names:
+        # the residual adds out of inductor's addmm calls, and ATen's copy of the residual into
+        # each GEMM's output with them (backends/cuda/passes.py)
+        from padgraph.backends.cuda.passes import UnfuseAddmm
+        unfuse = UnfuseAddmm()
+        opts = dict(pg_compile) if isinstance(pg_compile, dict) else {}
+        # inductor's FX graph cache off for this variant: the count below is then the
+        # rewrites of this run's compiles, not 0 after a cache hit
+        opts["options"] = {**opts.get("options", {}), "post_grad_custom_post_pass": unfuse,
+                           "fx_graph_cache": False}
+        t0 = time.perf_counter()
+        r = pg.compile(program, step.body, backend="cuda", progress=False, torch_compile=opts)
+        setup["padgraph+compile+unfused"] = {"warmup_seconds": time.perf_counter() - t0,
+                                             "pool_bytes": r.pool_bytes(), "compiles": r.stats.compiles,
+                                             "addmm_rewritten": unfuse.rewritten}
+        variants["padgraph+compile+unfused"] = r
     from padgraph.backends.triton.fused_decode import FusedDecodePolicy
     known = FusedDecodePolicy.__dataclass_fields__
     fields = {}
