@@ -258,22 +258,6 @@ def canary_program(program: pg.Program, kv: KVCache) -> tuple[pg.Program, dict]:
 
 def parse_policy(text: str) -> dict:
     """`--fused-policy` "field=value,..." -> FusedDecodePolicy fields (ints; true / false)."""
-    if "padgraph+compile+unfused" in names:
-        # the residual adds out of inductor's addmm calls, and ATen's copy of the residual into
-        # each GEMM's output with them (backends/cuda/passes.py)
-        from padgraph.backends.cuda.passes import UnfuseAddmm
-        unfuse = UnfuseAddmm()
-        opts = dict(pg_compile) if isinstance(pg_compile, dict) else {}
-        # inductor's FX graph cache off for this variant: the count below is then the
-        # rewrites of this run's compiles, not 0 after a cache hit
-        opts["options"] = {**opts.get("options", {}), "post_grad_custom_post_pass": unfuse,
-                           "fx_graph_cache": False}
-        t0 = time.perf_counter()
-        r = pg.compile(program, step.body, backend="cuda", progress=False, torch_compile=opts)
-        setup["padgraph+compile+unfused"] = {"warmup_seconds": time.perf_counter() - t0,
-                                             "pool_bytes": r.pool_bytes(), "compiles": r.stats.compiles,
-                                             "addmm_rewritten": unfuse.rewritten}
-        variants["padgraph+compile+unfused"] = r
     from padgraph.backends.triton.fused_decode import FusedDecodePolicy
     known = FusedDecodePolicy.__dataclass_fields__
     fields = {}
@@ -340,6 +324,22 @@ def build_variants(names, step, program, device, pg_compile=True, sample_factor=
             setup["padgraph+compile+pdl"] = {"warmup_seconds": time.perf_counter() - t0,
                                              "pool_bytes": r.pool_bytes(), "compiles": r.stats.compiles}
             variants["padgraph+compile+pdl"] = r
+    if "padgraph+compile+unfused" in names:
+        # the residual adds out of inductor's addmm calls, and ATen's copy of the residual into
+        # each GEMM's output with them (backends/cuda/passes.py)
+        from padgraph.backends.cuda.passes import UnfuseAddmm
+        unfuse = UnfuseAddmm()
+        opts = dict(pg_compile) if isinstance(pg_compile, dict) else {}
+        # inductor's FX graph cache off for this variant: the count below is then the
+        # rewrites of this run's compiles, not 0 after a cache hit
+        opts["options"] = {**opts.get("options", {}), "post_grad_custom_post_pass": unfuse,
+                           "fx_graph_cache": False}
+        t0 = time.perf_counter()
+        r = pg.compile(program, step.body, backend="cuda", progress=False, torch_compile=opts)
+        setup["padgraph+compile+unfused"] = {"warmup_seconds": time.perf_counter() - t0,
+                                             "pool_bytes": r.pool_bytes(), "compiles": r.stats.compiles,
+                                             "addmm_rewritten": unfuse.rewritten}
+        variants["padgraph+compile+unfused"] = r
     from padgraph.backends.triton.fused_decode import FusedDecodePolicy
     o_splits, down_splits = fused_splits
     for name, policy, body in (("padgraph+fused", FusedDecodePolicy(pdl=False), Step),
