@@ -19,8 +19,8 @@ layer rounds it. Use it through `pg.compile`'s inductor options:
                torch_compile={"fullgraph": True,
                               "options": {"post_grad_custom_post_pass": unfuse_addmm}})
 
-It replaces any other post-grad custom pass in those options (inductor takes one). Off by
-default: `bench_runner`'s `padgraph+compile+unfused` variant is the same-process A/B against
+Set there, it takes the place of any other post-grad custom pass; to run another one too,
+call both from one `CustomGraphPass`. Off by default: `bench_runner`'s `padgraph+compile+unfused` variant is the same-process A/B against
 `padgraph+compile`.
 """
 from __future__ import annotations
