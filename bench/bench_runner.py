@@ -311,35 +311,31 @@ def build_variants(names, step, program, device, pg_compile=True, sample_factor=
                                             "logit_factor": sample_factor}
         r.nucleus = sstep.nucleus
         variants["padgraph+compile+sample"] = r
+    def compiled_with(name, patches):
+        """padgraph+compile's step with inductor config `patches` added: the variant `name`."""
+        opts = dict(pg_compile) if isinstance(pg_compile, dict) else {}
+        opts["options"] = {**opts.get("options", {}), **patches}
+        t0 = time.perf_counter()
+        r = pg.compile(program, step.body, backend="cuda", progress=False, torch_compile=opts)
+        setup[name] = {"warmup_seconds": time.perf_counter() - t0, "pool_bytes": r.pool_bytes(),
+                       "compiles": r.stats.compiles}
+        variants[name] = r
     if "padgraph+compile+pdl" in names:
         # inductor's own kernels launched with programmatic dependent launch (torch's
         # triton.enable_pdl: each kernel waits on the previous one's writes inside the graph)
         if not hasattr(torch._inductor.config.triton, "enable_pdl"):
             print("padgraph+compile+pdl: skipped: this torch's inductor has no triton.enable_pdl")
         else:
-            opts = dict(pg_compile) if isinstance(pg_compile, dict) else {}
-            opts["options"] = {**opts.get("options", {}), "triton.enable_pdl": True}
-            t0 = time.perf_counter()
-            r = pg.compile(program, step.body, backend="cuda", progress=False, torch_compile=opts)
-            setup["padgraph+compile+pdl"] = {"warmup_seconds": time.perf_counter() - t0,
-                                             "pool_bytes": r.pool_bytes(), "compiles": r.stats.compiles}
-            variants["padgraph+compile+pdl"] = r
+            compiled_with("padgraph+compile+pdl", {"triton.enable_pdl": True})
     if "padgraph+compile+unfused" in names:
         # the residual adds out of inductor's addmm calls, and ATen's copy of the residual into
-        # each GEMM's output with them (backends/cuda/passes.py)
+        # each GEMM's output with them (backends/cuda/passes.py); inductor's FX graph cache off,
+        # so the count is this run's rewrites, not 0 after a cache hit
         from padgraph.backends.cuda.passes import UnfuseAddmm
         unfuse = UnfuseAddmm()
-        opts = dict(pg_compile) if isinstance(pg_compile, dict) else {}
-        # inductor's FX graph cache off for this variant: the count below is then the
-        # rewrites of this run's compiles, not 0 after a cache hit
-        opts["options"] = {**opts.get("options", {}), "post_grad_custom_post_pass": unfuse,
-                           "fx_graph_cache": False}
-        t0 = time.perf_counter()
-        r = pg.compile(program, step.body, backend="cuda", progress=False, torch_compile=opts)
-        setup["padgraph+compile+unfused"] = {"warmup_seconds": time.perf_counter() - t0,
-                                             "pool_bytes": r.pool_bytes(), "compiles": r.stats.compiles,
-                                             "addmm_rewritten": unfuse.rewritten}
-        variants["padgraph+compile+unfused"] = r
+        compiled_with("padgraph+compile+unfused",
+                      {"post_grad_custom_post_pass": unfuse, "fx_graph_cache": False})
+        setup["padgraph+compile+unfused"]["addmm_rewritten"] = unfuse.rewritten
     from padgraph.backends.triton.fused_decode import FusedDecodePolicy
     o_splits, down_splits = fused_splits
     for name, policy, body in (("padgraph+fused", FusedDecodePolicy(pdl=False), Step),

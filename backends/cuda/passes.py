@@ -72,17 +72,15 @@ class UnfuseAddmm(CustomGraphPass):
             if found is None:
                 continue
             x, a, b = found
+            mode = detect_fake_mode([a.meta.get("val"), b.meta.get("val"), x.meta.get("val")])
+            if mode is None:    # no fake values to give the new nodes: leave it fused
+                continue
             with graph.inserting_before(node):
                 mm = graph.call_function(aten.mm.default, (a, b))
                 add = graph.call_function(aten.add.Tensor, (x, mm))
-            mode = detect_fake_mode([a.meta.get("val"), b.meta.get("val"), x.meta.get("val")])
-            if mode is not None:
-                with mode:
-                    mm.meta["val"] = aten.mm.default(a.meta["val"], b.meta["val"])
-                    add.meta["val"] = aten.add.Tensor(x.meta["val"], mm.meta["val"])
-            else:   # values that are not fake tensors: shapes from the node being replaced
-                mm.meta["val"] = node.meta["val"]
-                add.meta["val"] = node.meta["val"]
+            with mode:
+                mm.meta["val"] = aten.mm.default(a.meta["val"], b.meta["val"])
+                add.meta["val"] = aten.add.Tensor(x.meta["val"], mm.meta["val"])
             for m in (mm, add):
                 if "stack_trace" in node.meta:
                     m.meta["stack_trace"] = node.meta["stack_trace"]
