@@ -84,7 +84,7 @@ NEAR_TIE = 0.05         # a differing token with the current path's top-2 gap un
 
 def policy_of(variant: str) -> fd.FusedDecodePolicy:
     """"fused" plus options (the module docstring's list): a `FusedDecodePolicy`, PDL off
-    unless "+pdl"."""
+    unless "+pdl" (the projections and the tail) or "+apdl" (the attention)."""
     fields, opts = {}, variant.split("+")
     for opt in opts[1:]:
         name = opt.rstrip("0123456789")
@@ -98,7 +98,7 @@ def policy_of(variant: str) -> fd.FusedDecodePolicy:
                              + ", ".join(f"+{o}N" for o in OPTIONS))
     if opts[0] != "fused":
         raise SystemExit(f"variant {variant!r}: 'current' or 'fused' with options")
-    return fd.FusedDecodePolicy(**{"pdl": False, **fields})
+    return fd.FusedDecodePolicy(**{"pdl": False, "attn_pdl": False, **fields})
 
 
 def step_fn(model, kv, raw, variant: str, impl: str = "auto"):

@@ -26,7 +26,7 @@ def test_variant_options_name_policy_fields():
     p = bfd.policy_of("fused+pdl+apdl+tcqkvs2+tcds4+nofold")
     assert p.pdl and p.tc_pdl and p.attn_pdl and not p.tc_fold
     assert (p.tc_qkv_splits, p.tc_down_splits) == (2, 4)
-    assert bfd.policy_of("fused") == FusedDecodePolicy(pdl=False)
+    assert bfd.policy_of("fused") == FusedDecodePolicy(pdl=False, attn_pdl=False)
     assert bfd.policy_of("fused+apdl").attn_pdl and not bfd.policy_of("fused+apdl").pdl
     with pytest.raises(SystemExit):
         bfd.policy_of("fused+apdll")

@@ -329,12 +329,13 @@ def test_references_are_the_models_decode_step(dtype, tol, policy):
 
 
 def test_attend_options_ask_for_pdl_only_with_attn_pdl():
-    """attn_pdl asks the attention for PDL in every layer; otherwise `attend` gets no keyword
-    (any AttendFn takes that)."""
+    """attn_pdl (the default) asks the attention for PDL in every layer; without it `attend`
+    gets no keyword (any AttendFn takes that)."""
     P = fd.FusedDecodePolicy
-    assert fd.attend_options(P()) == {} == fd.attend_options(P(pdl=False, tc_pdl=True))
-    assert fd.attend_options(P(attn_pdl=True)) == {"pdl": True}
+    assert fd.attend_options(P()) == {"pdl": True} == fd.attend_options(P(attn_pdl=True))
     assert fd.attend_options(P(attn_pdl=True, pdl=False)) == {"pdl": True}
+    off = P(attn_pdl=False)
+    assert fd.attend_options(off) == {} == fd.attend_options(P(pdl=False, tc_pdl=True, attn_pdl=False))
 
 
 @pytest.mark.parametrize("m,n_pad,kernels", [(1, 0, "fold"), (5, 2, "fold"), (5, 2, "reduce"),

@@ -184,6 +184,7 @@ def _split_kv_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + r)
+    row = tl.load(ReqPoolIdx + r).to(tl.int64)  # beside seq_len, not a round trip after it
     share = split_len(seq_len, num_splits, BLOCK_N)
     n_used = tl.cdiv(seq_len, share)
     start = split * share
@@ -191,7 +192,6 @@ def _split_kv_kernel(
     # empty splits read nothing and write nothing (the merge skips them); split 0 of a request
     # with seq_len 0 runs with no tile and writes the 0 the reference gives (nothing to attend)
     if (start < end) | (split == 0):
-        row = tl.load(ReqPoolIdx + r).to(tl.int64)
         offs_m = tl.arange(0, BLOCK_M)
         qi = offs_m // GROUP  # query index within the request
         qh = kvh * GROUP + offs_m % GROUP  # query head
