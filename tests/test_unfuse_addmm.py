@@ -53,6 +53,24 @@ def test_the_residual_add_leaves_the_gemm_and_rounds_as_eager(device, dtype):
     torch.testing.assert_close(got[1], want[1])
 
 
+def test_with_emulated_casts_the_norm_after_the_add_reads_the_rounded_sum():
+    """Inductor fuses the add into the RMSNorm's kernel, which reads the fp32 sum before its
+    rounding; with its `emulate_precision_casts` option it rounds first, as eager does: in bf16
+    on the CPU the norm's output is then the eager layer's bits too (without the pass, the
+    addmm's single rounding still differs)."""
+    def norm_bits(passes, seed):
+        torch._dynamo.reset()
+        opts = {"fx_graph_cache": False, "emulate_precision_casts": True}
+        if passes is not None:
+            opts["post_grad_custom_post_pass"] = passes
+        args = inputs("cpu", torch.bfloat16, m=8, k=256, n=512, seed=seed)
+        with torch.no_grad():
+            return torch.equal(torch.compile(layer, fullgraph=True, options=opts)(*args)[1],
+                               layer(*args)[1])
+    assert all(norm_bits(UnfuseAddmm(), seed) for seed in range(3))
+    assert not any(norm_bits(None, seed) for seed in range(3))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_bias_and_a_scaled_add_keep_their_addmm(device):
     """A bias [N] broadcast over the rows (cuBLAS adds it in its epilogue, no copy) and an
