@@ -14,11 +14,11 @@ which cuBLAS adds in its epilogue without a copy) back into `add(x, mm(a, b))`. 
 buffer of its own, and the add is a pointwise node inductor fuses into its neighbours (the next
 RMSNorm's kernel reads x anyway), so the copy kernels go and the stored sum is rounded as the
 eager layer rounds it. A norm fused after the add reads the fp32 sum, before its rounding to the
-layer's dtype, unless inductor's `emulate_precision_casts` option is set (with it, a bf16
-norm's output is the eager layer's bits on the CPU; not measured on a GPU). Without that option
-the step as a whole is not the eager step's bits (H100, `bench_runner` at 64 rows: 2 of 64 greedy tokens differed from
-the eager model's, against none without the pass; 1-2 % faster: results/bench_runner.md). Use it
-through `pg.compile`'s inductor options:
+layer's dtype, unless inductor's `emulate_precision_casts` option is set (with it, a bf16 norm's
+output is the eager layer's bits on the CPU; not measured on a GPU). Without that option the
+step as a whole is not the eager step's bits: on an H100 (`bench_runner` at 64 rows) 2 of 64
+greedy tokens differed from the eager model's, against none without the pass, for a step 1-2 %
+faster (results/bench_runner.md). Use it through `pg.compile`'s inductor options:
 
     pg.compile(program, body, backend="cuda",
                torch_compile={"fullgraph": True,
