@@ -64,9 +64,9 @@ from transformers import StaticCache
 
 import padgraph.hf as pghf
 try:
-    from bench.common import command_line, git_commit, plot_step_times
+    from bench.common import command_line, git_commit, plot_step_times, tie_margin
 except ImportError:         # run by its path: bench/ is on sys.path, the repository root is not
-    from common import command_line, git_commit, plot_step_times
+    from common import command_line, git_commit, plot_step_times, tie_margin
 from padgraph.hf.support import linear_cache_api
 
 SIZES = [1, 4, 16, 64]
@@ -271,14 +271,6 @@ def run_hf_static(model, ids, clock: Clock, compiled: bool):
     ms = clock.median_ms(timed, ITERS)
     gap_tol = None if compiled else tuple(torch.stack(m[:STEPS], 1) for m in zip(*margins))   # [bs, STEPS] each
     return Run(toks, ms, warm, skips, gap_tol, timed)
-
-
-def tie_margin(logits):
-    """(top-2 gap [bs], tolerance [bs]): a near tie when the gap is within 4 ulps of the top logit in
-    the logits' dtype (two kernels that round differently may each move a logit by 2 ulps)."""
-    top2 = logits.float().topk(2, dim=-1).values                                   # [bs, 2]
-    ulp = torch.finfo(logits.dtype).eps * torch.exp2(torch.floor(torch.log2(top2[:, 0].abs().clamp(min=1e-6))))
-    return top2[:, 0] - top2[:, 1], 4 * ulp
 
 
 def mark_static(cache) -> None:

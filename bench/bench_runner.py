@@ -18,7 +18,7 @@ All variants run side by side in one process on the same body, weights and KV ca
                    torch's inductor lacks the option)
   padgraph+compile+unfused  padgraph+compile with backends.cuda.passes.unfuse_addmm as inductor's
                    post-grad pass: the residual adds out of the GEMMs (no copy of the residual
-                   into each GEMM's output, the eager layer's rounding)
+                   into each GEMM's output; the stored sum rounded as eager rounds it)
   padgraph+compile+sample  padgraph+compile with the sampler in place of the argmax: Llama 3's
                    own generation settings (temperature 0.6, top-p 0.9) on the logits times
                    --sample-factor (a random model's logits are nearly flat; the factor sharpens
@@ -40,8 +40,10 @@ All variants run side by side in one process on the same body, weights and KV ca
   padgraph+fused+greedy+policy  padgraph+fused+greedy at the default policy with the fields of
                    `--fused-policy field=value,...` changed (a candidate default, against the
                    default in the same process)
-Per raw batch size: step time (CUDA events, median), host time per call (median), a
-correctness check of next tokens against eager, and the floor: (weight bytes a step reads + KV
+Per raw batch size: step time (CUDA events, median), host time per call (median), each greedy
+variant's next tokens against the eager model's (computed at every size whatever --variants
+lists; a differing row is a near tie where the eager top-2 gap is within 4 bf16 ulps of the top
+logit, and the gap in ulps of any other is reported), and the floor: (weight bytes a step reads + KV
 bytes read) / measured device-to-device copy bandwidth. A step reads every weight but the
 embedding table, of which it reads one row per request (`step_weight_bytes`; results pages whose
 floor counted the whole table, 0.53 GB of the 1B model's 3.00, say so: ~125 us more
@@ -66,7 +68,8 @@ import torch
 
 import padgraph as pg  # noqa: E402
 from bench.common import (CudagraphSkips, copy_bandwidth, env_info, gpu_span_us,  # noqa: E402
-                          kernel_classes, kernel_lines, kernel_table, out_dir, plot_step_times, time_us)
+                          kernel_classes, kernel_lines, kernel_table, out_dir, plot_step_times,
+                          tie_margin, time_us)
 from padgraph.llm.models.llama import LlamaConfig, LlamaModel  # noqa: E402
 from padgraph.llm import Batch
 from padgraph.llm.kv import KVCache  # noqa: E402
@@ -434,7 +437,8 @@ def main() -> None:
                                          tuple(int(x) for x in args.fused_splits.split(",")),
                                          parse_policy(args.fused_policy))
         rows = run_all(variants, setup, batches, sizes, args.iters, StepFloor(cfg, step_bytes, bw),
-                       lambda rows, done: report(rows, setup, names, done, bw, weight_bytes, cfg, args))
+                       lambda rows, done: report(rows, setup, names, done, bw, weight_bytes, cfg, args),
+                       lambda raw: eager_reference(step, raw))
         if "padgraph+canary" in variants:
             variants["padgraph+canary"].canary_check()      # raises if any replay wrote a canary row
             print("padgraph+canary: no canary row written")
@@ -494,31 +498,77 @@ class StepFloor:
         return (self.weight_bytes(n) + kv_bytes) / self.bw * 1e6
 
 
-def run_all(variants, setup, batches, sizes, iters, floor: StepFloor, after_size):
-    """Every variant at every size; the results are written after each size (a timeout keeps them)."""
+def eager_reference(step: Step, raw: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The eager model's next tokens for batch `raw` (the Step's pick on `forward_decode`'s
+    logits, done rows their stop token), each row's top-2 gap of the logits it picked from, and
+    the gap under which a row is a near tie (`tie_margin`: 4 ulps of the top logit in the
+    model's dtype, the lm_head's output before its fp32 upcast)."""
+    batch = Batch(step.kv, step.kv.req_to_token, raw["req_pool_indices"], raw["seq_lens"],
+                  raw["out_cache_loc"])
+    logits, _ = step.model.forward_decode(raw["input_ids"], raw["positions"], batch)
+    toks = torch.where(raw["done"], raw["stop_token"],
+                       step.pick(logits, raw["temperature"], raw["positions"]))
+    gap, tol = tie_margin(logits / raw["temperature"][:, None], step.model.embed.weight.dtype)
+    return toks, gap, tol
+
+
+def judge_tokens(got, ref, gap, tol) -> dict:
+    """A variant's greedy tokens against the eager model's: the share equal, the differing rows
+    at a near tie of the eager logits (gap <= tol), and the gap in ulps of each other one."""
+    differ = got != ref
+    far = differ & (gap > tol)
+    return {"token_match_vs_eager": float((~differ).float().mean()),
+            "near_ties": int((differ & (gap <= tol)).sum()),
+            "far_gaps_ulps": [round(u, 1) for u in (4 * gap / tol)[far].tolist()]}
+
+
+def run_all(variants, setup, batches, sizes, iters, floor: StepFloor, after_size, reference):
+    """Every variant at every size, its tokens judged against `reference(raw)` (the eager
+    model's: `eager_reference`); the results are written after each size (a timeout keeps
+    them)."""
     rows = []
     for i, n in enumerate(sizes):
         raw = batches[n]
-        ref = next_tokens(next(iter(variants.values()))(**raw)).clone()   # the first variant (eager)
+        ref, gap, tol = (t.clone() for t in reference(raw))
         floor_us = floor.us(n, raw)
         for name, fn in variants.items():
             if name == "compile-ro":
                 got = warm_compile_ro(fn, raw, setup["compile-ro"], n)
             else:
                 got = next_tokens(fn(**raw))
-            match = float((got == ref).float().mean())
+            judged = judge_tokens(got, ref, gap, tol)
             if hasattr(fn, "nucleus"):          # a sampled variant: its tokens in the nucleus
                 kept, entropy = fn.nucleus(raw)
-                match = float(kept[torch.arange(n, device=got.device), got].float().mean())
+                judged = {"token_match_vs_eager":
+                          float(kept[torch.arange(n, device=got.device), got].float().mean())}
                 setup[name].setdefault("entropy_nats", {})[n] = entropy
             step_us, host_us = time_calls(fn, raw, iters)
             b2b_us = time_us(lambda: fn(**raw), 5, back_to_back=iters)   # median of 5 chains of iters calls
             rows.append({"bs": n, "variant": name, "step_us": step_us, "b2b_us": b2b_us, "host_us": host_us,
-                         "floor_us": floor_us, "token_match_vs_eager": match})
+                         "floor_us": floor_us, **judged})
             print(f"bs={n:>3} {name:<17} step {step_us:9.1f} µs  b2b {b2b_us:9.1f} µs  host {host_us:8.1f} µs  "
-                  f"floor {floor_us:8.1f} µs  match {match:.3f}", flush=True)
+                  f"floor {floor_us:8.1f} µs  {token_words(judged)}", flush=True)
         after_size(rows, sizes[:i + 1])
     return rows
+
+
+def token_summary(rows) -> str:
+    """The greedy variants' tokens against the eager model's, one line for the report."""
+    differ = [f"{r['variant']} bs {r['bs']} {token_words(r)}" for r in rows
+              if "near_ties" in r and r["token_match_vs_eager"] < 1]
+    if not differ:
+        return "Greedy tokens equal the eager model's in every row of every greedy variant."
+    return ("Greedy tokens against the eager model's (a near tie: the eager top-2 gap within 4 "
+            "ulps of the top logit in the model's dtype): " + "; ".join(differ) + ".")
+
+
+def token_words(row: dict) -> str:
+    """A row's tokens against the eager model's, in words."""
+    words = f"match {row['token_match_vs_eager']:.3f}"
+    if row.get("near_ties") or row.get("far_gaps_ulps"):
+        words += (f" ({row['near_ties']} differing rows at a near tie; top-2 gaps of the others: "
+                  f"{row['far_gaps_ulps']} ulps)")
+    return words
 
 
 def warm_compile_ro(fn, raw: dict, setup: dict, n: int) -> torch.Tensor:
@@ -562,6 +612,7 @@ def report(rows, setup, names, sizes, bw, weight_bytes, cfg, args):
                          if (n, "padgraph") in by and (n, "handwritten") in by else "-")
         floor_us = next(r["floor_us"] for r in rows if r["bs"] == n)     # a size's floor, whichever variant ran
         lines.append(f"| {n} | {floor_us:.0f} | " + " | ".join(cells) + " |")
+    lines += ["", token_summary(rows)]
     lines += warmup_lines(setup, sizes)
     lines += sampling_lines(by, setup, sizes)
     lines += ["", "setup (capture / warm-up seconds, pool bytes):", "", "```", json.dumps(setup, indent=1), "```"]

@@ -183,6 +183,16 @@ def plot_step_times(rows, names, path, title: str, ylabel: str, floor_key: str |
     fig.savefig(path, dpi=120)
 
 
+def tie_margin(logits, dtype: torch.dtype | None = None):
+    """(top-2 gap [bs], tolerance [bs]): a near tie when the gap is within 4 ulps of the top logit
+    in `dtype` (default the logits' own; fp32 logits upcast from a bf16 lm_head: bf16), as two
+    kernels that round differently may each move a logit by 2 ulps."""
+    top2 = logits.float().topk(2, dim=-1).values                                   # [bs, 2]
+    eps = torch.finfo(dtype or logits.dtype).eps
+    ulp = eps * torch.exp2(torch.floor(torch.log2(top2[:, 0].abs().clamp(min=1e-6))))
+    return top2[:, 0] - top2[:, 1], 4 * ulp
+
+
 def random_tree_masks(bs, k, gen):
     """[bs, k, k] bool on the CPU: each draft token sees itself and the ancestors of a random parent."""
     masks = torch.zeros(bs, k, k, dtype=torch.bool)

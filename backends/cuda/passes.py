@@ -16,9 +16,10 @@ RMSNorm's kernel reads x anyway), so the copy kernels go and the stored sum is r
 eager layer rounds it. A norm fused after the add reads the fp32 sum, before its rounding to the
 layer's dtype, unless inductor's `emulate_precision_casts` option is set (with it, a bf16 norm's
 output is the eager layer's bits on the CPU; not measured on a GPU). Without that option the
-step as a whole is not the eager step's bits: on an H100 (`bench_runner` at 64 rows) 2 of 64
-greedy tokens differed from the eager model's, against none without the pass, for a step 1-2 %
-faster (results/bench_runner.md). Use it through `pg.compile`'s inductor options:
+step as a whole is neither the eager step's bits nor the fused `addmm`'s: on an H100
+(`bench_runner` at 64 rows) 2 of 64 greedy tokens differed from the compiled step's without the
+pass, for a step 1-2 % faster (results/bench_runner.md). Use it through `pg.compile`'s inductor
+options:
 
     pg.compile(program, body, backend="cuda",
                torch_compile={"fullgraph": True,
