@@ -64,9 +64,9 @@ from transformers import StaticCache
 
 import padgraph.hf as pghf
 try:
-    from bench.common import command_line, git_commit, plot_step_times, tie_margin
+    from bench.common import command_line, git_commit, plot_step_times, split_ties, tie_margin
 except ImportError:         # run by its path: bench/ is on sys.path, the repository root is not
-    from common import command_line, git_commit, plot_step_times, tie_margin
+    from common import command_line, git_commit, plot_step_times, split_ties, tie_margin
 from padgraph.hf.support import linear_cache_api
 
 SIZES = [1, 4, 16, 64]
@@ -413,9 +413,7 @@ def judge(toks, ref: Run | None) -> tuple[int, int, list]:
         return equal, 0, []
     first = (~same).int().argmax(1)                                                  # first differing step
     gap, tol = (m.gather(1, first[:, None])[:, 0] for m in ref.margins)
-    differ = ~same.all(1)
-    far = differ & (gap > tol)
-    return equal, int((differ & (gap <= tol)).sum()), [round(u, 1) for u in (4 * gap / tol)[far].tolist()]
+    return equal, *split_ties(~same.all(1), gap, tol)
 
 
 UNCOMPILED = ("UNCOMPILED: dynamo compiled no graph while this peer ran (for hf-auto: generate's auto-compile "

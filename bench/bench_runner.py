@@ -69,7 +69,7 @@ import torch
 import padgraph as pg  # noqa: E402
 from bench.common import (CudagraphSkips, copy_bandwidth, env_info, gpu_span_us,  # noqa: E402
                           kernel_classes, kernel_lines, kernel_table, out_dir, plot_step_times,
-                          tie_margin, time_us)
+                          split_ties, tie_margin, time_us)
 from padgraph.llm.models.llama import LlamaConfig, LlamaModel  # noqa: E402
 from padgraph.llm import Batch
 from padgraph.llm.kv import KVCache  # noqa: E402
@@ -516,10 +516,9 @@ def judge_tokens(got, ref, gap, tol) -> dict:
     """A variant's greedy tokens against the eager model's: the share equal, the differing rows
     at a near tie of the eager logits (gap <= tol), and the gap in ulps of each other one."""
     differ = got != ref
-    far = differ & (gap > tol)
-    return {"token_match_vs_eager": float((~differ).float().mean()),
-            "near_ties": int((differ & (gap <= tol)).sum()),
-            "far_gaps_ulps": [round(u, 1) for u in (4 * gap / tol)[far].tolist()]}
+    near, far = split_ties(differ, gap, tol)
+    return {"token_match_vs_eager": float((~differ).float().mean()), "near_ties": near,
+            "far_gaps_ulps": far}
 
 
 def run_all(variants, setup, batches, sizes, iters, floor: StepFloor, after_size, reference):
@@ -536,12 +535,13 @@ def run_all(variants, setup, batches, sizes, iters, floor: StepFloor, after_size
                 got = warm_compile_ro(fn, raw, setup["compile-ro"], n)
             else:
                 got = next_tokens(fn(**raw))
-            judged = judge_tokens(got, ref, gap, tol)
             if hasattr(fn, "nucleus"):          # a sampled variant: its tokens in the nucleus
                 kept, entropy = fn.nucleus(raw)
                 judged = {"token_match_vs_eager":
                           float(kept[torch.arange(n, device=got.device), got].float().mean())}
                 setup[name].setdefault("entropy_nats", {})[n] = entropy
+            else:
+                judged = judge_tokens(got, ref, gap, tol)
             step_us, host_us = time_calls(fn, raw, iters)
             b2b_us = time_us(lambda: fn(**raw), 5, back_to_back=iters)   # median of 5 chains of iters calls
             rows.append({"bs": n, "variant": name, "step_us": step_us, "b2b_us": b2b_us, "host_us": host_us,

@@ -193,6 +193,13 @@ def tie_margin(logits, dtype: torch.dtype | None = None):
     return top2[:, 0] - top2[:, 1], 4 * ulp
 
 
+def split_ties(differ, gap, tol) -> tuple[int, list[float]]:
+    """(differing rows at a near tie: gap <= tol, the gap in ulps of each other differing row),
+    with gap, tol from `tie_margin` (tol is 4 ulps)."""
+    far = differ & (gap > tol)
+    return int((differ & (gap <= tol)).sum()), [round(u, 1) for u in (4 * gap / tol)[far].tolist()]
+
+
 def random_tree_masks(bs, k, gen):
     """[bs, k, k] bool on the CPU: each draft token sees itself and the ancestors of a random parent."""
     masks = torch.zeros(bs, k, k, dtype=torch.bool)

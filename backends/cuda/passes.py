@@ -26,8 +26,8 @@ options:
                               "options": {"post_grad_custom_post_pass": unfuse_addmm}})
 
 Set there, it takes the place of any other post-grad custom pass; to run another one too,
-call both from one `CustomGraphPass`. Off by default: `bench_runner`'s `padgraph+compile+unfused` variant is the same-process A/B against
-`padgraph+compile`.
+call both from one `CustomGraphPass`. Off by default: `bench_runner`'s
+`padgraph+compile+unfused` variant is the same-process A/B against `padgraph+compile`.
 """
 from __future__ import annotations
 
