@@ -11,6 +11,9 @@ SWEEP_CASES = ((1, 512), (8, 512), (1, 4096), (8, 4096), (32, 4096), (128, 4096)
                (8, 32768))
 SWEEP_SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
 SWEEP_TILES = ((64, 2, 4), (32, 2, 4), (64, 3, 4), (128, 2, 8))  # (BLOCK_N, stages, warps)
+# --grid: (BLOCK_N, stages, warps) x split counts, each point in a graph of 20 calls
+GRID_TILES = tuple((n, s, w) for n in (16, 32, 64) for s in (1, 2, 3) for w in (1, 2, 4))
+GRID_SPLITS = (2, 4, 8, 16)
 MAX_SETS = 8
 SMOKE = dict(batches=(1, 3), contexts=(40, 100), spec_batches=(2,), spec_contexts=(50,),
              sweep=((2, 100),), splits=(1, 3), tiles=((64, 2, 4),))

@@ -5,6 +5,8 @@
     python -m bench.bench_attention --smoke      # CPU, tiny sizes, interpreted: a script check
     python -m bench.bench_attention --ab REV     # the decode kernel at git revision REV beside
                                                  # today's and SDPA, in a graph, same process
+    python -m bench.bench_attention --grid 8:512 # decode launch policies (tile, stages, warps,
+                                                 # splits) in a graph, beside the default and SDPA
 
 32 q heads, 8 kv heads, head_dim 128, bf16, every request at full length.
 - decode: bs {1, 8, 32, 128} x context {512, 4096, 32768}, random and contiguous slot layouts;
@@ -345,6 +347,72 @@ def ab_markdown(meta: dict, source: str, rows: list) -> str:
     return "\n".join(lines) + "\n"
 
 
+def grid_rows(cases, l2_bytes, gen, device, tiles, splits_list, calls: int = 20,
+              rounds: int = 3) -> list:
+    """The decode kernel (`split_kv_attention`, merge folded) at each (block_n, stages, warps)
+    of `tiles` and each split count of `splits_list`, beside its default policy and the fastest
+    agreeing SDPA, at each (bs, ctx) of `cases` (random slots): each in a graph of `calls` calls
+    after an L2-sized write each (`in_graph_us`). The default and SDPA are timed `rounds` times
+    (a round before the grid, the others after it; the median), each grid point once. Every
+    output is checked against the default's first."""
+    flush_buf = torch.empty(max(1, l2_bytes // 4), dtype=torch.int32, device=device)
+    rows = []
+    for bs, ctx in cases:
+        case = PagedCase(bs, ctx, "random", gen, device)
+        args = case.paged_args()
+        meta = PagedMeta.decode(*args[3:])
+
+        def ours(policy=None):
+            extra = () if policy is None else (policy,)
+            return lambda: split_kv_attention(*args[:3], meta, HEAD_DIM ** -0.5, *extra)
+        ref = ours()()
+        backend = best_sdpa_backend(case, ref)
+        peers = {"default": ours()}
+        if backend is not None:
+            peers["sdpa"] = case.sdpa(backend)
+        times = {side: [in_graph_us([fn], calls, flush_buf.zero_)] for side, fn in peers.items()}
+        points = []
+        for (block_n, stages, warps), splits in itertools.product(tiles, splits_list):
+            policy = SplitPolicy(num_splits=splits, block_n=block_n, num_stages=stages,
+                                 num_warps=warps, fold=True)
+            fn = ours(policy)
+            err = rel_err(fn(), ref)
+            if err >= 1e-2:
+                raise AssertionError(f"{policy} disagrees with the default at {bs=} {ctx=}")
+            points.append(dict(block_n=block_n, stages=stages, warps=warps, splits=splits,
+                               us=in_graph_us([fn], calls, flush_buf.zero_)))
+            print(f"grid bs={bs} ctx={ctx} {block_n}/{stages}/{warps} splits={splits}: "
+                  f"{points[-1]['us']:.2f} µs", flush=True)
+        for _ in range(rounds - 1):
+            for side, fn in peers.items():
+                times[side].append(in_graph_us([fn], calls, flush_buf.zero_))
+        us = {side: sorted(t)[len(t) // 2] for side, t in times.items()}
+        best = min(points, key=lambda r: r["us"])
+        rows.append(dict(bs=bs, ctx=ctx, us=us, best=best, points=points,
+                         sdpa_backend=backend.name if backend is not None else None))
+        print(f"grid bs={bs} ctx={ctx}: default {us['default']:.2f}  sdpa "
+              f"{us.get('sdpa', float('nan')):.2f}  best {best}", flush=True)
+        del case
+    return rows
+
+
+def grid_markdown(meta: dict, rows: list) -> str:
+    lines = ["# Decode attention launch policies in a graph", "", f"`{json.dumps(meta)}`", "",
+             "µs a call inside a CUDA graph of 20 calls, each after an L2-sized write (the "
+             "writes' own graph subtracted); the default and SDPA: median of three rounds; a "
+             "grid point: one; random slot layout; merge folded.", "",
+             "| bs | ctx | default | best point | best (BLOCK_N/stages/warps, splits) | SDPA | "
+             "SDPA backend | best / SDPA as speed |", "|---:|---:|---:|---:|---|---:|---|---:|"]
+    for r in rows:
+        u, b = r["us"], r["best"]
+        sdpa = u.get("sdpa")
+        cells = ("-", "-") if sdpa is None else (f"{sdpa:.1f}", f"{sdpa / b['us']:.2f}x")
+        lines.append(f"| {r['bs']} | {r['ctx']} | {u['default']:.1f} | {b['us']:.1f} | "
+                     f"{b['block_n']}/{b['stages']}/{b['warps']}, {b['splits']} | {cells[0]} | "
+                     f"{r['sdpa_backend']} | {cells[1]} |")
+    return "\n".join(lines) + "\n"
+
+
 def section(name, fn, *args):
     """Run one benchmark section; a failure is reported and the others still run."""
     try:
@@ -373,6 +441,9 @@ def main():
                              "today's and SDPA, in a graph, at --ab-cases")
     parser.add_argument("--ab-cases", default="1:512,8:512,32:512,1:4096,8:4096,32:4096,128:512",
                         metavar="BS:CTX,...")
+    parser.add_argument("--grid", metavar="BS:CTX,...", default=None,
+                        help="only: decode launch policies (GRID_TILES x GRID_SPLITS) beside "
+                             "the default policy and SDPA, in a graph, at these cases")
     parser.add_argument("--cold-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cold_child:
@@ -402,6 +473,19 @@ def main():
         (out_dir / "attention_ab.md").write_text(report)
         (out_dir / "attention_ab.json").write_text(json.dumps(dict(meta=meta, source=args.ab,
                                                                    rows=rows), indent=1))
+        return None
+
+    if args.grid:
+        cases = SMOKE["sweep"] if args.smoke else \
+            [tuple(int(v) for v in c.split(":")) for c in args.grid.split(",")]
+        tiles, splits = (SMOKE["tiles"], SMOKE["splits"]) if args.smoke else (GRID_TILES,
+                                                                              GRID_SPLITS)
+        rows = grid_rows(cases, l2_bytes, gen, device, tiles, splits)
+        report = grid_markdown(meta, rows)
+        print(report)
+        (out_dir / "attention_grid.md").write_text(report)
+        (out_dir / "attention_grid.json").write_text(json.dumps(dict(meta=meta, rows=rows),
+                                                                indent=1))
         return None
 
     def decode_rows():
