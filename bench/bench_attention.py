@@ -297,6 +297,15 @@ def sweep_case(bs, ctx, layout, copy_bw, gen, device, splits_list, tiles) -> dic
                 best=best, policy=mine[0] if mine else None, all=results)
 
 
+def decode_case(bs: int, ctx: int, gen, device):
+    """A random-slot decode case for the in-graph comparisons: (case, its paged args, its
+    metadata, the default kernel's output, the fastest SDPA backend that agrees or None)."""
+    case = PagedCase(bs, ctx, "random", gen, device)
+    args = case.paged_args()
+    ref = case.ours()()
+    return case, args, PagedMeta.decode(*args[3:]), ref, best_sdpa_backend(case, ref)
+
+
 def ab_rows(source: str, cases, l2_bytes, gen, device, calls: int = 20, rounds: int = 3) -> list:
     """The decode kernel (`split_kv_attention`, its default policy) at git revision (or .py
     file) `source` beside today's and the fastest agreeing SDPA, one process: at each (bs, ctx)
@@ -306,11 +315,7 @@ def ab_rows(source: str, cases, l2_bytes, gen, device, calls: int = 20, rounds: 
     flush_buf = torch.empty(max(1, l2_bytes // 4), dtype=torch.int32, device=device)
     rows = []
     for bs, ctx in cases:
-        case = PagedCase(bs, ctx, "random", gen, device)
-        args = case.paged_args()
-        meta = PagedMeta.decode(*args[3:])
-        ref = case.ours()()
-        backend = best_sdpa_backend(case, ref)
+        case, args, meta, ref, backend = decode_case(bs, ctx, gen, device)
         fns = {source: lambda: other.split_kv_attention(*args[:3], meta, HEAD_DIM ** -0.5),
                "today": lambda: split_kv_attention(*args[:3], meta, HEAD_DIM ** -0.5)}
         if backend is not None:
@@ -358,15 +363,11 @@ def grid_rows(cases, l2_bytes, gen, device, tiles, splits_list, calls: int = 20,
     flush_buf = torch.empty(max(1, l2_bytes // 4), dtype=torch.int32, device=device)
     rows = []
     for bs, ctx in cases:
-        case = PagedCase(bs, ctx, "random", gen, device)
-        args = case.paged_args()
-        meta = PagedMeta.decode(*args[3:])
+        case, args, meta, ref, backend = decode_case(bs, ctx, gen, device)
 
         def ours(policy=None):
             extra = () if policy is None else (policy,)
             return lambda: split_kv_attention(*args[:3], meta, HEAD_DIM ** -0.5, *extra)
-        ref = ours()()
-        backend = best_sdpa_backend(case, ref)
         peers = {"default": ours()}
         if backend is not None:
             peers["sdpa"] = case.sdpa(backend)
