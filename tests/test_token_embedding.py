@@ -1,7 +1,8 @@
-"""`TokenEmbedding`, the token lookup of padgraph.llm's models: an indexing gather
+"""`TokenEmbedding`, the token lookup of padgraph.llm's models: on the GPU an indexing gather
 (`weight[ids]`) instead of `F.embedding`'s `index_select`. It must give F.embedding's rows bit
 for bit, for every id dtype and shape a caller passes, on the CPU and on the GPU, eagerly, under
-torch.compile and inside a captured graph; with `max_norm` it is nn.Embedding itself."""
+torch.compile and inside a captured graph; on the CPU it keeps F.embedding's bounds check (a
+negative id is an error, not a row from the end); with `max_norm` it is nn.Embedding itself."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -57,6 +58,13 @@ def test_compiled_and_captured_lookups_equal_f_embedding(device):
         static.copy_(ids.flip(0))
         graph.replay()
         assert torch.equal(out, F.embedding(ids.flip(0), emb.weight))
+
+
+@pytest.mark.parametrize("bad", [-1, -1000, 1000])
+def test_cpu_lookup_rejects_an_id_out_of_range(bad):
+    emb = TokenEmbedding(1000, 8)
+    with pytest.raises(IndexError):
+        emb(torch.tensor([3, bad]))
 
 
 def test_max_norm_is_nn_embedding():

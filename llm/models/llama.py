@@ -67,18 +67,19 @@ class LlamaConfig:
 # ---------------------------------------------------------------------------------------- layers
 
 class TokenEmbedding(nn.Embedding):
-    """nn.Embedding whose lookup is an indexing gather, `weight[ids]`: the same rows, bit for
-    bit, through a different CUDA kernel. `F.embedding` is an `index_select`, which for at
-    most 16 indices runs a kernel whose threads walk the indices one after another (on an
+    """nn.Embedding whose lookup on the GPU is an indexing gather, `weight[ids]`: the same rows,
+    bit for bit, through a different CUDA kernel. `F.embedding` is an `index_select`, which for
+    at most 16 indices runs a kernel whose threads walk the indices one after another (on an
     H100 13.7 µs for 16 rows of a [128256, 2048] bf16 table, 2.3 µs for one, in the fused decode
     step's profile, `results/bench_runner.md`); the indexing gather spreads the rows' elements
-    over all its threads. With `max_norm` set (a lookup that renormalizes rows in place) it
-    is nn.Embedding's own."""
+    over all its threads. Elsewhere (the CPU: the reference backend's device) and with
+    `max_norm` set (a lookup that renormalizes rows in place) it is nn.Embedding's own lookup,
+    whose bounds check rejects a negative id that indexing would wrap to a row from the end."""
 
     def forward(self, ids: Tensor) -> Tensor:
-        if self.max_norm is not None:
-            return super().forward(ids)
-        return self.weight[ids]
+        if self.max_norm is None and self.weight.is_cuda:
+            return self.weight[ids]
+        return super().forward(ids)
 
 
 class RMSNorm(nn.Module):
