@@ -263,19 +263,23 @@ def time_case(spec: CaseSpec, copy_bw, l2_bytes, gen, device, in_graph=0) -> dic
     return row
 
 
-def sweep_case(bs, ctx, layout, copy_bw, gen, device, splits_list, tiles) -> dict:
-    """Time the decode kernel over split counts, tiles and fold, each as a graph replay (eager
-    times count the launches, which a captured step does not pay); the policy's pick is marked."""
-    case = PagedCase(bs, ctx, layout, gen, device)
+def sweep_case(case: PagedCase, copy_bw, splits_list, tiles, time_fn=None, folds=(True, False),
+               every_split: bool = False) -> dict:
+    """Time the decode kernel of `case` over split counts, tiles and fold, each as a graph
+    replay (eager times count the launches, which a captured step does not pay), or with
+    `time_fn(fn) -> µs`; the policy's pick is marked. A split count past the context's tiles
+    (empty splits) is skipped unless every_split."""
+    bs, ctx = case.bs, case.ctx
+    time_fn = time_fn or (lambda fn: bench_us(graph_of(fn), rep=30))
     ref = case.ours()()
     floor = case.bytes_moved() / copy_bw * 1e6
     policy = choose_num_splits(bs, N_KV_HEADS, ctx, sm_count(case.q.device))
     policy_fold = choose_fold(policy, 1, N_Q_HEADS // N_KV_HEADS, HEAD_DIM)
     results = []
     for (block_n, stages, warps), splits in itertools.product(tiles, splits_list):
-        if splits > triton.cdiv(ctx, block_n):
+        if splits > triton.cdiv(ctx, block_n) and not every_split:
             continue
-        for fold in ((True, False) if splits > 1 else (True,)):
+        for fold in (folds if splits > 1 else (True,)):
             fn = case.ours(num_splits=splits, block_n=block_n, num_stages=stages,
                            num_warps=warps, fold=fold)
             try:
@@ -286,13 +290,14 @@ def sweep_case(bs, ctx, layout, copy_bw, gen, device, splits_list, tiles) -> dic
             if rel_err(out, ref) > 1e-2:
                 raise AssertionError(f"sweep config {block_n=} {stages=} {warps=} {splits=} "
                                      f"{fold=} disagrees with the default kernel at {bs=} {ctx=}")
-            t = bench_us(graph_of(fn), rep=30)
+            t = time_fn(fn)
             results.append(dict(block_n=block_n, stages=stages, warps=warps, splits=splits,
                                 fold=fold, us=t, frac_copy_bw=floor / t))
+            print(f"sweep bs={bs} ctx={ctx} {block_n}/{stages}/{warps} {splits=} {fold=}: "
+                  f"{t:.2f} µs", flush=True)
     best = min(results, key=lambda r: r["us"])
     mine = [r for r in results if r["splits"] == policy and (r["block_n"], r["stages"],
             r["warps"]) == tiles[0] and r["fold"] == (policy_fold or policy == 1)]
-    del case
     return dict(bs=bs, ctx=ctx, floor_us=floor, policy_splits=policy, policy_fold=policy_fold,
                 best=best, policy=mine[0] if mine else None, all=results)
 
@@ -352,48 +357,34 @@ def ab_markdown(meta: dict, source: str, rows: list) -> str:
     return "\n".join(lines) + "\n"
 
 
-def grid_rows(cases, l2_bytes, gen, device, tiles, splits_list, calls: int = 20,
+def grid_rows(cases, copy_bw, l2_bytes, gen, device, tiles, splits_list, calls: int = 20,
               rounds: int = 3) -> list:
-    """The decode kernel (`split_kv_attention`, merge folded) at each (block_n, stages, warps)
-    of `tiles` and each split count of `splits_list`, beside its default policy and the fastest
-    agreeing SDPA, at each (bs, ctx) of `cases` (random slots): each in a graph of `calls` calls
-    after an L2-sized write each (`in_graph_us`). The default and SDPA are timed `rounds` times
-    (a round before the grid, the others after it; the median), each grid point once. Every
-    output is checked against the default's first."""
+    """`sweep_case` at each (bs, ctx) of `cases` (random slots), merge folded, every split count
+    of `splits_list`, each point once in a graph of `calls` calls after an L2-sized write each
+    (`in_graph_us`), beside the default policy and the fastest agreeing SDPA timed the same way
+    `rounds` times (a round before the grid, the others after it; the median)."""
     flush_buf = torch.empty(max(1, l2_bytes // 4), dtype=torch.int32, device=device)
+
+    def in_graph(fn):
+        return in_graph_us([fn], calls, flush_buf.zero_)
     rows = []
     for bs, ctx in cases:
-        case, args, meta, ref, backend = decode_case(bs, ctx, gen, device)
-
-        def ours(policy=None):
-            extra = () if policy is None else (policy,)
-            return lambda: split_kv_attention(*args[:3], meta, HEAD_DIM ** -0.5, *extra)
-        peers = {"default": ours()}
+        case, _, _, ref, backend = decode_case(bs, ctx, gen, device)
+        peers = {"default": case.ours()}
         if backend is not None:
             peers["sdpa"] = case.sdpa(backend)
-        times = {side: [in_graph_us([fn], calls, flush_buf.zero_)] for side, fn in peers.items()}
-        points = []
-        for (block_n, stages, warps), splits in itertools.product(tiles, splits_list):
-            policy = SplitPolicy(num_splits=splits, block_n=block_n, num_stages=stages,
-                                 num_warps=warps, fold=True)
-            fn = ours(policy)
-            err = rel_err(fn(), ref)
-            if err >= 1e-2:
-                raise AssertionError(f"{policy} disagrees with the default at {bs=} {ctx=}")
-            points.append(dict(block_n=block_n, stages=stages, warps=warps, splits=splits,
-                               us=in_graph_us([fn], calls, flush_buf.zero_)))
-            print(f"grid bs={bs} ctx={ctx} {block_n}/{stages}/{warps} splits={splits}: "
-                  f"{points[-1]['us']:.2f} µs", flush=True)
+        times = {side: [in_graph(fn)] for side, fn in peers.items()}
+        sweep = sweep_case(case, copy_bw, splits_list, tiles, in_graph, folds=(True,),
+                           every_split=True)
         for _ in range(rounds - 1):
             for side, fn in peers.items():
-                times[side].append(in_graph_us([fn], calls, flush_buf.zero_))
+                times[side].append(in_graph(fn))
         us = {side: sorted(t)[len(t) // 2] for side, t in times.items()}
-        best = min(points, key=lambda r: r["us"])
-        rows.append(dict(bs=bs, ctx=ctx, us=us, best=best, points=points,
+        rows.append(dict(bs=bs, ctx=ctx, us=us, best=sweep["best"], points=sweep["all"],
                          sdpa_backend=backend.name if backend is not None else None))
         print(f"grid bs={bs} ctx={ctx}: default {us['default']:.2f}  sdpa "
-              f"{us.get('sdpa', float('nan')):.2f}  best {best}", flush=True)
-        del case
+              f"{us.get('sdpa', float('nan')):.2f}  best {sweep['best']}", flush=True)
+        del case, ref
     return rows
 
 
@@ -481,7 +472,7 @@ def main():
             [tuple(int(v) for v in c.split(":")) for c in args.grid.split(",")]
         tiles, splits = (SMOKE["tiles"], SMOKE["splits"]) if args.smoke else (GRID_TILES,
                                                                               GRID_SPLITS)
-        rows = grid_rows(cases, l2_bytes, gen, device, tiles, splits)
+        rows = grid_rows(cases, copy_bw, l2_bytes, gen, device, tiles, splits)
         report = grid_markdown(meta, rows)
         print(report)
         (out_dir / "attention_grid.md").write_text(report)
@@ -520,7 +511,8 @@ def main():
         if args.sweep_cases:
             cases = [tuple(int(v) for v in c.split(":")) for c in args.sweep_cases.split(",")]
         for bs, ctx in cases:
-            out.append(sweep_case(bs, ctx, "random", copy_bw, gen, device, splits, tiles))
+            out.append(sweep_case(PagedCase(bs, ctx, "random", gen, device), copy_bw, splits,
+                                  tiles))
             print(f"sweep bs={bs} ctx={ctx}: best {out[-1]['best']}", flush=True)
         return out
 
