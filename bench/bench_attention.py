@@ -36,10 +36,7 @@ import itertools
 import json
 import math
 import os
-import subprocess
 import sys
-import tempfile
-import time
 import traceback
 from pathlib import Path
 from typing import NamedTuple
