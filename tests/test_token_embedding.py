@@ -1,8 +1,8 @@
 """`TokenEmbedding`, the token lookup of padgraph.llm's models: on the GPU an indexing gather
 (`weight[ids]`) instead of `F.embedding`'s `index_select`. It must give F.embedding's rows bit
-for bit, for every id dtype and shape a caller passes, on the CPU and on the GPU, eagerly, under
-torch.compile and inside a captured graph; on the CPU it keeps F.embedding's bounds check (a
-negative id is an error, not a row from the end); with `max_norm` it is nn.Embedding itself."""
+for bit, for every id dtype and shape a caller passes, eagerly, under torch.compile and inside
+a captured graph (cuda-marked); on the CPU it is F.embedding, bounds check included (a negative
+id is an error, not a row from the end); with `max_norm` it is nn.Embedding itself."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,12 +21,12 @@ def _device(name):
     return torch.device(name)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.cuda  # on the CPU the lookup is F.embedding itself: the gather runs on the GPU only
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("shape", [(), (1,), (16,), (17,), (3, 5)])
-def test_rows_equal_f_embedding(device, dtype, id_dtype, shape):
-    dev = _device(device)
+def test_gathered_rows_equal_f_embedding(dtype, id_dtype, shape):
+    dev = _device("cuda")
     gen = torch.Generator().manual_seed(len(shape) * 7 + shape[0] if shape else 1)
     emb = TokenEmbedding(1000, 48).to(dev, dtype)
     with torch.no_grad():
@@ -40,6 +40,7 @@ def test_rows_equal_f_embedding(device, dtype, id_dtype, shape):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_compiled_and_captured_lookups_equal_f_embedding(device):
+    """On the CPU: the module compiles whole (its device branch traced) to F.embedding's rows."""
     dev = _device(device)
     emb = TokenEmbedding(500, 32).to(dev, torch.bfloat16)
     ids = torch.tensor([3, 499, 0, 3, 250] * 3 + [7], device=dev)   # 16 ids, repeats
