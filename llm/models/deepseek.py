@@ -38,7 +38,7 @@ from padgraph.errors import ContractValueError
 
 from ..batch import Batch
 from ..paged import AttnPlan, PagedForwards, dense_forward
-from .llama import MLP, RMSNorm, Rotary, TokenEmbedding, init_weights
+from .llama import MLP, RMSNorm, Rotary, init_weights
 
 
 @dataclass(frozen=True)
@@ -362,7 +362,7 @@ class DeepSeekModel(PagedForwards, nn.Module):
     def __init__(self, cfg: DeepSeekConfig, seed: int = 0):
         super().__init__()
         self.cfg = cfg
-        self.embed = TokenEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DeepSeekLayer(cfg, moe=i >= cfg.n_dense_layers)
                                     for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)

@@ -68,7 +68,7 @@ from padgraph.backends.triton.eagle import tree_parents
 from ..batch import Batch
 from ..kv import KVCache
 from ..paged import AttnPlan, PagedForwards, decode_batch, dense_forward, extend_batch, tree_batch
-from .llama import MLP, DecoderLayer, RMSNorm, Rotary, TokenEmbedding
+from .llama import MLP, DecoderLayer, RMSNorm, Rotary
 
 LAYER_KINDS = ("A", "M")    # attention, Mamba2
 
@@ -387,7 +387,7 @@ class HybridModel(PagedForwards, nn.Module):
         to fp32 rounding."""
         super().__init__()
         self.cfg, self.opaque_recurrent = cfg, opaque_recurrent
-        self.embed = TokenEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) if c == "A" else MambaLayer(cfg) for c in cfg.pattern)
         # layer i's pool: its index among the layers of its kind
         self.pool_index = [cfg.pattern[:i].count(c) for i, c in enumerate(cfg.pattern)]

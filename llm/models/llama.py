@@ -66,22 +66,6 @@ class LlamaConfig:
 
 # ---------------------------------------------------------------------------------------- layers
 
-class TokenEmbedding(nn.Embedding):
-    """nn.Embedding whose lookup on the GPU is an indexing gather, `weight[ids]`: the same rows,
-    bit for bit, through a different CUDA kernel. `F.embedding` is an `index_select`, which for
-    at most 16 indices runs a kernel whose threads walk the indices one after another (on an
-    H100 13.7 µs for 16 rows of a [128256, 2048] bf16 table, 2.3 µs for one, in the fused decode
-    step's profile, `results/bench_runner.md`); the indexing gather spreads the rows' elements
-    over all its threads. Elsewhere (the CPU: the reference backend's device) and with
-    `max_norm` set (a lookup that renormalizes rows in place) it is nn.Embedding's own lookup,
-    whose bounds check rejects a negative id that indexing would wrap to a row from the end."""
-
-    def forward(self, ids: Tensor) -> Tensor:
-        if self.max_norm is None and self.weight.is_cuda:
-            return self.weight[ids]
-        return super().forward(ids)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -197,7 +181,7 @@ class LlamaModel(PagedForwards, nn.Module):
         tokens (bs * k), attending through the tree kernel."""
         super().__init__()
         self.cfg, self.fused = cfg, fused
-        self.embed = TokenEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
