@@ -79,8 +79,10 @@ from .kv import resolve_impl
 from .pdl import wait_for_previous
 from .store import store_kv_reference
 
-MAX_M = 16              # rows (requests) the kernels take: the small-batch decode steps
-ROW_BLOCK = 16          # the tensor-core kernels' rows: the N side of their dots (masked past M)
+MAX_M = 64              # rows (requests) the tensor-core kernels take: the decode steps
+ONE_ROW_MAX_M = 16      # rows the one-row kernels take (their arithmetic grows with the rows)
+ROW_BLOCK = 16          # the fewest rows of a tensor-core dot's N side (masked past M)
+SMEM_STAGE_BYTES = 160 * 1024   # a K loop's pipeline stages take at most this shared memory
 PROGRAM = "fused_decode"
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -114,7 +116,9 @@ class FusedDecodePolicy:
     step: a longer step fits in registers, and their 128 programs at the 1B shape need more
     bytes in flight each). tc_stages: software-pipeline stages of the K loop (Triton's
     num_stages: stages - 1 steps of weights in flight a program); tc_ffn_stages: the gate/up
-    kernel's (two weight tiles a step). tc_warps: warps a program.
+    kernel's (two weight tiles a step). tc_warps: warps a program up to 32 rows;
+    tc_wide_warps: from 33 rows (the dots 64 rows wide: at 4 warps the gate/up and lm_head
+    tiles spill, ptxas for sm_90).
     tail_block_v: lm_head rows a program in `fused_tail`. tc_o_splits, tc_down_splits: K splits
     of the o and the down projection (`proj_residual_tc`): 1 runs the whole of K in each of
     cdiv(N, tc_block_n) programs; S > 1 runs S times as many, each streaming its share of K into
@@ -149,7 +153,7 @@ class FusedDecodePolicy:
     against 28.5 and 28.7 at 6 (two runs)."""
     pdl: bool = True
     tc_pdl: bool = False
-    max_rows: int = 16
+    max_rows: int = 64
     tc_min_rows: int = 2
     down_splits: int = 4
     half_n: int = 8
@@ -164,13 +168,14 @@ class FusedDecodePolicy:
     tc_stages: int = 6
     tc_ffn_stages: int = 3
     tc_warps: int = 4
-    tail_block_v: int = 64
+    tail_block_v: int = 128
     tc_o_splits: int = 1
     tc_down_splits: int = 1
     tc_sum_block: int = 256
     tc_qkv_splits: int = 1
     tc_fold: bool = True
     attn_pdl: bool = True
+    tc_wide_warps: int = 8
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -201,8 +206,31 @@ def _launch(policy: FusedDecodePolicy, device: torch.device) -> dict:
                 **_pdl.launch_options(device, pdl))
 
 
-def launch_tc(policy: FusedDecodePolicy, device: torch.device, one_row: bool = False) -> dict:
-    """The launch options of a tensor-core kernel call (the K loop's BK, stages, warps, PDL, and
+def row_block(m: int) -> int:
+    """BM, the tensor-core dots' N side for m rows: the next power of two >= m, at least
+    ROW_BLOCK (a tl.dot side), at most MAX_M (the tail's lm_head takes more rows in blocks)."""
+    return max(ROW_BLOCK, min(MAX_M, triton.next_power_of_2(max(1, m))))
+
+
+def stages_for(stages: int, bm: int, bk: int, w_rows: int, elt: int = 2) -> int:
+    """A K loop's pipeline stages: the policy's, fewer where each stage's weight chunk [w_rows,
+    bk] and rows chunk [bm, bk] (elt bytes an element) would take more than SMEM_STAGE_BYTES
+    of shared memory in all (more rows take more of it a stage; at 16 rows every default
+    fits as it is)."""
+    return max(1, min(stages, SMEM_STAGE_BYTES // ((w_rows + bm) * bk * elt)))
+
+
+def norm_rep(num_warps: int) -> int:
+    """How many times over a kernel that normalizes its rows on the fly loads the norm weight's
+    [BK] chunk (`rows_chunk`): enough rows that each thread copies >= 4 bytes at BK 128, so
+    the copy is pipelined (2 at 4 warps, 4 at 8)."""
+    return max(2, num_warps // 2)
+
+
+def launch_tc(policy: FusedDecodePolicy, device: torch.device, one_row: bool = False,
+              bm: int = ROW_BLOCK) -> dict:
+    """The launch options of a tensor-core kernel call at BM rows (the K loop's BK, stages,
+    warps: tc_warps up to 32 rows, tc_wide_warps above; PDL, and
     F32: the dot's operands upcast on the CPU interpreter, whose `tl.dot` reads bf16 storage as
     integers; exact there, since a bf16 / fp16 product fits fp32). Refuses a policy the kernels
     cannot compile. one_row: a step below tc_min_rows (the tail's lm_head), PDL as `pdl` says;
@@ -210,7 +238,7 @@ def launch_tc(policy: FusedDecodePolicy, device: torch.device, one_row: bool = F
     for field in ("tc_block_n", "tc_ffn_n", "tc_block_k", "tc_proj_block_k", "tail_block_v"):
         if not (_pow2(getattr(policy, field)) and getattr(policy, field) >= 16):
             _refuse(field, getattr(policy, field), "a power of two >= 16 (a tl.dot side)")
-    for field in ("tc_half_n", "tc_warps"):
+    for field in ("tc_half_n", "tc_warps", "tc_wide_warps"):
         if not _pow2(getattr(policy, field)):
             _refuse(field, getattr(policy, field), "a power of two")
     for field in ("tc_stages", "tc_ffn_stages"):
@@ -223,7 +251,8 @@ def launch_tc(policy: FusedDecodePolicy, device: torch.device, one_row: bool = F
         _refuse("tc_sum_block", policy.tc_sum_block, "a power of two")
     pdl = _pdl_on(policy, device) and (one_row or policy.tc_pdl)
     return dict(PDL=pdl, F32=device.type == "cpu", BK=policy.tc_block_k,
-                num_warps=policy.tc_warps, num_stages=policy.tc_stages,
+                num_warps=policy.tc_warps if bm <= 32 else policy.tc_wide_warps,
+                num_stages=policy.tc_stages,
                 **_pdl.launch_options(device, pdl))
 
 
@@ -543,18 +572,21 @@ def weight_chunk(W, stride_w, rows, row_ok, ks, K):
 
 
 @triton.jit
-def rows_chunk(X, stride_x, m, m_ok, ks, K, rstd, NormW, NORM: tl.constexpr):
+def rows_chunk(X, stride_x, m, m_ok, ks, K, rstd, NormW, NORM: tl.constexpr,
+               REP: tl.constexpr = 2):
     """X[m, ks] [BM, BK] in X's dtype, 0 where masked; NORM: RMSNormed with the rows' rstd [BM]
-    and NormW[ks] ((x * rstd) * weight in fp32, rounded back: `_rms_norm_row`'s order)."""
+    and NormW[ks] ((x * rstd) * weight in fp32, rounded back: `_rms_norm_row`'s order), the
+    weight's chunk loaded REP times over (`norm_rep`)."""
     k_ok = ks < K
     x = tl.load(X + m[:, None] * stride_x + ks[None, :], mask=m_ok[:, None] & k_ok[None, :],
                 other=0.0)
     if NORM:
-        # the weight's chunk loaded twice over ([2, BK], one row kept): a [BK] load is 2 bytes
-        # a thread, below the 4 of an async copy, so Triton would leave it a synchronous load
-        # inside the K loop, its L2 latency paid every step; two rows are pipelined with the
-        # weights (a [BM, BK] broadcast would be too, at 4 KB more shared memory a stage)
-        twice = tl.zeros([2, 1], dtype=tl.int32)
+        # the weight's chunk loaded REP times over ([REP, BK], one row kept): a [BK] load is
+        # 2 bytes a thread, below the 4 of an async copy, so Triton would leave it a
+        # synchronous load inside the K loop, its L2 latency paid every step; REP rows are
+        # pipelined with the weights (a [BM, BK] broadcast would be too, at 4-16 KB more
+        # shared memory a stage)
+        twice = tl.zeros([REP, 1], dtype=tl.int32)
         nw = tl.load(NormW + twice + ks[None, :], mask=(twice == 0) & k_ok[None, :], other=0.0)
         nw = tl.max(nw.to(tl.float32), axis=0)                      # [BK]: the rows are equal
         x = ((x.to(tl.float32) * rstd[:, None]) * nw[None, :]).to(X.dtype.element_ty)
@@ -681,7 +713,8 @@ def _norm_qkv_tc_kernel(X, Ssq, NormW, Wq, Wk, Wv, Cos, Sin, Pos, Q, KCache, VCa
                         stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, eps,
                         HEAD_DIM: tl.constexpr, HALF: tl.constexpr, TILE: tl.constexpr,
                         BM: tl.constexpr, BK: tl.constexpr, BLOCK_P: tl.constexpr,
-                        SPLITS: tl.constexpr, F32: tl.constexpr, PDL: tl.constexpr):
+                        SPLITS: tl.constexpr, F32: tl.constexpr, PDL: tl.constexpr,
+                        REP: tl.constexpr = 2):
     """`_norm_qkv_kernel`'s tiles (columns c and c + D/2 of one head for HALF consecutive c) on
     the tensor cores: two dots of TILE = max(16, HALF) weight rows (lanes past HALF masked),
     X RMSNormed on the fly with the rows' rstd from Ssq [n_ssq, M]. SPLITS > 1: program
@@ -721,12 +754,12 @@ def _norm_qkv_tc_kernel(X, Ssq, NormW, Wq, Wk, Wv, Cos, Sin, Pos, Q, KCache, VCa
     m = tl.arange(0, BM)
     m_ok = m < M
     rstd = rows_rstd(Ssq, n_ssq, M, m, m_ok, H, eps, BLOCK_P)
-    x = rows_chunk(X, stride_x, m, m_ok, ks, hi, rstd, NormW, True)
+    x = rows_chunk(X, stride_x, m, m_ok, ks, hi, rstd, NormW, True, REP)
     acc1 = mma_rows(tl.zeros([TILE, BM], dtype=tl.float32), w1, x, F32)
     acc2 = mma_rows(tl.zeros([TILE, BM], dtype=tl.float32), w2, x, F32)
     for k0 in range(lo + BK, hi, BK):
         kk = k0 - lo + ks
-        x = rows_chunk(X, stride_x, m, m_ok, kk, hi, rstd, NormW, True)
+        x = rows_chunk(X, stride_x, m, m_ok, kk, hi, rstd, NormW, True, REP)
         acc1 = mma_rows(acc1, weight_chunk(W, stride_w, rows, c_ok, kk, hi), x, F32)
         acc2 = mma_rows(acc2, weight_chunk(W, stride_w, rows + HEAD_DIM // 2, c_ok, kk, hi),
                         x, F32)
@@ -784,7 +817,7 @@ def _qkv_tc_epilogue(acc1, acc2, pid, t_q, t_k, head, offs_c, c_ok, m, m_ok, Cos
 def _norm_gate_up_tc_kernel(X, Ssq, NormW, Wg, Wu, Act, M, N, H, n_ssq, stride_x, stride_wg,
                             stride_wu, eps, BLOCK_N: tl.constexpr, BM: tl.constexpr,
                             BK: tl.constexpr, BLOCK_P: tl.constexpr, F32: tl.constexpr,
-                            PDL: tl.constexpr):
+                            PDL: tl.constexpr, REP: tl.constexpr = 2):
     """Act[:, tile] = silu(xn @ Wg[tile].T) * (xn @ Wu[tile].T), xn = RMSNorm(X) on the fly
     with the rows' rstd from Ssq [n_ssq, M]; BLOCK_N rows of each weight a program."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -797,11 +830,11 @@ def _norm_gate_up_tc_kernel(X, Ssq, NormW, Wg, Wu, Act, M, N, H, n_ssq, stride_x
     m = tl.arange(0, BM)
     m_ok = m < M
     rstd = rows_rstd(Ssq, n_ssq, M, m, m_ok, H, eps, BLOCK_P)
-    x = rows_chunk(X, stride_x, m, m_ok, ks, H, rstd, NormW, True)
+    x = rows_chunk(X, stride_x, m, m_ok, ks, H, rstd, NormW, True, REP)
     acc_g = mma_rows(tl.zeros([BLOCK_N, BM], dtype=tl.float32), wg, x, F32)
     acc_u = mma_rows(tl.zeros([BLOCK_N, BM], dtype=tl.float32), wu, x, F32)
     for k0 in range(BK, H, BK):
-        x = rows_chunk(X, stride_x, m, m_ok, k0 + ks, H, rstd, NormW, True)
+        x = rows_chunk(X, stride_x, m, m_ok, k0 + ks, H, rstd, NormW, True, REP)
         acc_g = mma_rows(acc_g, weight_chunk(Wg, stride_wg, n, n_ok, k0 + ks, H), x, F32)
         acc_u = mma_rows(acc_u, weight_chunk(Wu, stride_wu, n, n_ok, k0 + ks, H), x, F32)
     dtype = Act.dtype.element_ty
@@ -814,12 +847,13 @@ def _norm_gate_up_tc_kernel(X, Ssq, NormW, Wg, Wu, Act, M, N, H, n_ssq, stride_x
 
 # ---------------------------------------------------------------------------------- wrappers
 
-def check_rows(what: str, x: torch.Tensor, kernel: bool) -> None:
-    """x [M, K] with rows contiguous; for the kernels also 1 <= M <= MAX_M in fp16 / bf16 (the
-    references take any M and dtype)."""
-    if x.dim() != 2 or x.stride(1) != 1 or (kernel and not 1 <= x.shape[0] <= MAX_M):
+def check_rows(what: str, x: torch.Tensor, kernel: bool, most: int = MAX_M) -> None:
+    """x [M, K] with rows contiguous; for the kernels also 1 <= M <= most in fp16 / bf16
+    (MAX_M for the tensor-core kernels, ONE_ROW_MAX_M for the one-row ones; the references take
+    any M and dtype)."""
+    if x.dim() != 2 or x.stride(1) != 1 or (kernel and not 1 <= x.shape[0] <= most):
         raise ContractValueError(mismatch(PROGRAM, what, "shape", f"[M, K] with 1 <= M <= "
-                                          f"{MAX_M} and rows contiguous", tuple(x.shape)))
+                                          f"{most} and rows contiguous", tuple(x.shape)))
     if kernel and x.dtype not in KERNEL_DTYPES:
         raise ContractValueError(mismatch(PROGRAM, what, "dtype", KERNEL_DTYPES, x.dtype))
 
@@ -867,7 +901,7 @@ def norm_qkv_rope_store(x, parts, w: LayerWeights, rope: RopeTables, positions, 
     (q [M, Hq, D] roped, resid [M, H]); k (roped) and v written at slots loc [M] of
     k_cache / v_cache [n_slots, Hkv, D]."""
     kernel = resolve_impl(impl, x, k_cache, v_cache, loc) != "torch"
-    check_rows("x", x, kernel)
+    check_rows("x", x, kernel, ONE_ROW_MAX_M)
     m, h = x.shape
     _check_parts(parts, m, h)
     d = k_cache.shape[-1]
@@ -894,7 +928,7 @@ def o_proj_residual(attn, wo, resid, *, policy: FusedDecodePolicy = FusedDecodeP
                     impl: str = "auto"):
     """resid [M, H] + attn [M, Hq*D] @ wo [H, Hq*D].T -> h [M, H]."""
     kernel = resolve_impl(impl, attn, wo, resid) != "torch"
-    check_rows("attn", attn, kernel)
+    check_rows("attn", attn, kernel, ONE_ROW_MAX_M)
     m, k = attn.shape
     check_weight("wo", wo, None, k, attn.dtype)
     n = wo.shape[0]
@@ -914,7 +948,7 @@ def norm_gate_up_silu(h, w: LayerWeights, *, policy: FusedDecodePolicy = FusedDe
                       impl: str = "auto"):
     """silu(gate) * up of RMSNorm(h [M, H]) -> act [M, F]."""
     kernel = resolve_impl(impl, h, w.w_gate, w.w_up) != "torch"
-    check_rows("h", h, kernel)
+    check_rows("h", h, kernel, ONE_ROW_MAX_M)
     m, k = h.shape
     check_weight("w_gate", w.w_gate, None, k, h.dtype)
     check_weight("w_up", w.w_up, w.w_gate.shape[0], k, h.dtype)
@@ -934,7 +968,7 @@ def down_partials(act, w_down, *, policy: FusedDecodePolicy = FusedDecodePolicy(
     """act [M, F] @ w_down [H, F].T as policy.down_splits fp32 partials [S, M, H] (the sum in
     split order is the projection; `split_bounds` gives each split's K range)."""
     kernel = resolve_impl(impl, act, w_down) != "torch"
-    check_rows("act", act, kernel)
+    check_rows("act", act, kernel, ONE_ROW_MAX_M)
     m, k = act.shape
     check_weight("w_down", w_down, None, k, act.dtype)
     splits = policy.down_splits
@@ -990,7 +1024,9 @@ def norm_qkv_rope_store_tc(x, ssq, w: LayerWeights, rope: RopeTables, positions,
                                              v_cache)[0]
     half = qkv_tile(d, policy.tc_half_n)
     tile = max(16, half)
-    opts = launch_tc(policy, x.device)
+    bm = row_block(m)
+    opts = launch_tc(policy, x.device, bm=bm)
+    opts["num_stages"] = stages_for(opts["num_stages"], bm, opts["BK"], 2 * tile)
     n_tiles = (n_q + 2 * n_kv) * (d // 2 // half)
     # K splits: each a whole number of K steps, none empty
     per = triton.cdiv(triton.cdiv(h, policy.tc_qkv_splits), opts["BK"]) * opts["BK"]
@@ -999,15 +1035,16 @@ def norm_qkv_rope_store_tc(x, ssq, w: LayerWeights, rope: RopeTables, positions,
     if not ok:                  # one split, or no zeroed counters yet (a first call in a capture)
         splits, per = 1, h
     q = torch.empty(m, n_q, d, dtype=x.dtype, device=x.device)
-    parts = (torch.empty(splits, n_tiles, 2, tile, ROW_BLOCK, dtype=torch.float32,
+    parts = (torch.empty(splits, n_tiles, 2, tile, bm, dtype=torch.float32,
                          device=x.device) if splits > 1 else q)
     _norm_qkv_tc_kernel[(n_tiles, splits)](
         x, ssq, w.input_norm, w.wq, w.wk, w.wv, rope.cos, rope.sin, positions, q, k_cache,
         v_cache, loc, parts, counter if splits > 1 else loc, m, h, ssq.shape[0], n_q, n_kv, per,
         x.stride(0), w.wq.stride(0), w.wk.stride(0), w.wv.stride(0), rope.cos.stride(0),
         q.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        w.eps, HEAD_DIM=d, HALF=half, TILE=tile, BM=ROW_BLOCK,
-        BLOCK_P=triton.next_power_of_2(ssq.shape[0]), SPLITS=splits, **opts)
+        w.eps, HEAD_DIM=d, HALF=half, TILE=tile, BM=bm,
+        BLOCK_P=triton.next_power_of_2(ssq.shape[0]), SPLITS=splits,
+        REP=norm_rep(opts["num_warps"]), **opts)
     return q
 
 
@@ -1034,14 +1071,16 @@ def proj_residual_tc(a, weight, resid, *, splits: int = 1,
     if not kernel:
         return proj_residual_reference(a, weight, resid, policy.tc_block_n
                                        if splits == 1 or policy.tc_fold else policy.tc_sum_block)
-    opts = {**launch_tc(policy, a.device), "BK": policy.tc_proj_block_k}
+    bm = row_block(m)
+    opts = {**launch_tc(policy, a.device, bm=bm), "BK": policy.tc_proj_block_k}
+    opts["num_stages"] = stages_for(opts["num_stages"], bm, opts["BK"], policy.tc_block_n)
     out = torch.empty_like(resid)
     tiles = triton.cdiv(n, policy.tc_block_n)
     if splits == 1:
         ssq = torch.empty(tiles, m, dtype=torch.float32, device=a.device)
         _proj_residual_tc_kernel[(tiles,)](a, weight, resid, out, ssq, m, n, k, a.stride(0),
                                            weight.stride(0), BLOCK_N=policy.tc_block_n,
-                                           BM=ROW_BLOCK, **opts)
+                                           BM=bm, **opts)
         return out, ssq
     # each split a whole number of K steps, so no step straddles two splits
     per = triton.cdiv(triton.cdiv(k, splits), opts["BK"]) * opts["BK"]
@@ -1051,17 +1090,17 @@ def proj_residual_tc(a, weight, resid, *, splits: int = 1,
         ssq = torch.empty(tiles, m, dtype=torch.float32, device=a.device)
         _proj_partials_tc_kernel[(tiles, splits)](
             a, weight, parts, resid, out, ssq, counter, m, n, k, per, a.stride(0),
-            weight.stride(0), BLOCK_N=policy.tc_block_n, BM=ROW_BLOCK, S=splits, FOLD=True,
+            weight.stride(0), BLOCK_N=policy.tc_block_n, BM=bm, S=splits, FOLD=True,
             **opts)
         return out, ssq
     _proj_partials_tc_kernel[(tiles, splits)](a, weight, parts, resid, out, parts, parts, m, n,
                                               k, per, a.stride(0), weight.stride(0),
-                                              BLOCK_N=policy.tc_block_n, BM=ROW_BLOCK,
+                                              BLOCK_N=policy.tc_block_n, BM=bm,
                                               S=splits, FOLD=False, **opts)
     p = triton.cdiv(n, policy.tc_sum_block)
     ssq = torch.empty(p, m, dtype=torch.float32, device=a.device)
     _sum_residual_kernel[(p,)](parts, resid, out, ssq, m, n, S=splits,
-                               BLOCK_N=policy.tc_sum_block, BM=ROW_BLOCK,
+                               BLOCK_N=policy.tc_sum_block, BM=bm,
                                **_launch_sum(policy, a.device))
     return out, ssq
 
@@ -1084,13 +1123,16 @@ def norm_gate_up_silu_tc(h, ssq, w: LayerWeights, *,
     check_weight("w_up", w.w_up, w.w_gate.shape[0], k, h.dtype)
     if not kernel:
         return norm_gate_up_silu_reference(h, w)
-    opts = {**launch_tc(policy, h.device), "num_stages": policy.tc_ffn_stages}
+    bm = row_block(m)
+    ffn_n = policy.tc_ffn_n
+    opts = {**launch_tc(policy, h.device, bm=bm), "num_stages": policy.tc_ffn_stages}
+    opts["num_stages"] = stages_for(opts["num_stages"], bm, opts["BK"], 2 * ffn_n)
     n = w.w_gate.shape[0]
     act = torch.empty(m, n, dtype=h.dtype, device=h.device)
-    _norm_gate_up_tc_kernel[(triton.cdiv(n, policy.tc_ffn_n),)](
+    _norm_gate_up_tc_kernel[(triton.cdiv(n, ffn_n),)](
         h, ssq, w.post_norm, w.w_gate, w.w_up, act, m, n, k, ssq.shape[0], h.stride(0),
-        w.w_gate.stride(0), w.w_up.stride(0), w.eps, BLOCK_N=policy.tc_ffn_n, BM=ROW_BLOCK,
-        BLOCK_P=triton.next_power_of_2(ssq.shape[0]), **opts)
+        w.w_gate.stride(0), w.w_up.stride(0), w.eps, BLOCK_N=ffn_n, BM=bm,
+        BLOCK_P=triton.next_power_of_2(ssq.shape[0]), REP=norm_rep(opts["num_warps"]), **opts)
     return act
 
 
@@ -1101,12 +1143,16 @@ AttendFn = Callable[..., torch.Tensor]      # (q [M, Hq, D], k_cache, v_cache) -
 
 def takes(model, input_ids: torch.Tensor, kv, policy: FusedDecodePolicy | None = None) -> bool:
     """Whether `decode_residual` runs `model`'s decode step of these tokens in the fused kernels:
-    1..MAX_M tokens (and at most `policy.max_rows` where a policy is given), fp16 / bf16 weights
+    1..MAX_M tokens (and at most `policy.max_rows` where a policy is given; a step below its
+    tc_min_rows, which runs the one-row kernels, at most ONE_ROW_MAX_M), fp16 / bf16 weights
     with the caches in the same dtype, an even head_dim. Elsewhere (more rows, fp32) the caller
     keeps its own path."""
     dtype = model.embed.weight.dtype
-    most = MAX_M if policy is None else min(MAX_M, policy.max_rows)
-    return (1 <= input_ids.shape[0] <= most and dtype in KERNEL_DTYPES
+    policy = FusedDecodePolicy() if policy is None else policy
+    rows = input_ids.shape[0]
+    one_row = rows < policy.tc_min_rows
+    most = min(MAX_M, policy.max_rows, ONE_ROW_MAX_M if one_row else MAX_M)
+    return (1 <= rows <= most and dtype in KERNEL_DTYPES
             and kv.k[0].dtype == dtype and kv.v[0].dtype == dtype and model.cfg.head_dim % 2 == 0)
 
 

@@ -4,8 +4,8 @@ whole step (`decode_step`) as the model runs it; torch references beside them.
 Unfused, a greedy step's tail is the final norm, the lm_head GEMM (writes [M, V] bf16), the
 fp32 upcast (writes [M, V] fp32), the argmax and the top-2 (read them back). Here:
 
-  1. `_lm_head_kernel`, grid (C = cdiv(V, BLOCK_V), row blocks of 16): a program normalizes the
-     rows on the fly (x and its rows' sums of squares as fixed-order partials, as
+  1. `_lm_head_kernel`, grid (C = cdiv(V, BLOCK_V), row blocks of BM rows: 16, 32 or 64,
+     `fused_decode.row_block`): a program normalizes the rows on the fly (x and its rows' sums of squares as fixed-order partials, as
      `fused_decode`'s tensor-core kernels do), streams its BLOCK_V rows of the lm_head through
      the tensor-core K loop (`fused_decode.mma_rows`; weights loaded before the PDL wait, the
      wait before the loop), rounds the logits to the weight dtype (the model's lm_head output)
@@ -89,7 +89,7 @@ def _chunk_top2(logit, cols, valid):
 def _lm_head_kernel(X, Ssq, NormW, W, Hidden, Logits, Top, Idx, Second, M, V, H, n_ssq, C,
                     stride_x, stride_w, eps, BLOCK_V: tl.constexpr, BM: tl.constexpr,
                     BK: tl.constexpr, BLOCK_P: tl.constexpr, LOGITS: tl.constexpr,
-                    F32: tl.constexpr, PDL: tl.constexpr):
+                    F32: tl.constexpr, PDL: tl.constexpr, REP: tl.constexpr = 2):
     """Program (c, rb): logits of vocab rows [c*BLOCK_V, ...) for rows rb*BM..; LOGITS: written
     as fp32, else each row's chunk partials Top/Idx/Second [M, C]. Chunk 0 writes Hidden."""
     c = tl.program_id(0)
@@ -102,12 +102,12 @@ def _lm_head_kernel(X, Ssq, NormW, W, Hidden, Logits, Top, Idx, Second, M, V, H,
     m = tl.program_id(1) * BM + tl.arange(0, BM)
     m_ok = m < M
     rstd = fd.rows_rstd(Ssq, n_ssq, M, m, m_ok, H, eps, BLOCK_P)
-    x = fd.rows_chunk(X, stride_x, m, m_ok, ks, H, rstd, NormW, True)       # [BM, BK]
+    x = fd.rows_chunk(X, stride_x, m, m_ok, ks, H, rstd, NormW, True, REP)       # [BM, BK]
     if c == 0:
         tl.store(Hidden + m[:, None] * H + ks[None, :], x, mask=m_ok[:, None] & (ks < H)[None, :])
     acc = fd.mma_rows(tl.zeros([BLOCK_V, BM], dtype=tl.float32), w, x, F32)
     for k0 in range(BK, H, BK):
-        x = fd.rows_chunk(X, stride_x, m, m_ok, k0 + ks, H, rstd, NormW, True)
+        x = fd.rows_chunk(X, stride_x, m, m_ok, k0 + ks, H, rstd, NormW, True, REP)
         if c == 0:
             tl.store(Hidden + m[:, None] * H + (k0 + ks)[None, :], x,
                      mask=m_ok[:, None] & (k0 + ks < H)[None, :])
@@ -171,19 +171,22 @@ def lm_head_tail(x, ssq, norm_w, eps: float, weight, *, logits: bool,
                                           "top-2 gap)", v))
     if not kernel:
         return lm_head_tail_reference(x, norm_w, eps, weight, logits=logits)
-    opts = fd.launch_tc(policy, x.device, one_row=m < policy.tc_min_rows)
+    bm = fd.row_block(m)
+    opts = fd.launch_tc(policy, x.device, one_row=m < policy.tc_min_rows, bm=bm)
     block_v = policy.tail_block_v
+    opts["num_stages"] = fd.stages_for(opts["num_stages"], bm, opts["BK"], block_v)
     c = triton.cdiv(v, block_v)
     hidden = torch.empty(m, h, dtype=x.dtype, device=x.device)
     out = torch.empty(m, v, dtype=torch.float32, device=x.device) if logits else None
     f32 = lambda: torch.empty(m, c, dtype=torch.float32, device=x.device)  # noqa: E731
     top, second = (None, None) if logits else (f32(), f32())
     idx = None if logits else torch.empty(m, c, dtype=torch.int32, device=x.device)
-    _lm_head_kernel[(c, triton.cdiv(m, fd.ROW_BLOCK))](
+    _lm_head_kernel[(c, triton.cdiv(m, bm))](
         x, ssq, norm_w, weight, hidden, out if logits else x, top if top is not None else x,
         idx if idx is not None else x, second if second is not None else x, m, v, h,
         ssq.shape[0], c, x.stride(0), weight.stride(0), eps, BLOCK_V=block_v,
-        BM=fd.ROW_BLOCK, BLOCK_P=triton.next_power_of_2(ssq.shape[0]), LOGITS=logits, **opts)
+        BM=bm, BLOCK_P=triton.next_power_of_2(ssq.shape[0]), LOGITS=logits,
+        REP=fd.norm_rep(opts["num_warps"]), **opts)
     if logits:
         return TailOut(hidden, out, None, None)
     ids = torch.empty(m, dtype=torch.int64, device=x.device)
