@@ -19,8 +19,8 @@ Variants, each captured in its own CUDA graph per batch size:
              +tailvN, +tcqkvsN, +tcosN, +tcdsN (tensor-core kernels and the tail;
              +nofold: their K splits summed by a second kernel), +apdl (the attention
              launches with PDL too, with +pdl)
-The fused path takes bs <= 16; at a larger bs its rows say so and time nothing (a model hook
-falls back to the current path there).
+The fused path takes bs <= the default policy's max_rows (64); at a larger bs its rows say so
+and time nothing (a model hook falls back to the current path there).
 
 Per variant and size: the step (median of single replays, and back-to-back replays), one layer
 alone (back-to-back replays of a one-layer graph), each against its weight-streaming floor

@@ -167,7 +167,8 @@ def build_engine(args, gpu: bool):
     if args.fused and gpu and args.model == "llama":
         from padgraph.backends.triton.fused_decode import FusedDecodePolicy
         target.fused = FusedDecodePolicy()
-        print("target: decode steps and tree verifies of <= 16 tokens in the fused per-layer kernels")
+        print(f"target: decode steps and tree verifies of <= {target.fused.max_rows} tokens in "
+              "the fused per-layer kernels")
     elif args.fused:
         print("--fused: a GPU Llama target's option; ignored here")
     lm_head = (args.draft_lm_head or DRAFT_LM_HEAD[args.model]) if gpu else "bf16"

@@ -1,7 +1,7 @@
-"""A Llama decoder layer's decode step at small batch (bs <= MAX_M) in fused kernels, plus the
+"""A Llama decoder layer's decode step at small batch (bs <= MAX_M, 64) in fused kernels, plus the
 paged decode attention kernel as it is; torch references beside them. Two kernel families,
 picked per row count (`FusedDecodePolicy.tc_min_rows`): row-loop GEMVs on the CUDA cores for
-one row, tensor-core GEMMs (`tl.dot`, the rows padded to 16) from two rows up.
+one row, tensor-core GEMMs (`tl.dot`, the rows padded to 16, 32 or 64) from two rows up.
 
 At bs 1-16 a decode layer reads its weights once and does little arithmetic; the unfused
 layer spends most of its time on ~15 launches of small kernels (norms, RoPE, the KV store,
@@ -28,10 +28,17 @@ on the CUDA cores, not `tl.dot`: a whole-K dot keeps x and the tile in dot layou
 tiles and 8 warps compiles without spills (113-234 registers). Its arithmetic grows with the
 rows: at 16 it is what bounds the step.
 
-The tensor-core layer (2..16 rows, `decode_layer_tc`) streams each weight once through a K
-loop of `tl.dot` (weights as the dot's M side, the rows padded to BM = 16 and masked as its N
-side, fp32 accumulation, the loop software-pipelined by Triton): the arithmetic of 16 rows
-costs the tensor cores a few percent of the weight-streaming time. Its down projection runs
+The tensor-core layer (2..64 rows, `decode_layer_tc`) streams each weight once through a K
+loop of `tl.dot` (weights as the dot's M side, the rows padded to BM = 16, 32 or 64,
+`row_block`, and masked as its N side, fp32 accumulation, the loop software-pipelined by
+Triton): the arithmetic of 16 rows costs the tensor cores a few percent of the
+weight-streaming time. Wider rows take more registers and shared memory a program: from 33
+rows the kernels run 8 warps (`tc_wide_warps`), and a K loop keeps fewer stages where the
+policy's would not fit (`stages_for`). At 64 rows each program re-reads the rows' chunk for
+its few weight rows and the weights-as-M dots run below the tensor cores' rate: on an H100
+the fused step there is slower than inductor's code (2615 against 2092 µs), while it is
+faster at 32 rows (1663 against 1779) and far faster than the model's own captured body at
+both (results/bench_runner.md). Its down projection runs
 the whole of K in each program, so every projection back into the residual stream ends in the
 same epilogue (`proj_residual_tc`): out = resid + product, written with each row's sum of
 squares over the program's columns, [P, M] fp32 (P programs). The kernel that normalizes
@@ -96,7 +103,10 @@ class FusedDecodePolicy:
     off by default: on an H100 at the 1B shape those steps ran 5 % slower with it (1730 against
     1648 µs at 4 rows, 1845 against 1765 at 16), where one-row steps ran 3 % faster (1204
     against 1248 µs; results/fused_decode.md).
-    max_rows: the most decode rows the fused path takes (`takes`; at most MAX_M).
+    max_rows: the most decode rows the fused path takes (`takes`; at most MAX_M). 64 by
+    default: past it the model's own body runs, which on an H100 at the 1B shape took 3399 /
+    3852 µs a greedy step at 32 / 64 rows against 1706 / 2815 in the fused kernels (one
+    process, results/bench_runner.md).
     tc_min_rows: from this many rows up, the tensor-core kernels run (`decode_layer_tc`); below
     it, the one-row kernels (`decode_layer`).
 
@@ -119,7 +129,9 @@ class FusedDecodePolicy:
     kernel's (two weight tiles a step). tc_warps: warps a program up to 32 rows;
     tc_wide_warps: from 33 rows (the dots 64 rows wide: at 4 warps the gate/up and lm_head
     tiles spill, ptxas for sm_90).
-    tail_block_v: lm_head rows a program in `fused_tail`. tc_o_splits, tc_down_splits: K splits
+    tail_block_v: lm_head rows a program in `fused_tail` (128: against 64, the greedy step
+    took 1116 / 1462 / 1663 / 2615 µs at 1 / 16 / 32 / 64 rows against 1132 / 1480 / 1706 /
+    2815 on an H100, one process; the wider tile re-reads the rows' chunk half as often). tc_o_splits, tc_down_splits: K splits
     of the o and the down projection (`proj_residual_tc`): 1 runs the whole of K in each of
     cdiv(N, tc_block_n) programs; S > 1 runs S times as many, each streaming its share of K into
     fp32 partials [S, M, N], summed in split order into the residual. tc_fold: by each tile's
