@@ -131,10 +131,11 @@ class FusedDecodePolicy:
     tiles spill, ptxas for sm_90).
     tail_block_v: lm_head rows a program in `fused_tail` (128: against 64, the greedy step
     took 1116 / 1462 / 1663 / 2615 µs at 1 / 16 / 32 / 64 rows against 1132 / 1480 / 1706 /
-    2815 on an H100, one process; the wider tile re-reads the rows' chunk half as often). tc_o_splits, tc_down_splits: K splits
-    of the o and the down projection (`proj_residual_tc`): 1 runs the whole of K in each of
-    cdiv(N, tc_block_n) programs; S > 1 runs S times as many, each streaming its share of K into
-    fp32 partials [S, M, N], summed in split order into the residual. tc_fold: by each tile's
+    2815 on an H100, one process; the wider tile re-reads the rows' chunk half as often).
+    tc_o_splits, tc_down_splits: K splits of the o and the down projection
+    (`proj_residual_tc`): 1 runs the whole of K in each of cdiv(N, tc_block_n) programs; S > 1
+    runs S times as many, each streaming its share of K into fp32 partials [S, M, N], summed in
+    split order into the residual. tc_fold: by each tile's
     last split, in the same launch (a ticket counter a tile, as tc_qkv_splits below); off: by a
     small second kernel (one launch more a projection), tc_sum_block columns a program.
     tc_qkv_splits: K splits of the qkv kernel (whole K steps each): S times as many programs
@@ -1136,14 +1137,13 @@ def norm_gate_up_silu_tc(h, ssq, w: LayerWeights, *,
     if not kernel:
         return norm_gate_up_silu_reference(h, w)
     bm = row_block(m)
-    ffn_n = policy.tc_ffn_n
     opts = {**launch_tc(policy, h.device, bm=bm), "num_stages": policy.tc_ffn_stages}
-    opts["num_stages"] = stages_for(opts["num_stages"], bm, opts["BK"], 2 * ffn_n)
+    opts["num_stages"] = stages_for(opts["num_stages"], bm, opts["BK"], 2 * policy.tc_ffn_n)
     n = w.w_gate.shape[0]
     act = torch.empty(m, n, dtype=h.dtype, device=h.device)
-    _norm_gate_up_tc_kernel[(triton.cdiv(n, ffn_n),)](
+    _norm_gate_up_tc_kernel[(triton.cdiv(n, policy.tc_ffn_n),)](
         h, ssq, w.post_norm, w.w_gate, w.w_up, act, m, n, k, ssq.shape[0], h.stride(0),
-        w.w_gate.stride(0), w.w_up.stride(0), w.eps, BLOCK_N=ffn_n, BM=bm,
+        w.w_gate.stride(0), w.w_up.stride(0), w.eps, BLOCK_N=policy.tc_ffn_n, BM=bm,
         BLOCK_P=triton.next_power_of_2(ssq.shape[0]), REP=norm_rep(opts["num_warps"]), **opts)
     return act
 
@@ -1155,10 +1155,10 @@ AttendFn = Callable[..., torch.Tensor]      # (q [M, Hq, D], k_cache, v_cache) -
 
 def takes(model, input_ids: torch.Tensor, kv, policy: FusedDecodePolicy | None = None) -> bool:
     """Whether `decode_residual` runs `model`'s decode step of these tokens in the fused kernels:
-    1..MAX_M tokens (and at most `policy.max_rows` where a policy is given; a step below its
-    tc_min_rows, which runs the one-row kernels, at most ONE_ROW_MAX_M), fp16 / bf16 weights
-    with the caches in the same dtype, an even head_dim. Elsewhere (more rows, fp32) the caller
-    keeps its own path."""
+    1..MAX_M tokens, at most the policy's max_rows (the default policy's where none is
+    given), and at most ONE_ROW_MAX_M below its tc_min_rows (the one-row kernels), fp16 / bf16
+    weights with the caches in the same dtype, an even head_dim. Elsewhere (more rows, fp32)
+    the caller keeps its own path."""
     dtype = model.embed.weight.dtype
     policy = FusedDecodePolicy() if policy is None else policy
     rows = input_ids.shape[0]

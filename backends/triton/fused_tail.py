@@ -5,13 +5,14 @@ Unfused, a greedy step's tail is the final norm, the lm_head GEMM (writes [M, V]
 fp32 upcast (writes [M, V] fp32), the argmax and the top-2 (read them back). Here:
 
   1. `_lm_head_kernel`, grid (C = cdiv(V, BLOCK_V), row blocks of BM rows: 16, 32 or 64,
-     `fused_decode.row_block`): a program normalizes the rows on the fly (x and its rows' sums of squares as fixed-order partials, as
-     `fused_decode`'s tensor-core kernels do), streams its BLOCK_V rows of the lm_head through
-     the tensor-core K loop (`fused_decode.mma_rows`; weights loaded before the PDL wait, the
-     wait before the loop), rounds the logits to the weight dtype (the model's lm_head output)
-     and writes, per row, its chunk's (max, index of the first max, second value): NaN ranks
-     above everything, as in torch.argmax. Chunk 0 also writes the normed hidden. With
-     `logits=True` (the sampling path) it writes the fp32 logits instead and nothing else.
+     `fused_decode.row_block`): a program normalizes the rows on the fly (x and its rows' sums
+     of squares as fixed-order partials, as `fused_decode`'s tensor-core kernels do), streams
+     its BLOCK_V rows of the lm_head through the tensor-core K loop (`fused_decode.mma_rows`;
+     weights loaded before the PDL wait, the wait before the loop), rounds the logits to the
+     weight dtype (the model's lm_head output) and writes, per row, its chunk's (max, index of
+     the first max, second value): NaN ranks above everything, as in torch.argmax. Chunk 0
+     also writes the normed hidden. With `logits=True` (the sampling path) it writes the fp32
+     logits instead and nothing else.
   2. `_argmax_reduce_kernel`, one program a row: the C partials merged in chunk order (the
      first NaN, else the first maximum), so the id is `logits.argmax(-1)` of the same logits,
      and top-1 minus top-2 is `logits.topk(2)`'s gap.
