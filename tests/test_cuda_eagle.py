@@ -111,9 +111,10 @@ def test_cuda_continuous_admission_matches_greedy_up_to_ties(overlap):
 
 @pytest.mark.parametrize("torch_compile", [False, True], ids=["eager-body", "compiled-body"])
 def test_bf16_cuda_spec_with_the_fused_target_matches_its_greedy_up_to_ties(torch_compile):
-    """A target with a fused policy: greedy decode steps and EAGLE's tree verify (bs * k <= 16
-    tokens: requests of one and two rows at k = 8) run in the fused per-layer kernels inside the
-    captured graphs; speculative equals the unfused target's greedy except at top-2 ties."""
+    """A target with a fused policy: greedy decode steps and EAGLE's tree verify (bs * k <= 64
+    tokens, the default max_rows: every bucket here, 1, 2 and 4 requests at k = 8, the last
+    in 32-row dots) run in the fused per-layer kernels inside the captured graphs; speculative
+    equals the unfused target's greedy except at top-2 ties."""
     from padgraph.backends.triton.fused_decode import FusedDecodePolicy
     torch.manual_seed(0)
     cfg = LlamaConfig.tiny(vocab_size=2048, hidden_size=256, n_layers=3, n_heads=8, n_kv_heads=2,
