@@ -155,7 +155,8 @@ def test_residual_norm_matches_reference(m, dtype):
 
 @pytest.mark.parametrize("m,h,n_q,n_kv,d,f,splits", [s + (1,) for s in SHAPES]
                          + [(2, 48, 3, 1, 12, 40, 1), (3, 100, 4, 2, 64, 100, 2),
-                            (16, 80, 2, 2, 32, 48, 3), (1, 80, 3, 1, 32, 72, 4)])
+                            (16, 80, 2, 2, 32, 48, 3), (1, 80, 3, 1, 32, 72, 4),
+                            (24, 80, 2, 2, 32, 48, 1), (64, 64, 3, 1, 32, 40, 2)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_norm_qkv_rope_store_tc_matches_reference(m, h, n_q, n_kv, d, f, splits, dtype):
     """The tensor-core qkv kernel, normalizing with the rows' sums of squares given as partials
@@ -168,12 +169,13 @@ def test_norm_qkv_rope_store_tc_matches_reference(m, h, n_q, n_kv, d, f, splits,
     g = torch.Generator().manual_seed(h + 1)
     x = torch.randn(m, h, generator=g).to(dtype)
     positions = torch.randint(0, 64, (m,), generator=g)
-    loc = torch.randperm(40, generator=g)[:m] + 1
+    slots = max(40, m + 8)
+    loc = torch.randperm(slots, generator=g)[:m] + 1
     loc[-1] = 0 if m > 1 else loc[-1]
     out = {}
     policy = fd.FusedDecodePolicy(tc_block_k=32, tc_qkv_splits=splits)
     for impl in ("torch", "triton", "again"):
-        caches = [torch.full((41, n_kv, d), 7.0, dtype=dtype) for _ in range(2)]
+        caches = [torch.full((slots + 1, n_kv, d), 7.0, dtype=dtype) for _ in range(2)]
         q = fd.norm_qkv_rope_store_tc(x, fd.ssq_partials_reference(x, 16), w, _rope(d), positions,
                                       loc, *caches, policy=policy,
                                       impl="triton" if impl == "again" else impl)
@@ -184,13 +186,13 @@ def test_norm_qkv_rope_store_tc_matches_reference(m, h, n_q, n_kv, d, f, splits,
     if splits > 1:
         from padgraph.backends.triton.attention_split import tickets
         assert not tickets(x.device, 64, True)[0][:64].any()
-    untouched = torch.ones(41, dtype=torch.bool)
+    untouched = torch.ones(slots + 1, dtype=torch.bool)
     untouched[loc] = False
     assert (out["triton"][1][untouched] == 7.0).all() and (out["triton"][2][untouched] == 7.0).all()
 
 
 @pytest.mark.parametrize("m,n,k,block_n", [(1, 80, 96, 16), (5, 100, 72, 16), (16, 64, 300, 32),
-                                           (3, 40, 9, 16)])
+                                           (3, 40, 9, 16), (33, 48, 100, 16), (64, 40, 72, 32)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_proj_residual_tc_is_the_residual_add_and_its_row_sums_of_squares(m, n, k, block_n, dtype):
     """out = resid + a @ w.T over the whole of K (K 300: several loop steps and a ragged one),
@@ -208,7 +210,7 @@ def test_proj_residual_tc_is_the_residual_add_and_its_row_sums_of_squares(m, n, 
 
 
 @pytest.mark.parametrize("m,n,k,splits", [(1, 80, 96, 2), (5, 100, 300, 3), (16, 64, 300, 4),
-                                          (3, 40, 72, 8)])
+                                          (3, 40, 72, 8), (40, 48, 300, 3)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fold", [False, True])
 def test_proj_residual_tc_in_k_splits_is_the_same_residual_add(m, n, k, splits, dtype, fold):
@@ -233,7 +235,7 @@ def test_proj_residual_tc_in_k_splits_is_the_same_residual_add(m, n, k, splits, 
     assert not tickets(a.device, 64, True)[0][:64].any()
 
 
-@pytest.mark.parametrize("m,h,n_q,n_kv,d,f", SHAPES)
+@pytest.mark.parametrize("m,h,n_q,n_kv,d,f", SHAPES + [(40, 80, 2, 2, 32, 48)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ffn_n", [16, 32])
 def test_norm_gate_up_silu_tc_matches_reference(m, h, n_q, n_kv, d, f, dtype, ffn_n):
