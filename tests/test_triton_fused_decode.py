@@ -344,7 +344,8 @@ def test_attend_options_ask_for_pdl_only_with_attn_pdl():
                                              (5, 2, "tc"), (5, 2, "tc-splits"),
                                              (5, 2, "tc-splits-kernel"), (1, 0, "fold+apdl"),
                                              (5, 2, "tc+apdl"), (33, 3, "tc"), (64, 5, "tc"),
-                                             (40, 4, "tc-splits")])
+                                             (40, 4, "tc-splits"), (64, 5, "tc-rowsm"),
+                                             (64, 3, "tc-splits-rowsm")])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_kernels_give_the_models_decode_step(m, n_pad, kernels, dtype):
     """Every layer through the kernels (interpreted) against the model's decode step, at 1 to
@@ -353,7 +354,8 @@ def test_fused_kernels_give_the_models_decode_step(m, n_pad, kernels, dtype):
     padded lanes; one-row kernels with the partials summed in the qkv kernel (fold) or by the
     reduce kernel, or the tensor-core ones (K loop steps of 32: several a projection; the o
     and down projections whole or in K splits, summed by the tile's last split or a second
-    kernel; the qkv kernel in 2 K splits); +apdl: the attention's PDL shape too."""
+    kernel; the qkv kernel in 2 K splits); +apdl: the attention's PDL shape too; rowsm:
+    tc_rows_as_m, the 64-row dots with the rows as their M side."""
     model = _model(dtype)
     kv, ids, positions, batch = _decode_setup(model, m, seed=m, n_pad=n_pad)
     kv_ref = _clone_kv(kv)
@@ -363,7 +365,7 @@ def test_fused_kernels_give_the_models_decode_step(m, n_pad, kernels, dtype):
                                   **(dict(tc_o_splits=2, tc_down_splits=3, tc_sum_block=16,
                                           tc_qkv_splits=2, tc_fold=kernels == "tc-splits")
                                      if kernels.startswith("tc-splits") else {}),
-                                  attn_pdl="apdl" in kernels)
+                                  attn_pdl="apdl" in kernels, tc_rows_as_m="rowsm" in kernels)
     with torch.no_grad():
         logits, want = model.forward_decode(ids, positions, _with_kv(batch, kv_ref))
         got = _fused_hidden(model, ids, positions, batch, policy=policy, impl="triton")
@@ -595,9 +597,14 @@ for bm in (32, 64):
         warps = fd.launch_tc(policy, torch.device("cpu"), bm=bm)["num_warps"]
         kernels[f"{name}@{bm}"] = (fn, {**consts, "BM": bm}, warps, preload)
         stage_of[f"{name}@{bm}"] = fd.stages_for(base, bm, bk, rows)
+        if bm == 64:            # tc_rows_as_m: the rows on the dots' M side
+            kernels[f"{name}@64m"] = (fn, {**consts, "BM": bm, "ROWS_M": True}, warps, preload)
+            stage_of[f"{name}@64m"] = stage_of[f"{name}@64"]
 for name, (fn, consts, warps, preload) in kernels.items():   # the norm weight's rows
     if "REP" in fn.arg_names:
         consts["REP"] = fd.norm_rep(warps)
+    if "ROWS_M" in fn.arg_names:
+        consts.setdefault("ROWS_M", False)
 fp32 = "Parts Cos Sin Ssq Logits Top Second Gap".split()
 types = {"Pos": "*i64", "Loc": "*i64", "Counter": "*i32", "Ids": "*i64", "Idx": "*i32", "eps": "fp32",
          **{a: "*fp32" for a in fp32},
@@ -635,7 +642,7 @@ for name, (fn, consts, warps, preload) in kernels.items():
                  "smem": k.metadata.shared, "waits": ptx.count("griddepcontrol.wait"),
                  "loads_before_wait": before.count("ld.global"),
                  "async_before_wait": before.count("cp.async"),
-                 "stages": stages,
+                 "stages": stages, "wgmma": ptx.count("wgmma.mma_async"),
                  "preload_loads": None if preload is None else preload // (32 * warps * 16),
                  "sync_loads_in_loops": sync_in_loops}
 print(json.dumps(out))
@@ -661,7 +668,14 @@ def test_kernels_compile_for_sm90_with_pdl_and_no_register_spills(tmp_path):
                          capture_output=True, text=True)   # no timeout: slow is not wrong
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout.splitlines()[-1])
-    assert len(results) == 22
+    assert len(results) == 26
+    # with tc_rows_as_m the 64-row dots take the rows as their M side: sm_90's wgmma; with the
+    # weights as M, tiles of 16 / 32 weight rows run mma.sync (the lm_head's 128 take wgmma)
+    for name, r in results.items():
+        if name.endswith("@64m") or name.startswith("lm_head"):
+            assert r["wgmma"] > 0, f"{name}: {r}"
+        elif name.startswith(("qkv_tc", "proj_", "gate_up_tc")):
+            assert r["wgmma"] == 0, f"{name}: {r}"
     # at 16 rows the layer kernels' stages fit as the policy gives them; the lm_head's (128
     # rows a chunk) and at 64 rows the o / down projections' are cut to stay in shared memory
     policy = fd.FusedDecodePolicy()
@@ -681,7 +695,7 @@ def test_kernels_compile_for_sm90_with_pdl_and_no_register_spills(tmp_path):
     # left synchronous (as the norm weight's [BK] chunk once was, 2 bytes a thread) pays an L2
     # round trip every K step
     for name in ("qkv_tc", "proj_residual_tc", "proj_partials_tc", "gate_up_tc", "lm_head",
-                 "lm_head_logits", *(f"{n}@{bm}" for bm in (32, 64) for n in (
+                 "lm_head_logits", *(f"{n}@{bm}" for bm in ("32", "64", "64m") for n in (
                      "qkv_tc", "proj_residual_tc", "gate_up_tc", "lm_head"))):
         assert results[name]["sync_loads_in_loops"] == 0, f"{name}: {results[name]}"
 
@@ -706,6 +720,7 @@ POLICIES = {   # the kernel families and launch modes the CUDA tests run
     "tc+qkv_splits+pdl": _policy(pdl=True, tc_pdl=True, tc_min_rows=1, tc_qkv_splits=2),
     "rows+pdl+attn_pdl": _policy(pdl=True, tc_min_rows=ROWS, attn_pdl=True),
     "tc+attn_pdl": _policy(pdl=True, tc_min_rows=1, attn_pdl=True),
+    "tc+rows_as_m": _policy(pdl=True, tc_min_rows=1, tc_rows_as_m=True),
 }
 
 
@@ -795,7 +810,7 @@ def test_cuda_fused_greedy_step_gives_the_eager_tokens(cuda_model_full_vocab, m,
 @pytest.mark.parametrize("kernels,m", [("rows", 8), ("rows+pdl", 8), ("tc", 8), ("tc+pdl", 8),
                                        ("tc+qkv_splits+pdl", 8), ("rows+pdl+attn_pdl", 1),
                                        ("rows+pdl+attn_pdl", 8), ("tc+attn_pdl", 8),
-                                       ("tc+attn_pdl", 64)])
+                                       ("tc+attn_pdl", 64), ("tc+rows_as_m", 64)])
 def test_cuda_graph_replays_of_the_fused_step_follow_new_data_bit_for_bit(cuda_model, kernels,
                                                                           m):
     """The greedy step (layers and tail) captured once; replays with new tokens / positions /

@@ -33,17 +33,19 @@ def _inputs(m, h, v, dtype, seed=0):
 
 @pytest.mark.parametrize("m,h,v,block_v", [(1, 80, 300, 32), (5, 100, 256, 64), (16, 64, 130, 16),
                                            (20, 48, 200, 32), (64, 48, 100, 32),
-                                           (70, 48, 100, 32)])
+                                           (70, 48, 100, 32), (70, 48, 100, -32)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_lm_head_tail_matches_reference(m, h, v, block_v, dtype):
     """logits=True: the hidden and the fp32 logits of the reference (the lm_head's output
     rounded to the dtype, as `LlamaModel.logits`); logits=False: the same hidden, and ids / gap
     that are exactly `greedy_reference` of the kernel's own logits, and the reference's ids
     where its top two are apart. The sums of squares come as 16-column partials. 20 rows run
-    in one 32-row block, 64 in one of 64, 70 in two of 64 (the second mostly masked)."""
+    in one 32-row block, 64 in one of 64, 70 in two of 64 (the second mostly masked); a
+    negative block_v: tc_rows_as_m, the rows on the dots' M side."""
     x, norm_w, w = _inputs(m, h, v, dtype, seed=m)
     ssq = fd.ssq_partials_reference(x, 16)
-    policy = fd.FusedDecodePolicy(tail_block_v=block_v, tc_block_k=32)
+    policy = fd.FusedDecodePolicy(tail_block_v=abs(block_v), tc_block_k=32,
+                                  tc_rows_as_m=block_v < 0)
     full = ft.lm_head_tail(x, ssq, norm_w, 1e-5, w, logits=True, policy=policy, impl="triton")
     greedy = ft.lm_head_tail(x, ssq, norm_w, 1e-5, w, logits=False, policy=policy, impl="triton")
     ref = ft.lm_head_tail_reference(x, norm_w, 1e-5, w, logits=True)
@@ -179,6 +181,15 @@ def test_cuda_tail_at_the_1b_vocab_matches_cublas_and_replays_bit_for_bit(m):
     want_ids, want_gap = ft.greedy_reference(ref.logits)
     clear = want_gap > 0.05
     assert (greedy.ids[clear] == want_ids[clear]).all()
+    if m >= 64:                 # tc_rows_as_m: the 64-row dots with the rows as their M side
+        policy = fd.FusedDecodePolicy(tc_rows_as_m=True)
+        full_m = ft.lm_head_tail(x, ssq, norm_w, 1e-5, w, logits=True, policy=policy)
+        greedy_m = ft.lm_head_tail(x, ssq, norm_w, 1e-5, w, logits=False, policy=policy)
+        torch.testing.assert_close(full_m.logits, ref.logits, rtol=2e-2, atol=2e-2)
+        assert torch.equal(full_m.hidden, full.hidden)
+        ids_m, gap_m = ft.greedy_reference(full_m.logits)
+        assert torch.equal(greedy_m.ids, ids_m) and torch.equal(greedy_m.gap, gap_m)
+        assert (greedy_m.ids[clear] == want_ids[clear]).all()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = ft.lm_head_tail(x, ssq, norm_w, 1e-5, w, logits=False)

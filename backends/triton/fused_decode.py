@@ -128,7 +128,9 @@ class FusedDecodePolicy:
     num_stages: stages - 1 steps of weights in flight a program); tc_ffn_stages: the gate/up
     kernel's (two weight tiles a step). tc_warps: warps a program up to 32 rows;
     tc_wide_warps: from 33 rows (the dots 64 rows wide: at 4 warps the gate/up and lm_head
-    tiles spill, ptxas for sm_90).
+    tiles spill, ptxas for sm_90). tc_rows_as_m: at 64-row dots, the rows on the dot's M side
+    and the weights on its N side (`mma_rows`), the shape sm_90's wgmma takes (with the
+    weights as M, Triton emits mma.sync); off by default: not timed against it.
     tail_block_v: lm_head rows a program in `fused_tail` (128: against 64, the greedy step
     took 1116 / 1462 / 1663 / 2615 µs at 1 / 16 / 32 / 64 rows against 1132 / 1480 / 1706 /
     2815 on an H100, one process; the wider tile re-reads the rows' chunk half as often).
@@ -189,6 +191,7 @@ class FusedDecodePolicy:
     tc_fold: bool = True
     attn_pdl: bool = True
     tc_wide_warps: int = 8
+    tc_rows_as_m: bool = False
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -265,7 +268,7 @@ def launch_tc(policy: FusedDecodePolicy, device: torch.device, one_row: bool = F
     pdl = _pdl_on(policy, device) and (one_row or policy.tc_pdl)
     return dict(PDL=pdl, F32=device.type == "cpu", BK=policy.tc_block_k,
                 num_warps=policy.tc_warps if bm <= 32 else policy.tc_wide_warps,
-                num_stages=policy.tc_stages,
+                num_stages=policy.tc_stages, ROWS_M=policy.tc_rows_as_m and bm >= 64,
                 **_pdl.launch_options(device, pdl))
 
 
@@ -568,13 +571,38 @@ def _residual_norm_kernel(X, Parts, Resid, Out, Ssq, NormW, M, H, stride_x, eps,
 # ------------------------------------------------------------------- tensor-core kernels
 
 @triton.jit
-def mma_rows(acc, w, x, F32: tl.constexpr):
+def acc_zeros(N: tl.constexpr, BM: tl.constexpr, ROWS_M: tl.constexpr):
+    """A zero fp32 accumulator of N weight rows by BM rows for `mma_rows`: [N, BM], or [BM, N]
+    where the rows are the dot's M side (ROWS_M)."""
+    if ROWS_M:
+        acc = tl.zeros([BM, N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([N, BM], dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def mma_rows(acc, w, x, F32: tl.constexpr, ROWS_M: tl.constexpr = False):
     """acc [N, BM] + w [N, BK] @ x [BM, BK].T on the tensor cores, accumulated in fp32 (the
-    weights on the dot's M side, the rows on its N side). F32: both operands upcast first, for
-    the CPU interpreter (see `launch_tc`)."""
+    weights on the dot's M side, the rows on its N side); ROWS_M: acc [BM, N] + x @ w.T, the
+    rows on the M side (at BM 64 the shape of sm_90's wgmma; weights as M run mma.sync).
+    F32: both operands upcast first, for the CPU interpreter (see `launch_tc`)."""
     if F32:
-        return tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc)
-    return tl.dot(w, tl.trans(x), acc)
+        w = w.to(tl.float32)
+        x = x.to(tl.float32)
+    if ROWS_M:
+        acc = tl.dot(x, tl.trans(w), acc)
+    else:
+        acc = tl.dot(w, tl.trans(x), acc)
+    return acc
+
+
+@triton.jit
+def by_weight_rows(acc, ROWS_M: tl.constexpr):
+    """`mma_rows`' accumulator as [N, BM] (the epilogues' layout) either way."""
+    if ROWS_M:
+        acc = tl.trans(acc)
+    return acc
 
 
 @triton.jit
@@ -618,7 +646,8 @@ def rows_rstd(Ssq, n_ssq, M, m, m_ok, K, eps, BLOCK_P: tl.constexpr):
 
 @triton.jit
 def product_tc(A, W, stride_a, stride_w, n, n_ok, M, lo, hi, BLOCK_N: tl.constexpr,
-               BM: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, PDL: tl.constexpr):
+               BM: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, PDL: tl.constexpr,
+               ROWS_M: tl.constexpr):
     """[BLOCK_N, BM] fp32: W[n, lo:hi] @ A[:M, lo:hi].T, K steps of BK from lo. The first
     weight chunk is loaded before the wait for the kernel before (PDL), the rest in the
     pipelined K loop after it."""
@@ -628,13 +657,14 @@ def product_tc(A, W, stride_a, stride_w, n, n_ok, M, lo, hi, BLOCK_N: tl.constex
 
     m = tl.arange(0, BM)
     m_ok = m < M
-    acc = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
-    acc = mma_rows(acc, w, rows_chunk(A, stride_a, m, m_ok, ks, hi, None, None, False), F32)
+    acc = acc_zeros(BLOCK_N, BM, ROWS_M)
+    acc = mma_rows(acc, w, rows_chunk(A, stride_a, m, m_ok, ks, hi, None, None, False), F32,
+                   ROWS_M)
     for k0 in range(lo + BK, hi, BK):
         acc = mma_rows(acc, weight_chunk(W, stride_w, n, n_ok, k0 + ks - lo, hi),
                        rows_chunk(A, stride_a, m, m_ok, k0 + ks - lo, hi, None, None, False),
-                       F32)
-    return acc
+                       F32, ROWS_M)
+    return by_weight_rows(acc, ROWS_M)
 
 
 @triton.jit
@@ -654,13 +684,14 @@ def _residual_epilogue(acc, Resid, Out, Ssq, pid, n, n_ok, m, m_ok, M, N):
 @triton.jit
 def _proj_residual_tc_kernel(A, W, Resid, Out, Ssq, M, N, K, stride_a, stride_w,
                              BLOCK_N: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                             F32: tl.constexpr, PDL: tl.constexpr):
+                             F32: tl.constexpr, PDL: tl.constexpr, ROWS_M: tl.constexpr = False):
     """Out[:, tile] = Resid[:, tile] + A @ W[tile].T over the whole of K, BLOCK_N rows of W a
     program; Ssq[pid, m] = the sum over the tile of Out[m, :]^2 (the rounded values)."""
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    acc = product_tc(A, W, stride_a, stride_w, n, n_ok, M, 0, K, BLOCK_N, BM, BK, F32, PDL)
+    acc = product_tc(A, W, stride_a, stride_w, n, n_ok, M, 0, K, BLOCK_N, BM, BK, F32, PDL,
+                     ROWS_M)
     m = tl.arange(0, BM)
     _residual_epilogue(acc, Resid, Out, Ssq, pid, n, n_ok, m, m < M, M, N)
 
@@ -669,7 +700,7 @@ def _proj_residual_tc_kernel(A, W, Resid, Out, Ssq, M, N, K, stride_a, stride_w,
 def _proj_partials_tc_kernel(A, W, Parts, Resid, Out, Ssq, Counter, M, N, K, k_per_split,
                              stride_a, stride_w, BLOCK_N: tl.constexpr, BM: tl.constexpr,
                              BK: tl.constexpr, S: tl.constexpr, FOLD: tl.constexpr,
-                             F32: tl.constexpr, PDL: tl.constexpr):
+                             F32: tl.constexpr, PDL: tl.constexpr, ROWS_M: tl.constexpr = False):
     """Program (tile, s): Parts[s, :, tile] = A[:, K_s] @ W[tile, K_s].T in fp32, K_s the s-th
     k_per_split columns (a multiple of BK; the last split shorter, or empty: zeros). FOLD: each
     program then takes a ticket of Counter[tile]; the tile's last split to finish sums the S
@@ -681,7 +712,7 @@ def _proj_partials_tc_kernel(A, W, Parts, Resid, Out, Ssq, Counter, M, N, K, k_p
     n_ok = n < N
     lo = s * k_per_split
     acc = product_tc(A, W, stride_a, stride_w, n, n_ok, M, lo, tl.minimum(lo + k_per_split, K),
-                     BLOCK_N, BM, BK, F32, PDL)
+                     BLOCK_N, BM, BK, F32, PDL, ROWS_M)
     m = tl.arange(0, BM)
     m_ok = m < M
     ok = n_ok[:, None] & m_ok[None, :]
@@ -727,7 +758,7 @@ def _norm_qkv_tc_kernel(X, Ssq, NormW, Wq, Wk, Wv, Cos, Sin, Pos, Q, KCache, VCa
                         HEAD_DIM: tl.constexpr, HALF: tl.constexpr, TILE: tl.constexpr,
                         BM: tl.constexpr, BK: tl.constexpr, BLOCK_P: tl.constexpr,
                         SPLITS: tl.constexpr, F32: tl.constexpr, PDL: tl.constexpr,
-                        REP: tl.constexpr = 2):
+                        REP: tl.constexpr = 2, ROWS_M: tl.constexpr = False):
     """`_norm_qkv_kernel`'s tiles (columns c and c + D/2 of one head for HALF consecutive c) on
     the tensor cores: two dots of TILE = max(16, HALF) weight rows (lanes past HALF masked),
     X RMSNormed on the fly with the rows' rstd from Ssq [n_ssq, M]. SPLITS > 1: program
@@ -768,14 +799,16 @@ def _norm_qkv_tc_kernel(X, Ssq, NormW, Wq, Wk, Wv, Cos, Sin, Pos, Q, KCache, VCa
     m_ok = m < M
     rstd = rows_rstd(Ssq, n_ssq, M, m, m_ok, H, eps, BLOCK_P)
     x = rows_chunk(X, stride_x, m, m_ok, ks, hi, rstd, NormW, True, REP)
-    acc1 = mma_rows(tl.zeros([TILE, BM], dtype=tl.float32), w1, x, F32)
-    acc2 = mma_rows(tl.zeros([TILE, BM], dtype=tl.float32), w2, x, F32)
+    acc1 = mma_rows(acc_zeros(TILE, BM, ROWS_M), w1, x, F32, ROWS_M)
+    acc2 = mma_rows(acc_zeros(TILE, BM, ROWS_M), w2, x, F32, ROWS_M)
     for k0 in range(lo + BK, hi, BK):
         kk = k0 - lo + ks
         x = rows_chunk(X, stride_x, m, m_ok, kk, hi, rstd, NormW, True, REP)
-        acc1 = mma_rows(acc1, weight_chunk(W, stride_w, rows, c_ok, kk, hi), x, F32)
+        acc1 = mma_rows(acc1, weight_chunk(W, stride_w, rows, c_ok, kk, hi), x, F32, ROWS_M)
         acc2 = mma_rows(acc2, weight_chunk(W, stride_w, rows + HEAD_DIM // 2, c_ok, kk, hi),
-                        x, F32)
+                        x, F32, ROWS_M)
+    acc1 = by_weight_rows(acc1, ROWS_M)                             # [TILE, BM] either way
+    acc2 = by_weight_rows(acc2, ROWS_M)
     if SPLITS > 1:
         n_tiles = tl.num_programs(0)
         tile = (lane[:, None] * BM + m[None, :]).to(tl.int64)       # [TILE, BM]
@@ -830,7 +863,8 @@ def _qkv_tc_epilogue(acc1, acc2, pid, t_q, t_k, head, offs_c, c_ok, m, m_ok, Cos
 def _norm_gate_up_tc_kernel(X, Ssq, NormW, Wg, Wu, Act, M, N, H, n_ssq, stride_x, stride_wg,
                             stride_wu, eps, BLOCK_N: tl.constexpr, BM: tl.constexpr,
                             BK: tl.constexpr, BLOCK_P: tl.constexpr, F32: tl.constexpr,
-                            PDL: tl.constexpr, REP: tl.constexpr = 2):
+                            PDL: tl.constexpr, REP: tl.constexpr = 2,
+                            ROWS_M: tl.constexpr = False):
     """Act[:, tile] = silu(xn @ Wg[tile].T) * (xn @ Wu[tile].T), xn = RMSNorm(X) on the fly
     with the rows' rstd from Ssq [n_ssq, M]; BLOCK_N rows of each weight a program."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -844,12 +878,16 @@ def _norm_gate_up_tc_kernel(X, Ssq, NormW, Wg, Wu, Act, M, N, H, n_ssq, stride_x
     m_ok = m < M
     rstd = rows_rstd(Ssq, n_ssq, M, m, m_ok, H, eps, BLOCK_P)
     x = rows_chunk(X, stride_x, m, m_ok, ks, H, rstd, NormW, True, REP)
-    acc_g = mma_rows(tl.zeros([BLOCK_N, BM], dtype=tl.float32), wg, x, F32)
-    acc_u = mma_rows(tl.zeros([BLOCK_N, BM], dtype=tl.float32), wu, x, F32)
+    acc_g = mma_rows(acc_zeros(BLOCK_N, BM, ROWS_M), wg, x, F32, ROWS_M)
+    acc_u = mma_rows(acc_zeros(BLOCK_N, BM, ROWS_M), wu, x, F32, ROWS_M)
     for k0 in range(BK, H, BK):
         x = rows_chunk(X, stride_x, m, m_ok, k0 + ks, H, rstd, NormW, True, REP)
-        acc_g = mma_rows(acc_g, weight_chunk(Wg, stride_wg, n, n_ok, k0 + ks, H), x, F32)
-        acc_u = mma_rows(acc_u, weight_chunk(Wu, stride_wu, n, n_ok, k0 + ks, H), x, F32)
+        acc_g = mma_rows(acc_g, weight_chunk(Wg, stride_wg, n, n_ok, k0 + ks, H), x, F32,
+                         ROWS_M)
+        acc_u = mma_rows(acc_u, weight_chunk(Wu, stride_wu, n, n_ok, k0 + ks, H), x, F32,
+                         ROWS_M)
+    acc_g = by_weight_rows(acc_g, ROWS_M)                           # [BLOCK_N, BM] either way
+    acc_u = by_weight_rows(acc_u, ROWS_M)
     dtype = Act.dtype.element_ty
     g = acc_g.to(dtype).to(tl.float32)                              # [BLOCK_N, BM]
     u = acc_u.to(dtype).to(tl.float32)

@@ -90,7 +90,8 @@ def _chunk_top2(logit, cols, valid):
 def _lm_head_kernel(X, Ssq, NormW, W, Hidden, Logits, Top, Idx, Second, M, V, H, n_ssq, C,
                     stride_x, stride_w, eps, BLOCK_V: tl.constexpr, BM: tl.constexpr,
                     BK: tl.constexpr, BLOCK_P: tl.constexpr, LOGITS: tl.constexpr,
-                    F32: tl.constexpr, PDL: tl.constexpr, REP: tl.constexpr = 2):
+                    F32: tl.constexpr, PDL: tl.constexpr, REP: tl.constexpr = 2,
+                    ROWS_M: tl.constexpr = False):
     """Program (c, rb): logits of vocab rows [c*BLOCK_V, ...) for rows rb*BM..; LOGITS: written
     as fp32, else each row's chunk partials Top/Idx/Second [M, C]. Chunk 0 writes Hidden."""
     c = tl.program_id(0)
@@ -106,13 +107,15 @@ def _lm_head_kernel(X, Ssq, NormW, W, Hidden, Logits, Top, Idx, Second, M, V, H,
     x = fd.rows_chunk(X, stride_x, m, m_ok, ks, H, rstd, NormW, True, REP)       # [BM, BK]
     if c == 0:
         tl.store(Hidden + m[:, None] * H + ks[None, :], x, mask=m_ok[:, None] & (ks < H)[None, :])
-    acc = fd.mma_rows(tl.zeros([BLOCK_V, BM], dtype=tl.float32), w, x, F32)
+    acc = fd.mma_rows(fd.acc_zeros(BLOCK_V, BM, ROWS_M), w, x, F32, ROWS_M)
     for k0 in range(BK, H, BK):
         x = fd.rows_chunk(X, stride_x, m, m_ok, k0 + ks, H, rstd, NormW, True, REP)
         if c == 0:
             tl.store(Hidden + m[:, None] * H + (k0 + ks)[None, :], x,
                      mask=m_ok[:, None] & (k0 + ks < H)[None, :])
-        acc = fd.mma_rows(acc, fd.weight_chunk(W, stride_w, cols, v_ok, k0 + ks, H), x, F32)
+        acc = fd.mma_rows(acc, fd.weight_chunk(W, stride_w, cols, v_ok, k0 + ks, H), x, F32,
+                          ROWS_M)
+    acc = fd.by_weight_rows(acc, ROWS_M)                                    # [BLOCK_V, BM]
     logit = acc.to(W.dtype.element_ty).to(tl.float32)                      # [BLOCK_V, BM]
     if LOGITS:
         tl.store(Logits + m[None, :].to(tl.int64) * V + cols[:, None], logit,
