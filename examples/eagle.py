@@ -106,8 +106,9 @@ def parse_args():
                     help="GPU: the lm_head the draft reads (default fp8-fused); verify keeps the "
                          "target's, so outputs stay exact")
     ap.add_argument("--fused", action="store_true",
-                    help="GPU, --model llama: the target's decode steps and tree verifies of up to 16 "
-                         "tokens run in the fused per-layer Triton kernels (FusedDecodePolicy)")
+                    help="GPU, --model llama: the target's decode steps and tree verifies of up to "
+                         "FusedDecodePolicy().max_rows (64) tokens run in the fused per-layer "
+                         "Triton kernels")
     ap.add_argument("--prefill", default=None, choices=["eager", "runner"],
                     help="the prompts' prefill: the prefill program (GPU default) or plain torch "
                          "calls (CPU default)")
