@@ -155,9 +155,8 @@ def test_the_tail_refuses_what_it_cannot_take():
 @pytest.mark.cuda
 @pytest.mark.parametrize("m", [1, 4, 16, 40, 64, 70])
 def test_cuda_tail_at_the_1b_vocab_matches_cublas_and_replays_bit_for_bit(m):
-    """H 2048, V 128256 (2004 programs of 64 rows; 8016 of 16 from 33 rows up, in row blocks
-    of 64): logits close to cuBLAS's (the lm_head in
-    bf16, upcast), ids equal where the top two are apart, ids / gap exactly the kernel logits'
+    """H 2048, V 128256 (1002 programs of 128 vocabulary rows, the rows in blocks of 16, 32 or
+    64): logits close to cuBLAS's (the lm_head in bf16, upcast), ids equal where the top two are apart, ids / gap exactly the kernel logits'
     argmax and top-2 gap, the same bits with and without PDL, and under graph replay."""
     g = torch.Generator().manual_seed(m)
     x = (torch.randn(m, 2048, generator=g) * 2).to("cuda", torch.bfloat16)
