@@ -244,9 +244,12 @@ def norm_rep(num_warps: int) -> int:
 
 
 def launch_tc(policy: FusedDecodePolicy, device: torch.device, one_row: bool = False,
-              bm: int = ROW_BLOCK) -> dict:
-    """The launch options of a tensor-core kernel call at BM rows (the K loop's BK, stages,
-    warps: tc_warps up to 32 rows, tc_wide_warps above; PDL, and
+              bm: int = ROW_BLOCK, w_rows: int = 0, bk: int | None = None,
+              stages: int | None = None) -> dict:
+    """The launch options of a tensor-core kernel call at BM rows (the K loop's BK: bk, else
+    tc_block_k; its stages: `stages_for` of stages, else tc_stages, with w_rows weight rows a
+    stage; warps: tc_warps up to 32 rows, tc_wide_warps above; ROWS_M: tc_rows_as_m at 64-row
+    dots; PDL, and
     F32: the dot's operands upcast on the CPU interpreter, whose `tl.dot` reads bf16 storage as
     integers; exact there, since a bf16 / fp16 product fits fp32). Refuses a policy the kernels
     cannot compile. one_row: a step below tc_min_rows (the tail's lm_head), PDL as `pdl` says;
@@ -266,9 +269,11 @@ def launch_tc(policy: FusedDecodePolicy, device: torch.device, one_row: bool = F
     if not _pow2(policy.tc_sum_block):
         _refuse("tc_sum_block", policy.tc_sum_block, "a power of two")
     pdl = _pdl_on(policy, device) and (one_row or policy.tc_pdl)
-    return dict(PDL=pdl, F32=device.type == "cpu", BK=policy.tc_block_k,
+    bk = policy.tc_block_k if bk is None else bk
+    stages = stages_for(policy.tc_stages if stages is None else stages, bm, bk, w_rows)
+    return dict(PDL=pdl, F32=device.type == "cpu", BK=bk,
                 num_warps=policy.tc_warps if bm <= 32 else policy.tc_wide_warps,
-                num_stages=policy.tc_stages, ROWS_M=policy.tc_rows_as_m and bm >= 64,
+                num_stages=stages, ROWS_M=policy.tc_rows_as_m and bm >= 64,
                 **_pdl.launch_options(device, pdl))
 
 
@@ -1076,8 +1081,7 @@ def norm_qkv_rope_store_tc(x, ssq, w: LayerWeights, rope: RopeTables, positions,
     half = qkv_tile(d, policy.tc_half_n)
     tile = max(16, half)
     bm = row_block(m)
-    opts = launch_tc(policy, x.device, bm=bm)
-    opts["num_stages"] = stages_for(opts["num_stages"], bm, opts["BK"], 2 * tile)
+    opts = launch_tc(policy, x.device, bm=bm, w_rows=2 * tile)
     n_tiles = (n_q + 2 * n_kv) * (d // 2 // half)
     # K splits: each a whole number of K steps, none empty
     per = triton.cdiv(triton.cdiv(h, policy.tc_qkv_splits), opts["BK"]) * opts["BK"]
@@ -1123,8 +1127,8 @@ def proj_residual_tc(a, weight, resid, *, splits: int = 1,
         return proj_residual_reference(a, weight, resid, policy.tc_block_n
                                        if splits == 1 or policy.tc_fold else policy.tc_sum_block)
     bm = row_block(m)
-    opts = {**launch_tc(policy, a.device, bm=bm), "BK": policy.tc_proj_block_k}
-    opts["num_stages"] = stages_for(opts["num_stages"], bm, opts["BK"], policy.tc_block_n)
+    opts = launch_tc(policy, a.device, bm=bm, w_rows=policy.tc_block_n,
+                     bk=policy.tc_proj_block_k)
     out = torch.empty_like(resid)
     tiles = triton.cdiv(n, policy.tc_block_n)
     if splits == 1:
@@ -1175,8 +1179,8 @@ def norm_gate_up_silu_tc(h, ssq, w: LayerWeights, *,
     if not kernel:
         return norm_gate_up_silu_reference(h, w)
     bm = row_block(m)
-    opts = {**launch_tc(policy, h.device, bm=bm), "num_stages": policy.tc_ffn_stages}
-    opts["num_stages"] = stages_for(opts["num_stages"], bm, opts["BK"], 2 * policy.tc_ffn_n)
+    opts = launch_tc(policy, h.device, bm=bm, w_rows=2 * policy.tc_ffn_n,
+                     stages=policy.tc_ffn_stages)
     n = w.w_gate.shape[0]
     act = torch.empty(m, n, dtype=h.dtype, device=h.device)
     _norm_gate_up_tc_kernel[(triton.cdiv(n, policy.tc_ffn_n),)](

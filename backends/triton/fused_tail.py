@@ -175,10 +175,8 @@ def lm_head_tail(x, ssq, norm_w, eps: float, weight, *, logits: bool,
                                           "top-2 gap)", v))
     if not kernel:
         return lm_head_tail_reference(x, norm_w, eps, weight, logits=logits)
-    bm = fd.row_block(m)
-    opts = fd.launch_tc(policy, x.device, one_row=m < policy.tc_min_rows, bm=bm)
-    block_v = policy.tail_block_v
-    opts["num_stages"] = fd.stages_for(opts["num_stages"], bm, opts["BK"], block_v)
+    bm, block_v = fd.row_block(m), policy.tail_block_v
+    opts = fd.launch_tc(policy, x.device, one_row=m < policy.tc_min_rows, bm=bm, w_rows=block_v)
     c = triton.cdiv(v, block_v)
     hidden = torch.empty(m, h, dtype=x.dtype, device=x.device)
     out = torch.empty(m, v, dtype=torch.float32, device=x.device) if logits else None
