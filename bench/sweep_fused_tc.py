@@ -161,11 +161,12 @@ def main() -> None:
                     a, wt(), x, splits=s, policy=p), splits=splits, fold=fold)
         if not (args.grid and i == 0):
             continue
+        warps = "tc_warps" if fd.row_block(m) <= 32 else "tc_wide_warps"   # the field m runs
         for half, bk, st, wp in itertools.product((8, 16, 32), (64, 128, 256), (3, 6), (4, 8)):
-            p = dataclasses.replace(base, tc_half_n=half, tc_block_k=bk, tc_stages=st, tc_warps=wp)
+            cfg = {"tc_half_n": half, "tc_block_k": bk, "tc_stages": st, warps: wp}
+            p = dataclasses.replace(base, **cfg)
             rec(m, "qkv", "grid", lambda p=p: fd.norm_qkv_rope_store_tc(
-                x, ssq, cur()[0], rope, pos, loc, kc, vc, policy=p),
-                tc_half_n=half, tc_block_k=bk, tc_stages=st, tc_warps=wp)
+                x, ssq, cur()[0], rope, pos, loc, kc, vc, policy=p), **cfg)
         for fn_, bk, st in itertools.product((16, 32, 64), (64, 128, 256), (3, 6)):
             p = dataclasses.replace(base, tc_ffn_n=fn_, tc_block_k=bk, tc_ffn_stages=st)
             rec(m, "gate_up", "grid", lambda p=p: fd.norm_gate_up_silu_tc(x, ssq, cur()[0], policy=p),

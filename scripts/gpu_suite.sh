@@ -17,8 +17,8 @@
 #                    compiled body, same weights, kernels by class of the fused+pdl step
 #   bench-runner-crossover  the fused kernels with PDL against inductor's code with PDL at 1-64 rows:
 #                    up to which row count the fused path is the faster one
-#   bench-runner-rows-as-m  the greedy fused step at 32 and 64 rows with FusedDecodePolicy's
-#                    tc_rows_as_m (the 64-row dots with the rows as their M side) against the default
+#   bench-runner-rows-as-m  the greedy fused step at 32 and 64 rows, the default (the 64-row dots
+#                    with the rows as their M side) against tc_rows_as_m=false (the weights as M)
 #   bench-fused-sweep  the fused step at 16 rows over its tensor-core policy fields, one at a time
 #                    (bench/bench_fused_decode.py variants; FUSED_SWEEP_SIZES, default 16)
 #   bench-attention  the paged-attention kernels against SDPA (bench/bench_attention.py)
@@ -95,7 +95,7 @@ want bench-runner-crossover && run bench_runner_crossover python3 -m bench.bench
   --variants padgraph+compile+pdl,padgraph+fused+pdl --sizes 1,2,4,8,16,32,64 --iters 30
 want bench-runner-rows-as-m && run bench_runner_rows_as_m python3 -m bench.bench_runner \
   --variants padgraph+compile,padgraph+fused+greedy,padgraph+fused+greedy+policy \
-  --fused-policy tc_rows_as_m=true --sizes 32,64 --iters 20 --profile padgraph+fused+greedy+policy
+  --fused-policy tc_rows_as_m=false --sizes 32,64 --iters 20 --profile padgraph+fused+greedy+policy
 want bench-fused-sweep && run bench_fused_sweep python3 -m bench.bench_fused_decode --sizes "${FUSED_SWEEP_SIZES:-16}" \
   --iters 30 --check --variants fused,fused+tcffn16,fused+tcffn64,fused+tcprojk128,fused+tcstages4,fused+tcstages8,fused+tcwarps8,fused+tchalf4,fused+tchalf16,fused+tck64
 want bench-attention && run bench_attention python3 -m bench.bench_attention

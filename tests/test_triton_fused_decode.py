@@ -720,7 +720,7 @@ POLICIES = {   # the kernel families and launch modes the CUDA tests run
     "tc+qkv_splits+pdl": _policy(pdl=True, tc_pdl=True, tc_min_rows=1, tc_qkv_splits=2),
     "rows+pdl+attn_pdl": _policy(pdl=True, tc_min_rows=ROWS, attn_pdl=True),
     "tc+attn_pdl": _policy(pdl=True, tc_min_rows=1, attn_pdl=True),
-    "tc+rows_as_m": _policy(pdl=True, tc_min_rows=1, tc_rows_as_m=True),
+    "tc+weights_as_m": _policy(pdl=True, tc_min_rows=1, tc_rows_as_m=False),
 }
 
 
@@ -810,7 +810,7 @@ def test_cuda_fused_greedy_step_gives_the_eager_tokens(cuda_model_full_vocab, m,
 @pytest.mark.parametrize("kernels,m", [("rows", 8), ("rows+pdl", 8), ("tc", 8), ("tc+pdl", 8),
                                        ("tc+qkv_splits+pdl", 8), ("rows+pdl+attn_pdl", 1),
                                        ("rows+pdl+attn_pdl", 8), ("tc+attn_pdl", 8),
-                                       ("tc+attn_pdl", 64), ("tc+rows_as_m", 64)])
+                                       ("tc+attn_pdl", 64), ("tc+weights_as_m", 64)])
 def test_cuda_graph_replays_of_the_fused_step_follow_new_data_bit_for_bit(cuda_model, kernels,
                                                                           m):
     """The greedy step (layers and tail) captured once; replays with new tokens / positions /

@@ -180,8 +180,8 @@ def test_cuda_tail_at_the_1b_vocab_matches_cublas_and_replays_bit_for_bit(m):
     want_ids, want_gap = ft.greedy_reference(ref.logits)
     clear = want_gap > 0.05
     assert (greedy.ids[clear] == want_ids[clear]).all()
-    if m >= 64:                 # tc_rows_as_m: the 64-row dots with the rows as their M side
-        policy = fd.FusedDecodePolicy(tc_rows_as_m=True)
+    if m >= 64:                 # the 64-row dots with the weights as their M side as well
+        policy = fd.FusedDecodePolicy(tc_rows_as_m=False)
         full_m = ft.lm_head_tail(x, ssq, norm_w, 1e-5, w, logits=True, policy=policy)
         greedy_m = ft.lm_head_tail(x, ssq, norm_w, 1e-5, w, logits=False, policy=policy)
         torch.testing.assert_close(full_m.logits, ref.logits, rtol=2e-2, atol=2e-2)

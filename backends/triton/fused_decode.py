@@ -130,7 +130,9 @@ class FusedDecodePolicy:
     tc_wide_warps: from 33 rows (the dots 64 rows wide: at 4 warps the gate/up and lm_head
     tiles spill, ptxas for sm_90). tc_rows_as_m: at 64-row dots, the rows on the dot's M side
     and the weights on its N side (`mma_rows`), the shape sm_90's wgmma takes (with the
-    weights as M, Triton emits mma.sync); off by default: not timed against it.
+    weights as M, Triton emits mma.sync). On by default: on an H100 at the 1B shape the greedy
+    step at 64 rows took 2504 µs back to back against 2596 with the weights as M, one
+    process (results/bench_runner.md); it changes no kernel below 33 rows.
     tail_block_v: lm_head rows a program in `fused_tail` (128: against 64, the greedy step
     took 1116 / 1462 / 1663 / 2615 µs at 1 / 16 / 32 / 64 rows against 1132 / 1480 / 1706 /
     2815 on an H100, one process; the wider tile re-reads the rows' chunk half as often).
@@ -191,7 +193,7 @@ class FusedDecodePolicy:
     tc_fold: bool = True
     attn_pdl: bool = True
     tc_wide_warps: int = 8
-    tc_rows_as_m: bool = False
+    tc_rows_as_m: bool = True
 
 
 def pdl_supported(device: torch.device) -> bool:
