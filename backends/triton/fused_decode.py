@@ -105,8 +105,11 @@ class FusedDecodePolicy:
     against 1248 µs; results/fused_decode.md).
     max_rows: the most decode rows the fused path takes (`takes`; at most MAX_M). 64 by
     default: past it the model's own body runs, which on an H100 at the 1B shape took 3399 /
-    3852 µs a greedy step at 32 / 64 rows against 1706 / 2815 in the fused kernels (one
-    process, results/bench_runner.md).
+    3852 µs a greedy step at 32 / 64 rows uncompiled, against 1706 / 2815 in the fused kernels
+    then (1674 / 2504 now; one process each, results/bench_runner.md). With the layers
+    compiled (pg.compile's torch_compile regions, as padgraph.llm's engine does on a GPU),
+    inductor's code took 1812 / 2124 µs in the run of the latter: there `max_rows=32` gives
+    32-row steps the fused kernels and 64-row steps inductor's code, the faster of each.
     tc_min_rows: from this many rows up, the tensor-core kernels run (`decode_layer_tc`); below
     it, the one-row kernels (`decode_layer`).
 
