@@ -40,6 +40,10 @@ All variants run side by side in one process on the same body, weights and KV ca
   padgraph+fused+greedy+policy  padgraph+fused+greedy at the default policy with the fields of
                    `--fused-policy field=value,...` changed (a candidate default, against the
                    default in the same process)
+  padgraph+fused+greedy+compile  padgraph+fused+greedy+policy with the model's layers compiled as
+                   padgraph+compile's: steps past the policy's max_rows run inductor's code, as in
+                   padgraph.llm's engine on a GPU with the fused kernels (`examples/eagle.py
+                   --fused`); `--fused-policy max_rows=32` gives 33-64 rows to inductor
 Per raw batch size: step time (CUDA events, median), host time per call (median), each greedy
 variant's next tokens against the eager model's (computed at every size whatever --variants
 lists; a differing row is a near tie where the eager top-2 gap is within 4 bf16 ulps of the top
@@ -341,27 +345,33 @@ def build_variants(names, step, program, device, pg_compile=True, sample_factor=
         setup["padgraph+compile+unfused"]["addmm_rewritten"] = unfuse.rewritten
     from padgraph.backends.triton.fused_decode import FusedDecodePolicy
     o_splits, down_splits = fused_splits
-    for name, policy, body in (("padgraph+fused", FusedDecodePolicy(pdl=False), Step),
-                               ("padgraph+fused+pdl", FusedDecodePolicy(pdl=True), Step),
-                               ("padgraph+fused+split", FusedDecodePolicy(
-                                   pdl=True, tc_o_splits=o_splits, tc_down_splits=down_splits),
-                                Step),
-                               ("padgraph+fused+greedy", FusedDecodePolicy(), GreedyStep),
-                               ("padgraph+fused+greedy+policy",
-                                FusedDecodePolicy(**(fused_policy or {})), GreedyStep)):
+    candidate = FusedDecodePolicy(**(fused_policy or {}))
+    for name, policy, body, compiled in (
+            ("padgraph+fused", FusedDecodePolicy(pdl=False), Step, False),
+            ("padgraph+fused+pdl", FusedDecodePolicy(pdl=True), Step, False),
+            ("padgraph+fused+split", FusedDecodePolicy(
+                pdl=True, tc_o_splits=o_splits, tc_down_splits=down_splits), Step, False),
+            ("padgraph+fused+greedy", FusedDecodePolicy(), GreedyStep, False),
+            ("padgraph+fused+greedy+policy", candidate, GreedyStep, False),
+            ("padgraph+fused+greedy+compile", candidate, GreedyStep, True)):
         if name in names:
             # the same weights through the fused per-layer kernels and fused tail (bs <= their
-            # max_rows; larger steps run the model's own path), captured by the same runner
+            # max_rows; larger steps run the model's own path, its layers compiled as
+            # padgraph+compile's where `compiled`), captured by the same runner
             fused = copy.copy(step.model)
             fused.fused = policy
             fstep = body(fused, step.kv)
             t0 = time.perf_counter()
-            r = pg.compile(program, fstep.body, backend="cuda", progress=False)
+            r = pg.compile(program, fstep.body, backend="cuda", progress=False,
+                           torch_compile=pg_compile if compiled else None)
             setup[name] = {"capture_seconds": time.perf_counter() - t0, "pool_bytes": r.pool_bytes(),
                            "max_rows": fused.fused.max_rows, "pdl": policy.pdl,
                            "body": body.__name__}
-            if name.endswith("+policy"):
+            if policy is candidate:
                 setup[name]["policy"] = dict(fused_policy or {})
+            if compiled:
+                setup[name].update(compiles=r.stats.compiles,
+                                   compile_seconds=r.stats.compile_seconds)
             variants[name] = r
     if "compile-ro" in names:
         variants["compile-ro"] = torch.compile(step, mode="reduce-overhead")

@@ -19,6 +19,8 @@
 #                    up to which row count the fused path is the faster one
 #   bench-runner-rows-as-m  the greedy fused step at 32 and 64 rows, the default (the 64-row dots
 #                    with the rows as their M side) against tc_rows_as_m=false (the weights as M)
+#   bench-runner-handoff  the greedy fused step with the layers compiled and max_rows 32 (33-64 rows
+#                    to inductor, as the engine runs it) against the fused and compiled steps
 #   bench-fused-sweep  the fused step at 16 rows over its tensor-core policy fields, one at a time
 #                    (bench/bench_fused_decode.py variants; FUSED_SWEEP_SIZES, default 16)
 #   bench-attention  the paged-attention kernels against SDPA (bench/bench_attention.py)
@@ -96,6 +98,9 @@ want bench-runner-crossover && run bench_runner_crossover python3 -m bench.bench
 want bench-runner-rows-as-m && run bench_runner_rows_as_m python3 -m bench.bench_runner \
   --variants padgraph+compile,padgraph+fused+greedy,padgraph+fused+greedy+policy \
   --fused-policy tc_rows_as_m=false --sizes 32,64 --iters 20 --profile padgraph+fused+greedy+policy
+want bench-runner-handoff && run bench_runner_handoff python3 -m bench.bench_runner \
+  --variants padgraph+compile,padgraph+fused+greedy,padgraph+fused+greedy+compile \
+  --fused-policy max_rows=32 --sizes 1,16,32,40,64 --iters 20
 want bench-fused-sweep && run bench_fused_sweep python3 -m bench.bench_fused_decode --sizes "${FUSED_SWEEP_SIZES:-16}" \
   --iters 30 --check --variants fused,fused+tcffn16,fused+tcffn64,fused+tcprojk128,fused+tcstages4,fused+tcstages8,fused+tcwarps8,fused+tchalf4,fused+tchalf16,fused+tck64
 want bench-attention && run bench_attention python3 -m bench.bench_attention

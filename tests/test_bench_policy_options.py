@@ -1,6 +1,8 @@
 """The benchmarks' ways of naming a FusedDecodePolicy: bench_runner's `--fused-policy
 field=value,..` and bench_fused_decode's "fused+option" variants. A candidate default runs only
 as what the option names; a typo must stop the run, not time the default under its name."""
+from types import SimpleNamespace
+
 import pytest
 
 from bench import bench_fused_decode as bfd
@@ -30,3 +32,30 @@ def test_variant_options_name_policy_fields():
     assert bfd.policy_of("fused+apdl").attn_pdl and not bfd.policy_of("fused+apdl").pdl
     with pytest.raises(SystemExit):
         bfd.policy_of("fused+apdll")
+
+
+def test_the_fused_variants_compile_the_layers_only_where_named(monkeypatch):
+    """padgraph+fused+greedy+compile: the candidate policy, its steps past max_rows in the
+    layers padgraph+compile compiles (the engine's setup with the fused kernels); the other fused
+    variants capture the model's own body uncompiled. The runner is recorded, not built."""
+    calls = {}
+
+    def fake_compile(program, body, backend, **opts):
+        runner = SimpleNamespace(pool_bytes=lambda: 0,
+                                 stats=SimpleNamespace(compiles=0, compile_seconds=0.0))
+        calls[body.__self__] = opts.get("torch_compile")
+        return runner
+    monkeypatch.setattr(bench_runner.pg, "compile", fake_compile)
+    model = SimpleNamespace(fused=None)
+    step = SimpleNamespace(model=model, kv=None)
+    regions = {"regions": ["layer"], "fullgraph": True}
+    names = ["padgraph+fused+greedy", "padgraph+fused+greedy+policy", "padgraph+fused+greedy+compile"]
+    variants, setup = bench_runner.build_variants(names, step, None, "cpu", regions,
+                                                  fused_policy={"max_rows": 32})
+    assert set(variants) == set(names)
+    by_policy = {(s.model.fused.max_rows, opts is not None): opts for s, opts in calls.items()}
+    assert by_policy == {(64, False): None, (32, False): None, (32, True): regions}
+    assert setup["padgraph+fused+greedy+compile"]["policy"] == {"max_rows": 32}
+    assert "compiles" in setup["padgraph+fused+greedy+compile"]
+    assert "compiles" not in setup["padgraph+fused+greedy+policy"]
+    assert model.fused is None          # each variant binds a copy of the model
