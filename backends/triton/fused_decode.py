@@ -106,10 +106,11 @@ class FusedDecodePolicy:
     max_rows: the most decode rows the fused path takes (`takes`; at most MAX_M). 64 by
     default: past it the model's own body runs, which on an H100 at the 1B shape took 3399 /
     3852 µs a greedy step at 32 / 64 rows uncompiled, against 1706 / 2815 in the fused kernels
-    then (1674 / 2504 now; one process each, results/bench_runner.md). With the layers
-    compiled (pg.compile's torch_compile regions, as padgraph.llm's engine does on a GPU),
-    inductor's code took 1812 / 2124 µs in the run of the latter: there `max_rows=32` gives
-    32-row steps the fused kernels and 64-row steps inductor's code, the faster of each.
+    (one process, results/bench_runner.md). A later run, with today's defaults: fused 1674 /
+    2504 µs, the layers compiled by inductor (pg.compile's torch_compile regions, as
+    padgraph.llm's engine compiles them on a GPU) 1812 / 2124. Where the layers are compiled,
+    `max_rows=32` gives 32-row steps the fused kernels and 64-row steps inductor's code, the
+    faster of each there.
     tc_min_rows: from this many rows up, the tensor-core kernels run (`decode_layer_tc`); below
     it, the one-row kernels (`decode_layer`).
 
@@ -159,8 +160,9 @@ class FusedDecodePolicy:
     one). On by default: on an H100 at the 1B shape (`bench_runner`, same process) the greedy
     step at one row took 1095 us back to back against 1157 without it, and 1494 against 1488 at
     16 rows, where the tensor-core projections launch without PDL. The
-    defaults compile for sm_90 without spills at the 1B shape, in <= 123 KB of shared memory a
-    program.
+    defaults compile for sm_90 without spills at the 1B shape (Triton 3.6 and 3.9): up to 16
+    rows in <= 146 KB of shared memory a program (the lm_head's 128-row tile), at 64 rows in
+    <= 200 KB (the o / down projections with the rows as M).
 
     At 16 rows the one-row kernels' arithmetic bounds them (results/fused_decode.md: on an
     H100, 1.8x slower than the eager-captured path at the 1B shape); the tensor-core kernels
