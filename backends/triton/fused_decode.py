@@ -160,9 +160,9 @@ class FusedDecodePolicy:
     one). On by default: on an H100 at the 1B shape (`bench_runner`, same process) the greedy
     step at one row took 1095 us back to back against 1157 without it, and 1494 against 1488 at
     16 rows, where the tensor-core projections launch without PDL. The
-    defaults compile for sm_90 without spills at the 1B shape (Triton 3.6 and 3.9): up to 16
-    rows in <= 146 KB of shared memory a program (the lm_head's 128-row tile), at 64 rows in
-    <= 200 KB (the o / down projections with the rows as M).
+    defaults compile for sm_90 without spills at the 1B shape (Triton 3.6 and 3.9), in <= 145 /
+    161 / 200 KB of shared memory a program at 16 / 32 / 64 rows (the lm_head's 128-row tile at
+    16 and 32, the o / down projections with the rows as M at 64).
 
     At 16 rows the one-row kernels' arithmetic bounds them (results/fused_decode.md: on an
     H100, 1.8x slower than the eager-captured path at the 1B shape); the tensor-core kernels
