@@ -34,11 +34,11 @@ loop of `tl.dot` (weights as the dot's M side, the rows padded to BM = 16, 32 or
 Triton): the arithmetic of 16 rows costs the tensor cores a few percent of the
 weight-streaming time. Wider rows take more registers and shared memory a program: from 33
 rows the kernels run 8 warps (`tc_wide_warps`), and a K loop keeps fewer stages where the
-policy's would not fit (`stages_for`). At 64 rows each program re-reads the rows' chunk for
-its few weight rows and the weights-as-M dots run below the tensor cores' rate: on an H100
-the fused step there is slower than inductor's code (2615 against 2092 µs), while it is
-faster at 32 rows (1663 against 1779) and far faster than the model's own captured body at
-both (results/bench_runner.md). Its down projection runs
+policy's would not fit (`stages_for`); at 64-row dots the rows go on the dot's M side
+(`tc_rows_as_m`: sm_90's wgmma). At 64 rows each program still re-reads the rows' chunk for
+its few weight rows: on an H100 the fused step there is slower than inductor's code (2504
+against 2124 µs), while it is faster at 32 rows (1674 against 1812) and far faster than the
+model's own uncompiled body at both (results/bench_runner.md). Its down projection runs
 the whole of K in each program, so every projection back into the residual stream ends in the
 same epilogue (`proj_residual_tc`): out = resid + product, written with each row's sum of
 squares over the program's columns, [P, M] fp32 (P programs). The kernel that normalizes
@@ -199,6 +199,9 @@ class FusedDecodePolicy:
     attn_pdl: bool = True
     tc_wide_warps: int = 8
     tc_rows_as_m: bool = True
+
+
+_DEFAULT_POLICY = FusedDecodePolicy()
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -1209,7 +1212,7 @@ def takes(model, input_ids: torch.Tensor, kv, policy: FusedDecodePolicy | None =
     weights with the caches in the same dtype, an even head_dim. Elsewhere (more rows, fp32)
     the caller keeps its own path."""
     dtype = model.embed.weight.dtype
-    policy = FusedDecodePolicy() if policy is None else policy
+    policy = _DEFAULT_POLICY if policy is None else policy
     rows = input_ids.shape[0]
     one_row = rows < policy.tc_min_rows
     most = min(MAX_M, policy.max_rows, ONE_ROW_MAX_M if one_row else MAX_M)
