@@ -1,0 +1,143 @@
+"""The paged decode attention at the decode step's own shapes, its launch policy swept.
+
+`bench_attention` times the kernel at 32 / 8 heads of dimension 128 and one context length a
+case. The Llama-1B step (`bench_runner`) calls it at head dimension 64, with each request's
+context drawn from 256 .. 1022 in a 1024-slot row: a request's K / V tile is half the bytes, and
+the program of the longest request runs the longest serial chain of tiles. This sweep times the
+kernel there: `--sizes` requests, `--layers` caches (one a layer, as the step reads them: the
+call before has not left its K / V in L2), each call on the next layer's cache, captured in one
+CUDA graph; µs a call = median replay / layers. Every point of the grid (`SplitPolicy`: splits,
+tile tokens, the double-buffered loop, warps) is checked against the default policy's output
+(bf16 rounding: the splits change only the fp32 summation order) and timed in the same process.
+
+    python -m bench.sweep_decode_attention [--sizes 1,16,32,64] [--head-dim 64]
+    python -m bench.sweep_decode_attention --smoke      # CPU, interpreted, tiny: the script runs
+
+Writes sweep_decode_attention.json under $OUT (or results/local). The floor column: the K / V
+bytes a call reads (each request's own length) over the copy bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from bench.common import copy_bandwidth, env_info, out_dir, time_us  # noqa: E402
+from bench.gpu_timing import graph_of  # noqa: E402
+from padgraph.backends.triton import attention_decode as ad  # noqa: E402
+from padgraph.backends.triton.attention_meta import PagedMeta  # noqa: E402
+from triton.runtime.errors import OutOfResources  # noqa: E402
+
+
+def cases(bs: int, layers: int, args, device, gen):
+    """(q, k_cache, v_cache) a layer and the batch's PagedMeta, laid out as bench_runner's."""
+    ctx = torch.randint(args.min_ctx, args.max_ctx - 1, (bs,), generator=gen)
+    slots = torch.stack([1 + r * args.max_ctx + torch.arange(args.max_ctx) for r in range(bs)])
+    if args.layout == "random":      # each request's slots scattered over the cache
+        perm = 1 + torch.randperm(bs * args.max_ctx, generator=gen)
+        slots = perm[slots - 1]
+    req_to_token = torch.zeros(bs + 1, args.max_ctx, dtype=torch.int32)
+    req_to_token[1:] = slots.to(torch.int32)
+    meta = PagedMeta.decode(req_to_token.to(device), torch.arange(1, bs + 1, dtype=torch.int32,
+                                                                   device=device),
+                            ctx.to(device, torch.int32))
+    n_slots, hq, hk, d = bs * args.max_ctx + 1, args.q_heads, args.kv_heads, args.head_dim
+    dt = torch.bfloat16
+    per_layer = []
+    for _ in range(layers):
+        q = torch.randn(bs, hq, d, generator=gen).to(device, dt)
+        k = torch.randn(n_slots, hk, d, generator=gen).to(device, dt)
+        v = torch.randn(n_slots, hk, d, generator=gen).to(device, dt)
+        per_layer.append((q, k, v))
+    kv_bytes = int(ctx.sum()) * hk * d * 2 * 2
+    return per_layer, meta, kv_bytes, ctx
+
+
+def grid(args) -> list[dict]:
+    pts = [{}]       # the default policy first
+    for s, bn, pf, w in itertools.product(args.splits, args.block_n, (False, True), args.warps):
+        pts.append(dict(num_splits=s, block_n=bn, prefetch=pf, num_warps=w))
+    return pts
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="1,16,32,64")
+    ap.add_argument("--q-heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--min-ctx", type=int, default=256)
+    ap.add_argument("--max-ctx", type=int, default=1024, help="the cache row's width (slots)")
+    ap.add_argument("--layout", choices=("contiguous", "random"), default="contiguous")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--splits", default="1,2,4,8,16")
+    ap.add_argument("--block-n", default="32,64,128")
+    ap.add_argument("--warps", default="4")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args(argv)
+    args.splits = [int(s) for s in args.splits.split(",")]
+    args.block_n = [int(s) for s in args.block_n.split(",")]
+    args.warps = [int(s) for s in args.warps.split(",")]
+    if args.smoke:
+        args.sizes, args.max_ctx, args.min_ctx, args.layers = "2", 128, 16, 2
+        args.splits, args.block_n, args.warps = [1, 2], [32], [4]
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    gen = torch.Generator().manual_seed(0)
+    bw = copy_bandwidth(device) if device.type == "cuda" else float("nan")
+    sm_scale = args.head_dim ** -0.5
+    rows = []
+    for bs in (int(s) for s in args.sizes.split(",")):
+        per_layer, meta, kv_bytes, ctx = cases(bs, args.layers, args, device, gen)
+        default = dict(num_splits=ad.choose_num_splits(bs, args.kv_heads, args.max_ctx,
+                                                       ad.sm_count(device)),
+                       prefetch=ad.choose_prefetch(1, bs, args.kv_heads))
+        ref = None
+        for pt in grid(args):
+            policy = ad.SplitPolicy(**pt)
+
+            def body(policy=policy):
+                return [ad.split_kv_attention(q, k, v, meta, sm_scale, policy)
+                        for q, k, v in per_layer]
+            try:
+                outs = body()
+            except OutOfResources as e:   # a point past the SM's shared memory: recorded
+                if not pt:
+                    raise
+                row = dict(bs=bs, **pt, us=None, error=f"{type(e).__name__}: {str(e)[:120]}")
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                continue
+            if ref is None:
+                ref = outs
+            err = max(float((o.float() - r.float()).abs().max()) for o, r in zip(outs, ref))
+            us = time_us(graph_of(body), args.iters) / args.layers
+            row = dict(bs=bs, **(pt or {"policy": "default", **default}), us=round(us, 2),
+                       floor_us=round(kv_bytes / bw * 1e6, 2) if bw == bw else None,
+                       max_abs_diff=round(err, 5))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        timed = [r for r in rows if r["bs"] == bs and r.get("us") is not None]
+        if timed and device.type == "cuda":
+            best = min(timed, key=lambda r: r["us"])
+            print(f"bs {bs} (ctx {int(ctx.min())}..{int(ctx.max())}, median "
+                  f"{int(statistics.median(ctx.tolist()))}): default {timed[0]['us']} us, best "
+                  f"{best['us']} us at {dict((k, best[k]) for k in ('num_splits', 'block_n', 'prefetch', 'num_warps') if k in best)}",
+                  flush=True)
+        del per_layer
+    out = out_dir() / "sweep_decode_attention.json"
+    out.write_text(json.dumps({"env": env_info(), "args": {k: v for k, v in vars(args).items()},
+                               "copy_bandwidth_gbs": round(bw / 1e9, 1) if bw == bw else None,
+                               "rows": rows}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
