@@ -44,6 +44,10 @@ All variants run side by side in one process on the same body, weights and KV ca
                    padgraph+compile's: steps past the policy's max_rows run inductor's code, as in
                    padgraph.llm's engine on a GPU with the fused kernels (`examples/eagle.py
                    --fused`); `--fused-policy max_rows=32` gives 33-64 rows to inductor
+  <padgraph variant>+attn64  that variant captured with the decode attention's single-buffered
+                   tile of heads wider than 64 (64 tokens: `attention_decode.decode_block_n` with
+                   NARROW_HEAD_DIM 0), the tile the 1B's d 64 took before its 128: what the
+                   tile changes in the step, in the same process
 Per raw batch size: step time (CUDA events, median), host time per call (median), each greedy
 variant's next tokens against the eager model's (computed at every size whatever --variants
 lists; a differing row is a near tie where the eager top-2 gap is within 4 bf16 ulps of the top
@@ -60,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import copy
 import json
 import statistics
@@ -277,9 +282,36 @@ def parse_policy(text: str) -> dict:
     return fields
 
 
+ATTN64 = "+attn64"
+
+
+@contextlib.contextmanager
+def wide_head_attention_tiles():
+    """The decode attention launches taken inside: the tiles of heads wider than 64, whatever
+    the head dim (what `attention_decode.decode_block_n` gave d 64 before its narrow tiles)."""
+    from padgraph.backends.triton import attention_decode
+    narrow = attention_decode.NARROW_HEAD_DIM
+    attention_decode.NARROW_HEAD_DIM = 0
+    try:
+        yield
+    finally:
+        attention_decode.NARROW_HEAD_DIM = narrow
+
+
 def build_variants(names, step, program, device, pg_compile=True, sample_factor=20.0,
                    fused_splits=(2, 4), fused_policy=None):
     variants, setup = {}, {}
+    for name in names:
+        if name.endswith(ATTN64):       # graphs captured with the old tiles: baked into them
+            base = name[:-len(ATTN64)]
+            if not base.startswith("padgraph"):
+                raise SystemExit(f"{name}: {ATTN64} takes a padgraph variant (captured graphs)")
+            with wide_head_attention_tiles():
+                v, s = build_variants([base], step, program, device, pg_compile, sample_factor,
+                                      fused_splits, fused_policy)
+            if base in v:
+                variants[name] = v[base]
+                setup[name] = {**s.get(base, {}), "attention_tiles": "heads wider than 64's"}
     if "eager" in names:
         variants["eager"] = lambda **r: step(**r)
     if "handwritten" in names:

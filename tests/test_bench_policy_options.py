@@ -59,3 +59,27 @@ def test_the_fused_variants_compile_the_layers_only_where_named(monkeypatch):
     assert "compiles" in setup["padgraph+fused+greedy+compile"]
     assert "compiles" not in setup["padgraph+fused+greedy+policy"]
     assert model.fused is None          # each variant binds a copy of the model
+
+
+def test_attn64_variants_are_captured_with_the_wide_head_tiles(monkeypatch):
+    """<variant>+attn64: the same variant, its graphs captured while the decode attention takes
+    the tiles of heads wider than 64 (NARROW_HEAD_DIM 0), restored once it is built; the base
+    variant, built beside it, captures with today's tiles. A variant without captured graphs
+    cannot take the suffix."""
+    from padgraph.backends.triton import attention_decode as ad
+    seen = []
+
+    def fake_compile(program, body, backend, **opts):
+        seen.append((body, ad.NARROW_HEAD_DIM, ad.decode_block_n(64, 64, 1, False)))
+        return SimpleNamespace(pool_bytes=lambda: 0,
+                               stats=SimpleNamespace(compiles=0, recompiles=0, compile_seconds=0.0))
+    monkeypatch.setattr(bench_runner.pg, "compile", fake_compile)
+    step = SimpleNamespace(model=SimpleNamespace(fused=None), kv=None, body="body")
+    names = ["padgraph+compile", "padgraph+compile+attn64"]
+    variants, setup = bench_runner.build_variants(names, step, None, "cpu", True)
+    assert set(variants) == set(names)
+    assert sorted(s[1:] for s in seen) == [(0, None), (ad.NARROW_HEAD_DIM, 128)]
+    assert ad.NARROW_HEAD_DIM == 64
+    assert setup["padgraph+compile+attn64"]["attention_tiles"] == "heads wider than 64's"
+    with pytest.raises(SystemExit):
+        bench_runner.build_variants(["eager+attn64"], step, None, "cpu", True)

@@ -334,6 +334,29 @@ def test_choose_prefetch_for_decode_with_few_pairs():
     assert not choose_prefetch(4, 1, 2)                               # tree verify keeps its loop
 
 
+NARROW_LENS = [300, PAD, 1, 63, 64, 65, 127, 128, 129, 257]
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("num_splits,fold", [(1, True), (3, True), (3, False), (12, False)])
+def test_decode_default_tiles_at_head_dim_64(prefetch, num_splits, fold):
+    """At head dim 64 decode takes the default tiles (128 tokens single-buffered, 32
+    double-buffered): lengths at and around the tile edges, split or not, folded or merged by
+    the second kernel, give the reference's output and read no poisoned slot."""
+    check_poisoned_decode(NARROW_LENS, SplitPolicy(num_splits=num_splits, fold=fold,
+                                                   prefetch=prefetch))
+
+
+def test_decode_tiles_by_head_dim():
+    from padgraph.backends.triton.attention_decode import decode_block_n
+    assert decode_block_n(64, 64, 1, False) == 128 and decode_block_n(64, 64, 1, True) == 32
+    assert decode_block_n(32, 32, 1, False) == 128
+    assert decode_block_n(128, 128, 1, False) is None                # kernel_blocks' 64
+    assert decode_block_n(128, 128, 1, True) == 32
+    assert decode_block_n(64, 128, 1, False) is None                 # the wider of the two
+    assert decode_block_n(64, 64, 4, False) is None                  # tree verify keeps its tile
+
+
 # long requests, a short one and a padded lane; BLOCK_N 16 so that most of the splits are used:
 # 37 splits -> (19, 1, 19, 3) non-empty, 130 -> (38, 1, 19, 3) (MERGE_UNROLL 4 here)
 MANY_SPLIT_LENS = [600, PAD, 300, 37]

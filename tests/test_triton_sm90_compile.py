@@ -35,10 +35,12 @@ SCRIPT = textwrap.dedent('''
     dec = {n: "*bf16" for n in ("Q", "K", "V", "Out")}
     dec.update({"ReqToToken": "*i32", "ReqPoolIdx": "*i32", "SeqLens": "*i32", "TreeMask": "*u8",
                 "MidO": "*fp32", "MidLse": "*fp32", "Counters": "*i32", "sm_scale": "fp32"})
+    # the tiles the launcher gives head dim 64: decode's (decode_block_n), tree verify's
+    tile = lambda tree, prefetch: 64 if tree else ad.decode_block_n(64, 64, 1, prefetch)
     if GROUP == "attention-gemv-topk":
         for tree, prefetch in ((False, False), (True, False), (False, True)):
             build(ad._split_kv_kernel, dec, dict(GROUP=4, NUM_Q=8 if tree else 1, HAS_TREE=tree,
-                  UPCAST=False, BLOCK_M=32 if tree else 16, BLOCK_N=32 if prefetch else 64,
+                  UPCAST=False, BLOCK_M=32 if tree else 16, BLOCK_N=tile(tree, prefetch),
                   BLOCK_D=64, BLOCK_DV=64, MERGE_UNROLL=2, PREFETCH=prefetch, PDL=False))
         # PDL (SplitPolicy.pdl): one wait, then the release; metadata (and with the
         # double-buffered loop the first tile's past K / V) requested before the wait; and no
@@ -51,7 +53,7 @@ SCRIPT = textwrap.dedent('''
         for tree, prefetch in ((False, False), (False, True), (True, False)):
             out = build(ad._split_kv_kernel, dec, dict(GROUP=4, NUM_Q=8 if tree else 1,
                         HAS_TREE=tree, UPCAST=False, BLOCK_M=32 if tree else 16,
-                        BLOCK_N=32 if prefetch else 64, BLOCK_D=64, BLOCK_DV=64,
+                        BLOCK_N=tile(tree, prefetch), BLOCK_D=64, BLOCK_DV=64,
                         MERGE_UNROLL=2, PREFETCH=prefetch, PDL=True))
             ptx = out.asm["ptx"]
             wait = ptx.find("griddepcontrol.wait")

@@ -87,6 +87,16 @@ CPU_SM_COUNT = 4  # under the interpreter: few programs keep tests fast
 # 64-token tiles 18.6), so larger batches keep the single-buffered loop (results/attention.md).
 PREFETCH_MAX_PAIRS = 8
 PREFETCH_BLOCK_N = 32
+# Decode's single-buffered loop at head dims <= NARROW_HEAD_DIM takes 128-token tiles
+# (`decode_block_n`), the bytes a tile that d 128's 64 read. H100, `bench.sweep_decode_attention`
+# (the Llama-1B step's attention: 32 / 8 heads, d 64, contexts 256..1022 in 1024-slot rows, one
+# cache a layer, graph replays, no PDL), µs a call with 64-token tiles -> 128, the splits
+# unchanged: bs 16 16.43 -> 15.06 and 15.74 -> 13.91 (two runs), bs 32 25.04 -> 22.31 and
+# 25.59 -> 23.38, bs 64 41.12 -> 35.42 (floor 27.1). The double-buffered loop (bs 1) keeps
+# PREFETCH_BLOCK_N: 64-token tiles ran it faster there (5.13 against 5.54 µs) but spill
+# registers on sm_90 (24 bytes a thread, 440 with PDL, which the fused step's attention takes).
+# Measured at d 64 only; tree verify keeps its tiles.
+NARROW_HEAD_DIM = 64
 
 
 # ----------------------------------------------------------------------------- reference
@@ -319,6 +329,18 @@ def choose_fold(num_splits: int, num_q: int, group: int, v_head_dim: int) -> boo
     return should_fold(num_splits, num_q * group, v_head_dim)
 
 
+def decode_block_n(head_dim: int, v_head_dim: int, num_q: int, prefetch: bool) -> int | None:
+    """The K / V tile's tokens of a decode launch (one query a request) when the policy names
+    none: PREFETCH_BLOCK_N in the double-buffered loop; in the single-buffered one 128 at head
+    dims <= NARROW_HEAD_DIM, else None (`kernel_blocks`' tile, 64 up to d 128). Tree verify
+    (num_q > 1): None."""
+    if num_q != 1:
+        return None
+    if prefetch:
+        return PREFETCH_BLOCK_N
+    return 128 if max(head_dim, v_head_dim) <= NARROW_HEAD_DIM else None
+
+
 def kernel_blocks(head_dim: int, v_head_dim: int, n_rows: int, block_n: int | None = None):
     """Tile sizes: BLOCK_M >= 16 rows for tl.dot; BLOCK_D padded to a power of two (masked)."""
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -378,10 +400,10 @@ def check_kernel_dtypes(q, k_cache, v_cache):
 @dataclass(frozen=True)
 class SplitPolicy:
     """How `split_kv_attention` launches. num_splits / fold None: chosen from shapes
-    (`choose_num_splits`, `choose_fold`); block_n None: `kernel_blocks`' tile; num_warps and
-    num_stages: the kernel's; prefetch None: `choose_prefetch` (each step issues the next tile's
-    K and V before computing its own; with block_n None, tiles of PREFETCH_BLOCK_N). Benchmarks
-    set knobs to sweep them.
+    (`choose_num_splits`, `choose_fold`); block_n None: `decode_block_n` in decode, else
+    `kernel_blocks`' tile; num_warps and num_stages: the kernel's; prefetch None:
+    `choose_prefetch` (each step issues the next tile's K and V before computing its own).
+    Benchmarks set knobs to sweep them.
     pdl: launch with programmatic dependent launch where the GPU and Triton have it
     (`pdl.supported`): the kernel starts while the kernel before it still runs, reads the
     metadata (seq_lens, req_pool_indices, req_to_token) and, with prefetch, its first tile's K /
@@ -425,7 +447,7 @@ def split_kv_attention(q, k_cache, v_cache, meta: PagedMeta, sm_scale: float,
     prefetch = policy.prefetch
     if prefetch is None:
         prefetch = choose_prefetch(num_q, bs, n_kv_heads)
-    block_n = policy.block_n or (PREFETCH_BLOCK_N if prefetch else None)
+    block_n = policy.block_n or decode_block_n(head_dim, v_head_dim, num_q, prefetch)
     blocks = kernel_blocks(head_dim, v_head_dim, num_q * group, block_n)
     # the kernels index 1-d metadata with unit stride (a no-op for the dense tensors runners pass)
     req_pool_indices, seq_lens = meta.req_pool_indices.contiguous(), meta.seq_lens.contiguous()
