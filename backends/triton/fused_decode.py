@@ -20,12 +20,12 @@ SiLU-mul, GEMVs below bandwidth) and the gaps between them. The one-row layer is
      so a replay gives the same bits every time.
 
 One-row GEMV shape: a program loads its whole weight tile (all of K, or its split's share, one
-load, no K loop: [8, 2048] bf16 at the 1B shape), then waits for the kernel before it
+load, no K loop: [4, 2048] bf16 at the 1B shape), then waits for the kernel before it
 (programmatic dependent launch, where available), then loops over the M rows: loads the row
 (L2), reduces it against the tile held in registers, stores. The product is a multiply-reduce
 on the CUDA cores, not `tl.dot`: a whole-K dot keeps x and the tile in dot layouts and spills
 (ptxas for sm_90: 1-14 KB of stack a thread at 16 rows), while the row loop at the default
-tiles and 8 warps compiles without spills (113-234 registers). Its arithmetic grows with the
+tiles and 8 warps compiles without spills (62-234 registers). Its arithmetic grows with the
 rows: at 16 it is what bounds the step.
 
 The tensor-core layer (2..64 rows, `decode_layer_tc`) streams each weight once through a K
@@ -120,7 +120,12 @@ class FusedDecodePolicy:
     o, gate/up and down kernels. num_warps: theirs. fold_max_m: up to this many rows, the next
     layer's qkv kernel sums the partials into the residual itself (each of its programs reads
     all of them: S*M*H*4 bytes of L2 a program); above it a small reduce kernel
-    (`residual_norm`) sums them first, one launch more a layer.
+    (`residual_norm`) sums them first, one launch more a layer. block_n 4 and down_splits 2
+    (from 8 and 4): on an H100 at the 1B shape the one-row step took 1037 µs back to back
+    against 1073 (`bench.bench_fused_decode --sizes 1`, one process; bn 4 alone 1045, down
+    splits 8 with bn 4 1046): half the rows a program halve its registers (gate/up 206 -> 118,
+    o 113 -> 62 on sm_90), so two programs share an SM where one did and one loads while the
+    other reduces.
 
     Tensor-core kernels (powers of two). tc_block_n: weight rows a program in the o and down
     projections (>= 16: the dot's M side). tc_half_n: the qkv half-tile (as half_n; a tile
@@ -177,9 +182,9 @@ class FusedDecodePolicy:
     tc_pdl: bool = False
     max_rows: int = 64
     tc_min_rows: int = 2
-    down_splits: int = 4
+    down_splits: int = 2
     half_n: int = 8
-    block_n: int = 8
+    block_n: int = 4
     num_warps: int = 8
     fold_max_m: int = 4
     tc_block_n: int = 16
