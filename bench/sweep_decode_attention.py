@@ -11,9 +11,11 @@ tile tokens, the double-buffered loop, warps) is checked against the default pol
 (bf16 rounding: the splits change only the fp32 summation order) and timed in the same process.
 
     python -m bench.sweep_decode_attention [--sizes 1,16,32,64] [--head-dim 64]
+    python -m bench.sweep_decode_attention --head-dim 128 --sizes 8 --ctx 512 --splits 1,2,4,8
+                                  # bench_attention's decode case (32 / 8 heads, d 128) instead
     python -m bench.sweep_decode_attention --smoke      # CPU, interpreted, tiny: the script runs
 
-Writes sweep_decode_attention.json under $OUT (or results/local). The floor column: the K / V
+Writes sweep_decode_attention_d<head dim>.json under $OUT (or results/local). The floor column: the K / V
 bytes a call reads (each request's own length) over the copy bandwidth.
 """
 from __future__ import annotations
@@ -38,7 +40,8 @@ from triton.runtime.errors import OutOfResources  # noqa: E402
 
 def cases(bs: int, layers: int, args, device, gen):
     """(q, k_cache, v_cache) a layer and the batch's PagedMeta, laid out as bench_runner's."""
-    ctx = torch.randint(args.min_ctx, args.max_ctx - 1, (bs,), generator=gen)
+    ctx = torch.full((bs,), args.ctx) if args.ctx else \
+        torch.randint(args.min_ctx, args.max_ctx - 1, (bs,), generator=gen)
     slots = torch.stack([1 + r * args.max_ctx + torch.arange(args.max_ctx) for r in range(bs)])
     if args.layout == "random":      # each request's slots scattered over the cache
         perm = 1 + torch.randperm(bs * args.max_ctx, generator=gen)
@@ -75,6 +78,9 @@ def main(argv=None) -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--min-ctx", type=int, default=256)
     ap.add_argument("--max-ctx", type=int, default=1024, help="the cache row's width (slots)")
+    ap.add_argument("--ctx", type=int, default=0,
+                    help="every request at this context (the row this wide), as bench_attention's "
+                         "cases; 0: drawn from --min-ctx .. --max-ctx - 2")
     ap.add_argument("--layout", choices=("contiguous", "random"), default="contiguous")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--splits", default="1,2,4,8,16")
@@ -86,8 +92,10 @@ def main(argv=None) -> None:
     args.splits = [int(s) for s in args.splits.split(",")]
     args.block_n = [int(s) for s in args.block_n.split(",")]
     args.warps = [int(s) for s in args.warps.split(",")]
+    if args.ctx:
+        args.max_ctx = args.ctx
     if args.smoke:
-        args.sizes, args.max_ctx, args.min_ctx, args.layers = "2", 128, 16, 2
+        args.sizes, args.max_ctx, args.min_ctx, args.layers, args.ctx = "2", 128, 16, 2, 0
         args.splits, args.block_n, args.warps = [1, 2], [32], [4]
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     gen = torch.Generator().manual_seed(0)
@@ -132,7 +140,7 @@ def main(argv=None) -> None:
                   f"{best['us']} us at {dict((k, best[k]) for k in ('num_splits', 'block_n', 'prefetch', 'num_warps') if k in best)}",
                   flush=True)
         del per_layer
-    out = out_dir() / "sweep_decode_attention.json"
+    out = out_dir() / f"sweep_decode_attention_d{args.head_dim}.json"
     out.write_text(json.dumps({"env": env_info(), "args": {k: v for k, v in vars(args).items()},
                                "copy_bandwidth_gbs": round(bw / 1e9, 1) if bw == bw else None,
                                "rows": rows}, indent=1))

@@ -24,6 +24,10 @@
 #   bench-fused-sweep  the fused step at 16 rows over its tensor-core policy fields, one at a time
 #                    (bench/bench_fused_decode.py variants; FUSED_SWEEP_SIZES, default 16)
 #   bench-attention  the paged-attention kernels against SDPA (bench/bench_attention.py)
+#   bench-attention-step  the decode attention at the 1B step's own shape (d 64, contexts 256-1022),
+#                    and at bench_attention's bs 8 ctx 512 (d 128), launch policies swept
+#                    (bench/sweep_decode_attention.py; 128-key tiles and one split at d 128 are
+#                    what cuDNN's SDPA runs there)
 #   bench-mla        the MLA kernels against SDPA (bench/bench_mla.py)
 #   bench-eagle      EAGLE against greedy at several batch sizes (bench/bench_eagle.py;
 #                    EAGLE_MODEL=deepseek for the MTP head)
@@ -104,6 +108,10 @@ want bench-runner-handoff && run bench_runner_handoff python3 -m bench.bench_run
 want bench-fused-sweep && run bench_fused_sweep python3 -m bench.bench_fused_decode --sizes "${FUSED_SWEEP_SIZES:-16}" \
   --iters 30 --check --variants fused,fused+tcffn16,fused+tcffn64,fused+tcprojk128,fused+tcstages4,fused+tcstages8,fused+tcwarps8,fused+tchalf4,fused+tchalf16,fused+tck64
 want bench-attention && run bench_attention python3 -m bench.bench_attention
+want bench-attention-step && run bench_attention_step python3 -m bench.sweep_decode_attention \
+  --sizes 1,16,32,64
+want bench-attention-step && run bench_attention_step_d128 python3 -m bench.sweep_decode_attention \
+  --head-dim 128 --sizes 8 --ctx 512 --splits 1,2,4,8
 want bench-mla && run bench_mla python3 -m bench.bench_mla
 want bench-eagle && run bench_eagle python3 -m bench.bench_eagle
 want hf && run hf_generate python3 examples/hf_generate.py

@@ -9,7 +9,7 @@ def test_the_sweep_runs_and_every_point_agrees_with_the_default(tmp_path, monkey
 
     monkeypatch.setenv("OUT", str(tmp_path))
     sweep.main(["--smoke"])
-    data = json.loads((tmp_path / "sweep_decode_attention.json").read_text())
+    data = json.loads((tmp_path / "sweep_decode_attention_d64.json").read_text())
     rows = data["rows"]
     assert rows[0]["policy"] == "default"
     points = {(r["num_splits"], r["block_n"], r["prefetch"]) for r in rows[1:]}
