@@ -124,8 +124,8 @@ class FusedDecodePolicy:
     (from 8 and 4): on an H100 at the 1B shape the one-row step took 1037 µs back to back
     against 1073 (`bench.bench_fused_decode --sizes 1`, one process; bn 4 alone 1045, down
     splits 8 with bn 4 1046): half the rows a program halve its registers (gate/up 206 -> 118,
-    o 113 -> 62 on sm_90), so two programs share an SM where one did and one loads while the
-    other reduces.
+    o 113 -> 62 on sm_90), so twice as many programs of 8 warps fit an SM (gate/up 2 where
+    1, o 4 where 2).
 
     Tensor-core kernels (powers of two). tc_block_n: weight rows a program in the o and down
     projections (>= 16: the dot's M side). tc_half_n: the qkv half-tile (as half_n; a tile
