@@ -8,7 +8,8 @@ kernel there: `--sizes` requests, `--layers` caches (one a layer, as the step re
 call before has not left its K / V in L2), each call on the next layer's cache, captured in one
 CUDA graph; µs a call = median replay / layers. Every point of the grid (`SplitPolicy`: splits,
 tile tokens, the double-buffered loop, warps) is checked against the default policy's output
-(bf16 rounding: the splits change only the fp32 summation order) and timed in the same process.
+(bf16 rounding: the splits change only the fp32 summation order; a point past TOL stops the run,
+after the JSON is written) and timed in the same process.
 
     python -m bench.sweep_decode_attention [--sizes 1,16,32,64] [--head-dim 64]
     python -m bench.sweep_decode_attention --head-dim 128 --sizes 8 --ctx 512 --splits 1,2,4,8
@@ -36,6 +37,9 @@ from bench.gpu_timing import graph_of  # noqa: E402
 from padgraph.backends.triton import attention_decode as ad  # noqa: E402
 from padgraph.backends.triton.attention_meta import PagedMeta  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
+
+
+TOL = 2e-2     # max abs difference from the default's output: bf16 rounding, not a wrong kernel
 
 
 def cases(bs: int, layers: int, args, device, gen):
@@ -104,9 +108,12 @@ def main(argv=None) -> None:
     rows = []
     for bs in (int(s) for s in args.sizes.split(",")):
         per_layer, meta, kv_bytes, ctx = cases(bs, args.layers, args, device, gen)
+        d, group = args.head_dim, args.q_heads // args.kv_heads
+        prefetch = ad.choose_prefetch(1, bs, args.kv_heads)
         default = dict(num_splits=ad.choose_num_splits(bs, args.kv_heads, args.max_ctx,
                                                        ad.sm_count(device)),
-                       prefetch=ad.choose_prefetch(1, bs, args.kv_heads))
+                       block_n=ad.decode_block_n(d, d, 1, prefetch)
+                       or ad.kernel_blocks(d, d, group)["BLOCK_N"], prefetch=prefetch)
         ref = None
         for pt in grid(args):
             policy = ad.SplitPolicy(**pt)
@@ -129,7 +136,7 @@ def main(argv=None) -> None:
             us = time_us(graph_of(body), args.iters) / args.layers
             row = dict(bs=bs, **(pt or {"policy": "default", **default}), us=round(us, 2),
                        floor_us=round(kv_bytes / bw * 1e6, 2) if bw == bw else None,
-                       max_abs_diff=round(err, 5))
+                       max_abs_diff=round(err, 5), agrees=err <= TOL)
             rows.append(row)
             print(json.dumps(row), flush=True)
         timed = [r for r in rows if r["bs"] == bs and r.get("us") is not None]
@@ -145,6 +152,10 @@ def main(argv=None) -> None:
                                "copy_bandwidth_gbs": round(bw / 1e9, 1) if bw == bw else None,
                                "rows": rows}, indent=1))
     print(f"wrote {out}")
+    wrong = [r for r in rows if r.get("agrees") is False]
+    if wrong:
+        raise SystemExit(f"{len(wrong)} grid points differ from the default's output by more "
+                         f"than {TOL}: {wrong[:3]}")
 
 
 if __name__ == "__main__":

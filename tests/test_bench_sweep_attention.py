@@ -3,6 +3,8 @@ nothing, and every point of its launch-policy grid gives the default policy's ou
 bf16 rounding (the splits and tiles change only the fp32 summation order)."""
 import json
 
+import pytest
+
 
 def test_the_sweep_runs_and_every_point_agrees_with_the_default(tmp_path, monkeypatch):
     from bench import sweep_decode_attention as sweep
@@ -14,5 +16,16 @@ def test_the_sweep_runs_and_every_point_agrees_with_the_default(tmp_path, monkey
     assert rows[0]["policy"] == "default"
     points = {(r["num_splits"], r["block_n"], r["prefetch"]) for r in rows[1:]}
     assert points == {(s, 32, p) for s in (1, 2) for p in (False, True)}
+    assert rows[0]["block_n"] == 128 and not rows[0]["prefetch"]   # d 64, bs 2: 16 pairs
     for r in rows:
-        assert r["max_abs_diff"] < 2e-2, r
+        assert r["max_abs_diff"] < 2e-2 and r["agrees"], r
+
+
+def test_a_point_that_disagrees_stops_the_run(tmp_path, monkeypatch):
+    from bench import sweep_decode_attention as sweep
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(sweep, "TOL", -1.0)         # every difference, 0 included, is too large
+    with pytest.raises(SystemExit, match="differ from the default"):
+        sweep.main(["--smoke"])
+    assert (tmp_path / "sweep_decode_attention_d64.json").exists()
