@@ -298,18 +298,18 @@ def test_merge_unroll_depends_on_tiles_only():
     assert mid_o.shape == (2, 3, 5, 24) and mid_o.stride() == (3 * 5 * 32, 5 * 32, 32, 1)
 
 
-def check_poisoned_decode(lens_list, policy):
+def check_poisoned_decode(lens_list, policy, dtype=torch.float32):
     """`split_kv_attention` under `policy` on a cache whose sink and past-the-end slots hold NaN:
     the real lanes are finite and the reference's, and the ticket counters end zeroed."""
-    k_cache, v_cache, r2t, rows, lens = make_paged(lens_list, 64, poison=True)
-    q = rand_q(len(lens_list), 8, 64)
+    k_cache, v_cache, r2t, rows, lens = make_paged(lens_list, 64, dtype=dtype, poison=True)
+    q = rand_q(len(lens_list), 8, 64, dtype=dtype)
     real = [i for i, n in enumerate(lens_list) if n is not PAD]
     ref = decode_attention_reference(q, unpoisoned(k_cache), unpoisoned(v_cache), r2t, rows,
                                      lens)
     out = split_kv_attention(q, k_cache, v_cache, PagedMeta.decode(r2t, rows, lens), 64 ** -0.5,
                              policy)
     assert torch.isfinite(out[real]).all(), "a real lane read a poisoned slot"
-    assert_close(out[real], ref[real], torch.float32)
+    assert_close(out[real], ref[real], dtype)
     assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
 
 
@@ -340,11 +340,11 @@ NARROW_LENS = [300, PAD, 1, 63, 64, 65, 127, 128, 129, 257]
 @pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("num_splits,fold", [(1, True), (3, True), (3, False), (12, False)])
 def test_decode_default_tiles_at_head_dim_64(prefetch, num_splits, fold):
-    """At head dim 64 decode takes the default tiles (128 tokens single-buffered, 32
+    """At head dim 64 in bf16 decode takes the default tiles (128 tokens single-buffered, 32
     double-buffered): lengths at and around the tile edges, split or not, folded or merged by
     the second kernel, give the reference's output and read no poisoned slot."""
     check_poisoned_decode(NARROW_LENS, SplitPolicy(num_splits=num_splits, fold=fold,
-                                                   prefetch=prefetch))
+                                                   prefetch=prefetch), torch.bfloat16)
 
 
 def test_decode_tiles_by_head_dim():
@@ -355,6 +355,8 @@ def test_decode_tiles_by_head_dim():
     assert decode_block_n(128, 128, 1, True) == 32
     assert decode_block_n(64, 128, 1, False) is None                 # the wider of the two
     assert decode_block_n(64, 64, 4, False) is None                  # tree verify keeps its tile
+    assert decode_block_n(64, 64, 1, False, itemsize=4) is None      # fp32 keeps its tile
+    assert decode_block_n(32, 32, 1, False, itemsize=4) is None
 
 
 # long requests, a short one and a padded lane; BLOCK_N 16 so that most of the splits are used:

@@ -95,7 +95,8 @@ PREFETCH_BLOCK_N = 32
 # 25.59 -> 23.38, bs 64 41.12 -> 35.42 (floor 27.1). The double-buffered loop (bs 1) keeps
 # PREFETCH_BLOCK_N: 64-token tiles ran it faster there (5.13 against 5.54 µs) but spill
 # registers on sm_90 (24 bytes a thread, 440 with PDL, which the fused step's attention takes).
-# Measured at d 64 only; tree verify keeps its tiles.
+# Measured at d 64 in bf16 only; tree verify and fp32 keep their tiles (fp32's of 128 keys
+# spill on sm_90: 352 bytes a thread at d 64, 72 at d 32).
 NARROW_HEAD_DIM = 64
 
 
@@ -329,16 +330,19 @@ def choose_fold(num_splits: int, num_q: int, group: int, v_head_dim: int) -> boo
     return should_fold(num_splits, num_q * group, v_head_dim)
 
 
-def decode_block_n(head_dim: int, v_head_dim: int, num_q: int, prefetch: bool) -> int | None:
+def decode_block_n(head_dim: int, v_head_dim: int, num_q: int, prefetch: bool,
+                   itemsize: int = 2) -> int | None:
     """The K / V tile's tokens of a decode launch (one query a request) when the policy names
     none: PREFETCH_BLOCK_N in the double-buffered loop; in the single-buffered one 128 at head
-    dims <= NARROW_HEAD_DIM, else None (`kernel_blocks`' tile, 64 up to d 128). Tree verify
+    dims <= NARROW_HEAD_DIM in a 2-byte dtype (fp16 / bf16: fp32 tiles of 128 keys spill on
+    sm_90, at d 32 too), else None (`kernel_blocks`' tile, 64 up to d 128). Tree verify
     (num_q > 1): None."""
     if num_q != 1:
         return None
     if prefetch:
         return PREFETCH_BLOCK_N
-    return 128 if max(head_dim, v_head_dim) <= NARROW_HEAD_DIM else None
+    narrow = itemsize <= 2 and max(head_dim, v_head_dim) <= NARROW_HEAD_DIM
+    return 128 if narrow else None
 
 
 def kernel_blocks(head_dim: int, v_head_dim: int, n_rows: int, block_n: int | None = None):
@@ -447,7 +451,8 @@ def split_kv_attention(q, k_cache, v_cache, meta: PagedMeta, sm_scale: float,
     prefetch = policy.prefetch
     if prefetch is None:
         prefetch = choose_prefetch(num_q, bs, n_kv_heads)
-    block_n = policy.block_n or decode_block_n(head_dim, v_head_dim, num_q, prefetch)
+    block_n = policy.block_n or decode_block_n(head_dim, v_head_dim, num_q, prefetch,
+                                               q.element_size())
     blocks = kernel_blocks(head_dim, v_head_dim, num_q * group, block_n)
     # the kernels index 1-d metadata with unit stride (a no-op for the dense tensors runners pass)
     req_pool_indices, seq_lens = meta.req_pool_indices.contiguous(), meta.seq_lens.contiguous()
