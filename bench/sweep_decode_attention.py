@@ -112,8 +112,9 @@ def main(argv=None) -> None:
         prefetch = ad.choose_prefetch(1, bs, args.kv_heads)
         default = dict(num_splits=ad.choose_num_splits(bs, args.kv_heads, args.max_ctx,
                                                        ad.sm_count(device)),
-                       block_n=ad.decode_block_n(d, d, 1, prefetch)
-                       or ad.kernel_blocks(d, d, group)["BLOCK_N"], prefetch=prefetch)
+                       block_n=ad.kernel_blocks(d, d, group, ad.decode_block_n(
+                           d, d, 1, prefetch))["BLOCK_N"],      # as split_kv_attention resolves it
+                       prefetch=prefetch)
         ref = None
         for pt in grid(args):
             policy = ad.SplitPolicy(**pt)
