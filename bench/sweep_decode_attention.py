@@ -14,10 +14,12 @@ after the JSON is written) and timed in the same process.
     python -m bench.sweep_decode_attention [--sizes 1,16,32,64] [--head-dim 64]
     python -m bench.sweep_decode_attention --head-dim 128 --sizes 8 --ctx 512 --splits 1,2,4,8
                                   # bench_attention's decode case (32 / 8 heads, d 128) instead
+    python -m bench.sweep_decode_attention --head-dim 128 --sizes 8 --ctx 512 --tree 8
+                                  # tree verify: 8 drafts a request under a random tree mask
     python -m bench.sweep_decode_attention --smoke      # CPU, interpreted, tiny: the script runs
 
-Writes sweep_decode_attention_d<head dim>.json under $OUT (or results/local). The floor column: the K / V
-bytes a call reads (each request's own length) over the copy bandwidth.
+Writes sweep_decode_attention_d<head dim>[_tree<K>].json under $OUT (or results/local). The floor
+column: the K / V bytes a call reads (each request's own length) over the copy bandwidth.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from bench.common import copy_bandwidth, env_info, out_dir, time_us  # noqa: E402
+from bench.common import copy_bandwidth, env_info, out_dir, random_tree_masks, time_us  # noqa: E402
 from bench.gpu_timing import graph_of  # noqa: E402
 from padgraph.backends.triton import attention_decode as ad  # noqa: E402
 from padgraph.backends.triton.attention_meta import PagedMeta  # noqa: E402
@@ -52,14 +54,17 @@ def cases(bs: int, layers: int, args, device, gen):
         slots = perm[slots - 1]
     req_to_token = torch.zeros(bs + 1, args.max_ctx, dtype=torch.int32)
     req_to_token[1:] = slots.to(torch.int32)
-    meta = PagedMeta.decode(req_to_token.to(device), torch.arange(1, bs + 1, dtype=torch.int32,
-                                                                   device=device),
-                            ctx.to(device, torch.int32))
+    rows = torch.arange(1, bs + 1, dtype=torch.int32, device=device)
+    if args.tree:     # the last `tree` positions of each request are its drafts
+        masks = random_tree_masks(bs, args.tree, gen).to(device)
+        meta = PagedMeta.tree(req_to_token.to(device), rows, ctx.to(device, torch.int32), masks)
+    else:
+        meta = PagedMeta.decode(req_to_token.to(device), rows, ctx.to(device, torch.int32))
     n_slots, hq, hk, d = bs * args.max_ctx + 1, args.q_heads, args.kv_heads, args.head_dim
     dt = torch.bfloat16
     per_layer = []
     for _ in range(layers):
-        q = torch.randn(bs, hq, d, generator=gen).to(device, dt)
+        q = torch.randn(bs * max(1, args.tree), hq, d, generator=gen).to(device, dt)
         k = torch.randn(n_slots, hk, d, generator=gen).to(device, dt)
         v = torch.randn(n_slots, hk, d, generator=gen).to(device, dt)
         per_layer.append((q, k, v))
@@ -69,7 +74,8 @@ def cases(bs: int, layers: int, args, device, gen):
 
 def grid(args) -> list[dict]:
     pts = [{}]       # the default policy first
-    for s, bn, pf, w in itertools.product(args.splits, args.block_n, (False, True), args.warps):
+    prefetch = (False,) if args.tree else (False, True)    # the double-buffered loop: decode's
+    for s, bn, pf, w in itertools.product(args.splits, args.block_n, prefetch, args.warps):
         pts.append(dict(num_splits=s, block_n=bn, prefetch=pf, num_warps=w))
     return pts
 
@@ -86,6 +92,8 @@ def main(argv=None) -> None:
                     help="every request at this context (the row this wide), as bench_attention's "
                          "cases; 0: drawn from --min-ctx .. --max-ctx - 2")
     ap.add_argument("--layout", choices=("contiguous", "random"), default="contiguous")
+    ap.add_argument("--tree", type=int, default=0, metavar="K",
+                    help="tree verify: K drafts a request under a random tree mask (0: decode)")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--splits", default="1,2,4,8,16")
     ap.add_argument("--block-n", default="32,64,128")
@@ -109,12 +117,13 @@ def main(argv=None) -> None:
     for bs in (int(s) for s in args.sizes.split(",")):
         per_layer, meta, kv_bytes, ctx = cases(bs, args.layers, args, device, gen)
         d, group = args.head_dim, args.q_heads // args.kv_heads
-        prefetch = ad.choose_prefetch(1, bs, args.kv_heads)
+        num_q = max(1, args.tree)
+        prefetch = ad.choose_prefetch(num_q, bs, args.kv_heads)
         default = dict(num_splits=ad.choose_num_splits(bs, args.kv_heads, args.max_ctx,
-                                                       ad.sm_count(device)),
-                       block_n=ad.kernel_blocks(d, d, group, ad.decode_block_n(
-                           d, d, 1, prefetch))["BLOCK_N"],      # as split_kv_attention resolves it
-                       prefetch=prefetch)
+                                                       ad.sm_count(device), num_q),
+                       block_n=ad.kernel_blocks(d, d, num_q * group, ad.decode_block_n(
+                           d, d, num_q, prefetch))["BLOCK_N"],  # as split_kv_attention resolves it
+                       prefetch=prefetch, num_warps=ad.SplitPolicy().num_warps)
         ref = None
         for pt in grid(args):
             policy = ad.SplitPolicy(**pt)
@@ -148,7 +157,8 @@ def main(argv=None) -> None:
                   f"{best['us']} us at {dict((k, best[k]) for k in ('num_splits', 'block_n', 'prefetch', 'num_warps') if k in best)}",
                   flush=True)
         del per_layer
-    out = out_dir() / f"sweep_decode_attention_d{args.head_dim}.json"
+    tree = f"_tree{args.tree}" if args.tree else ""
+    out = out_dir() / f"sweep_decode_attention_d{args.head_dim}{tree}.json"
     out.write_text(json.dumps({"env": env_info(), "args": {k: v for k, v in vars(args).items()},
                                "copy_bandwidth_gbs": round(bw / 1e9, 1) if bw == bw else None,
                                "rows": rows}, indent=1))

@@ -29,3 +29,19 @@ def test_a_point_that_disagrees_stops_the_run(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="differ from the default"):
         sweep.main(["--smoke"])
     assert (tmp_path / "sweep_decode_attention_d64.json").exists()
+
+
+def test_the_tree_verify_sweep_runs_and_agrees(tmp_path, monkeypatch):
+    """--tree K: K drafts a request under a random tree mask; the grid leaves out the
+    double-buffered loop (decode's) and every point agrees with the default's output."""
+    from bench import sweep_decode_attention as sweep
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    sweep.main(["--smoke", "--tree", "4"])
+    rows = json.loads((tmp_path / "sweep_decode_attention_d64_tree4.json").read_text())["rows"]
+    assert rows[0]["policy"] == "default" and not rows[0]["prefetch"]
+    assert rows[0]["block_n"] == 64 and rows[0]["num_warps"] == 4
+    assert {(r["num_splits"], r["block_n"], r["prefetch"]) for r in rows[1:]} == {
+        (s, 32, False) for s in (1, 2)}
+    for r in rows:
+        assert r["agrees"], r
