@@ -119,11 +119,11 @@ def main(argv=None) -> None:
         d, group = args.head_dim, args.q_heads // args.kv_heads
         num_q = max(1, args.tree)
         prefetch = ad.choose_prefetch(num_q, bs, args.kv_heads)
+        blocks = ad.launch_blocks(d, d, num_q, group, prefetch)  # as split_kv_attention does
         default = dict(num_splits=ad.choose_num_splits(bs, args.kv_heads, args.max_ctx,
                                                        ad.sm_count(device), num_q),
-                       block_n=ad.kernel_blocks(d, d, num_q * group, ad.decode_block_n(
-                           d, d, num_q, prefetch))["BLOCK_N"],  # as split_kv_attention resolves it
-                       prefetch=prefetch, num_warps=ad.SplitPolicy().num_warps)
+                       block_n=blocks["BLOCK_N"], prefetch=prefetch,
+                       num_warps=blocks["num_warps"])
         ref = None
         for pt in grid(args):
             policy = ad.SplitPolicy(**pt)

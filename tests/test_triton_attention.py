@@ -347,6 +347,46 @@ def test_decode_default_tiles_at_head_dim_64(prefetch, num_splits, fold):
                                                    prefetch=prefetch), torch.bfloat16)
 
 
+WIDE_TREE_LENS = [300, PAD, K_DRAFT, 127, 128, 129, 128 + K_DRAFT, 257]
+
+
+@pytest.mark.parametrize("num_splits,fold", [(1, True), (3, True), (3, False)])
+def test_tree_verify_default_tiles_at_head_dim_128(num_splits, fold):
+    """Tree verify at head dim 128 in bf16, 4 q heads a kv head (32 query rows a program),
+    takes the default 128-token tiles (`tree_block_n`): drafts at and around the tile edges,
+    split or not, folded or merged, give the reference's output and read no poisoned slot."""
+    from padgraph.backends.triton.attention_decode import launch_blocks
+    assert launch_blocks(128, 128, K_DRAFT, 4, False)["BLOCK_N"] == 128
+    dtype, group = torch.bfloat16, 4
+    k_cache, v_cache, r2t, rows, lens = make_paged(WIDE_TREE_LENS, 128, dtype=dtype, poison=True)
+    mask = tree_masks(len(WIDE_TREE_LENS), pad_rows=[1])
+    q = rand_q(len(WIDE_TREE_LENS) * K_DRAFT, N_KV_HEADS * group, 128, dtype)
+    real = [r * K_DRAFT + i for r, n in enumerate(WIDE_TREE_LENS) if n is not PAD
+            for i in range(K_DRAFT)]
+    ref = tree_verify_attention_reference(q, unpoisoned(k_cache), unpoisoned(v_cache), r2t,
+                                          rows, lens, mask)
+    out = split_kv_attention(q, k_cache, v_cache, PagedMeta.tree(r2t, rows, lens, mask),
+                             128 ** -0.5, SplitPolicy(num_splits=num_splits, fold=fold))
+    assert torch.isfinite(out[real]).all(), "a real lane read a poisoned slot"
+    assert_close(out[real], ref[real], dtype)
+    assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
+
+
+def test_tree_verify_tiles_by_head_dim_and_rows():
+    from padgraph.backends.triton.attention_decode import launch_blocks, tree_block_n
+    assert tree_block_n(128, 128, 32) == 128 and tree_block_n(96, 96, 8) == 128
+    assert tree_block_n(64, 64, 32) is None                          # d 64: kernel_blocks' 64
+    assert tree_block_n(128, 128, 64) is None                        # 64 query rows
+    assert tree_block_n(256, 256, 16) is None                        # kernel_blocks' 32
+    assert tree_block_n(128, 128, 32, itemsize=4) is None            # fp32 keeps its tile
+    tile = lambda *a, **k: (launch_blocks(*a, **k)["BLOCK_N"], launch_blocks(*a, **k)["num_warps"])
+    assert tile(128, 128, 8, 4, False) == (128, 4)                   # 8 drafts at group 4
+    assert tile(128, 128, 8, 8, False) == (64, 4)                    # at group 8: 64 rows
+    assert tile(64, 64, 8, 4, False) == (64, 4)
+    assert tile(128, 128, 1, 4, False) == (64, 4)                    # decode keeps its tile
+    assert tile(128, 128, 8, 4, False, block_n=32, num_warps=8) == (32, 8)   # a policy's
+
+
 def test_decode_tiles_by_head_dim():
     from padgraph.backends.triton.attention_decode import decode_block_n
     assert decode_block_n(64, 64, 1, False) == 128 and decode_block_n(64, 64, 1, True) == 32

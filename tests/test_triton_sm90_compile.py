@@ -32,6 +32,9 @@ SCRIPT = textwrap.dedent('''
         return out
 
     GROUP = sys.argv[1]
+    # (head dim, queries a request, q heads a kv head, double-buffered loop): tree verify of 8
+    # and 4 drafts at d 128 (128-token tiles) and of 8 at group 8 (64 rows: 64-token tiles)
+    SPLIT_SHAPES = [(128, 8, 4, False), (128, 4, 4, False), (128, 8, 8, False)]
     dec = {n: "*bf16" for n in ("Q", "K", "V", "Out")}
     dec.update({"ReqToToken": "*i32", "ReqPoolIdx": "*i32", "SeqLens": "*i32", "TreeMask": "*u8",
                 "MidO": "*fp32", "MidLse": "*fp32", "Counters": "*i32", "sm_scale": "fp32"})
@@ -81,6 +84,18 @@ SCRIPT = textwrap.dedent('''
         build(tk._merge_kernel, {"cand_v_ptr": "*fp32", "cand_i_ptr": "*i64", "part_m_ptr": "*fp32",
               "part_s_ptr": "*fp32", "out_v_ptr": "*fp32", "out_i_ptr": "*i64",
               "out_lse_ptr": "*fp32"}, dict(K=4, CK=1024, CP=256))
+    if GROUP == "split-defaults":
+        # the split kernel as `split_kv_attention` launches it when the policy names nothing
+        # (`launch_blocks`: tile and warps), bf16, with and without PDL. No spill check: tree
+        # verify's 128-token tiles at d 128 spill on sm_90 and still ran fastest there
+        for d, num_q, group, prefetch in SPLIT_SHAPES:
+            blocks = ad.launch_blocks(d, d, num_q, group, prefetch)
+            warps = blocks.pop("num_warps")
+            for pdl in (False, True):
+                build(ad._split_kv_kernel, dec, dict(blocks, GROUP=group, NUM_Q=num_q,
+                      HAS_TREE=num_q > 1, UPCAST=False, PREFETCH=prefetch, PDL=pdl,
+                      MERGE_UNROLL=ad.merge_unroll(blocks["BLOCK_M"], blocks["BLOCK_DV"], warps)),
+                      num_warps=warps)
     if GROUP == "moe":   # the routed MoE experts (moe_routed.py), bf16 and fp32 activations
         from padgraph.backends.triton import moe_routed as mr
         t = mr.TILES
@@ -123,7 +138,7 @@ def run_compiler(args, tmp_path) -> str:
     return p.stdout
 
 
-GROUPS = {"attention-gemv-topk": 11, "moe": 6, "pdl": 2}    # group -> kernels built
+GROUPS = {"attention-gemv-topk": 11, "split-defaults": 6, "moe": 6, "pdl": 2}    # group -> kernels built
 
 
 @pytest.mark.parametrize("group", list(GROUPS))

@@ -98,6 +98,15 @@ PREFETCH_BLOCK_N = 32
 # Measured at d 64 in bf16 only; tree verify and fp32 keep their tiles (fp32's of 128 keys
 # spill on sm_90: 352 bytes a thread at d 64, 72 at d 32).
 NARROW_HEAD_DIM = 64
+# Tree verify (num_q > 1) at head dims in (64, 128] takes 128-token tiles where its
+# query tile has <= TREE_WIDE_ROWS rows (`tree_block_n`). H100, `bench.sweep_decode_attention
+# --head-dim 128 --ctx 512 --tree K` (32 / 8 heads, bf16, 16 layer caches, graph replays), µs a
+# call at the policy's 4 splits, 64-token tiles -> 128: 8 drafts bs 1 17.4 -> 10.9, bs 8 23.3 ->
+# 17.4, bs 32 65.2 -> 48.0; 4 drafts bs 8 16.3 -> 14.5. At d 64 the 64-token tile stays (8
+# drafts, 2 splits: bs 1 10.4 against 15.6 with 128, bs 16 28.2 against 35.3), and with 64 rows
+# (16 drafts at group 4: 30.4 against 75.9). 8 warps were slower at every tree point but one
+# (bs 1, 8 drafts: 10.3 against 10.9), though 4 warps spill registers there on sm_90.
+TREE_WIDE_ROWS = 32
 
 
 # ----------------------------------------------------------------------------- reference
@@ -355,6 +364,27 @@ def kernel_blocks(head_dim: int, v_head_dim: int, n_rows: int, block_n: int | No
                 BLOCK_D=block_d, BLOCK_DV=block_dv)
 
 
+def tree_block_n(head_dim: int, v_head_dim: int, rows: int, itemsize: int = 2) -> int | None:
+    """The K / V tile's tokens of a tree verify launch (`rows` = num_q * group query rows a
+    program) when the policy names none: 128 at head dims in (64, 128] in a 2-byte dtype with
+    rows <= TREE_WIDE_ROWS, else None (`kernel_blocks`' tile)."""
+    wide = 64 < max(head_dim, v_head_dim) <= 128
+    return 128 if itemsize <= 2 and wide and rows <= TREE_WIDE_ROWS else None
+
+
+def launch_blocks(head_dim: int, v_head_dim: int, num_q: int, group: int, prefetch: bool,
+                  itemsize: int = 2, block_n: int | None = None,
+                  num_warps: int | None = None) -> dict:
+    """The split kernel's tiles and warps as `split_kv_attention` launches it: the policy's
+    block_n / num_warps where set, else `decode_block_n` (decode) / `tree_block_n` (tree
+    verify) / `kernel_blocks`' tile, and 4 warps. From shapes only."""
+    if not block_n:
+        block_n = decode_block_n(head_dim, v_head_dim, num_q, prefetch, itemsize) if num_q == 1 \
+            else tree_block_n(head_dim, v_head_dim, num_q * group, itemsize)
+    return dict(kernel_blocks(head_dim, v_head_dim, num_q * group, block_n),
+                num_warps=num_warps or 4)
+
+
 def check_paged_args(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, bs: int):
     """Shape and dtype checks shared by the paged kernels (no value reads: graph-safe)."""
     if q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() != 3:
@@ -404,9 +434,9 @@ def check_kernel_dtypes(q, k_cache, v_cache):
 @dataclass(frozen=True)
 class SplitPolicy:
     """How `split_kv_attention` launches. num_splits / fold None: chosen from shapes
-    (`choose_num_splits`, `choose_fold`); block_n None: `decode_block_n` in decode, else
-    `kernel_blocks`' tile; num_warps and num_stages: the kernel's; prefetch None:
-    `choose_prefetch` (each step issues the next tile's K and V before computing its own).
+    (`choose_num_splits`, `choose_fold`); block_n None: `launch_blocks`' tile; num_warps None:
+    4; num_stages: the kernel's; prefetch None: `choose_prefetch` (each step issues the next
+    tile's K and V before computing its own).
     Benchmarks set knobs to sweep them.
     pdl: launch with programmatic dependent launch where the GPU and Triton have it
     (`pdl.supported`): the kernel starts while the kernel before it still runs, reads the
@@ -418,7 +448,7 @@ class SplitPolicy:
     num_splits: int | None = None
     fold: bool | None = None
     block_n: int | None = None
-    num_warps: int = 4
+    num_warps: int | None = None
     num_stages: int = 2
     prefetch: bool | None = None
     pdl: bool = False
@@ -451,9 +481,9 @@ def split_kv_attention(q, k_cache, v_cache, meta: PagedMeta, sm_scale: float,
     prefetch = policy.prefetch
     if prefetch is None:
         prefetch = choose_prefetch(num_q, bs, n_kv_heads)
-    block_n = policy.block_n or decode_block_n(head_dim, v_head_dim, num_q, prefetch,
-                                               q.element_size())
-    blocks = kernel_blocks(head_dim, v_head_dim, num_q * group, block_n)
+    blocks = launch_blocks(head_dim, v_head_dim, num_q, group, prefetch, q.element_size(),
+                           policy.block_n, policy.num_warps)
+    num_warps = blocks.pop("num_warps")
     # the kernels index 1-d metadata with unit stride (a no-op for the dense tensors runners pass)
     req_pool_indices, seq_lens = meta.req_pool_indices.contiguous(), meta.seq_lens.contiguous()
     req_to_token = meta.req_to_token
@@ -468,7 +498,6 @@ def split_kv_attention(q, k_cache, v_cache, meta: PagedMeta, sm_scale: float,
     fold = fold and num_splits > 1
     counters, fold = tickets(q.device, bs * n_kv_heads if fold else 0, fold)
     tree = tree_mask.contiguous().view(torch.uint8) if tree_mask is not None else req_pool_indices
-    num_warps = policy.num_warps
     launch = launch_options(q.device, policy.pdl)
     # the kernel's PDL shape (loads split around the wait) where it launches with PDL, and on
     # the CPU interpreter, which runs that shape with the wait a no-op (tested there)
