@@ -54,7 +54,7 @@ from padgraph.backends.triton.attention import (  # noqa: E402
     decode_attention, decode_attention_reference, extend_attention, extend_attention_reference,
     tree_verify_attention, tree_verify_attention_reference)
 from padgraph.backends.triton.attention_decode import (  # noqa: E402
-    SplitPolicy, choose_fold, choose_num_splits, sm_count, split_kv_attention)
+    SplitPolicy, choose_fold, choose_num_splits, launch_blocks, sm_count, split_kv_attention)
 from padgraph.backends.triton.attention_meta import PagedMeta  # noqa: E402
 
 from bench.attention_config import *  # noqa: E402,F401,F403 (the shapes and sweeps of this benchmark)
@@ -232,7 +232,10 @@ def time_case(spec: CaseSpec, copy_bw, l2_bytes, gen, device, in_graph=0) -> dic
                sdpa_backend=backend.name if backend is not None else None,
                sdpa_backends_us={b.name: t["sdpa_us"] for b, t in timed.items()},
                num_splits=choose_num_splits(bs, N_KV_HEADS, ctx, sm_count(first.q.device),
-                                            first.n_q if kind != "extend" else 1),
+                                            first.n_q if kind != "extend" else 1,
+                                            launch_blocks(HEAD_DIM, HEAD_DIM, first.n_q,
+                                                          N_Q_HEADS // N_KV_HEADS, False)
+                                            ["BLOCK_N"] if kind == "verify" else None),
                bytes=set_bytes, **errs)
     row["fold"] = kind != "extend" and choose_fold(row["num_splits"], first.n_q,
                                                    N_Q_HEADS // N_KV_HEADS, HEAD_DIM)

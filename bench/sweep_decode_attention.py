@@ -121,7 +121,8 @@ def main(argv=None) -> None:
         prefetch = ad.choose_prefetch(num_q, bs, args.kv_heads)
         blocks = ad.launch_blocks(d, d, num_q, group, prefetch)  # as split_kv_attention does
         default = dict(num_splits=ad.choose_num_splits(bs, args.kv_heads, args.max_ctx,
-                                                       ad.sm_count(device), num_q),
+                                                       ad.sm_count(device), num_q,
+                                                       blocks["BLOCK_N"]),
                        block_n=blocks["BLOCK_N"], prefetch=prefetch,
                        num_warps=blocks["num_warps"])
         ref = None

@@ -169,6 +169,14 @@ def test_choose_num_splits_uses_shapes_only():
     assert choose_num_splits(1, 8, 32768, 132, num_q=8) == 128
     assert choose_num_splits(8, 8, 4096, 132, num_q=8) == 32
     assert choose_num_splits(32, 8, 4096, 132, num_q=8) == 9
+    # with 128-token tiles: the largest power of two keeping <= 2 programs an SM
+    assert choose_num_splits(1, 8, 4096, 132, num_q=8, block_n=128) == 32
+    assert choose_num_splits(8, 8, 4096, 132, num_q=8, block_n=128) == 4
+    assert choose_num_splits(32, 8, 4096, 132, num_q=8, block_n=128) == 1
+    assert choose_num_splits(1, 8, 512, 132, num_q=8, block_n=128) == 4      # the width's cap
+    assert choose_num_splits(1, 8, 32768, 132, num_q=8, block_n=128) == 32
+    assert choose_num_splits(8, 8, 4096, 132, num_q=8, block_n=64) == 32    # 64: as before
+    assert choose_num_splits(8, 8, 4096, 132, block_n=128) == 8             # decode: as before
 
 
 def test_choose_fold_by_split_count_for_decode_by_bytes_for_verify():

@@ -69,8 +69,16 @@ from .pdl import launch_options, wait_for_previous
 #   DECODE_MIN_SPLIT_TOKENS (one tile of 64) while they stay folded: bs 1 ctx 512 8 splits
 #   folded 11.4 us against the 4 of 128 tokens' 12.9 (SDPA 11.7); bs 8 ctx 512 8 folded 16.5
 #   against 16.4 (unchanged within noise). Longer contexts keep 128 tokens a split.
-#   Tree verify (k query rows a request) keeps PROGRAMS_PER_SM: it was not swept.
+#   Tree verify (k query rows a request) keeps PROGRAMS_PER_SM with 64-token tiles. With its
+#   128-token tiles (`tree_block_n`) it takes the largest power of two of splits that keeps
+#   TREE_WIDE_PROGRAMS_PER_SM programs an SM at most: H100, `bench.sweep_decode_attention
+#   --head-dim 128 --tree 8` (32 / 8 heads), µs a call, PROGRAMS_PER_SM's splits -> these:
+#   ctx 4096 bs 1 32 -> 32 splits 17.7 -> 17.3, bs 8 32 -> 4 87.6 -> 58.8, bs 32 9 -> 1
+#   259.8 -> 190.1 (floor 179.3); ctx 512 bs 1 4 -> 4, bs 8 4 -> 4, bs 32 4 -> 1 48.0 -> 31.3.
+#   Every other split count of the sweep (1 .. 32) was slower at bs 8 and 32, and within 0.5 µs
+#   at bs 1.
 PROGRAMS_PER_SM = 16
+TREE_WIDE_PROGRAMS_PER_SM = 2
 DECODE_PROGRAMS_PER_SM = 4
 DECODE_MAX_SPLITS = 64
 DECODE_FOLD_MAX_SPLITS = 8
@@ -308,12 +316,13 @@ def sm_count(device: torch.device) -> int:
 
 
 def choose_num_splits(bs: int, n_kv_heads: int, max_context: int, n_sm: int,
-                      num_q: int = 1) -> int:
+                      num_q: int = 1, block_n: int | None = None) -> int:
     """Static split count from shapes only, bounded by MIN_SPLIT_TOKENS of the cache width:
     decode (num_q 1) the largest power of two <= DECODE_PROGRAMS_PER_SM programs an SM, at most
     DECODE_MAX_SPLITS, with splits down to DECODE_MIN_SPLIT_TOKENS while that keeps them folded
     (<= DECODE_FOLD_MAX_SPLITS); tree verify (num_q > 1) ~PROGRAMS_PER_SM an SM, at most
-    MAX_SPLITS."""
+    MAX_SPLITS, or with 128-token tiles (`block_n`, as `launch_blocks` gives it) the largest
+    power of two keeping <= TREE_WIDE_PROGRAMS_PER_SM programs an SM."""
     pairs = max(1, bs * n_kv_heads)
     cap = max(1, max_context // MIN_SPLIT_TOKENS)
     if num_q == 1:
@@ -321,7 +330,11 @@ def choose_num_splits(bs: int, n_kv_heads: int, max_context: int, n_sm: int,
         want = max(1, DECODE_PROGRAMS_PER_SM * n_sm // pairs)
         want = 1 << (want.bit_length() - 1)
         return max(1, min(want, cap, DECODE_MAX_SPLITS))
-    want = triton.cdiv(PROGRAMS_PER_SM * n_sm, pairs)
+    if block_n is not None and block_n >= 128:
+        want = max(1, TREE_WIDE_PROGRAMS_PER_SM * n_sm // pairs)
+        want = 1 << (want.bit_length() - 1)
+    else:
+        want = triton.cdiv(PROGRAMS_PER_SM * n_sm, pairs)
     return max(1, min(want, cap, MAX_SPLITS))
 
 
@@ -472,18 +485,18 @@ def split_kv_attention(q, k_cache, v_cache, meta: PagedMeta, sm_scale: float,
     n_rows, n_q_heads, head_dim = q.shape
     bs, n_kv_heads, v_head_dim = n_rows // num_q, k_cache.shape[1], v_cache.shape[2]
     group = n_q_heads // n_kv_heads
-    num_splits, fold = policy.num_splits, policy.fold
-    if num_splits is None:
-        num_splits = choose_num_splits(bs, n_kv_heads, meta.max_context, sm_count(q.device),
-                                       num_q)
-    if fold is None:
-        fold = choose_fold(num_splits, num_q, group, v_head_dim)
     prefetch = policy.prefetch
     if prefetch is None:
         prefetch = choose_prefetch(num_q, bs, n_kv_heads)
     blocks = launch_blocks(head_dim, v_head_dim, num_q, group, prefetch, q.element_size(),
                            policy.block_n, policy.num_warps)
     num_warps = blocks.pop("num_warps")
+    num_splits, fold = policy.num_splits, policy.fold
+    if num_splits is None:
+        num_splits = choose_num_splits(bs, n_kv_heads, meta.max_context, sm_count(q.device),
+                                       num_q, blocks["BLOCK_N"])
+    if fold is None:
+        fold = choose_fold(num_splits, num_q, group, v_head_dim)
     # the kernels index 1-d metadata with unit stride (a no-op for the dense tensors runners pass)
     req_pool_indices, seq_lens = meta.req_pool_indices.contiguous(), meta.seq_lens.contiguous()
     req_to_token = meta.req_to_token
