@@ -28,6 +28,9 @@
 #                    and at bench_attention's bs 8 ctx 512 (d 128), launch policies swept
 #                    (bench/sweep_decode_attention.py; 128-key tiles and one split at d 128 are
 #                    what cuDNN's SDPA runs there)
+#   bench-attention-tree  tree verify's launch policy swept at d 128 (8 drafts, contexts 512 and
+#                    4096; 128-key tiles, splits within 2 programs an SM) and at d 64 (the
+#                    EAGLE-1B verify: 64-key tiles)
 #   bench-mla        the MLA kernels against SDPA (bench/bench_mla.py)
 #   bench-eagle      EAGLE against greedy at several batch sizes (bench/bench_eagle.py;
 #                    EAGLE_MODEL=deepseek for the MTP head)
@@ -112,6 +115,12 @@ want bench-attention-step && run bench_attention_step python3 -m bench.sweep_dec
   --sizes 1,16,32,64
 want bench-attention-step && run bench_attention_step_d128 python3 -m bench.sweep_decode_attention \
   --head-dim 128 --sizes 8 --ctx 512 --splits 1,2,4,8
+want bench-attention-tree && run bench_attention_tree_512 python3 -m bench.sweep_decode_attention \
+  --head-dim 128 --sizes 1,8,32 --ctx 512 --tree 8 --splits 1,2,4 --block-n 64,128
+want bench-attention-tree && run bench_attention_tree_4096 python3 -m bench.sweep_decode_attention \
+  --head-dim 128 --sizes 1,8,32 --ctx 4096 --tree 8 --splits 1,4,32 --block-n 64,128
+want bench-attention-tree && run bench_attention_tree_d64 python3 -m bench.sweep_decode_attention \
+  --sizes 1,16 --tree 8 --splits 2,8 --block-n 64,128
 want bench-mla && run bench_mla python3 -m bench.bench_mla
 want bench-eagle && run bench_eagle python3 -m bench.bench_eagle
 want hf && run hf_generate python3 examples/hf_generate.py
