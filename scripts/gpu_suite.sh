@@ -27,7 +27,8 @@
 #   bench-attention-step  the decode attention at the 1B step's own shape (d 64, contexts 256-1022),
 #                    and at bench_attention's bs 8 ctx 512 (d 128), launch policies swept
 #                    (bench/sweep_decode_attention.py; 128-key tiles and one split at d 128 are
-#                    what cuDNN's SDPA runs there)
+#                    what cuDNN's SDPA runs there), and bs 1 ctx 32768 (d 128: the double-
+#                    buffered loop against the single-buffered one where SDPA leads most)
 #   bench-attention-tree  tree verify's launch policy swept at d 128 (8 drafts, contexts 512 and
 #                    4096; 128-key tiles, splits within 2 programs an SM) and at d 64 (the
 #                    EAGLE-1B verify: 64-key tiles)
@@ -115,6 +116,8 @@ want bench-attention-step && run bench_attention_step python3 -m bench.sweep_dec
   --sizes 1,16,32,64
 want bench-attention-step && run bench_attention_step_d128 python3 -m bench.sweep_decode_attention \
   --head-dim 128 --sizes 8 --ctx 512 --splits 1,2,4,8
+want bench-attention-step && run bench_attention_step_d128_long python3 -m bench.sweep_decode_attention \
+  --head-dim 128 --sizes 1 --ctx 32768 --splits 16,32,64
 want bench-attention-tree && run bench_attention_tree_512 python3 -m bench.sweep_decode_attention \
   --head-dim 128 --sizes 1,8,32 --ctx 512 --tree 8 --splits 1,2,4 --block-n 64,128
 want bench-attention-tree && run bench_attention_tree_4096 python3 -m bench.sweep_decode_attention \
