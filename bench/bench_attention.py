@@ -54,7 +54,7 @@ from padgraph.backends.triton.attention import (  # noqa: E402
     decode_attention, decode_attention_reference, extend_attention, extend_attention_reference,
     tree_verify_attention, tree_verify_attention_reference)
 from padgraph.backends.triton.attention_decode import (  # noqa: E402
-    SplitPolicy, choose_fold, choose_num_splits, launch_blocks, sm_count, split_kv_attention)
+    SplitPolicy, choose_num_splits, plan_split, sm_count, split_kv_attention)
 from padgraph.backends.triton.attention_meta import PagedMeta  # noqa: E402
 
 from bench.attention_config import *  # noqa: E402,F401,F403 (the shapes and sweeps of this benchmark)
@@ -231,14 +231,14 @@ def time_case(spec: CaseSpec, copy_bw, l2_bytes, gen, device, in_graph=0) -> dic
     row = dict(kind=kind, bs=bs, ctx=ctx, layout=layout, n_sets=n_sets,
                sdpa_backend=backend.name if backend is not None else None,
                sdpa_backends_us={b.name: t["sdpa_us"] for b, t in timed.items()},
-               num_splits=choose_num_splits(bs, N_KV_HEADS, ctx, sm_count(first.q.device),
-                                            first.n_q if kind != "extend" else 1,
-                                            launch_blocks(HEAD_DIM, HEAD_DIM, first.n_q,
-                                                          N_Q_HEADS // N_KV_HEADS, False)
-                                            ["BLOCK_N"] if kind == "verify" else None),
                bytes=set_bytes, **errs)
-    row["fold"] = kind != "extend" and choose_fold(row["num_splits"], first.n_q,
-                                                   N_Q_HEADS // N_KV_HEADS, HEAD_DIM)
+    if kind == "extend":
+        row.update(num_splits=choose_num_splits(bs, N_KV_HEADS, ctx, sm_count(first.q.device)),
+                   fold=False)
+    else:   # what split_kv_attention launches for the case
+        plan = plan_split(bs, N_KV_HEADS, N_Q_HEADS // N_KV_HEADS, first.n_q, HEAD_DIM, HEAD_DIM,
+                          ctx, sm_count(first.q.device))
+        row.update(num_splits=plan.num_splits, fold=plan.fold)
     row["ours_eager_us"] = bench_us(rotating([c.ours() for c in cases]))
     row["ours_us"] = bench_us(rotating([graph_of(c.ours()) for c in cases]))
     if sdpa_fns:
@@ -273,8 +273,9 @@ def sweep_case(case: PagedCase, copy_bw, splits_list, tiles, time_fn=None, folds
     time_fn = time_fn or (lambda fn: bench_us(graph_of(fn), rep=30))
     ref = case.ours()()
     floor = case.bytes_moved() / copy_bw * 1e6
-    policy = choose_num_splits(bs, N_KV_HEADS, ctx, sm_count(case.q.device))
-    policy_fold = choose_fold(policy, 1, N_Q_HEADS // N_KV_HEADS, HEAD_DIM)
+    plan = plan_split(bs, N_KV_HEADS, N_Q_HEADS // N_KV_HEADS, 1, HEAD_DIM, HEAD_DIM, ctx,
+                      sm_count(case.q.device))
+    policy, policy_fold = plan.num_splits, plan.fold
     results = []
     for (block_n, stages, warps), splits in itertools.product(tiles, splits_list):
         if splits > triton.cdiv(ctx, block_n) and not every_split:

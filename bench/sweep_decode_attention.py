@@ -118,13 +118,10 @@ def main(argv=None) -> None:
         per_layer, meta, kv_bytes, ctx = cases(bs, args.layers, args, device, gen)
         d, group = args.head_dim, args.q_heads // args.kv_heads
         num_q = max(1, args.tree)
-        prefetch = ad.choose_prefetch(num_q, bs, args.kv_heads)
-        blocks = ad.launch_blocks(d, d, num_q, group, prefetch)  # as split_kv_attention does
-        default = dict(num_splits=ad.choose_num_splits(bs, args.kv_heads, args.max_ctx,
-                                                       ad.sm_count(device), num_q,
-                                                       blocks["BLOCK_N"]),
-                       block_n=blocks["BLOCK_N"], prefetch=prefetch,
-                       num_warps=blocks["num_warps"])
+        plan = ad.plan_split(bs, args.kv_heads, group, num_q, d, d, args.max_ctx,
+                             ad.sm_count(device))        # what split_kv_attention launches
+        default = dict(num_splits=plan.num_splits, block_n=plan.blocks["BLOCK_N"],
+                       prefetch=plan.prefetch, num_warps=plan.num_warps)
         ref = None
         for pt in grid(args):
             policy = ad.SplitPolicy(**pt)

@@ -649,3 +649,31 @@ def test_pdl_off_the_gpu_launches_plainly():
     a = decode_attention(q, k_cache, v_cache, r2t, rows, lens, impl="triton")
     b = decode_attention(q, k_cache, v_cache, r2t, rows, lens, impl="triton", pdl=True)
     assert torch.equal(a, b)
+
+
+def test_plan_split_is_what_the_launcher_takes(monkeypatch):
+    """`plan_split` decides every launch knob from shapes (the policy's where set), and
+    `split_kv_attention` launches what it plans: benchmarks report the same plan."""
+    from padgraph.backends.triton import attention_decode as ad
+    plan = ad.plan_split(8, 8, 4, 8, 128, 128, 4096, 132)              # 8 drafts, d 128
+    assert (plan.num_splits, plan.prefetch, plan.blocks["BLOCK_N"], plan.num_warps) == \
+        (4, False, 128, 4)
+    assert plan.blocks["BLOCK_M"] == 32 and plan.num_stages == 2
+    one = ad.plan_split(32, 8, 4, 8, 128, 128, 4096, 132)
+    assert one.num_splits == 1 and not one.fold                        # no merge at one split
+    dec = ad.plan_split(1, 8, 4, 1, 128, 128, 4096, 132)               # decode, 8 pairs
+    assert (dec.prefetch, dec.blocks["BLOCK_N"], dec.num_splits) == (True, 32, 32)
+    mine = ad.plan_split(1, 8, 4, 1, 128, 128, 4096, 132,
+                         policy=SplitPolicy(num_splits=3, fold=False, block_n=16, num_warps=2,
+                                            prefetch=False, num_stages=1))
+    assert (mine.num_splits, mine.fold, mine.prefetch, mine.blocks["BLOCK_N"], mine.num_warps,
+            mine.num_stages) == (3, False, False, 16, 2, 1)
+    seen = []
+    real = ad.plan_split
+    monkeypatch.setattr(ad, "plan_split", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    k_cache, v_cache, r2t, rows, lens = make_paged(VERIFY_LENS, 64)
+    q = rand_q(len(VERIFY_LENS) * K_DRAFT, N_KV_HEADS * 4, 64)
+    mask = tree_masks(len(VERIFY_LENS), pad_rows=[1])
+    ad.split_kv_attention(q, k_cache, v_cache, PagedMeta.tree(r2t, rows, lens, mask), 0.125)
+    assert seen == [real(len(VERIFY_LENS), N_KV_HEADS, 4, K_DRAFT, 64, 64, r2t.shape[1],
+                         ad.CPU_SM_COUNT, 4)]

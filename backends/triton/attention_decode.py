@@ -472,6 +472,41 @@ class SplitPolicy:
                              f"got {self.num_splits}")
 
 
+@dataclass(frozen=True)
+class SplitPlan:
+    """What `split_kv_attention` launches (`plan_split`): num_splits programs a (request, kv
+    head), the merge folded into them or a second kernel, the double-buffered loop or not, the
+    tiles (BLOCK_M query rows, BLOCK_N keys a step, head dims padded) and warps / stages."""
+    num_splits: int
+    fold: bool
+    prefetch: bool
+    blocks: dict
+    num_warps: int
+    num_stages: int
+
+
+def plan_split(bs: int, n_kv_heads: int, group: int, num_q: int, head_dim: int,
+               v_head_dim: int, max_context: int, n_sm: int, itemsize: int = 2,
+               policy: SplitPolicy = SplitPolicy()) -> SplitPlan:
+    """The launch `split_kv_attention` makes for these shapes under `policy`: its knobs where
+    set, else `choose_prefetch`, `launch_blocks`, `choose_num_splits`, `choose_fold`. From
+    shapes only (no tensor values), so one bucket captures one launch."""
+    prefetch = policy.prefetch
+    if prefetch is None:
+        prefetch = choose_prefetch(num_q, bs, n_kv_heads)
+    blocks = launch_blocks(head_dim, v_head_dim, num_q, group, prefetch, itemsize,
+                           policy.block_n, policy.num_warps)
+    num_warps = blocks.pop("num_warps")
+    num_splits, fold = policy.num_splits, policy.fold
+    if num_splits is None:
+        num_splits = choose_num_splits(bs, n_kv_heads, max_context, n_sm, num_q,
+                                       blocks["BLOCK_N"])
+    if fold is None:
+        fold = choose_fold(num_splits, num_q, group, v_head_dim)
+    return SplitPlan(num_splits, bool(fold) and num_splits > 1, bool(prefetch), blocks,
+                     num_warps, policy.num_stages)
+
+
 def split_kv_attention(q, k_cache, v_cache, meta: PagedMeta, sm_scale: float,
                        policy: SplitPolicy = SplitPolicy()):
     """Launch the split-KV kernel (merge folded in, or + the merge kernel) for a DECODE or TREE
@@ -485,18 +520,9 @@ def split_kv_attention(q, k_cache, v_cache, meta: PagedMeta, sm_scale: float,
     n_rows, n_q_heads, head_dim = q.shape
     bs, n_kv_heads, v_head_dim = n_rows // num_q, k_cache.shape[1], v_cache.shape[2]
     group = n_q_heads // n_kv_heads
-    prefetch = policy.prefetch
-    if prefetch is None:
-        prefetch = choose_prefetch(num_q, bs, n_kv_heads)
-    blocks = launch_blocks(head_dim, v_head_dim, num_q, group, prefetch, q.element_size(),
-                           policy.block_n, policy.num_warps)
-    num_warps = blocks.pop("num_warps")
-    num_splits, fold = policy.num_splits, policy.fold
-    if num_splits is None:
-        num_splits = choose_num_splits(bs, n_kv_heads, meta.max_context, sm_count(q.device),
-                                       num_q, blocks["BLOCK_N"])
-    if fold is None:
-        fold = choose_fold(num_splits, num_q, group, v_head_dim)
+    plan = plan_split(bs, n_kv_heads, group, num_q, head_dim, v_head_dim, meta.max_context,
+                      sm_count(q.device), q.element_size(), policy)
+    num_splits, fold, blocks, num_warps = plan.num_splits, plan.fold, plan.blocks, plan.num_warps
     # the kernels index 1-d metadata with unit stride (a no-op for the dense tensors runners pass)
     req_pool_indices, seq_lens = meta.req_pool_indices.contiguous(), meta.seq_lens.contiguous()
     req_to_token = meta.req_to_token
@@ -508,7 +534,6 @@ def split_kv_attention(q, k_cache, v_cache, meta: PagedMeta, sm_scale: float,
     else:  # every request is finished by its only program: no partials, no merge
         mid_o, mid_lse = partials(1, 1, 1, 1, q.device)
     # always an int32 counter buffer (one signature, one compile); only a folded merge uses it
-    fold = fold and num_splits > 1
     counters, fold = tickets(q.device, bs * n_kv_heads if fold else 0, fold)
     tree = tree_mask.contiguous().view(torch.uint8) if tree_mask is not None else req_pool_indices
     launch = launch_options(q.device, policy.pdl)
@@ -524,9 +549,9 @@ def split_kv_attention(q, k_cache, v_cache, meta: PagedMeta, sm_scale: float,
         mid_lse.stride(0), mid_lse.stride(1),
         head_dim, v_head_dim, num_splits, int(fold),
         GROUP=group, NUM_Q=num_q, HAS_TREE=tree_mask is not None,
-        UPCAST=upcast_dots(q.dtype), num_warps=num_warps, num_stages=policy.num_stages,
+        UPCAST=upcast_dots(q.dtype), num_warps=num_warps, num_stages=plan.num_stages,
         MERGE_UNROLL=merge_unroll(blocks["BLOCK_M"], blocks["BLOCK_DV"], num_warps),
-        PREFETCH=bool(prefetch), PDL=pdl, **blocks, **launch,
+        PREFETCH=plan.prefetch, PDL=pdl, **blocks, **launch,
     )
     if num_splits > 1 and not fold:
         launch_merge(mid_o, mid_lse, seq_lens, o, num_q, num_splits, blocks["BLOCK_N"])
