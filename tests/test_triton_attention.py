@@ -363,8 +363,8 @@ def test_tree_verify_default_tiles_at_head_dim_128(num_splits, fold):
     """Tree verify at head dim 128 in bf16, 4 q heads a kv head (32 query rows a program),
     takes the default 128-token tiles (`tree_block_n`): drafts at and around the tile edges,
     split or not, folded or merged, give the reference's output and read no poisoned slot."""
-    from padgraph.backends.triton.attention_decode import launch_blocks
-    assert launch_blocks(128, 128, K_DRAFT, 4, False)["BLOCK_N"] == 128
+    from padgraph.backends.triton.attention_decode import plan_split
+    assert plan_split(8, N_KV_HEADS, 4, K_DRAFT, 128, 128, 512, 4).blocks["BLOCK_N"] == 128
     dtype, group = torch.bfloat16, 4
     k_cache, v_cache, r2t, rows, lens = make_paged(WIDE_TREE_LENS, 128, dtype=dtype, poison=True)
     mask = tree_masks(len(WIDE_TREE_LENS), pad_rows=[1])
@@ -381,18 +381,20 @@ def test_tree_verify_default_tiles_at_head_dim_128(num_splits, fold):
 
 
 def test_tree_verify_tiles_by_head_dim_and_rows():
-    from padgraph.backends.triton.attention_decode import launch_blocks, tree_block_n
+    from padgraph.backends.triton.attention_decode import plan_split, tree_block_n
     assert tree_block_n(128, 128, 32) == 128 and tree_block_n(96, 96, 8) == 128
     assert tree_block_n(64, 64, 32) is None                          # d 64: kernel_blocks' 64
     assert tree_block_n(128, 128, 64) is None                        # 64 query rows
     assert tree_block_n(256, 256, 16) is None                        # kernel_blocks' 32
     assert tree_block_n(128, 128, 32, itemsize=4) is None            # fp32 keeps its tile
-    tile = lambda *a, **k: (launch_blocks(*a, **k)["BLOCK_N"], launch_blocks(*a, **k)["num_warps"])
-    assert tile(128, 128, 8, 4, False) == (128, 4)                   # 8 drafts at group 4
-    assert tile(128, 128, 8, 8, False) == (64, 4)                    # at group 8: 64 rows
-    assert tile(64, 64, 8, 4, False) == (64, 4)
-    assert tile(128, 128, 1, 4, False) == (64, 4)                    # decode keeps its tile
-    assert tile(128, 128, 8, 4, False, block_n=32, num_warps=8) == (32, 8)   # a policy's
+    def tile(d, num_q, group, **policy):      # 16 requests: decode's single-buffered loop
+        plan = plan_split(16, 8, group, num_q, d, d, 4096, 132, policy=SplitPolicy(**policy))
+        return plan.blocks["BLOCK_N"], plan.num_warps
+    assert tile(128, 8, 4) == (128, 4)                               # 8 drafts at group 4
+    assert tile(128, 8, 8) == (64, 4)                                # at group 8: 64 rows
+    assert tile(64, 8, 4) == (64, 4)
+    assert tile(128, 1, 4) == (64, 4)                                # decode keeps its tile
+    assert tile(128, 8, 4, block_n=32, num_warps=8) == (32, 8)       # a policy's
 
 
 def test_decode_tiles_by_head_dim():

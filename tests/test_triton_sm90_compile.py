@@ -32,9 +32,9 @@ SCRIPT = textwrap.dedent('''
         return out
 
     GROUP = sys.argv[1]
-    # (head dim, queries a request, q heads a kv head, double-buffered loop): tree verify of 8
-    # and 4 drafts at d 128 (128-token tiles) and of 8 at group 8 (64 rows: 64-token tiles)
-    SPLIT_SHAPES = [(128, 8, 4, False), (128, 4, 4, False), (128, 8, 8, False)]
+    # (head dim, queries a request, q heads a kv head): tree verify of 8 and 4 drafts at d 128
+    # (128-token tiles) and of 8 at group 8 (64 rows: 64-token tiles)
+    SPLIT_SHAPES = [(128, 8, 4), (128, 4, 4), (128, 8, 8)]
     dec = {n: "*bf16" for n in ("Q", "K", "V", "Out")}
     dec.update({"ReqToToken": "*i32", "ReqPoolIdx": "*i32", "SeqLens": "*i32", "TreeMask": "*u8",
                 "MidO": "*fp32", "MidLse": "*fp32", "Counters": "*i32", "sm_scale": "fp32"})
@@ -86,14 +86,14 @@ SCRIPT = textwrap.dedent('''
               "out_lse_ptr": "*fp32"}, dict(K=4, CK=1024, CP=256))
     if GROUP == "split-defaults":
         # the split kernel as `split_kv_attention` launches it when the policy names nothing
-        # (`launch_blocks`: tile and warps), bf16, with and without PDL. No spill check: tree
+        # (`plan_split`: tile and warps), bf16, with and without PDL. No spill check: tree
         # verify's 128-token tiles at d 128 spill on sm_90 and still ran fastest there
-        for d, num_q, group, prefetch in SPLIT_SHAPES:
-            blocks = ad.launch_blocks(d, d, num_q, group, prefetch)
-            warps = blocks.pop("num_warps")
+        for d, num_q, group in SPLIT_SHAPES:
+            plan = ad.plan_split(8, 8, group, num_q, d, d, 4096, 132)
+            blocks, warps = plan.blocks, plan.num_warps
             for pdl in (False, True):
                 build(ad._split_kv_kernel, dec, dict(blocks, GROUP=group, NUM_Q=num_q,
-                      HAS_TREE=num_q > 1, UPCAST=False, PREFETCH=prefetch, PDL=pdl,
+                      HAS_TREE=num_q > 1, UPCAST=False, PREFETCH=plan.prefetch, PDL=pdl,
                       MERGE_UNROLL=ad.merge_unroll(blocks["BLOCK_M"], blocks["BLOCK_DV"], warps)),
                       num_warps=warps)
     if GROUP == "moe":   # the routed MoE experts (moe_routed.py), bf16 and fp32 activations

@@ -321,7 +321,7 @@ def choose_num_splits(bs: int, n_kv_heads: int, max_context: int, n_sm: int,
     decode (num_q 1) the largest power of two <= DECODE_PROGRAMS_PER_SM programs an SM, at most
     DECODE_MAX_SPLITS, with splits down to DECODE_MIN_SPLIT_TOKENS while that keeps them folded
     (<= DECODE_FOLD_MAX_SPLITS); tree verify (num_q > 1) ~PROGRAMS_PER_SM an SM, at most
-    MAX_SPLITS, or with 128-token tiles (`block_n`, as `launch_blocks` gives it) the largest
+    MAX_SPLITS, or with 128-token tiles (`block_n`, as `plan_split` takes it) the largest
     power of two keeping <= TREE_WIDE_PROGRAMS_PER_SM programs an SM."""
     pairs = max(1, bs * n_kv_heads)
     cap = max(1, max_context // MIN_SPLIT_TOKENS)
@@ -385,19 +385,6 @@ def tree_block_n(head_dim: int, v_head_dim: int, rows: int, itemsize: int = 2) -
     return 128 if itemsize <= 2 and wide and rows <= TREE_WIDE_ROWS else None
 
 
-def launch_blocks(head_dim: int, v_head_dim: int, num_q: int, group: int, prefetch: bool,
-                  itemsize: int = 2, block_n: int | None = None,
-                  num_warps: int | None = None) -> dict:
-    """The split kernel's tiles and warps as `split_kv_attention` launches it: the policy's
-    block_n / num_warps where set, else `decode_block_n` (decode) / `tree_block_n` (tree
-    verify) / `kernel_blocks`' tile, and 4 warps. From shapes only."""
-    if not block_n:
-        block_n = decode_block_n(head_dim, v_head_dim, num_q, prefetch, itemsize) if num_q == 1 \
-            else tree_block_n(head_dim, v_head_dim, num_q * group, itemsize)
-    return dict(kernel_blocks(head_dim, v_head_dim, num_q * group, block_n),
-                num_warps=num_warps or 4)
-
-
 def check_paged_args(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, bs: int):
     """Shape and dtype checks shared by the paged kernels (no value reads: graph-safe)."""
     if q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() != 3:
@@ -447,7 +434,7 @@ def check_kernel_dtypes(q, k_cache, v_cache):
 @dataclass(frozen=True)
 class SplitPolicy:
     """How `split_kv_attention` launches. num_splits / fold None: chosen from shapes
-    (`choose_num_splits`, `choose_fold`); block_n None: `launch_blocks`' tile; num_warps None:
+    (`choose_num_splits`, `choose_fold`); block_n None: `plan_split`'s tile; num_warps None:
     4; num_stages: the kernel's; prefetch None: `choose_prefetch` (each step issues the next
     tile's K and V before computing its own).
     Benchmarks set knobs to sweep them.
@@ -489,14 +476,17 @@ def plan_split(bs: int, n_kv_heads: int, group: int, num_q: int, head_dim: int,
                v_head_dim: int, max_context: int, n_sm: int, itemsize: int = 2,
                policy: SplitPolicy = SplitPolicy()) -> SplitPlan:
     """The launch `split_kv_attention` makes for these shapes under `policy`: its knobs where
-    set, else `choose_prefetch`, `launch_blocks`, `choose_num_splits`, `choose_fold`. From
-    shapes only (no tensor values), so one bucket captures one launch."""
+    set, else `choose_prefetch`, the tile of `decode_block_n` (decode) / `tree_block_n` (tree
+    verify) / `kernel_blocks`, 4 warps, `choose_num_splits`, `choose_fold`. From shapes only
+    (no tensor values), so one bucket captures one launch."""
     prefetch = policy.prefetch
     if prefetch is None:
         prefetch = choose_prefetch(num_q, bs, n_kv_heads)
-    blocks = launch_blocks(head_dim, v_head_dim, num_q, group, prefetch, itemsize,
-                           policy.block_n, policy.num_warps)
-    num_warps = blocks.pop("num_warps")
+    block_n = policy.block_n or (
+        decode_block_n(head_dim, v_head_dim, num_q, prefetch, itemsize) if num_q == 1
+        else tree_block_n(head_dim, v_head_dim, num_q * group, itemsize))
+    blocks = kernel_blocks(head_dim, v_head_dim, num_q * group, block_n)
+    num_warps = policy.num_warps or 4
     num_splits, fold = policy.num_splits, policy.fold
     if num_splits is None:
         num_splits = choose_num_splits(bs, n_kv_heads, max_context, n_sm, num_q,
