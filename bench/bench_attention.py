@@ -389,6 +389,19 @@ def grid_rows(cases, copy_bw, l2_bytes, gen, device, tiles, splits_list, calls: 
     return rows
 
 
+def grid_axes(tiles, splits, block_n=None, stages=None, warps=None, split_counts=None):
+    """The grid's (BLOCK_N, stages, warps) tiles and split counts: each axis given as a comma
+    list replaces that axis of `tiles` / `splits`; the others keep their values."""
+    def axis(given, default):
+        return tuple(int(v) for v in given.split(",")) if given else default
+    ns = axis(block_n, tuple(dict.fromkeys(t[0] for t in tiles)))
+    ss = axis(stages, tuple(dict.fromkeys(t[1] for t in tiles)))
+    ws = axis(warps, tuple(dict.fromkeys(t[2] for t in tiles)))
+    if (block_n, stages, warps) != (None, None, None):
+        tiles = tuple(itertools.product(ns, ss, ws))
+    return tiles, axis(split_counts, tuple(splits))
+
+
 def grid_markdown(meta: dict, rows: list) -> str:
     lines = ["# Decode attention launch policies in a graph", "", f"`{json.dumps(meta)}`", "",
              "µs a call inside a CUDA graph of 20 calls, each after an L2-sized write (the "
@@ -437,6 +450,14 @@ def main():
     parser.add_argument("--grid", metavar="BS:CTX,...", default=None,
                         help="only: decode launch policies (GRID_TILES x GRID_SPLITS) beside "
                              "the default policy and SDPA, in a graph, at these cases")
+    parser.add_argument("--grid-block-n", default=None, metavar="N,...",
+                        help="--grid: these tiles (BLOCK_N) instead of GRID_TILES' (16, 32, 64)")
+    parser.add_argument("--grid-stages", default=None, metavar="S,...",
+                        help="--grid: these num_stages instead of GRID_TILES' (1, 2, 3)")
+    parser.add_argument("--grid-warps", default=None, metavar="W,...",
+                        help="--grid: these num_warps instead of GRID_TILES' (1, 2, 4)")
+    parser.add_argument("--grid-splits", default=None, metavar="K,...",
+                        help="--grid: these split counts instead of GRID_SPLITS (2, 4, 8, 16)")
     parser.add_argument("--cold-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cold_child:
@@ -473,6 +494,8 @@ def main():
             [tuple(int(v) for v in c.split(":")) for c in args.grid.split(",")]
         tiles, splits = (SMOKE["tiles"], SMOKE["splits"]) if args.smoke else (GRID_TILES,
                                                                               GRID_SPLITS)
+        tiles, splits = grid_axes(tiles, splits, args.grid_block_n, args.grid_stages,
+                                  args.grid_warps, args.grid_splits)
         rows = grid_rows(cases, copy_bw, l2_bytes, gen, device, tiles, splits)
         report = grid_markdown(meta, rows)
         print(report)

@@ -7,7 +7,7 @@ the program of the longest request runs the longest serial chain of tiles. This 
 kernel there: `--sizes` requests, `--layers` caches (one a layer, as the step reads them: the
 call before has not left its K / V in L2), each call on the next layer's cache, captured in one
 CUDA graph; µs a call = median replay / layers. Every point of the grid (`SplitPolicy`: splits,
-tile tokens, the double-buffered loop, warps) is checked against the default policy's output
+tile tokens, the double-buffered loop, warps, stages) is checked against the default policy's output
 (bf16 rounding: the splits change only the fp32 summation order; a point past TOL stops the run,
 after the JSON is written) and timed in the same process.
 
@@ -41,6 +41,7 @@ from padgraph.backends.triton.attention_meta import PagedMeta  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
 
+KNOBS = ("num_splits", "block_n", "prefetch", "num_warps", "num_stages")
 TOL = 2e-2     # max abs difference from the default's output: bf16 rounding, not a wrong kernel
 
 
@@ -75,8 +76,9 @@ def cases(bs: int, layers: int, args, device, gen):
 def grid(args) -> list[dict]:
     pts = [{}]       # the default policy first
     prefetch = (False,) if args.tree else (False, True)    # the double-buffered loop: decode's
-    for s, bn, pf, w in itertools.product(args.splits, args.block_n, prefetch, args.warps):
-        pts.append(dict(num_splits=s, block_n=bn, prefetch=pf, num_warps=w))
+    for s, bn, pf, w, st in itertools.product(args.splits, args.block_n, prefetch, args.warps,
+                                              args.stages):
+        pts.append(dict(num_splits=s, block_n=bn, prefetch=pf, num_warps=w, num_stages=st))
     return pts
 
 
@@ -98,17 +100,19 @@ def main(argv=None) -> None:
     ap.add_argument("--splits", default="1,2,4,8,16")
     ap.add_argument("--block-n", default="32,64,128")
     ap.add_argument("--warps", default="4")
+    ap.add_argument("--stages", default="2", help="num_stages (the kernel's default: 2)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     args.splits = [int(s) for s in args.splits.split(",")]
     args.block_n = [int(s) for s in args.block_n.split(",")]
     args.warps = [int(s) for s in args.warps.split(",")]
+    args.stages = [int(s) for s in args.stages.split(",")]
     if args.ctx:
         args.max_ctx = args.ctx
     if args.smoke:
         args.sizes, args.max_ctx, args.min_ctx, args.layers, args.ctx = "2", 128, 16, 2, 0
-        args.splits, args.block_n, args.warps = [1, 2], [32], [4]
+        args.splits, args.block_n, args.warps, args.stages = [1, 2], [32], [4], [2]
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     gen = torch.Generator().manual_seed(0)
     bw = copy_bandwidth(device) if device.type == "cuda" else float("nan")
@@ -121,7 +125,8 @@ def main(argv=None) -> None:
         plan = ad.plan_split(bs, args.kv_heads, group, num_q, d, d, args.max_ctx,
                              ad.sm_count(device))        # what split_kv_attention launches
         default = dict(num_splits=plan.num_splits, block_n=plan.blocks["BLOCK_N"],
-                       prefetch=plan.prefetch, num_warps=plan.num_warps)
+                       prefetch=plan.prefetch, num_warps=plan.num_warps,
+                       num_stages=plan.num_stages)
         ref = None
         for pt in grid(args):
             policy = ad.SplitPolicy(**pt)
@@ -150,10 +155,10 @@ def main(argv=None) -> None:
         timed = [r for r in rows if r["bs"] == bs and r.get("us") is not None]
         if timed and device.type == "cuda":
             best = min(timed, key=lambda r: r["us"])
+            knobs = {k: best[k] for k in KNOBS if k in best}
             print(f"bs {bs} (ctx {int(ctx.min())}..{int(ctx.max())}, median "
                   f"{int(statistics.median(ctx.tolist()))}): default {timed[0]['us']} us, best "
-                  f"{best['us']} us at {dict((k, best[k]) for k in ('num_splits', 'block_n', 'prefetch', 'num_warps') if k in best)}",
-                  flush=True)
+                  f"{best['us']} us at {knobs}", flush=True)
         del per_layer
     tree = f"_tree{args.tree}" if args.tree else ""
     out = out_dir() / f"sweep_decode_attention_d{args.head_dim}{tree}.json"

@@ -45,3 +45,17 @@ def test_the_tree_verify_sweep_runs_and_agrees(tmp_path, monkeypatch):
         (s, 32, False) for s in (1, 2)}
     for r in rows:
         assert r["agrees"], r
+
+
+def test_bench_attention_grid_axes_replace_only_the_axes_given():
+    """bench_attention --grid-block-n / --grid-stages / --grid-warps / --grid-splits: each axis
+    given replaces that axis of the grid; the others keep the default grid's values."""
+    from bench.attention_config import GRID_SPLITS, GRID_TILES
+    from bench.bench_attention import grid_axes
+
+    assert grid_axes(GRID_TILES, GRID_SPLITS) == (GRID_TILES, GRID_SPLITS)
+    tiles, splits = grid_axes(GRID_TILES, GRID_SPLITS, block_n="64,128", split_counts="1,4")
+    assert splits == (1, 4)
+    assert tiles == tuple((n, s, w) for n in (64, 128) for s in (1, 2, 3) for w in (1, 2, 4))
+    tiles, _ = grid_axes(GRID_TILES, GRID_SPLITS, stages="3", warps="4,8")
+    assert tiles == tuple((n, 3, w) for n in (16, 32, 64) for w in (4, 8))
