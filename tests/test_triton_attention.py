@@ -340,6 +340,25 @@ def test_choose_prefetch_for_decode_with_few_pairs():
     assert choose_prefetch(1, 1, 8) and PREFETCH_MAX_PAIRS == 8       # bs 1 at 8 kv heads
     assert not choose_prefetch(1, 2, 8) and not choose_prefetch(1, 8, 8)
     assert not choose_prefetch(4, 1, 2)                               # tree verify keeps its loop
+    # a split's share of the row: up to PREFETCH_MAX_SPLIT_TOKENS double-buffered, past it not
+    assert choose_prefetch(1, 1, 8, 128) and not choose_prefetch(1, 1, 8, 129)
+
+
+def test_long_rows_at_bs_1_take_the_single_buffered_loop():
+    """bs 1 decode runs the double-buffered loop while each split covers <= 128 tokens of the
+    cache row, and the single-buffered loop's tile past it (the plan's splits unchanged)."""
+    from padgraph.backends.triton import attention_decode as ad
+    cases = {512: (8, True, 32), 4096: (32, True, 32), 8192: (64, True, 32),
+             16384: (64, False, 64), 32768: (64, False, 64)}
+    for ctx, want in cases.items():
+        plan = ad.plan_split(1, 8, 4, 1, 128, 128, ctx, 132)
+        assert (plan.num_splits, plan.prefetch, plan.blocks["BLOCK_N"]) == want, ctx
+    assert ad.plan_split(1, 8, 4, 1, 64, 64, 32768, 132).blocks["BLOCK_N"] == 128  # narrow
+    # a policy's own splits decide it too: 4 splits of a 4096 row are 1024 tokens each
+    assert not ad.plan_split(1, 8, 4, 1, 128, 128, 4096, 132, itemsize=2,
+                             policy=SplitPolicy(num_splits=4)).prefetch
+    assert ad.plan_split(1, 8, 4, 1, 128, 128, 4096, 132, policy=SplitPolicy(
+        num_splits=4, prefetch=True)).prefetch                        # a set knob stays
 
 
 NARROW_LENS = [300, PAD, 1, 63, 64, 65, 127, 128, 129, 257]

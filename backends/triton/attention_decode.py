@@ -7,8 +7,8 @@ never from `seq_lens` values, so one captured graph serves every length. On the 
 (r, kv_head, s) takes the s-th of S equal shares of request r's *own* length (rounded up to
 BLOCK_N): cost follows real lengths, and splits past the end exit without reading. The split
 count is a runtime argument, so every bucket runs one compiled kernel (two where a ladder
-holds a bucket of at most PREFETCH_MAX_PAIRS (request, kv head) pairs, which runs a
-double-buffered loop: `choose_prefetch`). The splits' partial
+holds a bucket of at most PREFETCH_MAX_PAIRS (request, kv head) pairs with short splits, which
+runs a double-buffered loop: `choose_prefetch`). The splits' partial
 outputs are merged by their log-sum-exp in the same launch (the last split of a request to
 finish merges; `attention_split.py`) or, when the partials are large, by a second small
 kernel. A request that fits one split is written directly.
@@ -93,7 +93,15 @@ CPU_SM_COUNT = 4  # under the interpreter: few programs keep tests fast
 # process, 32 / 8 heads, d 128: bs 1 ctx 512 7.6 us against 8.1 (cuDNN SDPA 8.2), ctx 4096 14.3
 # against 15.0 (SDPA 13.9); at bs 8 and more it was slower (ctx 512: 16.7 against 14.0; with
 # 64-token tiles 18.6), so larger batches keep the single-buffered loop (results/attention.md).
+# ... while a split's share of the cache row is at most PREFETCH_MAX_SPLIT_TOKENS tokens: a
+# longer chain streams faster through the single-buffered loop's wider tiles. H100,
+# `bench.sweep_decode_attention --head-dim 128 --sizes 1 --ctx 32768 --layout random` (32 / 8
+# heads, bf16, 16 layer caches, graph replays), 64 splits (512 tokens each): the double-buffered
+# loop 67.7 us (59.2 with 64-token tiles), the single-buffered one 54.1 with 64-token tiles
+# (floor 44.5); 128 tokens a split (ctx 4096, 32 splits) and 64 (ctx 512) are the measured wins
+# above; 256 (ctx 16384) was not measured and takes the single-buffered loop.
 PREFETCH_MAX_PAIRS = 8
+PREFETCH_MAX_SPLIT_TOKENS = 128
 PREFETCH_BLOCK_N = 32
 # Decode's single-buffered loop at head dims <= NARROW_HEAD_DIM takes 128-token tiles
 # (`decode_block_n`), the bytes a tile that d 128's 64 read. H100, `bench.sweep_decode_attention`
@@ -338,10 +346,13 @@ def choose_num_splits(bs: int, n_kv_heads: int, max_context: int, n_sm: int,
     return max(1, min(want, cap, MAX_SPLITS))
 
 
-def choose_prefetch(num_q: int, bs: int, n_kv_heads: int) -> bool:
-    """Decode (one query a request) with at most PREFETCH_MAX_PAIRS (request, kv head) pairs:
-    the double-buffered loop over PREFETCH_BLOCK_N-token tiles."""
-    return num_q == 1 and bs * n_kv_heads <= PREFETCH_MAX_PAIRS
+def choose_prefetch(num_q: int, bs: int, n_kv_heads: int, split_tokens: int | None = None) -> bool:
+    """Decode (one query a request) with at most PREFETCH_MAX_PAIRS (request, kv head) pairs,
+    each split covering at most PREFETCH_MAX_SPLIT_TOKENS of the cache row (`split_tokens`,
+    cdiv(max_context, num_splits); None: not bounded): the double-buffered loop over
+    PREFETCH_BLOCK_N-token tiles."""
+    short = split_tokens is None or split_tokens <= PREFETCH_MAX_SPLIT_TOKENS
+    return num_q == 1 and bs * n_kv_heads <= PREFETCH_MAX_PAIRS and short
 
 
 def choose_fold(num_splits: int, num_q: int, group: int, v_head_dim: int) -> bool:
@@ -479,16 +490,19 @@ def plan_split(bs: int, n_kv_heads: int, group: int, num_q: int, head_dim: int,
     set, else `choose_prefetch`, the tile of `decode_block_n` (decode) / `tree_block_n` (tree
     verify) / `kernel_blocks`, 4 warps, `choose_num_splits`, `choose_fold`. From shapes only
     (no tensor values), so one bucket captures one launch."""
+    num_splits, fold = policy.num_splits, policy.fold
+    if num_splits is None and num_q == 1:   # decode's splits do not depend on the tile
+        num_splits = choose_num_splits(bs, n_kv_heads, max_context, n_sm, num_q)
     prefetch = policy.prefetch
     if prefetch is None:
-        prefetch = choose_prefetch(num_q, bs, n_kv_heads)
+        prefetch = choose_prefetch(num_q, bs, n_kv_heads, None if num_splits is None
+                                   else triton.cdiv(max(1, max_context), num_splits))
     block_n = policy.block_n or (
         decode_block_n(head_dim, v_head_dim, num_q, prefetch, itemsize) if num_q == 1
         else tree_block_n(head_dim, v_head_dim, num_q * group, itemsize))
     blocks = kernel_blocks(head_dim, v_head_dim, num_q * group, block_n)
     num_warps = policy.num_warps or 4
-    num_splits, fold = policy.num_splits, policy.fold
-    if num_splits is None:
+    if num_splits is None:          # tree verify: from the tile
         num_splits = choose_num_splits(bs, n_kv_heads, max_context, n_sm, num_q,
                                        blocks["BLOCK_N"])
     if fold is None:
