@@ -18,7 +18,7 @@ after the JSON is written) and timed in the same process.
                                   # tree verify: 8 drafts a request under a random tree mask
     python -m bench.sweep_decode_attention --smoke      # CPU, interpreted, tiny: the script runs
 
-Writes sweep_decode_attention_d<head dim>[_tree<K>].json under $OUT (or results/local). The floor
+Writes sweep_decode_attention_d<head dim>[_tree<K>][_ctx<ctx>].json under $OUT (or results/local). The floor
 column: the K / V bytes a call reads (each request's own length) over the copy bandwidth.
 """
 from __future__ import annotations
@@ -161,7 +161,8 @@ def main(argv=None) -> None:
                   f"{best['us']} us at {knobs}", flush=True)
         del per_layer
     tree = f"_tree{args.tree}" if args.tree else ""
-    out = out_dir() / f"sweep_decode_attention_d{args.head_dim}{tree}.json"
+    ctx_tag = f"_ctx{args.ctx}" if args.ctx else ""     # runs at several contexts share $OUT
+    out = out_dir() / f"sweep_decode_attention_d{args.head_dim}{tree}{ctx_tag}.json"
     out.write_text(json.dumps({"env": env_info(), "args": {k: v for k, v in vars(args).items()},
                                "copy_bandwidth_gbs": round(bw / 1e9, 1) if bw == bw else None,
                                "rows": rows}, indent=1))

@@ -27,8 +27,9 @@
 #   bench-attention-step  the decode attention at the 1B step's own shape (d 64, contexts 256-1022),
 #                    and at bench_attention's bs 8 ctx 512 (d 128), launch policies swept
 #                    (bench/sweep_decode_attention.py; 128-key tiles and one split at d 128 are
-#                    what cuDNN's SDPA runs there), and bs 1 ctx 32768 (d 128: the double-
-#                    buffered loop against the single-buffered one where SDPA leads most)
+#                    what cuDNN's SDPA runs there; stages 2-4), and bs 1 at ctx 32768 and 16384
+#                    (d 128: the double-buffered loop against the single-buffered one at 512 and
+#                    256 tokens a split, PREFETCH_MAX_SPLIT_TOKENS' two sides)
 #   bench-attention-tree  tree verify's launch policy swept at d 128 (8 drafts, contexts 512 and
 #                    4096; 128-key tiles, splits within 2 programs an SM) and at d 64 (the
 #                    EAGLE-1B verify: 64-key tiles)
@@ -115,9 +116,12 @@ want bench-attention && run bench_attention python3 -m bench.bench_attention
 want bench-attention-step && run bench_attention_step python3 -m bench.sweep_decode_attention \
   --sizes 1,16,32,64
 want bench-attention-step && run bench_attention_step_d128 python3 -m bench.sweep_decode_attention \
-  --head-dim 128 --sizes 8 --ctx 512 --splits 1,2,4,8
+  --head-dim 128 --layout random --sizes 8 --ctx 512 --splits 1,2,4 --block-n 64,128 --warps 4,8 \
+  --stages 2,3,4
 want bench-attention-step && run bench_attention_step_d128_long python3 -m bench.sweep_decode_attention \
-  --head-dim 128 --sizes 1 --ctx 32768 --splits 16,32,64
+  --head-dim 128 --layout random --sizes 1 --ctx 32768 --splits 16,32,64 --block-n 32,64,128
+want bench-attention-step && run bench_attention_step_d128_16k python3 -m bench.sweep_decode_attention \
+  --head-dim 128 --layout random --sizes 1 --ctx 16384 --splits 32,64 --block-n 32,64,128
 want bench-attention-tree && run bench_attention_tree_512 python3 -m bench.sweep_decode_attention \
   --head-dim 128 --sizes 1,8,32 --ctx 512 --tree 8 --splits 1,2,4 --block-n 64,128
 want bench-attention-tree && run bench_attention_tree_4096 python3 -m bench.sweep_decode_attention \

@@ -59,3 +59,18 @@ def test_bench_attention_grid_axes_replace_only_the_axes_given():
     assert tiles == tuple((n, s, w) for n in (64, 128) for s in (1, 2, 3) for w in (1, 2, 4))
     tiles, _ = grid_axes(GRID_TILES, GRID_SPLITS, stages="3", warps="4,8")
     assert tiles == tuple((n, 3, w) for n in (16, 32, 64) for w in (4, 8))
+
+
+def test_a_run_at_a_fixed_context_names_its_file_by_it_and_sweeps_stages(tmp_path, monkeypatch):
+    """--ctx N writes sweep_decode_attention_d<hd>_ctx<N>.json (the GPU suite runs several
+    contexts into one $OUT), and --stages is a grid axis every row records."""
+    from bench import sweep_decode_attention as sweep
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    sweep.main(["--sizes", "1", "--ctx", "64", "--layers", "1", "--splits", "1,2", "--block-n",
+                "32", "--iters", "1", "--head-dim", "16", "--q-heads", "2", "--kv-heads", "1",
+                "--stages", "1,2"])
+    rows = json.loads((tmp_path / "sweep_decode_attention_d16_ctx64.json").read_text())["rows"]
+    assert {(r["num_splits"], r["prefetch"], r["num_stages"]) for r in rows[1:]} == {
+        (s, p, st) for s in (1, 2) for p in (False, True) for st in (1, 2)}
+    assert all(r["agrees"] for r in rows)
