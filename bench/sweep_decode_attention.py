@@ -7,9 +7,9 @@ the program of the longest request runs the longest serial chain of tiles. This 
 kernel there: `--sizes` requests, `--layers` caches (one a layer, as the step reads them: the
 call before has not left its K / V in L2), each call on the next layer's cache, captured in one
 CUDA graph; µs a call = median replay / layers. Every point of the grid (`SplitPolicy`: splits,
-tile tokens, the double-buffered loop, warps, stages) is checked against the default policy's output
-(bf16 rounding: the splits change only the fp32 summation order; a point past TOL stops the run,
-after the JSON is written) and timed in the same process.
+tile tokens, the double-buffered loop, warps, stages) is checked against the default policy's
+output (bf16 rounding: the splits change only the fp32 summation order; a point past TOL stops
+the run, after the JSON is written) and timed in the same process.
 
     python -m bench.sweep_decode_attention [--sizes 1,16,32,64] [--head-dim 64]
     python -m bench.sweep_decode_attention --head-dim 128 --sizes 8 --ctx 512 --splits 1,2,4,8
@@ -18,8 +18,9 @@ after the JSON is written) and timed in the same process.
                                   # tree verify: 8 drafts a request under a random tree mask
     python -m bench.sweep_decode_attention --smoke      # CPU, interpreted, tiny: the script runs
 
-Writes sweep_decode_attention_d<head dim>[_tree<K>][_ctx<ctx>].json under $OUT (or results/local). The floor
-column: the K / V bytes a call reads (each request's own length) over the copy bandwidth.
+Writes sweep_decode_attention_d<head dim>[_tree<K>][_ctx<ctx>].json under $OUT (or
+results/local). The floor column: the K / V bytes a call reads (each request's own length) over
+the copy bandwidth.
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from bench.common import copy_bandwidth, env_info, out_dir, random_tree_masks, time_us  # noqa: E402
+from bench.common import (copy_bandwidth, env_info, out_dir, random_tree_masks,  # noqa: E402
+                          time_us)
 from bench.gpu_timing import graph_of  # noqa: E402
 from padgraph.backends.triton import attention_decode as ad  # noqa: E402
 from padgraph.backends.triton.attention_meta import PagedMeta  # noqa: E402

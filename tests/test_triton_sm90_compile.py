@@ -138,7 +138,8 @@ def run_compiler(args, tmp_path) -> str:
     return p.stdout
 
 
-GROUPS = {"attention-gemv-topk": 11, "split-defaults": 6, "moe": 6, "pdl": 2}    # group -> kernels built
+# group -> kernels built
+GROUPS = {"attention-gemv-topk": 11, "split-defaults": 6, "moe": 6, "pdl": 2}
 
 
 @pytest.mark.parametrize("group", list(GROUPS))

@@ -89,8 +89,8 @@ CPU_SM_COUNT = 4  # under the interpreter: few programs keep tests fast
 # Decode with few (request, kv head) pairs (bs 1 at 8 kv heads) runs a double-buffered loop over
 # 32-token tiles: each step issues the next tile's K and V before computing its own, so a split
 # keeps two tiles in flight (at the default 2 stages the single-buffered loop keeps one: its K /
-# V addresses come from the slot table; 3 stages pipeline it, swept at bs 8 ctx 512 only). H100, `bench.bench_attention --ab` in a graph, same
-# process, 32 / 8 heads, d 128: bs 1 ctx 512 7.6 us against 8.1 (cuDNN SDPA 8.2), ctx 4096 14.3
+# V addresses come from the slot table; 3 stages pipeline it, swept at bs 8 ctx 512 only).
+# H100, `bench.bench_attention --ab` in a graph, same process, 32 / 8 heads, d 128: bs 1 ctx 512 7.6 us against 8.1 (cuDNN SDPA 8.2), ctx 4096 14.3
 # against 15.0 (SDPA 13.9); at bs 8 and more it was slower (ctx 512: 16.7 against 14.0; with
 # 64-token tiles 18.6), so larger batches keep the single-buffered loop (results/attention.md).
 # ... while a split's share of the cache row is at most PREFETCH_MAX_SPLIT_TOKENS tokens: a
