@@ -128,6 +128,52 @@ def refuse_cache_positions(model, max_context: int) -> None:
             f"margins) below floor_scale")
 
 
+def rope_switch_lengths(model) -> list[tuple[str, int]]:
+    """(rope type, sequence length past which HF changes the frequencies) for each rotary
+    embedding of `model` whose frequencies depend on the forward's longest position
+    (transformers' `dynamic_rope_update`): "longrope" switches to its long factors once
+    max(position_ids) + 1 exceeds original_max_position_embeddings, "dynamic" types rescale
+    past max_position_embeddings (and reset below it)."""
+    out = []
+    for mod in model.modules():
+        kinds = getattr(mod, "rope_type", None)
+        cfg = getattr(mod, "config", None)
+        if kinds is None or cfg is None:
+            continue
+        params = getattr(cfg, "rope_parameters", None) or {}
+        per_type = isinstance(kinds, dict)
+        for layer_type, kind in (kinds.items() if per_type else [(None, kinds)]):
+            p = params.get(layer_type, {}) if per_type else params
+            if kind == "longrope":
+                limit = p.get("original_max_position_embeddings",
+                              getattr(cfg, "original_max_position_embeddings", None))
+                limit = limit or getattr(cfg, "max_position_embeddings", None)
+            elif isinstance(kind, str) and "dynamic" in kind:
+                limit = getattr(mod, "original_max_seq_len", None) or getattr(
+                    cfg, "max_position_embeddings", None)
+            else:
+                continue
+            out.append((kind, int(limit) if limit is not None else 0))
+    return out
+
+
+def refuse_length_dependent_rope(model, max_context: int) -> None:
+    """UnsupportedModelError for a rotary embedding whose frequencies HF picks from the longest
+    position of each forward (`rope_switch_lengths`), where max_context reaches past the switch:
+    HF's result then depends on the batch a request shares (a finished row that HF keeps
+    stepping moves the others' frequencies) and Phi-3's generate re-encodes the whole sequence
+    at the switch, while padgraph's cache keeps keys rotated with the frequencies of the step
+    that wrote them. Below the switch every position takes the same frequencies: exact."""
+    for kind, limit in rope_switch_lengths(model):
+        if max_context > limit:
+            raise UnsupportedModelError(
+                f"padgraph.hf.Decoder({type(model).__name__}): rope_type {kind!r} changes its frequencies "
+                f"once a forward's positions pass {limit}, picked by the longest row of HF's batch (and Phi-3's "
+                f"generate re-encodes the sequence there); padgraph's cache keeps keys rotated as they were written, so it "
+                f"serves such a model only with max_len (here {max_context} with the engine's margins) at most "
+                f"{limit}")
+
+
 def refuse_unless_plain(layer: Layer, max_context: int, where: str) -> None:
     """UnsupportedModelError for attention the paged kernels do not compute as HF does: they
     attend to every key below a request's length, uncapped (`attention.kernel_serves`)."""
@@ -210,6 +256,7 @@ class Target(nn.Module):
         super().__init__()
         served = check_served(model, recurrent=not draft)
         refuse_cache_positions(model, max_context)
+        refuse_length_dependent_rope(model, max_context)
         self.horizons = mask_horizons(model, served.calls, max_context)
         calls = [dataclasses.replace(c, layer=attention.with_rule(
                      c.layer, rule_of(self.horizons.get(c.module)))) for c in served.calls]

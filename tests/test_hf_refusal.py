@@ -168,3 +168,65 @@ def test_check_arguments():
     dec = pghf.Decoder(build("llama"), max_batch=2, max_len=16, backend="reference", probe=False)
     with pytest.raises(pghf.ArgumentError, match="trials must be an int >= 1, got 0"):
         dec.check(trials=0)
+
+
+def longrope(model_type: str, original: int):
+    """A tiny `model_type` with longrope whose long factors switch on past `original` positions."""
+    params = dict(rope_type="longrope", rope_theta=100.0, short_factor=[1.0] * 8,
+                  long_factor=[4.0 + i for i in range(8)], original_max_position_embeddings=original)
+    return hf_zoo.build_type(model_type, max_position_embeddings=128, sliding_window=None,
+                             original_max_position_embeddings=original, rope_parameters=params)
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "llama"])
+def test_longrope_past_its_switch_refused(model_type):
+    """Longrope picks short or long factors by the longest position of each forward: Phi-3's
+    generate re-encodes the sequence when it crosses original_max_position_embeddings, and
+    in a batch a finished row HF keeps stepping switches the others. padgraph's cache keeps
+    keys as written, so a max_len that reaches past the switch is refused, naming it."""
+    with pytest.raises(pghf.UnsupportedModelError, match=r"'longrope'.*pass 8\b"):
+        pghf.Decoder(longrope(model_type, 8), max_batch=2, max_len=24, backend="reference")
+
+
+def test_longrope_below_its_switch_served_exactly():
+    model = longrope("phi3", 64)
+    dec = pghf.Decoder(model, max_batch=3, max_len=24, backend="reference")
+    ids, mask = prompts(3, seed=4)
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6)
+    assert dec.generate(ids, attention_mask=mask, max_new_tokens=6).tolist() == ref.tolist()
+
+
+def test_dynamic_rope_past_max_positions_refused_and_served_below():
+    """Dynamic NTK rescales once a forward's positions pass max_position_embeddings (and resets
+    below it): refused where max_len reaches past it, served where it cannot."""
+    params = dict(rope_type="dynamic", factor=4.0, rope_theta=10.0)
+    with pytest.raises(pghf.UnsupportedModelError, match=r"'dynamic'.*pass 16\b"):
+        pghf.Decoder(hf_zoo.build_type("llama", max_position_embeddings=16, rope_parameters=params),
+                     max_batch=2, max_len=24, backend="reference")
+    model = hf_zoo.build_type("llama", max_position_embeddings=128, rope_parameters=params)
+    dec = pghf.Decoder(model, max_batch=2, max_len=24, backend="reference")
+    ids, mask = prompts(2, seed=5)
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6)
+    assert dec.generate(ids, attention_mask=mask, max_new_tokens=6).tolist() == ref.tolist()
+
+
+def test_rope_switch_read_per_layer_type():
+    """A rotary embedding keyed by layer type (Gemma 3's) names each type's switch."""
+    from padgraph.hf.target import rope_switch_lengths
+
+    class Rotary(torch.nn.Module):
+        rope_type = {"sliding_attention": "default", "full_attention": "longrope"}
+        original_max_seq_len = 128
+
+        class config:  # noqa: N801
+            max_position_embeddings = 128
+            rope_parameters = {"sliding_attention": {"rope_type": "default"},
+                               "full_attention": {"rope_type": "longrope",
+                                                  "original_max_position_embeddings": 32}}
+
+    holder = torch.nn.Module()
+    holder.rotary = Rotary()
+    assert rope_switch_lengths(holder) == [("longrope", 32)]
+    assert rope_switch_lengths(build("llama")) == []

@@ -168,6 +168,13 @@ def write_doc() -> None:
         "request); **refused** means `Decoder(...)` raised `UnsupportedModelError` with the cause shown; "
         "**not built** means this sweep's tiny config is not valid for the architecture (not judged).",
         "",
+        "Whatever the architecture, some configurations are refused only where `max_len` (with the engine's "
+        "margins) reaches them: rotary embeddings whose frequencies HF picks from the longest position of each "
+        "forward (`longrope` past `original_max_position_embeddings`, `dynamic` types past "
+        "`max_position_embeddings`: HF's result then depends on the rows of its batch, and Phi-3's generate "
+        "re-encodes the sequence at the switch), and Llama 4's attention temperature tuning from `floor_scale` "
+        "on. Below those lengths they are served.",
+        "",
         f"{len(served)} served, {len(refused)} refused, {len(outcomes) - len(served) - len(refused)} not built "
         f"of {len(outcomes)}.",
         "",

@@ -242,6 +242,10 @@ def test_split_kv_policy_and_mode_are_checked():
     k_cache, v_cache, r2t, rows, lens = make_paged([5, 3], 64)
     with pytest.raises(ValueError, match="num_splits must be in 1 .. 256; got 0"):
         SplitPolicy(num_splits=0)
+    with pytest.raises(ValueError, match="block_n must be a power of two; got 48"):
+        SplitPolicy(block_n=48)
+    with pytest.raises(ValueError, match="num_warps must be a power of two; got 0"):
+        SplitPolicy(num_warps=0)
     causal = PagedMeta.causal(r2t, rows, lens, torch.tensor([0, 1, 2], dtype=torch.int32))
     with pytest.raises(ValueError, match="decode and tree metadata; got causal"):
         split_kv_attention(rand_q(2, 4, 64), k_cache, v_cache, causal, 0.125)
@@ -445,6 +449,25 @@ def test_decode_many_splits(num_splits, fold):
 # (seq_len, new tokens) per request; PAD requests have seq_len 1, row 0 and no new tokens
 EXTEND_REQS = [(130, 70), (PAD, 0), (9, 9), (67, 0), (1, 1), (40, 3)]
 N_PAD_TOKENS = 5
+
+
+def test_more_folds_than_counters_run_unfolded(monkeypatch):
+    """A launch whose folded merge needs more ticket counters than there are (a very large batch
+    with an explicit split count) runs its unfolded form instead of raising: decode with the
+    merge kernel, extend unsplit, with the reference's outputs."""
+    from padgraph.backends.triton import attention_split
+    monkeypatch.setattr(attention_split, "N_COUNTERS", 3)   # 5 requests x 2 kv heads need 10
+    k_cache, v_cache, r2t, rows, lens = make_paged(DECODE_LENS, 64, poison=True)
+    q = rand_q(len(DECODE_LENS), 8, 64)
+    real = [i for i, n in enumerate(DECODE_LENS) if n is not PAD]
+    ref = decode_attention_reference(q, unpoisoned(k_cache), unpoisoned(v_cache), r2t, rows,
+                                     lens)
+    out = decode_attention(q, k_cache, v_cache, r2t, rows, lens, num_splits=2, impl="triton")
+    assert_close(out[real], ref[real], torch.float32)
+    args = extend_case(64, group=4)
+    assert_close(extend_attention(*args, impl="triton", num_splits=3),
+                 extend_attention_reference(*args), torch.float32)
+    assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
 
 
 def extend_case(head_dim, dtype=torch.float32, poison=False, group=1, reqs=EXTEND_REQS):

@@ -340,6 +340,19 @@ def test_extend_matches_non_absorbed(kv_lora_rank, rope_dim, num_splits):
     assert_close(case.output(o_latent), case.reference(q_nope, q_rope, qo_indptr=qo_indptr))
 
 
+def test_causal_extend_with_more_row_blocks_than_counters_runs_unsplit(monkeypatch):
+    """A causal extend always folds its merge; where (request, row block) pairs outnumber the
+    ticket counters (hundreds of short extends at many heads) it runs unsplit instead of
+    raising, with the reference's outputs."""
+    from padgraph.backends.triton import attention_split
+    monkeypatch.setattr(attention_split, "N_COUNTERS", 2)
+    case, qo_indptr, (q_nope, q_rope, q_latent) = extend_case(48, 16, poison=True)
+    o_latent = mla_paged_attention(q_latent, case.latent, case.meta(qo_indptr=qo_indptr), 48,
+                                   case.sm_scale, MlaPolicy(num_splits=3))
+    assert torch.isfinite(o_latent).all()
+    assert_close(case.output(o_latent), case.reference(q_nope, q_rope, qo_indptr=qo_indptr))
+
+
 def test_extend_many_splits():
     # 9 splits of 80 positions, always folded: a row block's rows see different split counts
     reqs = [(600, 5), (PAD, 0), (300, 2)]

@@ -468,6 +468,10 @@ class SplitPolicy:
         if self.num_splits is not None and not 1 <= self.num_splits <= 2 * MAX_SPLITS:
             raise ValueError(f"num_splits must be in 1 .. {2 * MAX_SPLITS}; "
                              f"got {self.num_splits}")
+        for name in ("block_n", "num_warps"):  # Triton tiles and warps come in powers of two
+            value = getattr(self, name)
+            if value is not None and (value < 1 or value & (value - 1)):
+                raise ValueError(f"{name} must be a power of two; got {value}")
 
 
 @dataclass(frozen=True)

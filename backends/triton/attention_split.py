@@ -229,10 +229,10 @@ def tickets(device: torch.device, n: int, fold: bool) -> tuple[torch.Tensor, boo
     one stream at a time may run a folded launch (launches in stream order share them: each
     takes its tickets after the kernel before it has finished). A first call during a graph
     capture cannot zero them: it gets fold=False (the merge kernel, or unsplit tiles) and an
-    unused buffer."""
+    unused buffer. So does a launch that would need more than N_COUNTERS counters (a very large
+    batch): every caller then runs its unfolded form, the same result."""
     if n > N_COUNTERS:
-        raise ValueError(f"a folded merge needs one counter per (request, row block): {n} > "
-                         f"N_COUNTERS={N_COUNTERS}; raise N_COUNTERS or pass fold=False")
+        return torch.empty(1, dtype=torch.int32, device=device), False
     if device not in _COUNTERS:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return torch.empty(1, dtype=torch.int32, device=device), False
