@@ -400,7 +400,8 @@ def verify_tree_sampled(tokens, tree_mask, target_probs, draft_probs, seed, posi
     child in turn, so child c is accepted with probability p(c) / (the mass of p its rejected
     siblings left; a repeat of a rejected sibling's token has none) and a rejection zeroes p(c):
     scalars per row, with one [bs, V] draw a row at the end. draft_probs [bs, k, V]: the
-    children of node i were drawn without replacement from draft_probs[:, i]. If no child is
+    children of node i were drawn without replacement from draft_probs[:, i] (a child past the
+    tokens q gives mass is tried as a deterministic proposal). If no child is
     accepted (or there is none), the token is drawn from the residual p (PURPOSE_RESIDUAL),
     ending the path; after `steps` accepted levels the bonus is drawn from the target at the
     leaf. The emitted tokens follow the target's distribution exactly; a greedy target
@@ -579,16 +580,21 @@ def _row(t, node) -> torch.Tensor:
 def _try_children(tokens, parent, cur, alive, p, q, seed, pos):
     """Recursive rejection over cur's children in node order, each drawn from q: (found [bs],
     the accepted node [bs] (cur where none), the residual target p [bs, V] after the
-    rejections)."""
+    rejections). A child q gives no mass (the draft had fewer tokens with mass than children,
+    so its earlier children used them all up) was not drawn from q: it is tried as a
+    deterministic proposal, q one-hot at it (accepted with probability p(c), p(c) zeroed on
+    rejection); testing u * 0 < p(c) would accept it whenever p(c) > 0."""
     found, nxt = torch.zeros_like(alive), cur
     for j in range(1, tokens.shape[1]):
         child = (parent[:, j] == cur) & alive & ~found
         c = tokens[:, j].long()
-        ok = child & (uniform(seed, pos, PURPOSE_ACCEPT, j) * _at(q, c) < _at(p, c))
+        fixed = (_at(q, c) <= 0)[:, None]
+        qc = torch.where(fixed, torch.nn.functional.one_hot(c, q.shape[1]).to(q.dtype), q)
+        ok = child & (uniform(seed, pos, PURPOSE_ACCEPT, j) * _at(qc, c) < _at(p, c))
         found, nxt = found | ok, torch.where(ok, j, nxt)
         rej = child & ~ok
-        p = torch.where(rej[:, None], _normalised(_residual(p, q)), p)
-        q = torch.where(rej[:, None], _without(q, c), q)
+        p = torch.where(rej[:, None], _normalised(_residual(p, qc)), p)
+        q = torch.where(rej[:, None] & ~fixed, _without(q, c), q)
     return found, nxt, p
 
 

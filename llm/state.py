@@ -9,6 +9,9 @@ from torch import Tensor
 
 from .batch import Batch
 
+TOP_K_MAX = 2 ** 31 - 1                    # an int32 lane; any k >= the vocabulary keeps all
+TOP_P_BELOW_ONE = 1.0 - 2.0 ** -24         # the largest fp32 below 1
+
 
 @dataclass(frozen=True)
 class SamplingLanes:
@@ -26,9 +29,12 @@ class SamplingLanes:
         copied without a host synchronisation."""
         def lane(get, dtype):
             return to_device([get(p) for p in params], dtype, device)
+        # packed so the fp32 / int32 lanes keep the meaning: a top_p just below 1 must not round
+        # to 1 (off), a top_k past int32 is the same "keep all" as the vocabulary's size
         return cls(temperature=lane(lambda p: p.temperature, torch.float32),
-                   top_k=lane(lambda p: p.top_k, torch.int32),
-                   top_p=lane(lambda p: p.top_p, torch.float32),
+                   top_k=lane(lambda p: min(p.top_k, TOP_K_MAX), torch.int32),
+                   top_p=lane(lambda p: p.top_p if p.top_p >= 1 else min(p.top_p, TOP_P_BELOW_ONE),
+                              torch.float32),
                    min_p=lane(lambda p: p.min_p, torch.float32),
                    seed=to_device(list(seeds), torch.int64, device))
 

@@ -331,3 +331,19 @@ def test_under_torch_compile_the_sampler_is_one_opaque_op_with_the_eager_tokens(
     args = [logits, *p.values()]
     for got, want in zip(compiled(*args), fn(*args)):
         assert torch.equal(got, want)
+
+
+def test_lanes_keep_the_meaning_of_extreme_parameters():
+    """The engine's fp32 / int32 lanes: a top_p just below 1 stays below 1 (HF's filter, not
+    off), a top_k past int32 packs as "keep all" instead of failing after admission."""
+    from padgraph.llm.state import SamplingLanes
+    warper = pytest.importorskip("transformers.generation.logits_process").TopPLogitsWarper
+    params = [SamplingParams(temperature=1.0, top_p=0.99999999), SamplingParams(top_k=2 ** 40),
+              SamplingParams(top_p=1.0, top_k=5)]
+    lanes = SamplingLanes.of(params, [1, 2, 3], torch.device("cpu"))
+    assert lanes.top_p[0] < 1 and lanes.top_p[2] == 1
+    assert lanes.top_k.tolist() == [0, 2 ** 31 - 1, 5]
+    x = torch.tensor([[10.0, 0.0, -9.0]])
+    kept = sampling_probs(x, lanes.temperature[:1], lanes.top_k[:1], lanes.top_p[:1],
+                          lanes.min_p[:1], impl="torch") > 0
+    assert kept.tolist() == (warper(0.99999999)(None, x.clone()) > -float("inf")).tolist()

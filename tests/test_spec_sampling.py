@@ -188,6 +188,37 @@ def test_eagle_tree_emits_the_targets_joint_distribution(sampled_children):
     assert fit(triples) >= P_MIN
 
 
+def test_eagle_tree_with_a_draft_sharper_than_its_children(monkeypatch):
+    """A sharp draft (temperature 0.2, top-p 0.5) often has fewer tokens with mass than a node
+    has children: the later children cannot be draws from q, and are tried as deterministic
+    proposals (before, u * q(c) = 0 < p(c) accepted them whenever the target gave them mass)."""
+    import sys
+    monkeypatch.setattr(sys.modules[__name__], "DRAFT_PARAMS",
+                        dict(temperature=0.2, top_k=0, top_p=0.5, min_p=0.0))
+    monkeypatch.setattr(sys.modules[__name__], "TARGET_PARAMS",
+                        dict(temperature=1.3, top_k=0, top_p=1.0, min_p=0.1))
+    assert fit(Lanes(seed0=8).run(lambda ls: tree_round(ls, sampled_children=True))) >= P_MIN
+
+
+def test_a_child_outside_the_drafts_mass_is_a_deterministic_proposal():
+    """One node, q one-hot at token 0, children 0 and 1: the first token follows p exactly (as
+    with `draft_probs=None`), not 0 / 1 with p(0) / 1 - p(0)."""
+    n, v = 40_000, 4
+    p = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)
+    target = p.expand(n, 3, v).contiguous()
+    q = torch.zeros(n, 3, v, dtype=torch.float64)
+    q[..., 0] = 1.0
+    tokens = torch.tensor([[9 % v, 0, 1]]).expand(n, 3)
+    mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool).expand(n, 3, 3)
+    seeds = torch.arange(n, dtype=torch.int64)
+    positions = torch.zeros(n, 2, dtype=torch.int64)
+    first = [S.verify_tree_sampled(tokens, mask, target, d, seeds, positions, 1)[2][:, 0]
+             for d in (q, None)]
+    for out in first:
+        freq = torch.bincount(out, minlength=v).double() / n
+        assert (freq - p).abs().max() < 0.01, freq
+
+
 def test_a_chain_rule_whose_residual_ignores_the_draft_fails(monkeypatch):
     """Accept with min(1, p/q) but redraw from p itself on rejection: biased, and caught."""
     monkeypatch.setattr(S, "_residual", lambda p, q: p)
