@@ -60,7 +60,7 @@ import torch
 
 from .eager import exact_run as _exact_run, make_view
 from .findings import MAX_GROUPS, CheckResult, Finding, _rows  # noqa: F401 (MAX_GROUPS: public)
-from .observe import POISON, _changed_rows, _drop_rows, _same, _State, _wide, default_sample, poison_like, tolerance  # noqa: F401 (public re-exports)
+from .observe import POISON, _changed_rows, _drop_rows, _same, _State, _wide, beyond_tolerance, default_sample, poison_like, tolerance  # noqa: F401 (public re-exports)
 from .check_inputs import declared_sample
 from .errors import ContractError, ContractTypeError, ContractValueError, mismatch
 from .plan import Plan
@@ -439,7 +439,7 @@ def _first_lane(ref: torch.Tensor, got: torch.Tensor, rtol, atol) -> tuple | Non
     rtol, atol = (d_rtol if rtol is None else rtol), (d_atol if atol is None else atol)
     a, b = _wide(ref), _wide(got)
     if a.dtype.is_floating_point or a.dtype.is_complex:
-        bad = ~torch.isclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
+        bad = beyond_tolerance(a, b, rtol, atol)
     else:
         bad = a != b
     hits = bad.reshape(bad.shape or (1,)).nonzero()

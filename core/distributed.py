@@ -94,7 +94,7 @@ class AgreeingRunner:
     def __init__(self, runner, group=None):
         self.runner, self.group = runner, group
 
-    def __call__(self, **raw):
+    def __call__(self, /, **raw):
         keys = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(keys, call_key(self.runner, raw), group=self.group)
         msg = disagreement(keys)

@@ -19,10 +19,13 @@ lease: no values), then traces `__torch_function__`, so the compiled code guards
 a stale argument raises (under `fullgraph`, as dynamo's `Unsupported` caused by this error).
 
 Unguarded (torch reads these without calling back into Python), so copy before the next call:
-- tensor constructors reading a lent output as data: `torch.tensor(y)`, `torch.as_tensor(y,
-  dtype=...)` with a conversion, `torch.asarray(y)`, `x.new_tensor(y)` where `x` is not lent;
+- tensor constructors reading a lent output as data: `torch.tensor(y)`, `torch.Tensor(y)`,
+  `torch.as_tensor(y, dtype=...)` with a conversion, `torch.asarray(y)`, `x.new_tensor(y)` where
+  `x` is not lent;
 - raw memory handed out before the next call: `data_ptr()`, `untyped_storage()`,
-  `__cuda_array_interface__`, and whatever a C++ or Triton kernel keeps of them;
+  `__cuda_array_interface__`, `torch.utils.dlpack.to_dlpack(y)`, `x.set_(y)` with `x` not lent,
+  `y.as_subclass(C)` for a class C other than `torch.Tensor`, and whatever a C++ or Triton
+  kernel keeps of them;
 - results of a `torch.compile`'d function: plain tensors, views of an output included;
 - an output passed to another runner while a third thread calls the runner that lent it: the
   lease is checked when the consuming call starts, not after it has read its inputs.
@@ -137,6 +140,14 @@ class Lent(torch.Tensor):
 
     def __dlpack__(self, *args, **kwargs):        # a copy: the consumer cannot check the lease
         return _read(self, torch.Tensor.clone).__dlpack__(*args, **kwargs)
+
+    def as_subclass(self, cls):                   # torch skips __torch_function__ for it
+        """As a plain tensor (`torch.Tensor` or Lent): an alias lent under the same lease; as any
+        other subclass, its alias as of now (checked now; another class cannot be lent)."""
+        alias = _read(self, lambda t: t.as_subclass(torch.Tensor))
+        if cls in (torch.Tensor, Lent):
+            return lend(alias, self._lease, self._name)
+        return alias.as_subclass(cls)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):

@@ -140,6 +140,32 @@ def tolerance(dtype: torch.dtype) -> tuple[float, float]:
     return _TOLERANCE.get(dtype, (0.0, 0.0))
 
 
+def row_scale(b: torch.Tensor) -> torch.Tensor:
+    """Each element's magnitude for the relative tolerance: the largest finite |value| of its row
+    of dim 0 (a 0-d or 1-d tensor: the element's own). A GEMM picked by row count (the padded run
+    has more rows than the exact one) rounds a dot product to within its terms' scale, not its
+    result's: an element that cancels to near zero may differ by many of its own ulps (bf16 K
+    rows on a GPU did, at 15 rows against 16; fp32 on a CPU's BLAS at 1 row against 2), while a
+    padding bug moves a value by the row's scale, which this still catches."""
+    mag = b.abs().nan_to_num(0.0, posinf=0.0, neginf=0.0)
+    if b.dim() < 2 or b.numel() == 0:
+        return mag
+    rows = mag.reshape(b.shape[0], -1).amax(1)                     # [rows]
+    return torch.maximum(mag, rows.view(-1, *([1] * (b.dim() - 1))))
+
+
+def beyond_tolerance(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> torch.Tensor:
+    """Floating or complex a, b of one shape: where they differ by more than atol + rtol * the
+    row's scale (`row_scale`), NaN equal to NaN, an infinity equal to itself. Complex values
+    compare as (real, imaginary) pairs: a lane differs where either part does."""
+    if a.is_complex():
+        pair = torch.view_as_real
+        return beyond_tolerance(pair(a.resolve_conj()), pair(b.resolve_conj()), rtol, atol).any(-1)
+    a64, b64 = _wide(a).double(), _wide(b).double()
+    return (~((a64 - b64).abs() <= atol + rtol * row_scale(b64)) & ~(a64.isnan() & b64.isnan())
+            & (a64 != b64))
+
+
 def _same(a: torch.Tensor, b: torch.Tensor, rtol: float | None, atol: float | None) -> tuple[bool, str]:
     if a.shape != b.shape:
         return False, f"shape {tuple(a.shape)} vs {tuple(b.shape)}"
@@ -147,8 +173,9 @@ def _same(a: torch.Tensor, b: torch.Tensor, rtol: float | None, atol: float | No
     rtol, atol = (d_rtol if rtol is None else rtol), (d_atol if atol is None else atol)
     a, b = _wide(a), _wide(b)
     if a.dtype.is_floating_point or a.dtype.is_complex:
-        ok = torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
-        diff = (a.double() - b.double()).abs().nan_to_num(0).max().item() if a.numel() else 0.0
+        ok = not bool(beyond_tolerance(a, b, rtol, atol).any())
+        wide = torch.complex128 if a.dtype.is_complex else torch.float64
+        diff = (a.to(wide) - b.to(wide)).abs().nan_to_num(0).max().item() if a.numel() else 0.0
         return ok, f"max |diff| {diff:.3g}"
     ok = torch.equal(a, b)
     return ok, f"{int((a != b).sum())} of {a.numel()} elements differ"

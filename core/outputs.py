@@ -36,7 +36,8 @@ class Outputs(dict):
 class LentOutputs(Outputs):
     """Outputs on loan until the runner's next call (rule 6.2): each is made a `Lent` alias under
     the call's lease when first read, so outputs never read cost nothing. Every way to read one
-    (`out.y`, `out["y"]`, values(), items(), get(), `{**out}`, dict(out)) goes through __getitem__."""
+    (`out.y`, `out["y"]`, values(), items(), get(), pop(), popitem(), setdefault(), `{**out}`,
+    dict(out)) goes through __getitem__."""
 
     def __init__(self, views: Mapping, lease):
         dict.update(self, views)                  # as dict's __init__, without super()'s lookup
@@ -62,6 +63,30 @@ class LentOutputs(Outputs):
 
     def items(self):
         return [(n, self[n]) for n in dict.keys(self)]
+
+    _absent = object()
+
+    def pop(self, name, default=_absent):
+        """The output lent (as out[name]), removed from this mapping."""
+        if name not in self:
+            if default is LentOutputs._absent:
+                return self[name]                 # __missing__'s error, naming the outputs
+            return default
+        t = self[name]
+        dict.pop(self, name)
+        return t
+
+    def popitem(self):
+        if not dict.__len__(self):
+            return dict.popitem(self)             # KeyError, as a dict's
+        name = next(reversed(list(dict.keys(self))))
+        return name, self.pop(name)
+
+    def setdefault(self, name, default=None):
+        if name in self:
+            return self[name]
+        dict.__setitem__(self, name, default)
+        return default
 
     def __repr__(self) -> str:
         return "{" + ", ".join(f"{n!r}: {self[n]!r}" for n in dict.keys(self)) + "}"

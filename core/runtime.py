@@ -109,7 +109,7 @@ class Runner:
                 torch.cuda.synchronize(dev)
             self._canary.poll(self._lease.call + 1)
 
-    def __call__(self, **raw: torch.Tensor) -> Outputs:
+    def __call__(self, /, **raw: torch.Tensor) -> Outputs:
         return self.call(raw)
 
     def call(self, raw: Mapping[str, torch.Tensor], extents: Mapping[str, torch.Tensor] | None = None) -> Outputs:

@@ -206,17 +206,24 @@ class BoundState:
 
     # ---- for pg.check ----------------------------------------------------------------------------
     def snapshot(self) -> list[torch.Tensor]:
+        """Copies of every leaf, byte for byte (bool through its bytes: a copy of a bool tensor
+        turns any nonzero byte into 1, which would overwrite a canary's sentinel)."""
         with torch.no_grad():      # a Parameter's copy without autograd history
-            return [t.clone() for t in self._tensors]
+            return [_bytes_of(t).clone().view(t.dtype) for t in self._tensors]
 
     def restore(self, snap: list[torch.Tensor]) -> None:
         with torch.no_grad():      # in place into a Parameter (a leaf that requires grad)
             for t, s in zip(self._tensors, snap):
-                t.copy_(s)
+                _bytes_of(t).copy_(_bytes_of(s))
 
     def named(self) -> list[tuple[str, torch.Tensor]]:
         """(label, tensor) of every leaf: "kv" for a tensor, "kv[3]", "cache.key_cache[1]" inside one."""
         return list(zip(self._labels, self._tensors))
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A bool tensor as its bytes (uint8, the same view), anything else as it is."""
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
 
 
 def _rebuild(value, cut, spec=None):

@@ -165,3 +165,12 @@ def test_copies_of_lent_outputs_are_the_callers():
     assert all((k + 0).tolist() == [2, 2] for k in kept)
     with pytest.raises(pg.StaleOutputError):
         copy.deepcopy(out.y)
+
+
+def test_an_input_named_self_passes_by_keyword():
+    """`runner(self=...)`: the runner's own parameter is positional-only."""
+    n = pg.Axis("n")
+    prog = pg.Program("selfish", inputs={"self": pg.Input((n,), torch.float32, pad=0)},
+                      outputs={"y": pg.Output((n,), torch.float32)}, buckets=pg.Buckets([2, 4]))
+    r = pg.compile(prog, lambda x: {"y": getattr(x, "self") * 2}, copy_outputs=True)
+    assert r(self=torch.ones(3)).y.tolist() == [2.0, 2.0, 2.0]

@@ -69,6 +69,7 @@ ROUTES = {
     "as_tensor-same": lambda y: torch.as_tensor(y) + 0,
     "detach": lambda y: y.detach() + 0,
     "data": lambda y: y.data + 0,
+    "as_subclass": lambda y: y.as_subclass(torch.Tensor) + 0,
     "T": lambda y: y.T + 0,
     "repr": lambda y: repr(y).replace("Lent", "tensor"),
     "format": lambda y: f"{y[0]}",
@@ -119,6 +120,7 @@ KEPT = {   # route -> views a caller keeps past the next call: each alias of the
     "view-of-view": lambda y: [y.unbind()[0][1:]],
     "detach": lambda y: [y.detach()],
     "data": lambda y: [y.data],
+    "as_subclass": lambda y: [y.as_subclass(torch.Tensor)],
     "kwarg-view": lambda y: [torch.narrow(y, dim=0, start=1, length=1)],
 }
 
@@ -335,3 +337,37 @@ def test_threads_that_each_call_and_read_never_hold_another_threads_values(where
         sys.setswitchinterval(old)
     assert not bad, f"clones holding another thread's values: {bad[:5]}"
     assert counts["ok"] > 0, counts
+
+
+# how a caller takes an output out of the call's mapping -> the output
+TAKEN = {
+    "attribute": lambda out: out.y,
+    "getitem": lambda out: out["y"],
+    "get": lambda out: out.get("y"),
+    "values": lambda out: out.values()[0],
+    "items": lambda out: dict(out.items())["y"],
+    "dict": lambda out: dict(out)["y"],
+    "unpacked": lambda out: {**out}["y"],
+    "pop": lambda out: out.pop("y"),
+    "pop-default": lambda out: out.pop("y", None),
+    "popitem": lambda out: dict([out.popitem(), out.popitem()])["y"],
+    "setdefault": lambda out: out.setdefault("y", None),
+}
+
+
+@pytest.mark.parametrize("route", sorted(TAKEN))
+def test_every_way_out_of_the_outputs_mapping_is_lent(where, route):
+    runner, device = _runner(where)
+    y = TAKEN[route](runner(a=_a(3, 1.0, device)))
+    assert y.tolist() == (_a(3, 1.0, device) * 2).tolist()
+    runner(a=_a(3, 100.0, device))
+    with pytest.raises(pg.StaleOutputError, match="output 'y' of call 1"):
+        y + 0
+
+
+def test_popping_an_unknown_output_names_the_outputs(where):
+    runner, device = _runner(where)
+    out = runner(a=_a(2, 1.0, device))
+    assert out.pop("nope", 7) == 7
+    with pytest.raises(KeyError, match="outputs must be one of"):
+        out.pop("nope")

@@ -246,3 +246,86 @@ def test_float_tolerance_is_relative_to_the_rows_scale():
     assert _first_difference(a, b, Shadow())[0] == 1
     v = torch.tensor([0.002, 0.5], dtype=torch.bfloat16)                  # 1-d: each element's own scale
     assert _first_difference(v + torch.tensor([0.0007, 0.0], dtype=torch.bfloat16), v, Shadow()) == (0,)
+
+
+# ---- rounding that depends on the row count, complex values, bool state ---------------------
+
+def _rows_round(y):
+    """A GEMM picked by row count: with more than one row every element moves by 1e-6 of its
+    row's largest value (CPU BLAS does so at 1 row against 2; cuBLAS at 15 against 16), far
+    beyond the own ulps of an element that cancels to near zero."""
+    return y + (y.shape[0] > 1) * 1e-6 * y.abs().amax(-1, keepdim=True)
+
+
+def _gemm_program(dtype):
+    return pg.Program("gemm", inputs={"h": pg.Input((bs, 64), torch.float32, pad=3.0)},
+                      outputs={"y": pg.Output((bs, 32), dtype)}, buckets=pg.Buckets([2, 4]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.complex64])
+def test_row_count_rounding_is_no_finding(dtype):
+    """pg.check and the shadow scale the tolerance by the row's magnitude, complex values too."""
+    w = torch.randn(64, 32, generator=torch.Generator().manual_seed(0)).to(dtype) * 30
+
+    def good(x):
+        return {"y": _rows_round(x.h.to(dtype) @ w)}
+
+    one = lambda gen: {"h": torch.randn(1, 64, generator=gen)}  # noqa: E731 - exact run: 1 row
+    assert pg.check(_gemm_program(dtype), good, sample=one, trials=3).ok
+    r = pg.compile(_gemm_program(dtype), good, shadow=pg.Shadow(every=1))
+    for n in (1, 3, 1):
+        r(h=torch.randn(n, 64))
+    assert r.stats.shadow_mismatches == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.complex64])
+def test_a_raw_lane_reading_a_padded_one_is_caught_whatever_the_dtype(dtype):
+    def leak(x):                                   # the last row is padded when n < the bucket
+        return {"y": x.h[:, :32].to(dtype) + x.h[-1, :32]}
+
+    r = pg.compile(_gemm_program(dtype), leak, shadow=pg.Shadow(every=1))
+    with pytest.raises(pg.ShadowMismatch, match=r"output 'y', lane \(0, 0\)"):
+        r(h=torch.randn(1, 64))
+
+
+def test_a_raw_lane_rewriting_its_row_within_rounding_is_no_padded_write():
+    """A request's row written again with the value it holds: the exact run (1 row) leaves it
+    bit-identical, the padded run (2 rows) moves it by rounding; not a padded lane's write."""
+    tok2 = pg.Axis("tok", capacity=bs * 2)
+    w = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+    prog = pg.Program("rewrite", inputs={"slot": pg.Input((bs,), torch.int64, pad=0),
+                                         "h": pg.Input((bs, 64), torch.float32, pad=0),
+                                         "ids": pg.Input((tok2,), torch.int64, pad=0)},
+                      outputs={"o": pg.Output((tok2,), torch.int64)},
+                      state={"kv": pg.State(sink=0)}, buckets=pg.Buckets([1, 2, 4]))
+
+    def body(x):
+        x.kv.index_copy_(0, x.slot, _rows_round(x.h @ w))
+        return {"o": x.ids + 1}
+
+    r = pg.compile(prog, body, state={"kv": torch.zeros(16, 32)}, shadow=pg.Shadow(every=1))
+    slot, h = torch.tensor([5]), torch.randn(1, 64)
+    r(slot=slot, h=h, ids=torch.tensor([7]))                 # bucket 1: writes row 5
+    r(slot=slot, h=h, ids=torch.tensor([7, 8, 9]))           # bucket 2: the same write again
+    assert r.stats.shadow_mismatches == 0
+
+
+def test_shadow_restores_a_bool_states_canary_byte_for_byte():
+    """The shadow's snapshot and restore copy bool state by its bytes: a copy of a bool tensor
+    turns the canary's sentinel byte into 1, which the next check would report as a write."""
+    prog = pg.Program("flags", inputs={"slot": pg.Input((bs,), torch.int64, pad=0),
+                                       "m": pg.Input((bs,), torch.bool, pad=False)},
+                      outputs={"o": pg.Output((bs,), torch.bool)},
+                      state={"flags": pg.State(sink=0, canary=1)}, buckets=pg.Buckets([2, 4]))
+
+    def body(x):
+        x.flags.index_copy_(0, x.slot, x.m)
+        return {"o": ~x.m}
+
+    flags = torch.zeros(8, dtype=torch.bool)
+    r = pg.compile(prog, body, state={"flags": flags}, canary=True, shadow=pg.Shadow(every=1))
+    sentinel = flags.view(torch.uint8)[1].item()
+    for slots in ([2, 3], [4, 5, 6], [2]):
+        r(slot=torch.tensor(slots), m=torch.ones(len(slots), dtype=torch.bool))
+    r.canary_check()
+    assert flags.view(torch.uint8)[1].item() == sentinel != 1

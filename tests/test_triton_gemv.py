@@ -62,3 +62,5 @@ def test_torch_impl_and_checks():
         gemv(x, torch.randn(8, 5).T)
     with pytest.raises(ValueError, match="split_k"):
         gemv(x, w, split_k=0)
+    with pytest.raises(ValueError, match="powers of two >= 16; got 1, 24, 256"):
+        gemv(x, w, block_n=24)

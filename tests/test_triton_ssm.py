@@ -638,3 +638,35 @@ def test_tree_kernels_compile_for_sm90_without_spills(tmp_path):
     results = json.loads(run.stdout.splitlines()[-1])
     for name, r in results.items():
         assert r["stack"] == 0, f"{name} spills: {r}"
+
+
+def test_strided_head_parameters_read_by_their_strides():
+    """dt with heads strided (a transposed view), D and dt_bias with stride 2, a conv bias with
+    stride 2: the kernels index them by head / channel alone, so the wrappers hand them a unit
+    stride; each gives the result of its contiguous copy."""
+    g = torch.Generator().manual_seed(0)
+    bs, heads, p, n, slots = 3, 4, 8, 16, 6
+    state0 = torch.randn(slots, heads, p, n, generator=g)
+    slot = torch.tensor([2, 0, 4])
+    x = torch.randn(bs, heads, p, generator=g)
+    b, c = torch.randn(bs, 1, n, generator=g), torch.randn(bs, 1, n, generator=g)
+    a = -torch.rand(heads, generator=g) - 0.5
+    dt, d, bias = (torch.randn(bs, heads, generator=g), torch.randn(heads, generator=g),
+                   torch.randn(heads, generator=g))
+    strided = (dt.t().contiguous().t(), torch.stack([d, d], 1)[:, 0], torch.stack([bias, bias], 1)[:, 0])
+    assert strided[0].stride(-1) != 1 and strided[1].stride(0) == 2
+
+    def run(args, impl):
+        st = state0.clone()
+        return ssm_decode_update(st, slot, x, args[0], a, b, c, D=args[1], dt_bias=args[2], impl=impl), st
+
+    (want, want_st), (got, got_st) = run((dt, d, bias), "torch"), run(strided, "triton")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_st, want_st, rtol=1e-5, atol=1e-5)
+
+    w, cb = torch.randn(8, 4, generator=g), torch.randn(8, generator=g)
+    cb_strided = torch.stack([cb, cb], 1)[:, 0]
+    xs, cs = torch.randn(3, 8, generator=g), torch.randn(6, 8, 3, generator=g)
+    outs = [conv_state_update(cs.clone(), slot, xs, w, bias_, "silu", impl=impl)
+            for bias_, impl in ((cb, "torch"), (cb_strided, "triton"))]
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)

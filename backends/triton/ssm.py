@@ -355,6 +355,14 @@ def _check(state, x, dt, A, B, C, D, z, dt_bias, per: str) -> None:
             raise ValueError(f"{name} must be contiguous in its last dim; strides {t.stride()}")
 
 
+def _unit_stride(t):
+    """t with a unit stride on its last dim (the kernels index dt's heads, D and dt_bias by the
+    head alone): itself where it has one, else a contiguous copy; None as given."""
+    if t is None or t.dim() == 0 or t.stride(-1) == 1:
+        return t
+    return t.contiguous()
+
+
 def _check_index(name: str, t: torch.Tensor, n: int) -> None:
     if t.dim() != 1 or t.shape[0] != n or t.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{name} must be [{n}] int32/int64; got {tuple(t.shape)} {t.dtype}")
@@ -398,6 +406,7 @@ def ssm_decode_update(state, slot, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     A [n_heads] (Mamba2) or [n_heads, d_state] (Mamba1, head_dim 1).
     """
     _check(state, x, dt, A, B, C, D, z, dt_bias, "bs")
+    dt, D, dt_bias = _unit_stride(dt), _unit_stride(D), _unit_stride(dt_bias)
     _check_index("slot", slot, x.shape[0])
     if resolve_impl(impl, state, slot, x, dt, B, C) == "torch":
         return ssm_decode_update_reference(state, slot, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit)
@@ -423,6 +432,7 @@ def ssm_tree_update(state, tree, slot, parents, x, dt, A, B, C, D=None, z=None, 
     [bs * k, n_groups, d_state]; A, D, dt_bias as `ssm_decode_update`.
     """
     _check(state, x, dt, A, B, C, D, z, dt_bias, "bs * k")
+    dt, D, dt_bias = _unit_stride(dt), _unit_stride(D), _unit_stride(dt_bias)
     bs, k = _check_tree(state, tree, slot, parents, x.shape[0])
     if resolve_impl(impl, state, tree, slot, parents, x, dt, B, C) == "torch":
         return ssm_tree_update_reference(state, tree, slot, parents, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
@@ -476,6 +486,7 @@ def ssm_chunked_scan(state, slot, cu_seqlens, has_initial_state, x, dt, A, B, C,
     method: "sequential" (one token a step) or "chunked" (CHUNK_T tokens a step, as matmuls).
     """
     _check(state, x, dt, A, B, C, D, z, dt_bias, "n_tok")
+    dt, D, dt_bias = _unit_stride(dt), _unit_stride(D), _unit_stride(dt_bias)
     n_seq = _check_packed(cu_seqlens, slot, has_initial_state)
     if method not in SCAN_METHODS:
         raise ValueError(f"method must be one of {SCAN_METHODS}; got {method!r}")
