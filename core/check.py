@@ -170,8 +170,9 @@ def check(program: Program, body: Callable, *, state: Mapping | None = None, pre
     distinct non-sink rows of it, other values small and random (a body whose other integer
     inputs are indices or offsets needs its own sampler; the result's notes say which).
     trials: raw draws, each run at up to SIZES_PER_TRIAL padded sizes; seed: the draws' generator.
-    tolerance: (rtol, atol) of raw lanes across sizes; default by dtype (`observe.tolerance`): a
-    GEMM whose row count changes may round differently in the last bits.
+    tolerance: (rtol, atol) of raw lanes across sizes; default by dtype (`observe.tolerance`),
+    rtol relative to the largest value of the element's row (`observe.row_scale`): a GEMM whose
+    row count changes may round differently in the last bits of its terms' scale.
     State is restored after every run; see the module docstring for how writes are detected.
     """
     _check_args(program, sample, trials, seed, tolerance)
