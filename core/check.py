@@ -12,8 +12,9 @@ the result: padded lanes of dependent axes then count as raw there.
 Trials: odd trials first run another draw at the largest bucket (a previous call) and start from
 the state it leaves, so padded lanes that reuse an earlier call's leftovers (a stale slot table)
 are seen writing rows no raw lane targets. Each bucket also runs once with every lane padded (raw
-extents 0, as a capture's warm-up): rows it writes outside the sinks (and outside rows the exact
-run writes anyway, such as a counter) are padded lanes' writes whatever the order of the writes.
+extents 0, as a capture's warm-up): rows it writes outside the sinks (and outside rows the body
+writes with no lane at all, exact at raw extents 0, such as a counter) are padded lanes' writes
+whatever the order of the writes.
 A sink row that a raw lane wrote in the exact run must keep that write at every size. After the
 largest size of a trial the same raw inputs run once more, from the state that size left and from
 the state the exact run left: raw lanes that read what padded lanes wrote (a sink slot filled by
@@ -60,7 +61,7 @@ import torch
 
 from .eager import exact_run as _exact_run, make_view
 from .findings import MAX_GROUPS, CheckResult, Finding, _rows  # noqa: F401 (MAX_GROUPS: public)
-from .observe import POISON, _changed_rows, _drop_rows, _same, _State, _wide, beyond_tolerance, default_sample, poison_like, tolerance  # noqa: F401 (public re-exports)
+from .observe import POISON, ROW_RTOL, _changed_rows, _drop_rows, _same, _State, _wide, beyond_tolerance, default_sample, poison_like, tolerance  # noqa: F401 (public re-exports)
 from .check_inputs import declared_sample
 from .errors import ContractError, ContractTypeError, ContractValueError, mismatch
 from .plan import Plan
@@ -129,6 +130,7 @@ class _Ctx:
     atol: float
     noted: set = field(default_factory=set)
     all_pad_done: set = field(default_factory=set)   # sizes whose all-pad run was checked
+    cache: dict = field(default_factory=dict)        # what a check computes once (`_lane_free_writes`)
 
     def note(self, key: str, text: str) -> None:
         """Add a note once per key (the first occurrence's text)."""
@@ -171,8 +173,9 @@ def check(program: Program, body: Callable, *, state: Mapping | None = None, pre
     inputs are indices or offsets needs its own sampler; the result's notes say which).
     trials: raw draws, each run at up to SIZES_PER_TRIAL padded sizes; seed: the draws' generator.
     tolerance: (rtol, atol) of raw lanes across sizes; default by dtype (`observe.tolerance`),
-    rtol relative to the largest value of the element's row (`observe.row_scale`): a GEMM whose
-    row count changes may round differently in the last bits of its terms' scale.
+    rtol relative to the element, and at most fp32's (`observe.ROW_RTOL`) relative to the largest
+    value of its row (`observe.row_scale`): a GEMM whose row count changes may round differently
+    in the last bits of its terms' scale.
     State is restored after every run; see the module docstring for how writes are detected.
     """
     _check_args(program, sample, trials, seed, tolerance)
@@ -196,8 +199,10 @@ def check(program: Program, body: Callable, *, state: Mapping | None = None, pre
             if sample is not None:
                 _add_note(e.error, f"pg.check({program.name!r}): trial {trial}, raw extents {ext}, size {e.size}")
                 raise e.error from None
+            drew = (f", and {sorted(draw.index_inputs)} as distinct non-sink rows of the state whose sink "
+                    f"their pad is" if draw.index_inputs else "")
             ctx.add("body-error", "body", f"raised {e} on inputs of the default sampler, which draws "
-                    f"integers in 0..3 (often not valid indices, lengths or offsets): pass "
+                    f"integers in 0..3 (often not valid indices, lengths or offsets){drew}: pass "
                     f"sample=fn(gen) -> raw inputs that this body accepts", ext, e.size, trial)
     if sample is None:
         _sampler_notes(ctx, program, draw.index_inputs)
@@ -208,7 +213,7 @@ def _sampler_notes(ctx: _Ctx, program: Program, indices: dict) -> None:
     """Say what the default sampler drew as indices, and which integer inputs it could not place."""
     if indices:
         ctx.note("indices", "the default sampler drew " + ", ".join(
-            f"{n!r} as distinct rows in [0, {rows}) but {sorted(sinks)}"
+            f"{n!r} as distinct rows in [0, {rows}) (the lowest first) but {sorted(sinks)}"
             for n, (rows, sinks) in indices.items()) + " (their pad is a sink row of the state they index: sinks and canary rows left out)")
     others = [n for n in _int_inputs(program) if n not in indices]
     if ctx.result.findings and others:
@@ -297,6 +302,23 @@ def _baseline(ctx: _Ctx, raw, ext, snap, trial: int) -> tuple[_Seen, Callable]:
         return seen, tight
 
 
+def _lane_free_writes(ctx: _Ctx, cut: dict, zero: dict) -> list | None:
+    """Rows of each state leaf the exact run writes with every raw extent 0 (no lane, raw or
+    padded: a call counter), computed once a check, from the state as bound; None where the body
+    cannot run so (the all-pad runs then leave the trial's own targets aside instead)."""
+    if "lane_free" not in ctx.cache:
+        snap = ctx.state.snapshot()
+        try:
+            with torch.no_grad():
+                _exact_run(ctx.runner, cut, zero)
+            ctx.cache["lane_free"] = [_changed_rows(a, b) for a, b in zip(ctx.state.snapshot(), snap)]
+        except Exception:           # noqa: BLE001 - an empty batch the body does not take
+            ctx.cache["lane_free"] = None
+        finally:
+            ctx.state.restore(snap)
+    return ctx.cache["lane_free"]
+
+
 def _out_of_bounds(e: Exception) -> bool:
     return isinstance(e, IndexError) or "out of bounds" in str(e) or "out of range" in str(e)
 
@@ -336,6 +358,9 @@ def _all_pad_writes(ctx: _Ctx, raw: dict, ext: dict, size: int, trial: int, targ
     allowed = ctx.state.allowed({plan.bucket_axis: 0}, size, plan.bucket_axis)
     changed = [_changed_rows(a, b) for a, b in zip(after, snap)]
     _outside_view(ctx, changed, size, zero, size, trial, f"the all-pad run at size {size}")
+    lane_free = _lane_free_writes(ctx, cut, zero)
+    if lane_free is not None:      # rows written with no lane at all: not a padded lane's doing
+        targets = lane_free
     for label, ok_rows, rows, t, is_rows in zip(ctx.state.labels, allowed, changed, targets, ctx.state.rows):
         past_view = {r for r in rows if r >= size} if is_rows else set()     # reported just above
         extra = rows - ok_rows - t - past_view
@@ -355,9 +380,11 @@ def _trial(ctx: _Ctx, raw: dict, ext: dict, gen, n_sizes: int, trial: int) -> No
         again = again_run()
         _compare(ctx, "nondeterminism", base, _Seen(again, ctx.state.snapshot(), []), (ext, bs, trial), (0.0, 0.0))
         sizes = _sizes(runner.plan, runner.plan.fit(ext), gen, n_sizes)
+        # every bucket once with every lane padded (the first trial that gets here runs them
+        # all), not only the sizes the trials draw: a bug of a small-batch path shows at its own
+        for size in runner.plan.buckets:
+            _all_pad_writes(ctx, raw, ext, size, trial, base.written)
         for size in sizes:
-            if size in runner.plan.buckets:
-                _all_pad_writes(ctx, raw, ext, size, trial, base.written)
             seen = _observe(ctx, snap, _guarded(size, lambda: runner.run_at(size, **raw)))
             stray = _state_writes(ctx, base.written, seen.written, ext, size, trial)
             _compare(ctx, "pad-leakage", base, seen, (ext, size, trial), (ctx.rtol, ctx.atol), stray)
@@ -440,7 +467,7 @@ def _first_lane(ref: torch.Tensor, got: torch.Tensor, rtol, atol) -> tuple | Non
     rtol, atol = (d_rtol if rtol is None else rtol), (d_atol if atol is None else atol)
     a, b = _wide(ref), _wide(got)
     if a.dtype.is_floating_point or a.dtype.is_complex:
-        bad = beyond_tolerance(a, b, rtol, atol)
+        bad = beyond_tolerance(a, b, rtol, atol, min(rtol, ROW_RTOL))
     else:
         bad = a != b
     hits = bad.reshape(bad.shape or (1,)).nonzero()

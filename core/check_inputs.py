@@ -8,7 +8,9 @@ declaration says which inputs are indices into state and what is valid there:
     an integer input whose pad is `Fill(r)` with r a sink row of a declared state indexes dim 0 of
     that state (that is what a sink is: the row a padded lane's index lands on), so its raw lanes
     draw distinct rows of dim 0 that are no sink of any state r is a sink of, below the smallest
-    dim 0 among them (valid for whichever of those states the body indexes).
+    dim 0 among them (valid for whichever of those states the body indexes), and among the lowest
+    rows (`_distinct_rows`: an input that shares the pad by coincidence, token ids padded with 0,
+    stays small).
 
 Every other input is drawn as `observe.default_sample` draws it (extents uniform within the
 ladder; small ints in 0..3, floats from a normal, bools); a body whose other integer inputs are
@@ -56,8 +58,12 @@ def declared_sample(program: Program, state, device=None):
 
 def _distinct_rows(n_rows: int, sinks: frozenset, like: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """`like`'s shape and dtype, every element a row of [0, n_rows) that is no sink: distinct
-    while there are enough such rows, else drawn with repeats (never a sink, never out of range)."""
-    free = torch.tensor([r for r in range(n_rows) if r not in sinks], dtype=torch.int64)
+    while there are enough such rows, else drawn with repeats (never a sink, never out of range).
+    Drawn among the lowest 2n + |sinks| + 1 rows (n the elements): an integer input whose pad is
+    a sink row by coincidence (token ids padded with 0 beside a KV cache whose sink is row 0)
+    stays as small as distinct rows allow, valid for a vocabulary of more than that."""
+    window = min(n_rows, 2 * like.numel() + len(sinks) + 1)
+    free = torch.tensor([r for r in range(window) if r not in sinks], dtype=torch.int64)
     if free.numel() == 0:
         return like
     if like.numel() <= free.numel():

@@ -154,9 +154,11 @@ def test_exact_run_sees_raw_tensors():
     raw = {"a": torch.ones(3), "out_cache_loc": torch.tensor([1, 2, 3, 4, 5]), "val": torch.ones(5)}
     pg.check(_tok_program(), body, state={"kv": torch.zeros(SLOTS)}, sample=lambda g: raw, trials=1)
     assert seen[0] == (3, 5, 5), seen                  # no padded lane on either axis
-    padded = [s for s in seen if s != (3, 5, 5)]
-    assert padded and all(b >= 3 and n == 4 * b and e in (0, 5) for b, n, e in padded), seen
-    assert {e for _, _, e in padded} == {0, 5}    # the padded sizes, and their all-pad runs
+    padded = [s for s in seen if s != (3, 5, 5) and s != (0, 0, 0)]
+    assert padded and all(n == 4 * b and e in (0, 5) for b, n, e in padded), seen
+    assert all(b >= 3 for b, _, e in padded if e == 5), seen       # the raw lanes' sizes
+    # every bucket once with every lane padded, and once the exact run with no lane at all
+    assert {b for b, _, e in padded if e == 0} == {1, 2, 4, 8} and seen.count((0, 0, 0)) == 1, seen
 
 
 def test_padded_lane_writing_an_equal_value_is_found():

@@ -329,3 +329,29 @@ def test_shadow_restores_a_bool_states_canary_byte_for_byte():
         r(slot=torch.tensor(slots), m=torch.ones(len(slots), dtype=torch.bool))
     r.canary_check()
     assert flags.view(torch.uint8)[1].item() == sentinel != 1
+
+
+def test_a_read_past_the_extent_that_fails_unpadded_is_a_mismatch():
+    """An off-by-one last-token gather: padded it reads a pad lane, unpadded it indexes out of
+    bounds. The shadow reports it (as pg.check does) instead of skipping the exact comparison."""
+    tok4 = pg.Axis("tok", capacity=bs * 4)
+    prog = pg.Program("last_tok", inputs={"hidden": pg.Input((tok4, 4), torch.float32, pad=0),
+                                          "seq_lens": pg.Input((bs,), torch.int64, pad=0)},
+                      outputs={"h_last": pg.Output((bs, 4), torch.float32)},
+                      buckets=pg.Buckets([1, 2, 4, 8]))
+
+    def good(x):
+        return {"h_last": x.hidden[x.seq_lens.cumsum(0) - 1]}
+
+    def bad(x):
+        idx = x.seq_lens.cumsum(0) - 1
+        return {"h_last": x.hidden[torch.where(torch.arange(idx.shape[0]) == x.extent("bs") - 1,
+                                               idx + 1, idx)]}
+
+    lens = torch.tensor([2, 1, 3, 2, 1])
+    raw = {"hidden": torch.randn(int(lens.sum()), 4), "seq_lens": lens}
+    ok = pg.compile(prog, good, shadow=pg.Shadow(every=1))
+    ok(**raw)
+    assert ok.stats.shadow_mismatches == 0 and ok.stats.shadow_exact_skipped == 0
+    with pytest.raises(pg.ShadowMismatch, match="indexed out of bounds"):
+        pg.compile(prog, bad, shadow=pg.Shadow(every=1))(**raw)

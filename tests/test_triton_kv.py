@@ -137,3 +137,17 @@ def test_store_kv_checks_shapes():
     with pytest.raises(ValueError, match="loc must be"):
         store_kv(k_cache, k_cache, torch.tensor([1.0]), torch.zeros(1, 2, 64),
                  torch.zeros(1, 2, 64))
+
+
+@pytest.mark.parametrize("shape", [(10, 5), (10, 2, 3, 5)])
+@pytest.mark.parametrize("n_tok", [0, 3])
+def test_store_kv_takes_any_cache_rank(shape, n_tok):
+    """The kernel takes [slots, heads, dim] caches; other ranks (and no token) store as the
+    reference does instead of failing to unpack their shapes."""
+    k_cache, v_cache = torch.randn(*shape), torch.randn(*shape)
+    caches = [k_cache.clone(), v_cache.clone(), k_cache, v_cache]
+    loc = torch.tensor([4, 1, 7])[:n_tok]
+    k, v = torch.randn(n_tok, *shape[1:]), torch.randn(n_tok, *shape[1:])
+    store_kv(caches[0], caches[1], loc, k, v, impl="triton")
+    store_kv_reference(caches[2], caches[3], loc, k, v)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])

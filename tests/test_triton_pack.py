@@ -167,3 +167,21 @@ def test_all_pad_writes_pads_and_zeros_fixed_inputs():
         P.all_pad(e, dst)
         want = 0 if not e.dims else e.fill
         assert bool((dst == want).all()), f"{e.name}={dst.tolist()}, but should be all {want}"
+
+
+def test_eager_pack_converts_and_checks_its_sources():
+    """`pack(impl="triton")` copies the destination's bytes from the source's address: a source
+    of another dtype is converted first (as the reference's copy_), one of the wrong size raises."""
+    import padgraph as pg
+    from padgraph.backends.triton import pack as TP
+    bs_ = pg.Axis("bs")
+    prog = pg.Program("p", inputs={"a": pg.Input((bs_, 3), torch.float32, pad=0.0)},
+                      buckets=pg.Buckets([4]))
+    table = pg.Plan(prog).pack_table(4)
+    src = torch.arange(9, dtype=torch.float64).view(3, 3)
+    want, got = {"a": torch.zeros(4, 3)}, {"a": torch.zeros(4, 3)}
+    TP.pack(table, want, {"a": src}, {"bs": 3}, impl="reference")
+    TP.pack(table, got, {"a": src}, {"bs": 3}, impl="triton")
+    assert torch.equal(got["a"], want["a"])
+    with pytest.raises(ValueError, match="source 'a' has 6 elements, its raw extents"):
+        TP.pack(table, got, {"a": src[:2].float()}, {"bs": 3}, impl="triton")

@@ -262,7 +262,14 @@ def pack(table: P.PackTable, dsts: Mapping[str, torch.Tensor], srcs: Mapping[str
         return
     if device.type != "cuda" and not (device.type == "cpu" and _interpreting()):
         raise ValueError(f"the Triton pack runs on CUDA tensors (or CPU ones under TRITON_INTERPRET=1), got {device}")
-    keep = [srcs[e.name].contiguous() for e in kernel]
+    keep = []
+    for e in kernel:   # the kernel copies the destination's bytes from the source's address
+        src, dst = srcs[e.name], dsts[e.name]
+        want = e.rows.raw(extents) * e.cols.raw(extents)
+        if src.numel() != want:
+            raise ValueError(f"pack: source {e.name!r} has {src.numel()} elements, its raw extents "
+                             f"{dict(extents)} give {want}")
+        keep.append(src.to(dst.dtype).contiguous())   # converted as the reference's copy_ does
     rows = torch.from_numpy(encode(kernel, table.axes, [dsts[e.name] for e in kernel])).to(device)
     src_ptrs = torch.tensor([t.data_ptr() for t in keep], dtype=torch.int64).to(device)
     ext = torch.tensor([extents[a] for a in table.axes], dtype=torch.int32).to(device)

@@ -62,7 +62,8 @@ def _check_store_args(k_cache, v_cache, loc, k, v) -> None:
 def store_kv(k_cache, v_cache, loc, k, v, impl: str = "auto") -> None:
     """Write `k [n_tok, n_kv_heads, head_dim]` / `v` into the slots `loc [n_tok]` (in place)."""
     _check_store_args(k_cache, v_cache, loc, k, v)
-    if resolve_impl(impl, k_cache, v_cache, loc, k, v) == "torch":
+    if (resolve_impl(impl, k_cache, v_cache, loc, k, v) == "torch" or k_cache.dim() != 3
+            or v_cache.dim() != 3):     # the kernel takes [slots, heads, dim] caches
         store_kv_reference(k_cache, v_cache, loc, k, v)
         return
     n_tok, n_kv_heads, head_dim = k.shape
