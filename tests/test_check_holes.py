@@ -92,7 +92,9 @@ def test_every_bucket_runs_once_with_every_lane_padded():
         x.kv.index_copy_(0, loc, x.x)
         return {"y": x.kv.index_select(0, x.loc) * 2}
 
-    state = lambda: {"kv": torch.randn(300, 4, generator=torch.Generator().manual_seed(0))}  # noqa: E731
+    def state():
+        return {"kv": torch.randn(300, 4, generator=torch.Generator().manual_seed(0))}
+
     for seed in (0, 2, 4):
         assert pg.check(prog, good, state=state(), seed=seed, trials=4).ok
         found = pg.check(prog, bad, state=state(), seed=seed, trials=4)
@@ -117,7 +119,8 @@ def test_a_leak_under_an_outlier_channel_is_caught_in_bf16():
 
     def bad(x):
         h = x.h.float()
-        return {"y": outlier((h - h.mean(0)) / (h.std(0, unbiased=False) + 1e-3)).to(torch.bfloat16)}
+        y = (h - h.mean(0)) / (h.std(0, unbiased=False) + 1e-3)
+        return {"y": outlier(y).to(torch.bfloat16)}
 
     assert pg.check(prog, good, trials=4).ok
     assert {f.kind for f in pg.check(prog, bad, trials=4).findings} == {"pad-leakage"}

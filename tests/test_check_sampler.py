@@ -64,7 +64,8 @@ def test_correct_paged_decode_body_has_no_finding_without_sample():
     before = {n: t.clone() for n, t in st.items()}
     res = pg.check(_program(), decode, state=st, trials=12)
     assert res.ok, str(res)
-    assert any("'req_pool_indices' as distinct rows in [0, 9) (the lowest first) but [0, 1]" in n for n in res.notes), res.notes
+    drew = "'req_pool_indices' as distinct rows in [0, 9) (the lowest first) but [0, 1]"
+    assert any(drew in n for n in res.notes), res.notes
     assert all(torch.equal(st[n], before[n]) for n in st), "pg.check must restore state"
 
 

@@ -173,7 +173,8 @@ def test_check_arguments():
 def longrope(model_type: str, original: int):
     """A tiny `model_type` with longrope whose long factors switch on past `original` positions."""
     params = dict(rope_type="longrope", rope_theta=100.0, short_factor=[1.0] * 8,
-                  long_factor=[4.0 + i for i in range(8)], original_max_position_embeddings=original)
+                  long_factor=[4.0 + i for i in range(8)],
+                  original_max_position_embeddings=original)
     return hf_zoo.build_type(model_type, max_position_embeddings=128, sliding_window=None,
                              original_max_position_embeddings=original, rope_parameters=params)
 
@@ -188,13 +189,17 @@ def test_longrope_past_its_switch_refused(model_type):
         pghf.Decoder(longrope(model_type, 8), max_batch=2, max_len=24, backend="reference")
 
 
-def test_longrope_below_its_switch_served_exactly():
-    model = longrope("phi3", 64)
-    dec = pghf.Decoder(model, max_batch=3, max_len=24, backend="reference")
-    ids, mask = prompts(3, seed=4)
+def assert_served_exactly(model, n: int, seed: int):
+    """n left-padded prompts: the Decoder (max_len 24) gives model.generate's greedy tokens."""
+    dec = pghf.Decoder(model, max_batch=n, max_len=24, backend="reference")
+    ids, mask = prompts(n, seed=seed)
     with torch.no_grad():
         ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6)
     assert dec.generate(ids, attention_mask=mask, max_new_tokens=6).tolist() == ref.tolist()
+
+
+def test_longrope_below_its_switch_served_exactly():
+    assert_served_exactly(longrope("phi3", 64), 3, seed=4)
 
 
 def test_dynamic_rope_past_max_positions_refused_and_served_below():
@@ -204,12 +209,8 @@ def test_dynamic_rope_past_max_positions_refused_and_served_below():
     with pytest.raises(pghf.UnsupportedModelError, match=r"'dynamic'.*pass 16\b"):
         pghf.Decoder(hf_zoo.build_type("llama", max_position_embeddings=16, rope_parameters=params),
                      max_batch=2, max_len=24, backend="reference")
-    model = hf_zoo.build_type("llama", max_position_embeddings=128, rope_parameters=params)
-    dec = pghf.Decoder(model, max_batch=2, max_len=24, backend="reference")
-    ids, mask = prompts(2, seed=5)
-    with torch.no_grad():
-        ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6)
-    assert dec.generate(ids, attention_mask=mask, max_new_tokens=6).tolist() == ref.tolist()
+    assert_served_exactly(hf_zoo.build_type("llama", max_position_embeddings=128,
+                                            rope_parameters=params), 2, seed=5)
 
 
 def test_rope_switch_read_per_layer_type():

@@ -653,12 +653,14 @@ def test_strided_head_parameters_read_by_their_strides():
     a = -torch.rand(heads, generator=g) - 0.5
     dt, d, bias = (torch.randn(bs, heads, generator=g), torch.randn(heads, generator=g),
                    torch.randn(heads, generator=g))
-    strided = (dt.t().contiguous().t(), torch.stack([d, d], 1)[:, 0], torch.stack([bias, bias], 1)[:, 0])
+    strided = (dt.t().contiguous().t(), torch.stack([d, d], 1)[:, 0],
+               torch.stack([bias, bias], 1)[:, 0])
     assert strided[0].stride(-1) != 1 and strided[1].stride(0) == 2
 
     def run(args, impl):
         st = state0.clone()
-        return ssm_decode_update(st, slot, x, args[0], a, b, c, D=args[1], dt_bias=args[2], impl=impl), st
+        y = ssm_decode_update(st, slot, x, args[0], a, b, c, D=args[1], dt_bias=args[2], impl=impl)
+        return y, st
 
     (want, want_st), (got, got_st) = run((dt, d, bias), "torch"), run(strided, "triton")
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -236,6 +236,11 @@ def _conv_prefill_kernel(
 
 
 # ---- wrappers: check, allocate, launch ---------------------------------------------------------
+def _unit_stride(bias):
+    """The bias with unit stride (the kernels read it by channel alone); None as given."""
+    return bias if bias is None or bias.stride(0) == 1 else bias.contiguous()
+
+
 def _check(conv_state, x, weight, bias, activation) -> None:
     if conv_state.dim() != 3 or conv_state.shape[2] < 1:
         raise ValueError(f"conv_state must be [n_slots, d, k - 1] with k >= 2; got {tuple(conv_state.shape)}")
@@ -269,7 +274,7 @@ def conv_state_update(conv_state, slot, x, weight, bias=None, activation=None, i
     weight [d, k]; bias [d]; activation None or "silu".
     """
     _check(conv_state, x, weight, bias, activation)
-    bias = bias if bias is None or bias.stride(0) == 1 else bias.contiguous()  # read by channel alone
+    bias = _unit_stride(bias)
     _check_index("slot", slot, x.shape[0])
     if resolve_impl(impl, conv_state, slot, x, weight) == "torch":
         return conv_state_update_reference(conv_state, slot, x, weight, bias, activation)
@@ -296,7 +301,7 @@ def conv_tree_update(conv_state, tree, slot, parents, x, weight, bias=None, acti
     """
     from .ssm import _check_tree
     _check(conv_state, x, weight, bias, activation)
-    bias = bias if bias is None or bias.stride(0) == 1 else bias.contiguous()  # read by channel alone
+    bias = _unit_stride(bias)
     bs, k = _check_tree(conv_state, tree, slot, parents, x.shape[0])
     if resolve_impl(impl, conv_state, tree, slot, parents, x, weight) == "torch":
         return conv_tree_update_reference(conv_state, tree, slot, parents, x, weight, bias, activation)
@@ -319,7 +324,7 @@ def conv_state_prefill(conv_state, slot, cu_seqlens, has_initial_state, x, weigh
     owns `conv_state[slot[s]]` (read first when `has_initial_state[s]`, else zeros; then its last
     k - 1 inputs). Returns out [n_tok, d]; tokens past cu_seqlens[-1] get 0."""
     _check(conv_state, x, weight, bias, activation)
-    bias = bias if bias is None or bias.stride(0) == 1 else bias.contiguous()  # read by channel alone
+    bias = _unit_stride(bias)
     n_seq = _check_packed(cu_seqlens, slot, has_initial_state)
     if resolve_impl(impl, conv_state, slot, cu_seqlens, x, weight) == "torch":
         return conv_state_prefill_reference(conv_state, slot, cu_seqlens, has_initial_state, x, weight, bias,

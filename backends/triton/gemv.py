@@ -111,7 +111,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, block_n: int = 16, block_k: int = 
         raise ValueError(f"gemv takes at most {MAX_M} rows of x; got {x.shape[0]}")
     if w.stride(1) != 1:
         raise ValueError("gemv needs w's rows contiguous (w.stride(1) == 1)")
-    if split_k < 1 or block_n < 16 or block_k < 16 or block_n & (block_n - 1) or block_k & (block_k - 1):
+    pow2 = not (block_n & (block_n - 1) or block_k & (block_k - 1))
+    if split_k < 1 or block_n < 16 or block_k < 16 or not pow2:
         raise ValueError(f"split_k >= 1, block_n and block_k powers of two >= 16; got {split_k}, "
                          f"{block_n}, {block_k}")
     if pdl and split_k != 1:
