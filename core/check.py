@@ -61,7 +61,7 @@ import torch
 
 from .eager import exact_run as _exact_run, make_view
 from .findings import MAX_GROUPS, CheckResult, Finding, _rows  # noqa: F401 (MAX_GROUPS: public)
-from .observe import POISON, ROW_RTOL, _changed_rows, _drop_rows, _same, _State, _wide, beyond_tolerance, default_sample, poison_like, tolerance  # noqa: F401 (public re-exports)
+from .observe import POISON, _changed_rows, _drop_rows, _same, _State, _wide, check_mismatch, default_sample, out_of_bounds, poison_like, tolerance  # noqa: F401 (public re-exports)
 from .check_inputs import declared_sample
 from .errors import ContractError, ContractTypeError, ContractValueError, mismatch
 from .plan import Plan
@@ -119,6 +119,9 @@ def _observe(ctx: "_Ctx", snap: list, run: Callable) -> _Seen:
 
 
 # ---- the check ---------------------------------------------------------------------------------
+_UNSET = object()
+
+
 @dataclass
 class _Ctx:
     """What every trial of one check shares."""
@@ -130,7 +133,7 @@ class _Ctx:
     atol: float
     noted: set = field(default_factory=set)
     all_pad_done: set = field(default_factory=set)   # sizes whose all-pad run was checked
-    cache: dict = field(default_factory=dict)        # what a check computes once (`_lane_free_writes`)
+    lane_free: object = _UNSET                       # `_lane_free_writes`, once a check
 
     def note(self, key: str, text: str) -> None:
         """Add a note once per key (the first occurrence's text)."""
@@ -292,7 +295,7 @@ def _baseline(ctx: _Ctx, raw, ext, snap, trial: int) -> tuple[_Seen, Callable]:
         tight = _guarded(fit, lambda: runner.run_at(fit, **raw))
         seen = _observe(ctx, snap, tight)           # raises when the body fails padded too
         seen.what = f"the tightest size {fit}"
-        if isinstance(e, _BodyRaised) and _out_of_bounds(e.error):
+        if isinstance(e, _BodyRaised) and out_of_bounds(e.error):
             # it ran padded but indexed past the raw tensors exact: raw lanes read padded ones
             ctx.add("pad-leakage", "body", f"the exact run (raw tensors, no padded lane) indexed out "
                     f"of bounds ({e}) while padded sizes ran: the raw lanes read padded lanes",
@@ -306,21 +309,17 @@ def _lane_free_writes(ctx: _Ctx, cut: dict, zero: dict) -> list | None:
     """Rows of each state leaf the exact run writes with every raw extent 0 (no lane, raw or
     padded: a call counter), computed once a check, from the state as bound; None where the body
     cannot run so (the all-pad runs then leave the trial's own targets aside instead)."""
-    if "lane_free" not in ctx.cache:
+    if ctx.lane_free is _UNSET:
         snap = ctx.state.snapshot()
         try:
             with torch.no_grad():
                 _exact_run(ctx.runner, cut, zero)
-            ctx.cache["lane_free"] = [_changed_rows(a, b) for a, b in zip(ctx.state.snapshot(), snap)]
+            ctx.lane_free = [_changed_rows(a, b) for a, b in zip(ctx.state.snapshot(), snap)]
         except Exception:           # noqa: BLE001 - an empty batch the body does not take
-            ctx.cache["lane_free"] = None
+            ctx.lane_free = None
         finally:
             ctx.state.restore(snap)
-    return ctx.cache["lane_free"]
-
-
-def _out_of_bounds(e: Exception) -> bool:
-    return isinstance(e, IndexError) or "out of bounds" in str(e) or "out of range" in str(e)
+    return ctx.lane_free
 
 
 def _all_pad_writes(ctx: _Ctx, raw: dict, ext: dict, size: int, trial: int, targets: list) -> None:
@@ -467,7 +466,7 @@ def _first_lane(ref: torch.Tensor, got: torch.Tensor, rtol, atol) -> tuple | Non
     rtol, atol = (d_rtol if rtol is None else rtol), (d_atol if atol is None else atol)
     a, b = _wide(ref), _wide(got)
     if a.dtype.is_floating_point or a.dtype.is_complex:
-        bad = beyond_tolerance(a, b, rtol, atol, min(rtol, ROW_RTOL))
+        bad = check_mismatch(a, b, rtol, atol)
     else:
         bad = a != b
     hits = bad.reshape(bad.shape or (1,)).nonzero()

@@ -40,7 +40,7 @@ from typing import Mapping
 import torch
 
 from .eager import exact_run, mask_outputs, run_padded
-from .observe import _State, beyond_tolerance, tolerance
+from .observe import _State, beyond_tolerance, out_of_bounds, tolerance
 from .pack import bit_view
 from .errors import ContractTypeError, ContractValueError, ShadowMismatch, where
 
@@ -141,13 +141,12 @@ def _against_exact(runner, spec, padded: tuple, before: list, free: list, raw, e
     try:
         exact = exact_run(runner, raw, ext, body=runner._eager_body)
     except Exception as e:  # noqa: BLE001 - a body that cannot run unpadded: that part is skipped
-        if _out_of_bounds(e) and ext[runner.plan.bucket_axis] > 0:
+        if out_of_bounds(e) and ext[runner.plan.bucket_axis] > 0:
             # the padded run read there: raw lanes read padded ones (pg.check's finding too)
             return (f"the exact run (no padded lane) indexed out of bounds ({type(e).__name__}: {e}) where the "
                     f"padded run ran: raw lanes read lanes past their extent")
+        level = logging.DEBUG if runner.stats.shadow_exact_skipped else logging.WARNING   # once a runner
         runner.stats.shadow_exact_skipped += 1
-        level = logging.DEBUG if getattr(runner, "_shadow_skip_told", False) else logging.WARNING
-        runner._shadow_skip_told = True
         log.log(level, "padgraph shadow: exact run of %r skipped (%s: %s); its calls are verified against "
                 "the eager padded run only (stats.shadow_exact_skipped counts them)", runner.program.name,
                 type(e).__name__, e)
@@ -156,10 +155,6 @@ def _against_exact(runner, spec, padded: tuple, before: list, free: list, raw, e
     found = _outputs(runner, spec, eager, exact, ext, "the padded run", "the exact run (no padded lane)")
     return found or _state(runner, spec, (eager_state, state.snapshot()), free, before, "the padded run",
                            "the exact run")
-
-
-def _out_of_bounds(e: Exception) -> bool:
-    return isinstance(e, IndexError) or "out of bounds" in str(e) or "out of range" in str(e)
 
 
 def _outputs(runner, spec, got: Mapping, want: Mapping, ext, got_name: str, want_name: str) -> str | None:

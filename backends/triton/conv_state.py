@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .kv import resolve_impl
-from .ssm import _check_packed
+from .ssm import _check_packed, _unit_stride
 
 ACTIVATIONS = (None, "silu")
 
@@ -236,11 +236,6 @@ def _conv_prefill_kernel(
 
 
 # ---- wrappers: check, allocate, launch ---------------------------------------------------------
-def _unit_stride(bias):
-    """The bias with unit stride (the kernels read it by channel alone); None as given."""
-    return bias if bias is None or bias.stride(0) == 1 else bias.contiguous()
-
-
 def _check(conv_state, x, weight, bias, activation) -> None:
     if conv_state.dim() != 3 or conv_state.shape[2] < 1:
         raise ValueError(f"conv_state must be [n_slots, d, k - 1] with k >= 2; got {tuple(conv_state.shape)}")
