@@ -208,8 +208,9 @@ class Decoder:
                  seed: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
         """Tokens as `model.generate(input_ids, attention_mask=..., ...)` decodes them: [n, P + new],
         prompts left-padded. Greedy tokens are the model's own; sampled ones follow HF's distribution.
-        input_ids: a [n, P] int64 tensor of ids in [0, vocab_size); attention_mask: None (all ones)
-        or 0s and 1s of its shape, left-padded. The keywords are HF's and resolve as HF resolves them
+        input_ids: a [n, P] int64 tensor of ids in [0, vocab_size); attention_mask: 0s and 1s of its
+        shape, left-padded, or None: as HF infers it (`input_ids != pad` where the pad token occurs
+        in input_ids and is no end token, else all ones). The keywords are HF's and resolve as HF resolves them
         (given, then `generation_config`, then `model.generation_config`, then HF's defaults):
         do_sample, temperature, top_k, top_p, min_p (HF's processor order), max_new_tokens (else
         max_length - P), eos_token_id / pad_token_id (a row ends at an end token; pads follow it).
@@ -222,9 +223,9 @@ class Decoder:
                                   temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                   max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
                                   pad_token_id=pad_token_id)
-        check_prompts(self, "padgraph.hf.Decoder.generate", input_ids, attention_mask, plan.max_new_tokens)
         if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
+            attention_mask = generation.inferred_mask(input_ids, plan)
+        check_prompts(self, "padgraph.hf.Decoder.generate", input_ids, attention_mask, plan.max_new_tokens)
         n = input_ids.shape[0]
         seeds = (generation.row_seeds(n, seed, generator, "cpu") if not plan.params.greedy
                  else torch.zeros(n, dtype=torch.int64))

@@ -35,6 +35,8 @@ OFF = {
     "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0), "top_h": (None,), "watermarking_config": (None,),
     "stop_strings": (None,), "max_time": (None,), "return_dict_in_generate": (None, False),
     "prompt_lookup_num_tokens": (None,), "assistant_early_exit": (None,),
+    "assistant_ensemble_weight": (None,), "speculation_type": (None,), "constraints": (None,),
+    "token_healing": (None, False),
 }
 
 
@@ -55,6 +57,9 @@ def resolve(model, prompt_len: int, generation_config=None, **keywords) -> Plan:
         arguments.fail(WHERE, "generation_config", generation_config, "None or a transformers.GenerationConfig",
                        arguments.ArgumentTypeError)
     given = {k: v for k, v in keywords.items() if v is not None}
+    default_length = (given.get("max_length") is None
+                      and (generation_config is None or generation_config.max_length is None)
+                      and model.generation_config.max_length is None)   # HF's has_default_max_length
     try:
         cfg, _ = model._prepare_generation_config(generation_config, **given)   # HF's own merge
     except ValueError as e:
@@ -62,7 +67,8 @@ def resolve(model, prompt_len: int, generation_config=None, **keywords) -> Plan:
     eos = end_tokens(cfg.eos_token_id)
     refuse_unapplied(cfg, prompt_len, eos)
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else None)
-    return Plan(sampling_params(cfg), new_tokens(cfg, prompt_len), eos, pad)
+    limit = getattr(model.config, "max_position_embeddings", None) if default_length else None
+    return Plan(sampling_params(cfg), new_tokens(cfg, prompt_len, default_length, limit), eos, pad)
 
 
 def refuse_unapplied(cfg, prompt_len: int, eos: tuple[int, ...]) -> None:
@@ -100,14 +106,33 @@ def sampling_params(cfg) -> SamplingParams:
         raise arguments.ArgumentError(f"{WHERE}: {e}") from e
 
 
-def new_tokens(cfg, prompt_len: int) -> int:
-    """HF's rule: max_new_tokens, else max_length minus the (padded) prompt length."""
+def new_tokens(cfg, prompt_len: int, default_length: bool = False, limit: int | None = None) -> int:
+    """HF's rule: max_new_tokens, else max_length minus the (padded) prompt length, where a
+    max_length nobody set (`default_length`: not the call, the generation_config given or the
+    model's own) counts from the prompt's end, capped at `limit` (the model's
+    max_position_embeddings), as `GenerationMixin._prepare_generated_length` does."""
     if cfg.max_new_tokens is not None:
         return arguments.integer(WHERE, "max_new_tokens", cfg.max_new_tokens, 1)
-    n = cfg.max_length - prompt_len
+    max_length = cfg.max_length
+    if default_length:
+        max_length = max_length + prompt_len
+        if limit is not None:
+            max_length = min(max_length, limit)
+    n = max_length - prompt_len
     if n < 1:
         arguments.fail(WHERE, "max_length", cfg.max_length, f"> the prompt length {prompt_len} (or give max_new_tokens)")
     return n
+
+
+def inferred_mask(input_ids: torch.Tensor, plan: Plan) -> torch.Tensor:
+    """The attention mask HF's generate makes when none is given
+    (`GenerationMixin._prepare_attention_mask_for_generation`): where the pad token (the
+    pad_token_id, else the first end token) occurs in input_ids and is no end token, the
+    positions holding another token; else all ones."""
+    pad = plan.pad
+    if pad is not None and pad not in plan.eos and bool((input_ids == pad).any()):
+        return (input_ids != pad).long()
+    return torch.ones_like(input_ids)
 
 
 def end_tokens(eos) -> tuple[int, ...]:

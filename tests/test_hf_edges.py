@@ -239,3 +239,36 @@ def test_the_chunk_rule_compiles_to_its_eager_values(chunk):
     want = (torch.div(q, chunk, rounding_mode="floor") == torch.div(k, chunk, rounding_mode="floor"))
     causal = k <= q
     assert torch.equal(got & causal, want & causal)
+
+
+@pytest.mark.parametrize("prompt_len, max_position", [(8, None), (22, None), (8, 13)])
+def test_no_length_set_gives_hfs_default_new_tokens(prompt_len, max_position):
+    """With max_length and max_new_tokens set nowhere (the call, a generation_config, the model's),
+    HF decodes 20 tokens past the prompt, capped at max_position_embeddings; a prompt of 20 or
+    more tokens is served."""
+    model = build("llama")
+    assert model.generation_config.max_length is None
+    if max_position is not None:
+        model.config.max_position_embeddings = max_position
+    ids = torch.randint(1, 64, (1, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
+    with torch.no_grad(), pytest.warns(UserWarning, match="max_length"):
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False)
+    dec = pghf.Decoder(model, max_batch=1, max_len=48, backend="reference")
+    out = dec.generate(ids, attention_mask=torch.ones_like(ids))
+    assert out.shape[1] == min(prompt_len + 20, max_position or 10**9)
+    assert out.tolist() == ref.tolist()
+
+
+@pytest.mark.parametrize("pad_is_end", [False, True])
+def test_no_mask_given_is_inferred_from_the_pad_token_as_hf_does(pad_is_end):
+    """attention_mask=None: HF masks the pad token's positions where the pad occurs in the prompts
+    and is no end token (else it attends to every position); so does padgraph.hf."""
+    model = build("llama")
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = 0 if pad_is_end else 2
+    ids, _ = prompts(2, seed=11)          # left-padded with token 0
+    assert bool((ids == 0).any())
+    with torch.no_grad():
+        ref = model.generate(ids, do_sample=False, max_new_tokens=6)
+    dec = pghf.Decoder(model, max_batch=2, max_len=32, backend="reference")
+    assert dec.generate(ids, max_new_tokens=6).tolist() == ref.tolist()

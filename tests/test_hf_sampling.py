@@ -210,7 +210,9 @@ def test_bad_sampling_arguments_raise(kw, match):
 
 
 @pytest.mark.parametrize("field, value", [("repetition_penalty", 1.2), ("num_beams", 2), ("typical_p", 0.5),
-                                          ("no_repeat_ngram_size", 2), ("min_new_tokens", 2), ("min_length", 9)])
+                                          ("no_repeat_ngram_size", 2), ("min_new_tokens", 2), ("min_length", 9),
+                                          ("assistant_ensemble_weight", 0.3), ("token_healing", True),
+                                          ("speculation_type", "mtp")])
 def test_a_processor_padgraph_does_not_apply_is_refused(field, value):
     from transformers import GenerationConfig
     dec = decoder(sharpened("llama"))
