@@ -61,6 +61,7 @@ import torch
 
 from .eager import exact_run as _exact_run, make_view
 from .findings import MAX_GROUPS, CheckResult, Finding, _rows  # noqa: F401 (MAX_GROUPS: public)
+from .pack import bit_view
 from .observe import POISON, _changed_rows, _drop_rows, _same, _State, _wide, check_mismatch, default_sample, out_of_bounds, poison_like, tolerance  # noqa: F401 (public re-exports)
 from .check_inputs import declared_sample
 from .errors import ContractError, ContractTypeError, ContractValueError, mismatch
@@ -144,14 +145,17 @@ class _Ctx:
     def add(self, kind, buffer, detail, ext, size, trial, rows=(), lane=()) -> None:
         self.result.findings.append(Finding(kind, buffer, detail, dict(ext), size, trial, tuple(rows), tuple(lane)))
 
-    def differ(self, kind, buffer, what, ref, got, at, tol, rows=False) -> None:
-        """A finding for `got` differing from `ref` (outputs, or state with rows=True): the first
-        differing lane (for state: its row) and both values. at: (raw extents, size, trial)."""
+    def differ(self, kind, buffer, what, ref, got, at, tol, rows=False, output=None) -> None:
+        """A finding for `got` differing from `ref` (output `output`, or state with rows=True): the
+        first differing lane (for state: its row) and both values. at: (raw extents, size,
+        trial). An output's values are scaled by their lane of its padded dims
+        (`observe.row_scale`), a state's by their row."""
         (ext, size, trial), (rtol, atol) = at, tol
-        ok, how = _same(ref, got, rtol, atol)
+        lanes = tuple(d for d, _, _ in self.runner._out_slices.get(output, ())) if output else None
+        ok, how = _same(ref, got, rtol, atol, lanes)
         if ok:
             return
-        lane = _first_lane(ref, got, rtol, atol)
+        lane = _first_lane(ref, got, rtol, atol, lanes)
         if lane is None:
             where_ = ""
         elif rows:
@@ -177,7 +181,8 @@ def check(program: Program, body: Callable, *, state: Mapping | None = None, pre
     trials: raw draws, each run at up to SIZES_PER_TRIAL padded sizes; seed: the draws' generator.
     tolerance: (rtol, atol) of raw lanes across sizes; default by dtype (`observe.tolerance`),
     rtol relative to the element, and at most fp32's (`observe.ROW_RTOL`) relative to the largest
-    value of its row (`observe.row_scale`): a GEMM whose row count changes may round differently
+    value of its row (`observe.row_scale`: an output's lane of its padded dims, a state's row of
+    dim 0): a GEMM whose row count changes may round differently
     in the last bits of its terms' scale.
     State is restored after every run; see the module docstring for how writes are detected.
     """
@@ -405,7 +410,7 @@ def _next_call(ctx: _Ctx, base: _Seen, seen: _Seen, run: Callable, ext, size, tr
         ctx.differ("pad-leakage", f"output {name!r}",
                    f"raw lanes of the next call (the same raw inputs) differ after a call at size {size} from "
                    f"after {base.what}: they read what padded lanes left (a sink)",
-                   after_exact.outs[name], after_padded.outs[name], at, tol)
+                   after_exact.outs[name], after_padded.outs[name], at, tol, output=name)
     allowed = ctx.state.allowed(ext, size, ctx.runner.plan.bucket_axis)
     for label, sinks, ref, t, skip in zip(ctx.state.labels, allowed, after_exact.state,
                                           after_padded.state, stray):
@@ -434,7 +439,8 @@ def _compare(ctx: _Ctx, kind: str, base: _Seen, seen: _Seen, at: tuple, tol: tup
     what = base.what if kind == "pad-leakage" else "the same run repeated"
     stray = stray or [set() for _ in ctx.state.tensors]
     for name in base.outs:
-        ctx.differ(kind, f"output {name!r}", f"raw lanes differ from {what}", base.outs[name], seen.outs[name], at, tol)
+        ctx.differ(kind, f"output {name!r}", f"raw lanes differ from {what}", base.outs[name], seen.outs[name], at, tol,
+                   output=name)
     allowed = ctx.state.allowed(ext, size, ctx.runner.plan.bucket_axis)
     wrote = base.written or [set() for _ in ctx.state.tensors]
     for label, sinks, ref, t, skip, own in zip(ctx.state.labels, allowed, base.state, seen.state,
@@ -453,11 +459,12 @@ def _kept(t: torch.Tensor, drop: set[int]) -> torch.Tensor:
     if not drop or t.dim() == 0:
         return t
     out = _wide(t).clone()          # fp8 as float32: CPU torch writes few ops of it
-    out[sorted(r for r in drop if r < t.shape[0])] = 0
+    # by bit pattern: index_put has no kernel for every dtype (uint16 / uint32 / uint64)
+    bit_view(out)[sorted(r for r in drop if r < t.shape[0])] = 0
     return out
 
 
-def _first_lane(ref: torch.Tensor, got: torch.Tensor, rtol, atol) -> tuple | None:
+def _first_lane(ref: torch.Tensor, got: torch.Tensor, rtol, atol, lanes=None) -> tuple | None:
     """The index of the first element where `got` differs from `ref` beyond the tolerance
     `_same` applies (NaN equal to NaN), or None (shapes differ)."""
     if ref.shape != got.shape:
@@ -466,7 +473,7 @@ def _first_lane(ref: torch.Tensor, got: torch.Tensor, rtol, atol) -> tuple | Non
     rtol, atol = (d_rtol if rtol is None else rtol), (d_atol if atol is None else atol)
     a, b = _wide(ref), _wide(got)
     if a.dtype.is_floating_point or a.dtype.is_complex:
-        bad = check_mismatch(a, b, rtol, atol)
+        bad = check_mismatch(a, b, rtol, atol, lanes)
     else:
         bad = a != b
     hits = bad.reshape(bad.shape or (1,)).nonzero()

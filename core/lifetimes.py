@@ -27,6 +27,7 @@ Unguarded (torch reads these without calling back into Python), so copy before t
   `y.as_subclass(C)` for a class C other than `torch.Tensor`, and whatever a C++ or Triton
   kernel keeps of them;
 - results of a `torch.compile`'d function: plain tensors, views of an output included;
+- TorchScript: a `torch.jit.script`ed or traced function or module called on a lent output;
 - an output passed to another runner while a third thread calls the runner that lent it: the
   lease is checked when the consuming call starts, not after it has read its inputs.
 The cost is on the caller's reads of outputs (a Python check per torch call on them), not on the

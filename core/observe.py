@@ -140,16 +140,22 @@ def tolerance(dtype: torch.dtype) -> tuple[float, float]:
     return _TOLERANCE.get(dtype, (0.0, 0.0))
 
 
-def row_scale(b: torch.Tensor) -> torch.Tensor:
-    """Each element's magnitude for the relative tolerance: the largest finite |value| of its row
-    of dim 0 (a 0-d or 1-d tensor: the element's own). A GEMM picked by row count (the padded run
-    has more rows than the exact one) rounds a dot product to within its terms' scale, not its
-    result's: an element that cancels to near zero may differ by many of its own ulps (bf16 K
-    rows on a GPU did, at 15 rows against 16; fp32 on a CPU's BLAS at 1 row against 2). A leak
-    smaller than rtol of the row's largest value passes: pg.check takes ROW_RTOL there."""
+def row_scale(b: torch.Tensor, lanes: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Each element's magnitude for the relative tolerance: the largest finite |value| of its row,
+    the elements that share its lane of the padded dims `lanes` (an output's; None or none:
+    its row of dim 0, as a state's rows are; a 0-d or 1-d tensor: the element's own). So one
+    request's scale never comes from another's values, in any layout ((bs, D), (D, bs),
+    (L, bs, D)). A GEMM picked by row count (the padded run has more rows than the exact one)
+    rounds a dot product to within its terms' scale, not its result's: an element that cancels
+    to near zero may differ by many of its own ulps (bf16 K rows on a GPU did, at 15 rows
+    against 16; fp32 on a CPU's BLAS at 1 row against 2). A leak smaller than rtol of the row's
+    largest value passes: pg.check takes ROW_RTOL there."""
     mag = b.abs().nan_to_num(0.0, posinf=0.0, neginf=0.0)
     if b.dim() < 2 or b.numel() == 0:
         return mag
+    if lanes:
+        rest = [d for d in range(b.dim()) if d not in lanes]
+        return torch.maximum(mag, mag.amax(dim=rest, keepdim=True)) if rest else mag
     rows = mag.reshape(b.shape[0], -1).amax(1)                     # [rows]
     return torch.maximum(mag, rows.view(-1, *([1] * (b.dim() - 1))))
 
@@ -161,40 +167,49 @@ ROW_RTOL = _TOLERANCE[torch.float32][0]
 
 
 def beyond_tolerance(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float,
-                     row_rtol: float | None = None) -> torch.Tensor:
+                     row_rtol: float | None = None, lanes: tuple[int, ...] | None = None) -> torch.Tensor:
     """Floating or complex a, b of one shape: where they differ by more than atol +
-    max(rtol * |b|, row_rtol * the largest |value| of b's row of dim 0) (`row_scale`; row_rtol
-    None: rtol), NaN equal to NaN, an infinity equal to itself. Complex values compare as (real,
-    imaginary) pairs: a lane differs where either part does."""
+    max(rtol * |b|, row_rtol * the largest |value| of b's row) (`row_scale` with the padded
+    dims `lanes`; row_rtol None: rtol), NaN equal to NaN, an infinity equal to itself. Complex
+    values compare as (real, imaginary) pairs: a lane differs where either part does."""
     if a.is_complex():
         pair = torch.view_as_real
         return beyond_tolerance(pair(a.resolve_conj()), pair(b.resolve_conj()), rtol, atol,
-                                row_rtol).any(-1)
+                                row_rtol, lanes).any(-1)
     row_rtol = rtol if row_rtol is None else row_rtol
     a64, b64 = _wide(a).double(), _wide(b).double()
     tol = atol + torch.maximum(rtol * b64.abs().nan_to_num(0.0, posinf=0.0, neginf=0.0),
-                               row_rtol * row_scale(b64))
+                               row_rtol * row_scale(b64, lanes))
     return ~((a64 - b64).abs() <= tol) & ~(a64.isnan() & b64.isnan()) & (a64 != b64)
 
 
-def check_mismatch(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> torch.Tensor:
+def check_mismatch(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float,
+                   lanes: tuple[int, ...] | None = None) -> torch.Tensor:
     """pg.check's `beyond_tolerance`: rtol of the element, at most ROW_RTOL of its row's largest."""
-    return beyond_tolerance(a, b, rtol, atol, min(rtol, ROW_RTOL))
+    return beyond_tolerance(a, b, rtol, atol, min(rtol, ROW_RTOL), lanes)
+
+
+# torch's messages for a read past a tensor's end: indexing, gather / take / index_put ("out of
+# bounds"), select ("out of range"), narrow ("exceeds dimension size"), unfold ("maximum size
+# for tensor at dimension")
+_OUT_OF_BOUNDS = ("out of bounds", "out of range", "exceeds dimension size",
+                  "maximum size for tensor at dimension")
 
 
 def out_of_bounds(e: Exception) -> bool:
     """A body's error from indexing past a tensor (raw lanes that read padded ones, run exact)."""
-    return isinstance(e, IndexError) or "out of bounds" in str(e) or "out of range" in str(e)
+    return isinstance(e, IndexError) or any(m in str(e) for m in _OUT_OF_BOUNDS)
 
 
-def _same(a: torch.Tensor, b: torch.Tensor, rtol: float | None, atol: float | None) -> tuple[bool, str]:
+def _same(a: torch.Tensor, b: torch.Tensor, rtol: float | None, atol: float | None,
+          lanes: tuple[int, ...] | None = None) -> tuple[bool, str]:
     if a.shape != b.shape:
         return False, f"shape {tuple(a.shape)} vs {tuple(b.shape)}"
     d_rtol, d_atol = tolerance(a.dtype)
     rtol, atol = (d_rtol if rtol is None else rtol), (d_atol if atol is None else atol)
     a, b = _wide(a), _wide(b)
     if a.dtype.is_floating_point or a.dtype.is_complex:
-        ok = not bool(check_mismatch(a, b, rtol, atol).any())
+        ok = not bool(check_mismatch(a, b, rtol, atol, lanes).any())
         wide = torch.complex128 if a.dtype.is_complex else torch.float64
         diff = (a.to(wide) - b.to(wide)).abs().nan_to_num(0).max().item() if a.numel() else 0.0
         return ok, f"max |diff| {diff:.3g}"

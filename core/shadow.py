@@ -98,12 +98,13 @@ class Sampler:
 def shadowed(runner, spec: Shadow, bucket: int, raw: Mapping, ext, dev) -> Mapping[str, torch.Tensor]:
     """A sampled call: the backend's run, then `verify`; the run's padded outputs."""
     mine = {n: t.clone() for n, t in raw.items()}   # as the call found them: the run may overwrite
-    before = runner.state.snapshot()                 # an input that is an earlier output's memory
+    mine_dev = {a: t.clone() for a, t in dev.items()} if dev else dev   # an input, or an extent,
+    before = runner.state.snapshot()                 # that is an earlier output's memory
     outs = runner._run_device(bucket, raw, ext, dev) if dev else runner._run(bucket, raw, ext)
     try:
         after = runner.state.snapshot()
         runner.stats.shadow_calls += 1
-        found = verify(runner, spec, (bucket, mine, ext, dev), outs, before, after)
+        found = verify(runner, spec, (bucket, mine, ext, mine_dev), outs, before, after)
         if found is not None:
             report(runner, spec, bucket, ext, found)
     except BaseException:
@@ -123,7 +124,8 @@ def verify(runner, spec: Shadow, call: tuple, replay_outs: Mapping, before: list
     try:
         state.restore(before)
         eager = run_padded(runner, bucket, run_raw, run_ext, runner.device, body=runner._eager_body)
-        if dev:
+        if dev:     # on copies: an output may be (a view of) state, which its pad must not reach
+            eager = {n: t.clone() for n, t in eager.items()}
             eager = mask_outputs(runner.program, eager, runner._device_dims, run_ext.__getitem__)
         eager_state = state.snapshot()
         found = _outputs(runner, spec, replay_outs, eager, ext, "the replay", "the eager padded path")
@@ -163,7 +165,7 @@ def _outputs(runner, spec, got: Mapping, want: Mapping, ext, got_name: str, want
         for d, axis, af in dims:
             n = af.scale * ext[axis] + af.offset
             a, b = a.narrow(d, 0, n), b.narrow(d, 0, n)
-        lane = _first_difference(a, b, spec)
+        lane = _first_difference(a, b, spec, lanes=tuple(d for d, _, _ in dims))
         if lane is not None:
             return (f"output {name!r}, lane {lane}: {got_name} gave {_at(a, lane)}, {want_name} gives "
                     f"{_at(b, lane)}")
@@ -204,12 +206,14 @@ def _rows(diff: torch.Tensor) -> set:
     return set(diff.reshape(diff.shape[0], -1).any(1).nonzero().flatten().tolist())
 
 
-def _first_difference(a: torch.Tensor, b: torch.Tensor, spec: Shadow, skip_rows: set = frozenset()) -> tuple | None:
-    """The first lane where a and b differ beyond tolerance, rows of dim 0 in `skip_rows` aside;
-    _SHAPE when their shapes differ; None when they agree."""
+def _first_difference(a: torch.Tensor, b: torch.Tensor, spec: Shadow, skip_rows: set = frozenset(),
+                      lanes: tuple[int, ...] | None = None) -> tuple | None:
+    """The first lane where a and b differ beyond tolerance, rows of dim 0 in `skip_rows` aside
+    (lanes: an output's padded dims, the tolerance's rows; None: rows of dim 0); _SHAPE when
+    their shapes differ; None when they agree."""
     if a.shape != b.shape:
         return _SHAPE
-    bad = _beyond(a, b, spec)
+    bad = _beyond(a, b, spec, lanes)
     if skip_rows and bad.dim() > 0:
         bad[torch.tensor(sorted(skip_rows), device=bad.device)] = False
     if not bool(bad.any()):
@@ -217,7 +221,7 @@ def _first_difference(a: torch.Tensor, b: torch.Tensor, spec: Shadow, skip_rows:
     return tuple(bad.nonzero()[0].tolist())
 
 
-def _beyond(a: torch.Tensor, b: torch.Tensor, spec: Shadow) -> torch.Tensor:
+def _beyond(a: torch.Tensor, b: torch.Tensor, spec: Shadow, lanes: tuple[int, ...] | None = None) -> torch.Tensor:
     """Where a and b (one shape) differ: floating and complex values beyond the dtype's
     tolerance (pg.check's, or the Shadow's own) scaled by their row (`row_scale`), anything
     else bit for bit. One entry a lane of a and b (complex: not a part of one)."""
@@ -225,7 +229,7 @@ def _beyond(a: torch.Tensor, b: torch.Tensor, spec: Shadow) -> torch.Tensor:
         rtol, atol = tolerance(a.dtype)        # pg.check's, by dtype
         rtol = rtol if spec.rtol is None else spec.rtol
         atol = atol if spec.atol is None else spec.atol
-        return beyond_tolerance(a, b, rtol, atol)
+        return beyond_tolerance(a, b, rtol, atol, lanes=lanes)
     return bit_view(a) != bit_view(b)
 
 

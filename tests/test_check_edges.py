@@ -165,3 +165,20 @@ def test_check_sees_raw_lanes_read_what_padded_lanes_of_an_earlier_call_left():
 def test_check_reports_nothing_for_a_body_that_only_writes_the_sink():
     res = pg.check(_y_program(), _sink_writer, state=_kv_state(), sample=_decode_sample(), trials=8)
     assert res.ok, str(res)
+
+
+def test_state_of_unsigned_dtypes_is_checked_not_crashed():
+    """uint16 / uint32 / uint64 state (no index_put kernel on the CPU): pg.check compares it by
+    bit pattern, with no finding on a correct batch-ordered body."""
+    bs = pg.Axis("bs")
+    for dtype in (torch.uint16, torch.uint32, torch.uint64):
+        prog = pg.Program("unsigned", inputs={"v": pg.Input((bs,), torch.int32, pad=0)},
+                          outputs={"y": pg.Output((bs,), torch.int32)},
+                          state={"kv": pg.State(rows=bs)}, buckets=pg.Buckets([2, 4]))
+
+        def body(x, dtype=dtype):
+            x.kv.copy_(x.v.abs().to(dtype))          # lane i writes row i
+            return {"y": x.v + 1}
+
+        found = pg.check(prog, body, state={"kv": torch.zeros(8, dtype=dtype)}, trials=2)
+        assert found.findings == [], found
