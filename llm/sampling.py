@@ -76,10 +76,18 @@ def _number(field: str, value, kinds) -> None:
         raise pg.ContractTypeError(f"SamplingParams.{field} must be a {names}; got {value!r}")
 
 
+# Temperatures below this are greedy, the T -> 0+ limit: the sampler scales logits by 1 / T in
+# fp32, and at T < ~1e-37 (a subnormal fp32 T: any logit) |logit| / T overflows to inf, where the
+# module doc's rule would spread the mass over every token with a positive logit. 2**-100 keeps
+# logits up to ~2.7e8 finite. vLLM takes T < 1e-5 as greedy; HF's softmax gives NaN there.
+GREEDY_BELOW = 2.0 ** -100
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples. temperature 0 is greedy (bit-identical to argmax); top_k 0,
-    top_p 1 and min_p 0 are off. seed None: the engine gives one from its own seed."""
+    """How one request samples. temperature 0 is greedy (bit-identical to argmax), as is any
+    temperature below GREEDY_BELOW (2**-100); top_k 0, top_p 1 and min_p 0 are off. seed None:
+    the engine gives one from its own seed."""
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -115,7 +123,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 # ------------------------------------------------------------------------------ the stream
@@ -279,7 +287,9 @@ def sample(logits, temperature, top_k, top_p, min_p, seed, position, purpose: in
     """Tokens [n] int64 from logits [n, V] (any float dtype) and per-lane parameters [n]
     (temperature/top_p/min_p fp32, top_k int32, seed int64), position [n] int64 (the absolute
     position of the token drawn), purpose a PURPOSE_* constant. The distribution and the stream
-    are the module doc's; temperature 0 lanes return exactly logits.argmax(-1). Graph-safe.
+    are the module doc's; temperature 0 lanes return exactly logits.argmax(-1) (lanes built by
+    `SamplingLanes.of` hold 0 for every greedy request, temperatures below GREEDY_BELOW
+    included; a caller's own temperature tensor must do the same). Graph-safe.
     impl: "auto" (the Triton kernel on CUDA tensors, else torch), "triton", "torch"; both give
     the same tokens bit for bit."""
     params = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)

@@ -31,7 +31,7 @@ class SamplingLanes:
             return to_device([get(p) for p in params], dtype, device)
         # packed so the fp32 / int32 lanes keep the meaning: a top_p just below 1 must not round
         # to 1 (off), a top_k past int32 is the same "keep all" as the vocabulary's size
-        return cls(temperature=lane(lambda p: p.temperature, torch.float32),
+        return cls(temperature=lane(lambda p: 0.0 if p.greedy else p.temperature, torch.float32),
                    top_k=lane(lambda p: min(p.top_k, TOP_K_MAX), torch.int32),
                    top_p=lane(lambda p: p.top_p if p.top_p >= 1 else min(p.top_p, TOP_P_BELOW_ONE),
                               torch.float32),

@@ -347,3 +347,20 @@ def test_lanes_keep_the_meaning_of_extreme_parameters():
     kept = sampling_probs(x, lanes.temperature[:1], lanes.top_k[:1], lanes.top_p[:1],
                           lanes.min_p[:1], impl="torch") > 0
     assert kept.tolist() == (warper(0.99999999)(None, x.clone()) > -float("inf")).tolist()
+
+
+@pytest.mark.parametrize("temperature", [2.0 ** -99, 1e-30, 1e-38, 1e-39, 1e-45])
+def test_a_tiny_temperature_is_the_greedy_limit(temperature):
+    """|logit| / T overflowing fp32 must not spread the mass over the positive logits: requests
+    below GREEDY_BELOW are greedy, and their lanes hold 0; above it the scaled logits stay
+    finite. Shifting the logits changes nothing."""
+    from padgraph.llm.sampling import GREEDY_BELOW, SamplingParams, sampling_probs
+    from padgraph.llm.state import SamplingLanes
+    params = SamplingParams(temperature=temperature)
+    assert params.greedy == (temperature < GREEDY_BELOW)
+    lanes = SamplingLanes.of([params], [0], torch.device("cpu"))
+    assert (float(lanes.temperature[0]) == 0.0) == params.greedy
+    for shift in (0.0, -4.0, 40.0):
+        logits = torch.tensor([[3.0, 3.5, 4.0, -1.0]]) + shift
+        probs = sampling_probs(logits, lanes.temperature, lanes.top_k, lanes.top_p, lanes.min_p)
+        assert probs[0].tolist() == [0.0, 0.0, 1.0, 0.0], (shift, probs)
