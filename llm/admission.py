@@ -32,18 +32,25 @@ class RequestPool:
     def check(self, prompts, max_new_tokens, params=None) -> None:
         """Each request may be served: sampled only where the worker samples, a non-empty prompt
         of token ids in [0, vocab), max_new_tokens >= 1 (an int), and a reservation that fits
-        max_context. params: one SamplingParams per request (None entries, or None: greedy)."""
+        max_context and the target's and draft head's max_position (their rotary tables). params: one SamplingParams per request (None entries, or None: greedy)."""
         w = self.worker
         self.check_sampling(sampling_of(len(prompts), params))
         if len(prompts) != len(max_new_tokens):
             raise ValueError(f"{len(prompts)} prompts but {len(max_new_tokens)} max_new_tokens")
+        # positions past a model's rotary table (its max_position) would index past it: on a GPU
+        # inside a graph, a device assert or another position's angles
+        limits = {"max_context": w.max_context}
+        for name, model in (("target", w.target), ("draft head", w.head)):
+            cap = getattr(getattr(model, "cfg", None), "max_position", None)
+            if cap is not None and cap < min(limits.values()):
+                limits = {f"the {name}'s max_position": cap}
+        (what, limit), = limits.items()
         for i, (prompt, n_new) in enumerate(zip(prompts, max_new_tokens)):
             n_new = budget(i, n_new)
             prompt_ids(i, prompt, w.target.cfg.vocab_size)
-            if w.spec.reservation(len(prompt) + n_new) > w.max_context:
+            if w.spec.reservation(len(prompt) + n_new) > limit:
                 raise ValueError(f"request {i}: prompt {len(prompt)} + max_new_tokens {n_new} + "
-                                 f"tree margin {w.spec.margin} must fit max_context "
-                                 f"{w.max_context}")
+                                 f"tree margin {w.spec.margin} must fit {what} {limit}")
 
     def check_sampling(self, params) -> None:
         """Sampled requests (params: one SamplingParams each) only where the worker samples."""

@@ -174,3 +174,15 @@ def test_admissions_read_first_tokens_late_and_eos_there_releases_after_the_roun
     assert not released_while_busy, released_while_busy
     assert st.discarded >= 1                   # its lane in the round queued meanwhile
     assert_released(w)
+
+
+def test_a_request_past_the_models_rotary_table_is_refused():
+    """max_context past the target's max_position: a request whose positions would index past
+    the rotary table is refused at admission (it failed mid-run on the CPU: an IndexError)."""
+    torch.manual_seed(0)
+    target = LlamaModel(LlamaConfig.tiny(n_layers=1, max_position=32)).eval()
+    engine = Engine(target, None, SPEC, max_bs=2, max_context=64)
+    with pytest.raises(ValueError, match="max_position 32"):
+        engine.generate_greedy([[5] * 30], [10])
+    reqs, _ = engine.generate_greedy([[5] * 20], [4])        # within the table: served
+    assert len(reqs[0].output) == 4
