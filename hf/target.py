@@ -202,6 +202,21 @@ def uniform_cache(model, calls) -> Shape:
     return cache_shape(model, calls)
 
 
+# the decoder's final norm by the names HF's causal LMs give it
+FINAL_NORMS = ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f", "final_norm")
+
+
+def final_norm(model) -> torch.nn.Module | None:
+    """The decoder's final norm (FINAL_NORMS), or None where it has none of those names. Only an
+    EAGLE head's start reads it: the verified tokens are the model's own."""
+    decoder = decoder_of(model)
+    for name in FINAL_NORMS:
+        norm = getattr(decoder, name, None)
+        if isinstance(norm, torch.nn.Module):
+            return norm
+    return None
+
+
 def text_config(model):
     return model.config.get_text_config()
 
@@ -275,7 +290,7 @@ class Target(nn.Module):
             self.cfg = Widths(cfg.vocab_size, cfg.hidden_size, len(shape.sites))
             return
         self.cfg = llm_config(model, shape, max_context)
-        self.norm = decoder_of(model).norm     # the final norm: an EAGLE head's passthrough start copies it
+        self.norm = final_norm(model)          # an EAGLE head's passthrough start copies its weight
         self.rope = Rotary(self.cfg.head_dim, max_context, self.cfg.rope_theta).to(self.lm_head.weight.device)
 
     # ---- caches (padgraph.llm's worker allocates them through these) ------------------------

@@ -91,6 +91,17 @@ class TrainOptions:
     n_evals: int = 20
 
 
+def _amp(tokens, hidden):
+    """Autocast for the fp32 head against the target's modules: bf16 on a GPU; on the CPU, a
+    half-precision target's own dtype (its embedding and lm_head meet the head's fp32 there),
+    else none."""
+    if tokens.is_cuda:
+        return torch.autocast("cuda", torch.bfloat16)
+    if hidden.dtype in (torch.bfloat16, torch.float16):
+        return torch.autocast("cpu", hidden.dtype)
+    return contextlib.nullcontext()
+
+
 def train_head(head: DraftHead, tokens, hidden, labels, *, log=print, **options):
     """EAGLE training on pairs (token p+1, h_p) → (label p+1, h_p+1): teacher-forced with
     depth 1; with depth > 1 also unrolled as the draft runs (`forward_unrolled`: depth d's
@@ -113,9 +124,7 @@ def train_head(head: DraftHead, tokens, hidden, labels, *, log=print, **options)
         nonlocal best
         was = head.training
         head.eval()
-        amp = torch.autocast("cuda", torch.bfloat16) if tokens.is_cuda else \
-            contextlib.nullcontext()
-        with amp:
+        with _amp(tokens, hidden):
             r = chain_accept(head, *select, depth=select_depth)
         head.train(was)
         if best is None or r["accept"] > best[1]["accept"]:
@@ -132,7 +141,6 @@ def train_head(head: DraftHead, tokens, hidden, labels, *, log=print, **options)
     ids, h_in = tokens[:, 1:], hidden[:, :-1]
     y, h_out = labels[:, 1:], hidden[:, 1:].float()
     g = torch.Generator().manual_seed(0)
-    cuda = tokens.is_cuda
     every = max(1, steps // max(1, o.n_evals))
     # evenly spaced checks, and denser ones before the first: the best weights can come early
     # (the 1B head's kept step came before the first evenly spaced check: results/eagle.md),
@@ -143,8 +151,7 @@ def train_head(head: DraftHead, tokens, hidden, labels, *, log=print, **options)
         checkpoint(0)
     for step in range(steps):
         sel = torch.randint(0, ids.shape[0], (batch,), generator=g).to(ids.device)
-        amp = torch.autocast("cuda", torch.bfloat16) if cuda else contextlib.nullcontext()
-        with amp:
+        with _amp(tokens, hidden):
             parts = _depth_losses(head, ids[sel], h_in[sel], y[sel], h_out[sel], depth)
             loss = sum(ce + o.hidden_weight * reg for ce, reg, _ in parts) / len(parts)
         opt.zero_grad(set_to_none=True)

@@ -102,3 +102,38 @@ def test_distillation_leaves_the_users_model_as_it_was():
         assert p.grad is None, n
         assert p.requires_grad == flags[n], n
         assert torch.equal(p, before[n]), n
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_eagle_on_a_half_precision_model_gives_hfs_tokens(dtype):
+    """A bf16 / fp16 model: the fp32 head distils against the model's half-precision embedding
+    and lm_head (autocast, as on a GPU), and the tokens are HF's greedy ones, up to near ties
+    (a first divergence only where HF's own top-2 logits lie within 4 bf16 steps of 2**-6)."""
+    model = build("llama").to(dtype)
+    dec = eagle_decoder(model, max_batch=3)
+    ids, mask = prompts(3, seed=3)
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW,
+                             output_logits=True, return_dict_in_generate=True)
+    got = dec.generate(ids, attention_mask=mask, max_new_tokens=NEW)
+    P = ids.shape[1]
+    for row in range(3):
+        differ = (got[row, P:] != ref.sequences[row, P:]).nonzero()
+        if len(differ):
+            step = int(differ[0])
+            top2 = ref.logits[step][row].float().topk(2).values
+            assert float(top2[0] - top2[1]) <= 4 * 2 ** -6, (row, step, top2)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gpt_neox", "olmo"])
+def test_eagle_over_a_final_norm_of_another_name_gives_hfs_tokens(name):
+    """A decoder whose final norm is `ln_f` / `final_layer_norm` / a LayerNorm without weight:
+    the head starts from its weight where it has one, and the tokens are HF's."""
+    import hf_zoo
+    model = hf_zoo.build_type(name)
+    dec = pghf.Decoder(model, max_batch=2, max_len=32, backend="reference",
+                       draft=pghf.Eagle(distill=dict(n_seq=8, prompt_len=8, gen_len=8, steps=20)))
+    ids, mask = prompts(2, seed=4)
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8)
+    assert dec.generate(ids, attention_mask=mask, max_new_tokens=8).tolist() == ref.tolist()

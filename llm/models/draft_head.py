@@ -101,7 +101,12 @@ class DraftHead(nn.Module):
         with torch.no_grad():
             self.in_proj.weight.zero_()
             self.in_proj.weight[:, :H].copy_(torch.eye(H))
-            self.norm.load_state_dict(self.target.norm.state_dict())
+            # the target's final norm weight where it has one of this shape (a LayerNorm's bias
+            # and mean aside, and none at all for a norm without parameters: a start that the
+            # training corrects; the verified tokens never depend on it)
+            weight = getattr(getattr(self.target, "norm", None), "weight", None)
+            if isinstance(weight, torch.Tensor) and weight.shape == self.norm.weight.shape:
+                self.norm.weight.copy_(weight)
 
     @classmethod
     def copy_of_target(cls, target: nn.Module) -> "DraftHead":
