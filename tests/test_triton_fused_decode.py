@@ -901,3 +901,70 @@ def test_a_tree_verify_through_the_fused_layers_is_the_models(bs, k):
     torch.testing.assert_close(got.float(), want.float(), **_tol(torch.float16))
     for a, b in zip(kv.k + kv.v, kv_ref.k + kv_ref.v):
         torch.testing.assert_close(a.float(), b.float(), **_tol(torch.float16))
+
+
+def _strided(t):
+    """t's values at stride 2 along its last dim (a view into a wider buffer)."""
+    wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+    wide[..., ::2] = t
+    return wide[..., ::2]
+
+
+@pytest.mark.parametrize("tc", [False, True])
+def test_strided_positions_slots_tables_and_norm_weights_are_read_as_their_values(tc):
+    """The wrappers hand the kernels unit-stride copies of positions, slots, norm weights and
+    rope tables (the kernels read them densely, sin with cos's row stride): a strided one gives
+    the reference's result; a cache whose head rows are strided (written in place, cannot be
+    copied) or a v_cache of another shape is refused."""
+    m, h, n_q, n_kv, d, f, dtype = 3, 64, 3, 1, 32, 40, torch.float16
+    w = _layer(h, n_q, n_kv, d, f, dtype, seed=5)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(m, h, generator=g).to(dtype)
+    positions = torch.randint(0, 64, (m,), generator=g)
+    loc = torch.randperm(12, generator=g)[:m] + 1
+    rope = _rope(d)
+    odd = fd.RopeTables(rope.cos, torch.cat([rope.sin, rope.sin], 1)[:, :d // 2])
+    odd_w = fd.LayerWeights(_strided(w.input_norm), w.wq, w.wk, w.wv, w.wo,
+                            _strided(w.post_norm), w.w_gate, w.w_up, w.w_down, w.eps)
+    policy = fd.FusedDecodePolicy(tc_block_k=32)
+
+    def qkv(weights, tables, pos, slots, impl, caches=None):
+        caches = caches or [torch.full((13, n_kv, d), 7.0, dtype=dtype) for _ in range(2)]
+        if tc:
+            q = fd.norm_qkv_rope_store_tc(x, fd.ssq_partials_reference(x, 16), weights, tables,
+                                          pos, slots, *caches, policy=policy, impl=impl)
+        else:
+            q = fd.norm_qkv_rope_store(x, None, weights, tables, pos, slots, *caches,
+                                       impl=impl)[0]
+        return q, *caches
+
+    want = qkv(w, rope, positions, loc, "torch")
+    got = qkv(odd_w, odd, _strided(positions), _strided(loc), "triton")
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b.float(), **_tol(dtype))
+    if tc:
+        act = fd.norm_gate_up_silu_tc(x, fd.ssq_partials_reference(x, 16), odd_w, policy=policy,
+                                      impl="triton")
+    else:
+        act = fd.norm_gate_up_silu(x, odd_w, impl="triton")
+    torch.testing.assert_close(act.float(), fd.norm_gate_up_silu_reference(x, w).float(),
+                               **_tol(dtype))
+    for caches in ([_strided(torch.zeros(13, n_kv, d, dtype=dtype)) for _ in range(2)],
+                   [torch.zeros(13, n_kv, d, dtype=dtype), torch.zeros(13, n_kv, d // 2, dtype=dtype)]):
+        with pytest.raises(ContractValueError, match="cache"):
+            qkv(w, rope, positions, loc, "triton", caches)
+
+
+def test_strided_norm_weights_of_the_residual_norm_and_the_tail_are_read_as_their_values():
+    g = torch.Generator().manual_seed(7)
+    m, h, v, dtype = 3, 64, 96, torch.float16
+    x, parts = torch.randn(m, h, generator=g).to(dtype), torch.randn(2, m, h, generator=g)
+    norm_w = (torch.rand(h, generator=g) + 0.5).to(dtype)
+    got = fd.residual_norm(x, parts, _strided(norm_w), 1e-5, impl="triton")
+    for a, b in zip(got, fd.residual_norm_reference(x, parts, norm_w, 1e-5)):
+        torch.testing.assert_close(a.float(), b.float(), **_tol(dtype))
+    weight = (torch.randn(v, h, generator=g) * 0.1).to(dtype)
+    tail = fused_tail.lm_head_tail(x, fd.ssq_partials_reference(x, 16), _strided(norm_w), 1e-5,
+                                   weight, logits=True, impl="triton")
+    want = fused_tail.lm_head_tail_reference(x, norm_w, 1e-5, weight, logits=True)
+    torch.testing.assert_close(tail.logits, want.logits, **_tol(dtype))

@@ -70,7 +70,7 @@ kernel's sums have one order, so replays give the same bits.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -938,6 +938,34 @@ def check_weight(what: str, w: torch.Tensor, n: int | None, k: int, dtype) -> No
                                           f"{w.stride()}"))
 
 
+def unit_vector(what: str, t: torch.Tensor, n: int) -> torch.Tensor:
+    """t [n] at unit stride (a copy where it is strided: the kernels read it densely); a norm
+    weight, positions or slots of another shape is refused."""
+    if t.dim() != 1 or t.shape[0] != n:
+        raise ContractValueError(mismatch(PROGRAM, what, "shape", f"[{n}]", tuple(t.shape)))
+    return t.contiguous()
+
+
+def unit_rope(rope: RopeTables, half: int) -> RopeTables:
+    """cos / sin [max_position, half] of one shape, each at unit strides (the kernels address
+    both with cos's row stride)."""
+    for name, t in (("rope.cos", rope.cos), ("rope.sin", rope.sin)):
+        if t.dim() != 2 or t.shape[1] != half or t.shape != rope.cos.shape:
+            raise ContractValueError(mismatch(PROGRAM, name, "table", f"[max_position, {half}], "
+                                              "cos and sin of one shape", tuple(t.shape)))
+    return RopeTables(rope.cos.contiguous(), rope.sin.contiguous())
+
+
+def check_caches(k_cache, v_cache, n_kv: int | None = None) -> None:
+    """k_cache / v_cache [n_slots, Hkv, D] of one shape with each slot's head rows at unit
+    stride (the kernels write K / V there in place: a strided cache cannot be copied)."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dim() != 3 or t.shape != k_cache.shape or t.stride(-1) != 1:
+            raise ContractValueError(mismatch(PROGRAM, name, "cache", "[n_slots, Hkv, D] "
+                                              "like k_cache, head rows at unit stride",
+                                              f"{tuple(t.shape)} strides {t.stride()}"))
+
+
 def check_ssq(ssq, m: int) -> None:
     """ssq [P >= 1, m] fp32 contiguous: m rows' sums of squares as P partials."""
     if ssq.dim() != 2 or ssq.shape[0] < 1 or ssq.shape[1] != m or ssq.dtype != torch.float32 \
@@ -975,7 +1003,11 @@ def norm_qkv_rope_store(x, parts, w: LayerWeights, rope: RopeTables, positions, 
     check_rows("x", x, kernel, ONE_ROW_MAX_M)
     m, h = x.shape
     _check_parts(parts, m, h)
+    check_caches(k_cache, v_cache)
     d = k_cache.shape[-1]
+    positions, loc = unit_vector("positions", positions, m), unit_vector("loc", loc, m)
+    w = replace(w, input_norm=unit_vector("input_norm", w.input_norm, h))
+    rope = unit_rope(rope, d // 2)
     n_q, n_kv = w.wq.shape[0] // d, k_cache.shape[1]
     for name, wt, n in (("wq", w.wq, n_q * d), ("wk", w.wk, n_kv * d), ("wv", w.wv, n_kv * d)):
         check_weight(name, wt, n, h, x.dtype)
@@ -1021,6 +1053,7 @@ def norm_gate_up_silu(h, w: LayerWeights, *, policy: FusedDecodePolicy = FusedDe
     kernel = resolve_impl(impl, h, w.w_gate, w.w_up) != "torch"
     check_rows("h", h, kernel, ONE_ROW_MAX_M)
     m, k = h.shape
+    w = replace(w, post_norm=unit_vector("post_norm", w.post_norm, k))
     check_weight("w_gate", w.w_gate, None, k, h.dtype)
     check_weight("w_up", w.w_up, w.w_gate.shape[0], k, h.dtype)
     if not kernel:
@@ -1065,6 +1098,7 @@ def residual_norm(h, parts, norm_w, eps: float, *,
     check_rows("h", h, kernel)
     m, k = h.shape
     _check_parts(parts, m, k)
+    norm_w = unit_vector("norm_w", norm_w, k)
     if not kernel:
         return residual_norm_reference(h, parts, norm_w, eps)
     resid, out = (torch.empty(m, k, dtype=h.dtype, device=h.device) for _ in range(2))
@@ -1086,7 +1120,11 @@ def norm_qkv_rope_store_tc(x, ssq, w: LayerWeights, rope: RopeTables, positions,
     check_rows("x", x, kernel)
     m, h = x.shape
     check_ssq(ssq, m)
+    check_caches(k_cache, v_cache)
     d = k_cache.shape[-1]
+    positions, loc = unit_vector("positions", positions, m), unit_vector("loc", loc, m)
+    w = replace(w, input_norm=unit_vector("input_norm", w.input_norm, h))
+    rope = unit_rope(rope, d // 2)
     n_q, n_kv = w.wq.shape[0] // d, k_cache.shape[1]
     for name, wt, n in (("wq", w.wq, n_q * d), ("wk", w.wk, n_kv * d), ("wv", w.wv, n_kv * d)):
         check_weight(name, wt, n, h, x.dtype)
@@ -1189,6 +1227,7 @@ def norm_gate_up_silu_tc(h, ssq, w: LayerWeights, *,
     check_rows("h", h, kernel)
     m, k = h.shape
     check_ssq(ssq, m)
+    w = replace(w, post_norm=unit_vector("post_norm", w.post_norm, k))
     check_weight("w_gate", w.w_gate, None, k, h.dtype)
     check_weight("w_up", w.w_up, w.w_gate.shape[0], k, h.dtype)
     if not kernel:

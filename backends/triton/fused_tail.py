@@ -167,6 +167,7 @@ def lm_head_tail(x, ssq, norm_w, eps: float, weight, *, logits: bool,
     m, h = x.shape
     fd.check_ssq(ssq, m)
     fd.check_weight("lm_head", weight, None, h, x.dtype)
+    norm_w = fd.unit_vector("norm_w", norm_w, h)
     if kernel and x.dtype not in fd.KERNEL_DTYPES:
         raise ContractValueError(mismatch(PROGRAM, "x", "dtype", fd.KERNEL_DTYPES, x.dtype))
     v = weight.shape[0]
