@@ -204,3 +204,22 @@ def test_assign_and_mask_helpers():
     mask = eagle.expand_draft_mask(mask, 1, topk, torch.tensor([[1, 1]]))
     assert mask[0, 2].tolist() == [False, True, True, False]
     assert mask[0, 3].tolist() == [False, True, False, True]
+
+
+def test_pack_draft_extend_gives_int64_ids_from_int32_tokens_on_both_paths():
+    """The reference's input_ids are int64 as the kernel's (and the docstring's), whatever the
+    tokens' integer dtype."""
+    from padgraph.backends.triton import eagle
+    g = torch.Generator().manual_seed(5)
+    bs, k, n_path, hid = 3, 4, 3, 5
+    args = (torch.randint(1, n_path + 1, (bs,), generator=g).int(),
+            torch.randint(0, k, (bs, n_path), generator=g),
+            torch.randint(0, 100, (bs, n_path), generator=g).int(),
+            torch.randn(bs * k, hid, generator=g), torch.randint(0, 8, (bs,), generator=g).int(),
+            torch.randperm(4 * 16, generator=g).int().view(4, 16) + 1,
+            torch.arange(1, bs + 1, dtype=torch.int32), torch.tensor(bs))
+    ref = eagle.pack_draft_extend(*args, impl="torch")
+    got = eagle.pack_draft_extend(*args, impl="triton")
+    assert ref[0].dtype == got[0].dtype == torch.int64
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)

@@ -369,3 +369,26 @@ def test_cuda_prefill_equals_transformers_chunked_function_at_qwen3_next_shape()
         o = delta_rule_prefill(got, slot, cu, torch.tensor([True], device=dev), method=method, impl="triton", **p)
         torch.testing.assert_close(o.float(), o_hf.float(), rtol=3e-2, atol=3e-2, msg=lambda m: f"{m} [{method}]")
         torch.testing.assert_close(got[2], S_hf, rtol=1e-2, atol=1e-2, msg=lambda m: f"{m} [{method}]")
+
+
+@pytest.mark.parametrize("method", delta_rule.PREFILL_METHODS)
+def test_a_full_reset_decay_and_tokens_before_the_first_sequence(method):
+    """g = -inf (exp(g) = 0: the state reset) at a token mid-chunk: the chunked form's
+    cumulative differences stay finite, as the reference's and the sequential kernel's; tokens
+    before cu_seqlens[0] belong to no sequence in the kernels and the reference alike."""
+    for cu_list, reset in (([0, 20], 5), ([3, 8, 12], None)):
+        n_tok = cu_list[-1]
+        p = _inputs(1, 2, 8, 8, n_tok, seed=11)
+        if reset is not None:
+            p["g"][reset, 0] = float("-inf")
+        cu = torch.tensor(cu_list, dtype=torch.int32)
+        n_seq = len(cu_list) - 1
+        slot = torch.arange(1, n_seq + 1)
+        has_init = torch.ones(n_seq, dtype=torch.bool)
+        pool = _pool((N_SLOTS, 2, 8, 8), seed=3)
+        got_pool, ref_pool = pool.clone(), pool.clone()
+        o = delta_rule_prefill(got_pool, slot, cu, has_init, method=method, impl="triton", **p)
+        o_ref = delta_rule_prefill_reference(ref_pool, slot, cu, has_init, **p)
+        assert not o.isnan().any() and (o_ref[: cu_list[0]] == 0).all()
+        torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got_pool, ref_pool, rtol=1e-4, atol=1e-4)

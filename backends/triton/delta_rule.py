@@ -95,9 +95,12 @@ def delta_rule_decode_update_reference(state, slot, q, k, v, g, beta, use_qk_l2n
 def delta_rule_prefill_reference(state, slot, cu_seqlens, has_initial_state, q, k, v, g, beta,
                                  use_qk_l2norm=True, scale=None) -> torch.Tensor:
     """Torch reference of `delta_rule_prefill`: the recurrence token by token (no host sync: the
-    token's sequence is found on the device; tokens past cu_seqlens[-1] use a scratch row)."""
+    token's sequence is found on the device; tokens before cu_seqlens[0] or past cu_seqlens[-1]
+    belong to no sequence: a scratch row, o = 0)."""
     n_tok, n_seq = v.shape[0], slot.shape[0]
-    seq_of = torch.searchsorted(cu_seqlens[1:].long(), torch.arange(n_tok, device=v.device), right=True)
+    t_all = torch.arange(n_tok, device=v.device)
+    seq_of = torch.searchsorted(cu_seqlens[1:].long(), t_all, right=True)
+    seq_of = torch.where(t_all < cu_seqlens[0].long(), n_seq, seq_of)    # before cu_seqlens[0]: none
     # selected, not scaled: a reused slot's nan never reaches a new request
     start = torch.where(has_initial_state[:, None, None, None], state[slot.long()].float(), 0.0)
     S_all = torch.cat([start, start.new_zeros((1, *start.shape[1:]))])   # [n_seq + 1, n_v_heads, dk, dv]
@@ -373,11 +376,18 @@ def delta_rule_decode_update(state, slot, q, k, v, g, beta, use_qk_l2norm: bool 
     return o
 
 
+# The chunked kernel differences cumulative log-decays; a token's g below this (exp(-88) is
+# below fp32's smallest normal) is taken as this: the same decay to fp32's precision, and a
+# g of -inf no longer turns the chunk's differences into NaN.
+CHUNK_G_FLOOR = -88.0
+
+
 def delta_rule_prefill(state, slot, cu_seqlens, has_initial_state, q, k, v, g, beta, use_qk_l2norm: bool = True,
                        scale: float | None = None, method: str = "sequential", impl: str = "auto") -> torch.Tensor:
     """Prefill of packed sequences: sequence s is tokens [cu_seqlens[s], cu_seqlens[s+1]) and owns
     `state[slot[s]]`, read first when `has_initial_state[s]` (else zeros) and overwritten with its
-    final state. Returns o [n_tok, n_v_heads, dv]; tokens past cu_seqlens[-1] get o = 0.
+    final state. Returns o [n_tok, n_v_heads, dv]; tokens before cu_seqlens[0] or past
+    cu_seqlens[-1] get o = 0.
 
     q, k [n_tok, n_k_heads, dk]; v [n_tok, n_v_heads, dv]; g, beta [n_tok, n_v_heads];
     cu_seqlens [n_seq + 1] int32/int64 (non-decreasing; padded sequences are empty, slot 0).
@@ -395,6 +405,8 @@ def delta_rule_prefill(state, slot, cu_seqlens, has_initial_state, q, k, v, g, b
     if n_seq == 0:
         return o
     dk, dv = state.shape[2:]
+    if method == "chunked":     # a -inf decay (a full reset) would make cum_i - cum_j = -inf + inf
+        g = g.clamp_min(CHUNK_G_FLOOR)
     kernel, blocks = ((_delta_chunk_kernel, _chunk_blocks(dk, dv)) if method == "chunked"
                       else (_delta_scan_kernel, _blocks(dk, dv, SCAN_TILE)))
     index_args = (slot, cu_seqlens, has_initial_state.view(torch.int8))

@@ -342,7 +342,7 @@ def pack_draft_extend_reference(accept_len, accept_index, out_tokens, hidden, se
     rows = (torch.arange(bs, device=dev)[:, None] * k + accept_index).reshape(-1)
     hid = hidden[rows].view(bs, n_path, -1)
     new_seq_lens = (seq_lens.long() + accept_len.long()).int()
-    return (scatter(out_tokens), scatter(pos), scatter(loc), scatter(hid),
+    return (scatter(out_tokens.long()), scatter(pos), scatter(loc), scatter(hid),
             qo_indptr.int(), new_seq_lens)
 
 
