@@ -84,7 +84,8 @@ def mask_outputs(program, outs: Mapping[str, torch.Tensor], dims: Mapping[str, t
         pad = stored(program.outputs[name].pad, t.dtype)
         for d, axis, scale, offset in along:
             limit = scale * extent_of(axis) + offset
-            if isinstance(limit, int):
+            if isinstance(limit, int):          # a dim k*a + c with c < 0: empty at extent 0
+                limit = max(0, limit)
                 t.narrow(d, limit, t.shape[d] - limit).fill_(pad)
             else:
                 t = _keep_below(t, d, limit, pad)

@@ -46,7 +46,8 @@ class Level:
     def raw(self, extents: Mapping[str, int]) -> int:
         if self.axis is None:
             return self.total
-        return (self.scale * extents[self.axis] + self.offset) * self.unit
+        # a dim k*a + c with c < 0 is empty (not negative) at a raw extent of 0
+        return max(0, self.scale * extents[self.axis] + self.offset) * self.unit
 
     def __str__(self) -> str:
         if self.axis is None:

@@ -230,7 +230,7 @@ class Runner:
         cut = {}
         for name, t in raw.items():
             for d, axis, scale, offset in self._in_device_dims.get(name, ()):
-                t = t.narrow(d, 0, scale * cut_ext[axis] + offset)
+                t = t.narrow(d, 0, max(0, scale * cut_ext[axis] + offset))
             cut[name] = t
         return cut_ext, cut
 
@@ -289,8 +289,8 @@ class Runner:
         res.__dict__[_PROGRAM] = self.program.name
         for name, dims in self._out_slices.items():
             t = outs[name]
-            for d, axis, af in dims:
-                t = t.narrow(d, 0, af.scale * ext[axis] + af.offset)
+            for d, axis, af in dims:     # a dim k*a + c with c < 0 is empty at a raw extent of 0
+                t = t.narrow(d, 0, max(0, af.scale * ext[axis] + af.offset))
             res[name] = t.clone() if self.copy_outputs else t
         return self._lend(res) if lend_ and not self.copy_outputs else res
 

@@ -53,3 +53,27 @@ def test_multi_element_tensor_extents_is_a_contract_error():
     r, _ = _runner()
     with pytest.raises(pg.ContractError):        # not a RuntimeError from bool(tensor)
         r.call(_raw(), extents=torch.tensor([1, 2], dtype=torch.int32))
+
+
+def test_a_negative_offset_dimension_is_empty_at_a_raw_extent_of_zero():
+    """A dim `tok - 1` on an axis whose raw extent may be 0 (rule 2.3; a device extent clamps to
+    0, rule 11.1) is empty there, never a negative length: inputs cut to nothing, outputs all
+    pad past their (empty) raw lanes, host and device calls alike."""
+    bs = pg.Axis("bs")
+    tok = pg.Axis("tok", capacity=bs * 2, device_extent=True)
+    read = pg.Program("neg_in", inputs={"a": pg.Input((bs,), torch.float32, pad=0.0),
+                                        "k": pg.Input((tok - 1,), torch.float32, pad=0.0)},
+                      outputs={"y": pg.Output((tok - 1,), torch.float32)}, buckets=pg.Buckets([1, 2, 4]))
+    runner = pg.compile(read, lambda x: {"y": x.k * 2}, backend="reference")
+    raw = {"a": torch.ones(2), "k": torch.arange(3.0) + 1}
+    for e, want in ((4, [2.0, 4.0, 6.0]), (2, [2.0, 0.0, 0.0]), (1, [0.0] * 3), (0, [0.0] * 3),
+                    (-5, [0.0] * 3)):
+        got = runner.call(dict(raw), extents={"tok": torch.tensor(e, dtype=torch.int32)}).y
+        assert got.tolist() == want, (e, got)
+    write = pg.Program("neg_out", inputs={"a": pg.Input((bs,), torch.float32, pad=0.0),
+                                          "k": pg.Input((tok,), torch.float32, pad=0.0)},
+                       outputs={"y": pg.Output((tok - 1,), torch.float32, pad=-9.0)},
+                       buckets=pg.Buckets([1, 2, 4]))
+    runner = pg.compile(write, lambda x: {"y": x.k[1:] * 2}, backend="reference")
+    assert runner.call(dict(raw), extents={"tok": torch.tensor(0, dtype=torch.int32)}).y.tolist() == [-9.0, -9.0]
+    assert runner(a=torch.ones(2), k=torch.zeros(0)).y.shape == (0,)
