@@ -57,9 +57,9 @@ def resolve(model, prompt_len: int, generation_config=None, **keywords) -> Plan:
         arguments.fail(WHERE, "generation_config", generation_config, "None or a transformers.GenerationConfig",
                        arguments.ArgumentTypeError)
     given = {k: v for k, v in keywords.items() if v is not None}
-    default_length = (given.get("max_length") is None
-                      and (generation_config is None or generation_config.max_length is None)
-                      and model.generation_config.max_length is None)   # HF's has_default_max_length
+    # HF's has_default_max_length (the call's keywords here take no max_length)
+    default_length = ((generation_config is None or generation_config.max_length is None)
+                      and model.generation_config.max_length is None)
     try:
         cfg, _ = model._prepare_generation_config(generation_config, **given)   # HF's own merge
     except ValueError as e:

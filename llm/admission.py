@@ -39,12 +39,11 @@ class RequestPool:
             raise ValueError(f"{len(prompts)} prompts but {len(max_new_tokens)} max_new_tokens")
         # positions past a model's rotary table (its max_position) would index past it: on a GPU
         # inside a graph, a device assert or another position's angles
-        limits = {"max_context": w.max_context}
+        what, limit = "max_context", w.max_context
         for name, model in (("target", w.target), ("draft head", w.head)):
             cap = getattr(getattr(model, "cfg", None), "max_position", None)
-            if cap is not None and cap < min(limits.values()):
-                limits = {f"the {name}'s max_position": cap}
-        (what, limit), = limits.items()
+            if cap is not None and cap < limit:
+                what, limit = f"the {name}'s max_position", cap
         for i, (prompt, n_new) in enumerate(zip(prompts, max_new_tokens)):
             n_new = budget(i, n_new)
             prompt_ids(i, prompt, w.target.cfg.vocab_size)

@@ -70,7 +70,7 @@ kernel's sums have one order, so replays give the same bits.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -956,7 +956,7 @@ def unit_rope(rope: RopeTables, half: int) -> RopeTables:
     return RopeTables(rope.cos.contiguous(), rope.sin.contiguous())
 
 
-def check_caches(k_cache, v_cache, n_kv: int | None = None) -> None:
+def check_caches(k_cache, v_cache) -> None:
     """k_cache / v_cache [n_slots, Hkv, D] of one shape with each slot's head rows at unit
     stride (the kernels write K / V there in place: a strided cache cannot be copied)."""
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -1006,8 +1006,7 @@ def norm_qkv_rope_store(x, parts, w: LayerWeights, rope: RopeTables, positions, 
     check_caches(k_cache, v_cache)
     d = k_cache.shape[-1]
     positions, loc = unit_vector("positions", positions, m), unit_vector("loc", loc, m)
-    w = replace(w, input_norm=unit_vector("input_norm", w.input_norm, h))
-    rope = unit_rope(rope, d // 2)
+    norm, rope = unit_vector("input_norm", w.input_norm, h), unit_rope(rope, d // 2)
     n_q, n_kv = w.wq.shape[0] // d, k_cache.shape[1]
     for name, wt, n in (("wq", w.wq, n_q * d), ("wk", w.wk, n_kv * d), ("wv", w.wv, n_kv * d)):
         check_weight(name, wt, n, h, x.dtype)
@@ -1018,7 +1017,7 @@ def norm_qkv_rope_store(x, parts, w: LayerWeights, rope: RopeTables, positions, 
     resid = x if parts is None else torch.empty_like(x)
     grid = ((n_q + 2 * n_kv) * (d // 2 // half),)
     _norm_qkv_kernel[grid](
-        x, parts if parts is not None else x, resid, w.input_norm, w.wq, w.wk, w.wv, rope.cos,
+        x, parts if parts is not None else x, resid, norm, w.wq, w.wk, w.wv, rope.cos,
         rope.sin, positions, q, k_cache, v_cache, loc, m, h, n_q, n_kv, x.stride(0),
         w.wq.stride(0), w.wk.stride(0), w.wv.stride(0), rope.cos.stride(0), q.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), w.eps,
@@ -1053,7 +1052,7 @@ def norm_gate_up_silu(h, w: LayerWeights, *, policy: FusedDecodePolicy = FusedDe
     kernel = resolve_impl(impl, h, w.w_gate, w.w_up) != "torch"
     check_rows("h", h, kernel, ONE_ROW_MAX_M)
     m, k = h.shape
-    w = replace(w, post_norm=unit_vector("post_norm", w.post_norm, k))
+    norm = unit_vector("post_norm", w.post_norm, k)
     check_weight("w_gate", w.w_gate, None, k, h.dtype)
     check_weight("w_up", w.w_up, w.w_gate.shape[0], k, h.dtype)
     if not kernel:
@@ -1061,7 +1060,7 @@ def norm_gate_up_silu(h, w: LayerWeights, *, policy: FusedDecodePolicy = FusedDe
     n = w.w_gate.shape[0]
     act = torch.empty(m, n, dtype=h.dtype, device=h.device)
     _norm_gate_up_kernel[(triton.cdiv(n, policy.block_n),)](
-        h.contiguous(), w.post_norm, w.w_gate, w.w_up, act, m, n, k, w.w_gate.stride(0),
+        h.contiguous(), norm, w.w_gate, w.w_up, act, m, n, k, w.w_gate.stride(0),
         w.w_up.stride(0), w.eps, BLOCK_N=policy.block_n, BLOCK_H=triton.next_power_of_2(k),
         **_launch(policy, h.device))
     return act
@@ -1123,8 +1122,7 @@ def norm_qkv_rope_store_tc(x, ssq, w: LayerWeights, rope: RopeTables, positions,
     check_caches(k_cache, v_cache)
     d = k_cache.shape[-1]
     positions, loc = unit_vector("positions", positions, m), unit_vector("loc", loc, m)
-    w = replace(w, input_norm=unit_vector("input_norm", w.input_norm, h))
-    rope = unit_rope(rope, d // 2)
+    norm, rope = unit_vector("input_norm", w.input_norm, h), unit_rope(rope, d // 2)
     n_q, n_kv = w.wq.shape[0] // d, k_cache.shape[1]
     for name, wt, n in (("wq", w.wq, n_q * d), ("wk", w.wk, n_kv * d), ("wv", w.wv, n_kv * d)):
         check_weight(name, wt, n, h, x.dtype)
@@ -1146,7 +1144,7 @@ def norm_qkv_rope_store_tc(x, ssq, w: LayerWeights, rope: RopeTables, positions,
     parts = (torch.empty(splits, n_tiles, 2, tile, bm, dtype=torch.float32,
                          device=x.device) if splits > 1 else q)
     _norm_qkv_tc_kernel[(n_tiles, splits)](
-        x, ssq, w.input_norm, w.wq, w.wk, w.wv, rope.cos, rope.sin, positions, q, k_cache,
+        x, ssq, norm, w.wq, w.wk, w.wv, rope.cos, rope.sin, positions, q, k_cache,
         v_cache, loc, parts, counter if splits > 1 else loc, m, h, ssq.shape[0], n_q, n_kv, per,
         x.stride(0), w.wq.stride(0), w.wk.stride(0), w.wv.stride(0), rope.cos.stride(0),
         q.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
@@ -1227,7 +1225,7 @@ def norm_gate_up_silu_tc(h, ssq, w: LayerWeights, *,
     check_rows("h", h, kernel)
     m, k = h.shape
     check_ssq(ssq, m)
-    w = replace(w, post_norm=unit_vector("post_norm", w.post_norm, k))
+    norm = unit_vector("post_norm", w.post_norm, k)
     check_weight("w_gate", w.w_gate, None, k, h.dtype)
     check_weight("w_up", w.w_up, w.w_gate.shape[0], k, h.dtype)
     if not kernel:
@@ -1238,7 +1236,7 @@ def norm_gate_up_silu_tc(h, ssq, w: LayerWeights, *,
     n = w.w_gate.shape[0]
     act = torch.empty(m, n, dtype=h.dtype, device=h.device)
     _norm_gate_up_tc_kernel[(triton.cdiv(n, policy.tc_ffn_n),)](
-        h, ssq, w.post_norm, w.w_gate, w.w_up, act, m, n, k, ssq.shape[0], h.stride(0),
+        h, ssq, norm, w.w_gate, w.w_up, act, m, n, k, ssq.shape[0], h.stride(0),
         w.w_gate.stride(0), w.w_up.stride(0), w.eps, BLOCK_N=policy.tc_ffn_n, BM=bm,
         BLOCK_P=triton.next_power_of_2(ssq.shape[0]), REP=norm_rep(opts["num_warps"]), **opts)
     return act
